@@ -1,0 +1,50 @@
+"""The multi-process test harness: run a test body on N local gloo ranks.
+
+Every distributed test calls ``run_ranks(fn, world_size, ...)``. ``fn`` must be a module-level
+function of the test module (it is pickled by reference into each rank). It runs with the
+default process group initialised; what it returns on each rank comes back as a list.
+
+On failure pytest sees one error that names the failing ranks and shows their tracebacks; a
+hanging rank is killed at ``timeout`` and its Python stack is shown. Rank processes, threads and
+``/dev/shm`` segments never outlive the call (``overlap.dist.launch`` guarantees it, and the
+autouse fixture in conftest.py checks it after every test).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from overlap.dist.launch import LaunchError, RankOutcome, launch
+
+__all__ = ["run_ranks", "run_ranks_outcomes", "requires_gpu", "LaunchError", "RankOutcome",
+           "WORLD_SIZES"]
+
+# GPU-only tests carry this mark. Each has a CPU twin that runs the same logic on gloo / shared
+# memory / the Triton interpreter, so nothing is untested here.
+requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
+                                  reason="needs a CUDA GPU; its CPU twin runs here")
+
+WORLD_SIZES = (1, 2, 4)
+DEFAULT_TIMEOUT = 60.0
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT,
+              env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results."""
+    try:
+        return launch(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, env=env)
+    except LaunchError as exc:
+        # Re-raise without the launcher's frames: the ranks' tracebacks are in the message.
+        raise LaunchError(str(exc), exc.outcomes) from None
+
+
+def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any,
+                       timeout: float = DEFAULT_TIMEOUT, grace: float = 3.0,
+                       **kwargs: Any) -> list[RankOutcome]:
+    """Like run_ranks, but returns every rank's RankOutcome instead of raising, for tests
+    that expect failures (a killed peer, a timeout)."""
+    return launch(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, grace=grace,
+                  raise_on_error=False)
