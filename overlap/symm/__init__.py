@@ -1,0 +1,1 @@
+"""Symmetric workspaces (userbuffers): every rank of a group maps every peer's buffer."""
