@@ -1,0 +1,198 @@
+"""A small nanoGPT-style decoder in plain PyTorch, shared by the demo, TP plans and pipelining.
+
+Shape legend: ``b`` batch, ``t`` sequence length (<= ``seq_len``), ``d`` d_model, ``h`` heads
+(``attn.num_heads``, the *local* count once tensor parallelism shards the projections),
+``hd`` head dim, ``V`` vocab size.
+
+Module names are a contract other parts of the project rely on (TP plans match them):
+``tok_emb``, ``pos_emb``, ``blocks[i].{ln1, attn.{q,k,v,o}_proj, ln2, mlp.{fc1, fc2}}``,
+``ln_f``, ``lm_head`` (untied from ``tok_emb``).
+
+``GPT.pipeline_pieces()`` expresses the model as a sequence ``[embedding, block_0, ...,
+block_{L-1}, head]`` whose composition is exactly ``GPT.forward`` (same ops, same order), so a
+pipeline split into any contiguous groups of pieces computes the same numbers as the whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "GPTEmbedding", "GPTHead",
+           "gpt_loss", "pipeline_piece_costs"]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class GPTConfig:
+    vocab_size: int
+    seq_len: int
+    d_model: int
+    n_layer: int
+    n_head: int
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "d_model", "n_layer", "n_head", "mlp_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig: {name} must be a positive int, got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"GPTConfig: d_model={self.d_model} must be divisible by "
+                             f"n_head={self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig: dropout must be in [0, 1), got {self.dropout}")
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with separate q/k/v/o projections.
+
+    ``num_heads`` is read in forward and the head dim is derived at run time as
+    ``q_proj.out_features_local / num_heads``, so a TP plan can shard the projections by heads
+    and set ``num_heads`` to the local head count without touching this code.
+
+    forward: x (b, t, d) -> q, k, v (b, h, t, hd) -> sdpa(is_causal) (b, h, t, hd)
+             -> (b, t, h*hd) -> o_proj -> (b, t, d)
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        d = config.d_model
+        self.q_proj = nn.Linear(d, d, bias=config.bias)
+        self.k_proj = nn.Linear(d, d, bias=config.bias)
+        self.v_proj = nn.Linear(d, d, bias=config.bias)
+        self.o_proj = nn.Linear(d, d, bias=config.bias)
+        self.num_heads = config.n_head
+        self.dropout = config.dropout
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        head_dim = q.shape[-1] // self.num_heads
+        q, k, v = (z.view(b, t, self.num_heads, head_dim).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(b, t, self.num_heads * head_dim)
+        return self.resid_drop(self.o_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        hidden = config.mlp_ratio * config.d_model
+        self.fc1 = nn.Linear(config.d_model, hidden, bias=config.bias)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, config.d_model, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(self.act(self.fc1(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)). (b, t, d) -> (b, t, d)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPTEmbedding(nn.Module):
+    """First pipeline piece: token ids (b, t) int64 -> hidden (b, t, d). Shares the GPT's
+    ``tok_emb``/``pos_emb`` modules (no copy)."""
+
+    def __init__(self, tok_emb: nn.Embedding, pos_emb: nn.Embedding, drop: nn.Dropout):
+        super().__init__()
+        self.tok_emb, self.pos_emb, self.drop = tok_emb, pos_emb, drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.pos_emb.num_embeddings:
+            raise ValueError(f"GPT: sequence length {t} exceeds seq_len="
+                             f"{self.pos_emb.num_embeddings}")
+        pos = torch.arange(t, device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+
+
+class GPTHead(nn.Module):
+    """Last pipeline piece: hidden (b, t, d) -> logits (b, t, V). Shares ``ln_f``/``lm_head``."""
+
+    def __init__(self, ln_f: nn.LayerNorm, lm_head: nn.Linear):
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy: logits (b, t, V), targets (b, t) int64 -> scalar."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"GPT: config must be a GPTConfig, got {type(config).__name__}")
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        # GPT-2 init; residual output projections are scaled down so the residual stream's
+        # variance does not grow with depth. Order is fixed by named_modules: deterministic.
+        resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = resid_std if name.endswith(("o_proj", "fc2")) else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def pipeline_pieces(self) -> list[nn.Module]:
+        """``[GPTEmbedding, *blocks, GPTHead]``: applying them in order equals ``forward``
+        without targets. The pieces share this model's parameters."""
+        return [GPTEmbedding(self.tok_emb, self.pos_emb, self.drop), *self.blocks,
+                GPTHead(self.ln_f, self.lm_head)]
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """idx (b, t) int64 -> logits (b, t, V); with targets (b, t): (logits, loss)."""
+        if idx.dim() != 2 or idx.dtype != torch.long:
+            raise ValueError(f"GPT.forward: idx must be (batch, seq) int64, got "
+                             f"{tuple(idx.shape)} {idx.dtype}")
+        x = idx
+        for piece in self.pipeline_pieces():
+            x = piece(x)
+        if targets is None:
+            return x
+        return x, gpt_loss(x, targets)
+
+
+def pipeline_piece_costs(config: GPTConfig) -> list[float]:
+    """Forward FLOPs per token of each pipeline piece (for balancing a split):
+    embedding ~ 0 (a lookup), block = 2*(4 d^2 + 2 r d^2) + 4 t d (projections, MLP,
+    attention at full length t), head = 2 d V."""
+    d, t = config.d_model, config.seq_len
+    block = 2.0 * (4 + 2 * config.mlp_ratio) * d * d + 4.0 * t * d
+    return [float(d), *([block] * config.n_layer), 2.0 * d * config.vocab_size]
