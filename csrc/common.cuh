@@ -1,7 +1,19 @@
-// Shared macros for code compiled both by nvcc (device) and g++ (the overlap._C CPU extension).
+// Shared macros and types for code compiled by nvcc (device), by NVRTC at run time (device;
+// no C++ standard headers there) and by g++ (the overlap._C CPU extension).
 #pragma once
 
-#if defined(__CUDACC__)
+#if defined(__CUDACC_RTC__)
+typedef signed char int8_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef long long int64_t;
+typedef unsigned long long uint64_t;
+typedef unsigned long long uintptr_t;
+#else
+#include <cstdint>
+#endif
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define OVERLAP_HD __host__ __device__ __forceinline__
 #else
 #define OVERLAP_HD inline

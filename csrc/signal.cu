@@ -31,20 +31,24 @@ extern "C" __global__ void overlap_signal_add(int64_t* flag, int64_t value) {
   }
 }
 
-// Block the stream until *flag >= phase. Never spins forever: after timeout_ns the kernel records
-// the slot and the last value it saw in `error` ({1, slot, last}) and returns, and the host raises
-// a TimeoutError naming them at the next check (SymmetricWorkspace.check_errors()).
+// Block the stream until *flag >= phase. Never spins forever: after timeout_ns, or as soon as a
+// peer sets this rank's abort word, the kernel records {code, slot, last value, aborting rank + 1}
+// in `error` (code 1 = timeout, 2 = aborted) and returns; the host raises SignalTimeout or
+// PeerDied naming them at its next check (CudaWorkspace.check_errors()).
 extern "C" __global__ void overlap_signal_wait(const int64_t* flag, int64_t phase,
                                                uint64_t timeout_ns, int64_t slot,
-                                               int64_t* error) {
+                                               const int64_t* abort_word, int64_t* error) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   const uint64_t start = globaltimer_ns();
   int64_t v = overlap::signal_load(flag);
   while (!overlap::signal_reached(v, phase)) {
-    if (globaltimer_ns() - start > timeout_ns) {
+    const int64_t aborted = overlap::signal_load(abort_word);
+    const bool late = globaltimer_ns() - start > timeout_ns;
+    if (aborted != 0 || late) {
       error[1] = slot;
       error[2] = v;
-      overlap::signal_store(error, 1);
+      error[3] = aborted;
+      overlap::signal_store(error, aborted != 0 ? 2 : 1);
       return;
     }
     __nanosleep(128);

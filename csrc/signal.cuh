@@ -7,8 +7,6 @@
 // Counters only grow, so a waiter never misses a signal that was overwritten by a later phase and
 // nobody has to reset flags between ops (resetting races with a late reader).
 #pragma once
-#include <cstdint>
-
 #include "common.cuh"
 
 namespace overlap {

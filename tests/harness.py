@@ -32,10 +32,13 @@ DEFAULT_TIMEOUT = 60.0
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT,
-              env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results."""
+              env: dict[str, str] | None = None, backend: str = "gloo",
+              **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results.
+    ``backend="nccl"`` is for GPU-only tests."""
     try:
-        return launch(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, env=env)
+        return launch(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, env=env,
+                      backend=backend)
     except LaunchError as exc:
         # Re-raise without the launcher's frames: the ranks' tracebacks are in the message.
         raise LaunchError(str(exc), exc.outcomes) from None

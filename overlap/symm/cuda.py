@@ -1,0 +1,231 @@
+"""CUDA backend of SymmetricWorkspace: GPU userbuffers every rank of a node maps.
+
+Memory: one device allocation per rank, ``[header | flags | data]`` like the shm backend.
+It comes from torch's symmetric memory (``torch.distributed._symmetric_memory.empty`` +
+``rendezvous``) where the installed torch has it, else from ``cudaMalloc`` shared by CUDA IPC
+handles (cupy), exchanged with one ``all_gather_object`` over the group.
+
+Signals are *stream-ordered*: ``signal`` and ``wait`` launch one-thread kernels from
+csrc/signal.cu on the current stream, so "copy chunk, then signal" and "wait, then GEMM" are
+ordered on the GPU with no host synchronisation. A wait kernel never spins forever: on timeout
+or on a peer's ``abort()`` it writes an error record and returns; ``check_errors()`` (called by
+``barrier()`` and ``close()``, and by ops at their sync points) raises SignalTimeout/PeerDied
+from it. ``wait(..., blocking=True)`` synchronises and checks at once.
+
+This file cannot run on the CPU-only machines that build and test the project; its CPU twin is
+overlap.symm.shm, which runs the same protocol and is tested on 1, 2 and 4 processes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from overlap.kernels.cuda import launch_kernel
+from overlap.symm.workspace import PeerDied, SignalTimeout, SymmetricWorkspace, group_name
+
+__all__ = ["CudaWorkspace"]
+
+_HEADER_BYTES = 128  # int64 words: [0] abort (0 or 1 + aborting rank), [1] barrier counter
+_W_ABORT, _W_BARRIER = 0, 1
+_ALIGN = 256
+_SIGNAL_CU = "signal.cu"
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+class CudaWorkspace(SymmetricWorkspace):
+    """SymmetricWorkspace over GPU memory mapped by every rank of the group (one node)."""
+
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, *, num_signals: int,
+                 timeout: float, device: torch.device):
+        if device.type != "cuda":
+            raise ValueError(f"CudaWorkspace: device must be a CUDA device, got {device}")
+        self.group = group
+        self.group_name = group_name(group)
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.nbytes = nbytes
+        self.num_signals = num_signals
+        self.timeout = timeout
+        self.device = torch.device("cuda", device.index if device.index is not None
+                                   else torch.cuda.current_device())
+        self._flags_off = _HEADER_BYTES
+        self._data_off = _align(_HEADER_BYTES + 8 * num_signals, _ALIGN)
+        self._total = self._data_off + _align(nbytes, _ALIGN)
+        self._closed = False
+        self._handle = None          # torch symmetric memory handle
+        self._ipc_ptrs: list[int] = []   # peers' pointers opened from IPC handles
+        self._own_ptr = 0            # our cudaMalloc when using IPC
+        self._barrier_phase = 0
+        # {code, slot, last seen, aborting rank + 1}; written by wait kernels, read by the host.
+        self._error = torch.zeros(4, dtype=torch.int64, device=self.device)
+        self._check_agreement()
+        try:
+            self._setup_torch_symm()
+        except (ImportError, AttributeError, RuntimeError, NotImplementedError):
+            self._setup_ipc()
+        self._whole = [self._peer_tensor(r) for r in range(self.world)]
+        self._data = [w[self._data_off:self._data_off + nbytes] for w in self._whole]
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=group)
+
+    def _check_agreement(self) -> None:
+        mine = (self.nbytes, self.num_signals)
+        every: list = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        for i, key in enumerate(("nbytes", "num_signals")):
+            vals = [e[i] for e in every]
+            if len(set(vals)) > 1:
+                raise ValueError(f"SymmetricWorkspace(cuda) on group {self.group_name} (rank "
+                                 f"{self.rank}): ranks disagree on {key}: " +
+                                 ", ".join(f"rank {r}={v}" for r, v in enumerate(vals)))
+
+    def _setup_torch_symm(self) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        local = symm_mem.empty(self._total, dtype=torch.uint8, device=self.device)
+        local.zero_()
+        torch.cuda.synchronize(self.device)
+        self._local = local
+        self._handle = symm_mem.rendezvous(local, self.group)
+        self._bases = [int(p) for p in self._handle.buffer_ptrs]
+
+    def _setup_ipc(self) -> None:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        with cupy.cuda.Device(self.device.index):
+            self._own_ptr = rt.malloc(self._total)
+            rt.memset(self._own_ptr, 0, self._total)
+            handle = rt.ipcGetMemHandle(self._own_ptr)
+        handles: list = [None] * self.world
+        dist.all_gather_object(handles, bytes(handle), group=self.group)
+        bases = []
+        with cupy.cuda.Device(self.device.index):
+            for r, h in enumerate(handles):
+                if r == self.rank:
+                    bases.append(self._own_ptr)
+                else:
+                    ptr = rt.ipcOpenMemHandle(h, rt.cudaIpcMemLazyEnablePeerAccess)
+                    self._ipc_ptrs.append(ptr)
+                    bases.append(ptr)
+        self._bases = bases
+
+    def _peer_tensor(self, r: int) -> torch.Tensor:
+        if self._handle is not None:
+            return self._handle.get_buffer(r, (self._total,), torch.uint8)
+        import cupy
+
+        mem = cupy.cuda.UnownedMemory(self._bases[r], self._total, owner=self)
+        arr = cupy.ndarray((self._total,), dtype=cupy.uint8,
+                           memptr=cupy.cuda.MemoryPointer(mem, 0))
+        return torch.as_tensor(arr, device=self.device)
+
+    # -- memory ---------------------------------------------------------------------------
+    def buffer(self, r: int) -> torch.Tensor:
+        self._check_open("buffer")
+        self._check_rank("buffer", r)
+        return self._data[r]
+
+    def data_ptr(self, r: int) -> int:
+        self._check_rank("data_ptr", r)
+        return self._bases[r] + self._data_off
+
+    def signal_ptr(self, r: int) -> int:
+        self._check_rank("signal_ptr", r)
+        return self._bases[r] + self._flags_off
+
+    # -- signals (stream-ordered) ---------------------------------------------------------
+    def _launch(self, name: str, *args) -> None:
+        launch_kernel(_SIGNAL_CU, name, (1,), (1,), args, self.device)
+
+    def signal(self, peer: int, slot: int, value: int) -> None:
+        self._check_open("signal")
+        self._check_slot("signal", slot)
+        self._launch("overlap_signal_set", np.uint64(self.signal_ptr(peer) + 8 * slot),
+                     np.int64(value))
+
+    def signal_add(self, peer: int, slot: int, value: int = 1) -> None:
+        self._check_open("signal_add")
+        self._check_slot("signal_add", slot)
+        self._launch("overlap_signal_add", np.uint64(self.signal_ptr(peer) + 8 * slot),
+                     np.int64(value))
+
+    def _wait_addr(self, addr: int, value: int, timeout: float | None, slot: int,
+                   blocking: bool) -> None:
+        limit = self.timeout if timeout is None else timeout
+        self._launch("overlap_signal_wait", np.uint64(addr), np.int64(value),
+                     np.uint64(int(limit * 1e9)), np.int64(slot),
+                     np.uint64(self._bases[self.rank] + 8 * _W_ABORT),
+                     np.uint64(self._error.data_ptr()))
+        if blocking:
+            torch.cuda.current_stream(self.device).synchronize()
+            self.check_errors()
+
+    def wait(self, slot: int, value: int, timeout: float | None = None, *,
+             blocking: bool = False) -> None:
+        """Make the current stream wait until flag ``slot`` >= ``value``. Non-blocking for the
+        host unless ``blocking``; a timeout or abort surfaces at the next ``check_errors()``."""
+        self._check_open("wait")
+        self._check_slot("wait", slot)
+        self._wait_addr(self.signal_ptr(self.rank) + 8 * slot, value, timeout, slot, blocking)
+
+    def check_errors(self) -> None:
+        """Raise the first error a wait kernel recorded (synchronises with the device)."""
+        code, slot, seen, aborted = (int(v) for v in self._error.tolist())
+        if code == 0:
+            return
+        self._error.zero_()
+        if code == 2:
+            raise PeerDied(f"SymmetricWorkspace.wait (slot {slot}, rank {self.rank}, group "
+                           f"{self.group_name}): rank {aborted - 1} aborted",
+                           group=self.group_name, peer=aborted - 1)
+        raise SignalTimeout(f"SymmetricWorkspace.wait: slot {slot} of rank {self.rank} in group "
+                            f"{self.group_name} timed out on the GPU (last seen {seen})",
+                            group=self.group_name, slot=slot, expected=-1, seen=seen)
+
+    def barrier(self, timeout: float | None = None) -> None:
+        self._check_open("barrier")
+        self._barrier_phase += 1
+        for r in range(self.world):
+            self._launch("overlap_signal_add", np.uint64(self._bases[r] + 8 * _W_BARRIER),
+                         np.int64(1))
+        self._wait_addr(self._bases[self.rank] + 8 * _W_BARRIER,
+                        self._barrier_phase * self.world, timeout, -1, blocking=True)
+
+    def abort(self, reason: str = "") -> None:
+        if self._closed:
+            return
+        for r in range(self.world):
+            self._launch("overlap_signal_set", np.uint64(self._bases[r] + 8 * _W_ABORT),
+                         np.int64(self.rank + 1))
+        torch.cuda.current_stream(self.device).synchronize()
+
+    # -- teardown -------------------------------------------------------------------------
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"SymmetricWorkspace.{op}: the workspace of group "
+                               f"{self.group_name} is closed (rank {self.rank})")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        torch.cuda.synchronize(self.device)
+        self._whole, self._data = [], []
+        self._handle = None
+        if self._ipc_ptrs or self._own_ptr:
+            import cupy
+
+            rt = cupy.cuda.runtime
+            with cupy.cuda.Device(self.device.index):
+                for p in self._ipc_ptrs:
+                    rt.ipcCloseMemHandle(p)
+                if self._own_ptr:
+                    rt.free(self._own_ptr)
+            self._ipc_ptrs, self._own_ptr = [], 0
+        self.check_errors()

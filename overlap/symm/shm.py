@@ -1,0 +1,273 @@
+"""CPU backend of SymmetricWorkspace: POSIX shared memory mapped by every local rank.
+
+Each rank creates one segment ``/dev/shm/overlap_<pid>_<seq>_<token>`` (the creator's pid in
+the name lets a launcher find and remove the segments of ranks that crashed), the names are
+exchanged with one ``all_gather_object`` over the group, every rank maps every segment, a second
+collective confirms that all mappings exist, and then each rank unlinks its own segment. From
+then on the memory lives exactly as long as some process maps it: a crash leaks nothing.
+
+Signals are int64 words in the segments, set and waited on with the acquire/release atomics of
+``overlap._C`` (csrc/signal.cpp). Waits run in 50 ms slices with the GIL released; between
+slices the waiter checks that every peer process is alive and that nobody called ``abort()``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import secrets
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+from overlap import _C
+from overlap.symm.workspace import PeerDied, SignalTimeout, SymmetricWorkspace, group_name
+
+__all__ = ["ShmWorkspace"]
+
+_MAGIC = 0x4F564C5053484D31  # "OVLPSHM1"
+# Header words (int64): magic, pid, abort (0, or 1 + aborting rank), barrier counter.
+_W_MAGIC, _W_PID, _W_ABORT, _W_BARRIER = 0, 1, 2, 3
+_HEADER_BYTES = 128
+_PAGE = 4096
+_SLICE_S = 0.05
+_seq = itertools.count()
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _pid_alive(pid: int) -> bool:
+    # os.kill(pid, 0) succeeds for zombies, so read the state from /proc instead.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+class ShmWorkspace(SymmetricWorkspace):
+    """SymmetricWorkspace over POSIX shared memory (all ranks of the group on one host)."""
+
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, *, num_signals: int, timeout: float):
+        self.group = group
+        self.group_name = group_name(group)
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.nbytes = nbytes
+        self.num_signals = num_signals
+        self.timeout = timeout
+        self.device = torch.device("cpu")
+        self._flags_off = _HEADER_BYTES
+        self._data_off = _align(_HEADER_BYTES + 8 * num_signals, _PAGE)
+        self._seg_bytes = self._data_off + _align(nbytes, _PAGE)
+        self._maps: list[mmap.mmap] = []
+        self._whole: list[torch.Tensor] = []
+        self._barrier_phase = 0
+        self._closed = False
+        self._name = f"overlap_{os.getpid()}_{next(_seq)}_{secrets.token_hex(4)}"
+        self._pids: list[int] = []
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- creation -------------------------------------------------------------------------
+    def _setup(self) -> None:
+        error = None
+        try:
+            fd = os.open(f"/dev/shm/{self._name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, self._seg_bytes)
+                own = mmap.mmap(fd, self._seg_bytes)
+            finally:
+                os.close(fd)
+            own[:_HEADER_BYTES] = bytes(_HEADER_BYTES)
+            self._maps_own = own
+        except OSError as exc:
+            error = f"could not create a {self._seg_bytes}-byte shared-memory segment: {exc}"
+        info = dict(name=self._name, pid=os.getpid(), nbytes=self.nbytes,
+                    num_signals=self.num_signals, host=socket.gethostname(), boot=_boot_id(),
+                    error=error)
+        infos: list[dict] = [None] * self.world  # type: ignore[list-item]
+        dist.all_gather_object(infos, info, group=self.group)
+        self._validate(infos)
+        self._pids = [i["pid"] for i in infos]
+
+        error = None
+        try:
+            for r, i in enumerate(infos):
+                if r == self.rank:
+                    mm = self._maps_own
+                else:
+                    fd = os.open(f"/dev/shm/{i['name']}", os.O_RDWR)
+                    try:
+                        mm = mmap.mmap(fd, self._seg_bytes)
+                    finally:
+                        os.close(fd)
+                self._maps.append(mm)
+                self._whole.append(torch.frombuffer(mm, dtype=torch.uint8))
+        except OSError as exc:
+            error = f"could not map a peer's segment: {exc}"
+        errors: list = [None] * self.world
+        dist.all_gather_object(errors, error, group=self.group)
+        # Every rank has mapped every segment (or failed): the names are no longer needed.
+        self._unlink_own()
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if bad:
+            raise RuntimeError(f"SymmetricWorkspace(shm) on group {self.group_name}: " +
+                               "; ".join(f"rank {r}: {e}" for r, e in bad))
+        header = self._whole[self.rank][:_HEADER_BYTES].view(torch.int64)
+        header[_W_PID] = os.getpid()
+        header[_W_MAGIC] = _MAGIC
+        self._data = [w[self._data_off:self._data_off + self.nbytes] for w in self._whole]
+        self._base = [w.data_ptr() for w in self._whole]
+
+    def _validate(self, infos: list[dict]) -> None:
+        where = f"SymmetricWorkspace(shm) on group {self.group_name} (rank {self.rank})"
+        errs = [f"rank {r}: {i['error']}" for r, i in enumerate(infos) if i["error"]]
+        if errs:
+            raise RuntimeError(f"{where}: " + "; ".join(errs))
+        for key in ("nbytes", "num_signals"):
+            vals = [i[key] for i in infos]
+            if len(set(vals)) > 1:
+                raise ValueError(f"{where}: ranks disagree on {key}: " +
+                                 ", ".join(f"rank {r}={v}" for r, v in enumerate(vals)) +
+                                 "; every rank must pass the same value")
+        hosts = {(i["host"], i["boot"]) for i in infos}
+        if len(hosts) > 1:
+            raise ValueError(f"{where}: the shm backend needs every rank on one host; ranks are "
+                             "on " + ", ".join(f"rank {r}={i['host']}" for r, i in enumerate(infos)) +
+                             ". Use the cuda backend or a chunked (collective) backend across hosts")
+
+    def _unlink_own(self) -> None:
+        try:
+            os.unlink(f"/dev/shm/{self._name}")
+        except FileNotFoundError:
+            pass
+
+    # -- memory ---------------------------------------------------------------------------
+    def buffer(self, r: int) -> torch.Tensor:
+        self._check_open("buffer")
+        self._check_rank("buffer", r)
+        return self._data[r]
+
+    def data_ptr(self, r: int) -> int:
+        self._check_open("data_ptr")
+        self._check_rank("data_ptr", r)
+        return self._base[r] + self._data_off
+
+    def signal_ptr(self, r: int) -> int:
+        self._check_open("signal_ptr")
+        self._check_rank("signal_ptr", r)
+        return self._base[r] + self._flags_off
+
+    def _word(self, r: int, w: int) -> int:
+        return self._base[r] + 8 * w
+
+    # -- signals --------------------------------------------------------------------------
+    def signal(self, peer: int, slot: int, value: int) -> None:
+        self._check_open("signal")
+        self._check_slot("signal", slot)
+        _C.signal_store(self.signal_ptr(peer) + 8 * slot, value)
+
+    def signal_add(self, peer: int, slot: int, value: int = 1) -> None:
+        self._check_open("signal_add")
+        self._check_slot("signal_add", slot)
+        _C.signal_add(self.signal_ptr(peer) + 8 * slot, value)
+
+    def read_signal(self, slot: int, r: int | None = None) -> int:
+        """Current value of rank r's (default: own) flag ``slot``."""
+        self._check_slot("read_signal", slot)
+        return _C.signal_load(self.signal_ptr(self.rank if r is None else r) + 8 * slot)
+
+    def wait(self, slot: int, value: int, timeout: float | None = None) -> None:
+        self._check_open("wait")
+        self._check_slot("wait", slot)
+        self._wait_addr(self.signal_ptr(self.rank) + 8 * slot, value, timeout, f"slot {slot}",
+                        slot)
+
+    def _wait_addr(self, addr: int, value: int, timeout: float | None, what: str, slot: int) -> None:
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while True:
+            remaining = deadline - time.monotonic()
+            reached, seen = _C.signal_wait(addr, value, max(0.0, min(_SLICE_S, remaining)))
+            if reached:
+                return
+            self._check_peers(what)
+            if time.monotonic() >= deadline:
+                raise SignalTimeout(
+                    f"SymmetricWorkspace.wait: {what} of rank {self.rank} in group "
+                    f"{self.group_name} did not reach {value} within {limit:g}s "
+                    f"(last seen {seen}); a peer is slow, stuck or out of step",
+                    group=self.group_name, slot=slot, expected=value, seen=seen)
+
+    def _check_peers(self, what: str) -> None:
+        aborted = _C.signal_load(self._word(self.rank, _W_ABORT))
+        if aborted:
+            peer = aborted - 1
+            raise PeerDied(f"SymmetricWorkspace.wait ({what}, rank {self.rank}, group "
+                           f"{self.group_name}): rank {peer} aborted", group=self.group_name,
+                           peer=peer)
+        for r, pid in enumerate(self._pids):
+            if r != self.rank and not _pid_alive(pid):
+                raise PeerDied(f"SymmetricWorkspace.wait ({what}, rank {self.rank}, group "
+                               f"{self.group_name}): peer rank {r} (pid {pid}) has exited",
+                               group=self.group_name, peer=r)
+
+    def barrier(self, timeout: float | None = None) -> None:
+        self._check_open("barrier")
+        self._barrier_phase += 1
+        for r in range(self.world):
+            _C.signal_add(self._word(r, _W_BARRIER), 1)
+        self._wait_addr(self._word(self.rank, _W_BARRIER), self._barrier_phase * self.world,
+                        timeout, "barrier", -1)
+
+    def abort(self, reason: str = "") -> None:
+        if self._closed:
+            return
+        for r in range(self.world):
+            _C.signal_store(self._word(r, _W_ABORT), self.rank + 1)
+
+    # -- teardown -------------------------------------------------------------------------
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"SymmetricWorkspace.{op}: the workspace of group "
+                               f"{self.group_name} is closed (rank {self.rank})")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._unlink_own()
+        self._data, self._whole, self._base = [], [], []
+        own = getattr(self, "_maps_own", None)
+        self._maps_own = None
+        for mm in self._maps or ([own] if own is not None else []):
+            try:
+                mm.close()
+            except BufferError:
+                # A caller still holds a view: the mapping is freed with its last view.
+                pass
+        self._maps = []
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
