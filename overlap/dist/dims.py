@@ -1,0 +1,275 @@
+"""ParallelDims: one object that splits the world into tp x cp x pp x dp (x ep) process groups.
+
+Built once (``ParallelDims.build(...)``, a collective) and passed explicitly, keyword-only, to
+whatever needs a group; there is no module-global registry. ``ParallelDims.resolve(...)`` does
+the same validation without any process group, so a launcher can reject a bad config before it
+starts processes.
+
+Rank layout. TP is the innermost axis, then CP, then PP, and DP is the outermost::
+
+    global rank = ((d * pp + p) * cp + c) * tp + t        d < dp, p < pp, c < cp, t < tp
+    layout(...)[d, p, c, t] = global rank                 shape (dp, pp, cp, tp)
+
+    world 16 = dp 2 x pp 2 x cp 2 x tp 2, with 8 ranks per node:
+
+             node 0 = dp 0                   node 1 = dp 1
+         pp 0            pp 1            pp 0            pp 1
+      cp0    cp1      cp0    cp1      cp0    cp1      cp0    cp1
+     [0 1]  [2 3]    [4 5]  [6 7]    [8 9] [10 11]  [12 13] [14 15]
+
+    tp group of rank 0: {0, 1}   consecutive ranks; never crosses a node when tp | ranks_per_node
+    cp group of rank 0: {0, 2}   stride tp
+    pp group of rank 0: {0, 4}   stride tp*cp; pp_next_rank of 4 is 0 (wraps around)
+    dp group of rank 0: {0, 8}   stride tp*cp*pp
+    ep group of rank 0, ep=2: {0, 8}   d_inner varies (were dp 4, the next one is {16, 24})
+
+Consecutive global ranks fill a node in order, so the chattiest axis (TP, one collective per
+layer) stays on NVLink, while DP (one gradient reduction per step) crosses nodes.
+
+Expert parallelism (EP) is a sub-axis of DP, not a fifth factor of the world: ``ep`` divides
+``dp`` and the DP coordinate splits as ``d = d_outer * ep + d_inner``. An EP group is the ranks
+that share ``d_outer, p, c, t`` and differ in ``d_inner``, i.e. ``ep`` DP replicas that are
+adjacent in DP order (the closest ones in the layout). ``ep_rank = d_inner = dp_rank % ep``.
+With ``ep == 1`` each rank is its own EP group; with ``ep == dp`` the EP group has the same
+members as the DP group (but is a separate communicator, so EP all-to-alls do not queue behind
+DP gradient reductions).
+
+Groups come from a torch ``DeviceMesh`` of shape (dp, pp, cp, tp) with mesh dim names
+("dp", "pp", "cp", "tp"), so the same code runs on NCCL (``device_type="cuda"``) and gloo
+(``"cpu"``). Subgroups use torch's default timeout for their backend; ops bound their own
+waits (``work.wait(timeout)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ParallelDims", "AXES"]
+
+# Mesh order, outermost first. ep is not a mesh dim: it is carved out of dp.
+AXES = ("dp", "pp", "cp", "tp")
+_ALL_AXES = ("tp", "cp", "pp", "dp", "ep")
+
+
+def _check_degree(name: str, value: Any, *, allow_infer: bool = False) -> None:
+    # bool is an int subclass; tp=True is a bug, not tp=1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"ParallelDims: {name} must be a positive int, got {value!r} "
+                         f"({type(value).__name__})")
+    if value == -1 and allow_infer:
+        return
+    if value < 1:
+        extra = " (or -1 to infer it from the world size)" if allow_infer else ""
+        raise ValueError(f"ParallelDims: {name} must be a positive int{extra}, got {value}")
+
+
+def _ranks_per_node_default(world_size: int) -> int:
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if env is None:
+        return world_size
+    try:
+        return int(env)
+    except ValueError:
+        raise ValueError(f"ParallelDims: env LOCAL_WORLD_SIZE={env!r} is not an int; "
+                         "pass ranks_per_node explicitly") from None
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ParallelDims:
+    """Resolved degrees (``dp`` is never -1 here) and, after ``build``, this rank's groups.
+
+    After ``resolve`` only the degrees are set; ``group_ranks(axis, rank)`` and ``layout`` work
+    without a process group. After ``build`` every ``*_group``, ``*_rank``, ``mesh``, ``rank``
+    and the PP neighbours are set too.
+    """
+
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    ep: int
+    world_size: int
+    ranks_per_node: int | None = None
+    # Set by build(); None on a resolve()-only object.
+    rank: int | None = None
+    mesh: Any = dataclasses.field(default=None, repr=False)
+    tp_group: Any = dataclasses.field(default=None, repr=False)
+    cp_group: Any = dataclasses.field(default=None, repr=False)
+    pp_group: Any = dataclasses.field(default=None, repr=False)
+    dp_group: Any = dataclasses.field(default=None, repr=False)
+    ep_group: Any = dataclasses.field(default=None, repr=False)
+    tp_rank: int | None = None
+    cp_rank: int | None = None
+    pp_rank: int | None = None
+    dp_rank: int | None = None
+    ep_rank: int | None = None
+    pp_prev_rank: int | None = None
+    pp_next_rank: int | None = None
+
+    @staticmethod
+    def resolve(*, world_size: int, tp: int = 1, cp: int = 1, pp: int = 1, dp: int = -1,
+                ep: int = 1, ranks_per_node: int | None = None) -> "ParallelDims":
+        """Validate the degrees against ``world_size`` and infer ``dp`` if it is -1.
+
+        Pure: needs no process group. ``ranks_per_node`` defaults to env ``LOCAL_WORLD_SIZE``,
+        else ``world_size`` (one node). Raises ValueError naming the offending numbers.
+        """
+        _check_degree("world_size", world_size)
+        for name, value in (("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep)):
+            _check_degree(name, value)
+        _check_degree("dp", dp, allow_infer=True)
+        if ranks_per_node is None:
+            ranks_per_node = _ranks_per_node_default(world_size)
+        _check_degree("ranks_per_node", ranks_per_node)
+
+        model = tp * cp * pp
+        if dp == -1:
+            if world_size % model:
+                raise ValueError(
+                    f"ParallelDims: cannot infer dp: world size {world_size} is not divisible "
+                    f"by tp*cp*pp = {tp}*{cp}*{pp} = {model}")
+            dp = world_size // model
+        elif dp * model != world_size:
+            raise ValueError(
+                f"ParallelDims: dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp} = {dp * model} but the world "
+                f"size is {world_size}")
+        if dp % ep:
+            raise ValueError(f"ParallelDims: ep={ep} must divide dp={dp} (EP is a sub-axis of DP)")
+        if tp > ranks_per_node:
+            raise ValueError(
+                f"ParallelDims: tp={tp} is larger than ranks_per_node={ranks_per_node}; a TP "
+                "group must stay inside one node")
+        if ranks_per_node % tp:
+            raise ValueError(
+                f"ParallelDims: tp={tp} must divide ranks_per_node={ranks_per_node}, or TP "
+                "groups would straddle nodes")
+        return ParallelDims(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, world_size=world_size,
+                            ranks_per_node=ranks_per_node)
+
+    @staticmethod
+    def layout(*, world_size: int, tp: int, cp: int, pp: int, dp: int) -> torch.Tensor:
+        """Global ranks as an int64 tensor of shape (dp, pp, cp, tp):
+        ``layout[d, p, c, t] = ((d*pp + p)*cp + c)*tp + t``."""
+        for name, value in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp)):
+            _check_degree(name, value)
+        if dp * pp * cp * tp != world_size:
+            raise ValueError(
+                f"ParallelDims.layout: dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp} = {dp * pp * cp * tp} "
+                f"but the world size is {world_size}")
+        return torch.arange(world_size, dtype=torch.int64).reshape(dp, pp, cp, tp)
+
+    def rank_layout(self) -> torch.Tensor:
+        """``layout`` for these degrees."""
+        return ParallelDims.layout(world_size=self.world_size, tp=self.tp, cp=self.cp,
+                                   pp=self.pp, dp=self.dp)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Coordinates of global ``rank`` on every axis (``ep`` is ``d_inner = d % ep``)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"ParallelDims.coords: rank {rank} is outside world {self.world_size}")
+        t = rank % self.tp
+        c = rank // self.tp % self.cp
+        p = rank // (self.tp * self.cp) % self.pp
+        d = rank // (self.tp * self.cp * self.pp)
+        return {"tp": t, "cp": c, "pp": p, "dp": d, "ep": d % self.ep}
+
+    def all_groups(self, axis: str) -> list[list[int]]:
+        """Every group on ``axis`` as a list of global ranks, in group-rank order. The groups
+        of one axis partition the world."""
+        grid = self.rank_layout()
+        if axis == "ep":
+            # (d_outer, d_inner, p, c, t) -> d_inner last: one row per EP group.
+            grid = grid.reshape(self.dp // self.ep, self.ep, self.pp, self.cp, self.tp)
+            return grid.permute(0, 2, 3, 4, 1).reshape(-1, self.ep).tolist()
+        if axis not in AXES:
+            raise ValueError(f"ParallelDims: axis must be one of {_ALL_AXES}, got {axis!r}")
+        i = AXES.index(axis)
+        return grid.movedim(i, -1).reshape(-1, grid.shape[i]).tolist()
+
+    def group_ranks(self, axis: str, rank: int) -> list[int]:
+        """Global ranks of the group on ``axis`` that contains global ``rank`` (pure)."""
+        self.coords(rank)  # range check
+        for group in self.all_groups(axis):
+            if rank in group:
+                return group
+        raise AssertionError("unreachable: the groups of an axis partition the world")
+
+    def ranks(self, axis: str) -> list[int]:
+        """Global ranks of this rank's group on ``axis`` (after ``build``)."""
+        self._require_built("ranks")
+        return self.group_ranks(axis, self.rank)
+
+    @classmethod
+    def build(cls, *, tp: int = 1, cp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1,
+              ranks_per_node: int | None = None, device_type: str = "cpu") -> "ParallelDims":
+        """Validate against ``dist.get_world_size()`` and create every group.
+
+        Collective: every rank of the default group must call it with the same arguments.
+        Validation happens before any group is created, so a bad config fails on every rank
+        with the same ValueError instead of leaving some ranks waiting in ``new_group``.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelDims.build: the default process group is not "
+                               "initialised (call dist.init_process_group first)")
+        rank = dist.get_rank()
+        try:
+            dims = cls.resolve(world_size=dist.get_world_size(), tp=tp, cp=cp, pp=pp, dp=dp,
+                               ep=ep, ranks_per_node=ranks_per_node)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (rank {rank})") from None
+
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, (dims.dp, dims.pp, dims.cp, dims.tp),
+                                mesh_dim_names=AXES)
+        dims.mesh = mesh
+        dims.rank = rank
+        dims.tp_group = mesh.get_group("tp")
+        dims.cp_group = mesh.get_group("cp")
+        dims.pp_group = mesh.get_group("pp")
+        dims.dp_group = mesh.get_group("dp")
+        # Every rank calls new_group for every EP group, in the same order (new_group is
+        # collective over the default group unless local synchronisation is used).
+        dims.ep_group, _ = dist.new_subgroups_by_enumeration(dims.all_groups("ep"),
+                                                             group_desc="ep")
+        coords = dims.coords(rank)
+        dims.tp_rank, dims.cp_rank = coords["tp"], coords["cp"]
+        dims.pp_rank, dims.dp_rank, dims.ep_rank = coords["pp"], coords["dp"], coords["ep"]
+        pp_ranks = dims.group_ranks("pp", rank)
+        dims.pp_prev_rank = pp_ranks[(dims.pp_rank - 1) % dims.pp]
+        dims.pp_next_rank = pp_ranks[(dims.pp_rank + 1) % dims.pp]
+        dims._check_wiring()
+        return dims
+
+    def _check_wiring(self) -> None:
+        # The mesh and our formula must agree, or every later collective is silently wrong.
+        for axis in _ALL_AXES:
+            got = dist.get_process_group_ranks(getattr(self, f"{axis}_group"))
+            want = self.group_ranks(axis, self.rank)
+            if got != want:
+                raise RuntimeError(f"ParallelDims.build: rank {self.rank}: {axis} group has "
+                                   f"ranks {got}, the layout says {want}")
+
+    def _require_built(self, what: str) -> None:
+        if self.rank is None:
+            raise RuntimeError(f"ParallelDims.{what}: needs the groups; this object came from "
+                               "resolve(), use ParallelDims.build()")
+
+    @property
+    def is_first_stage(self) -> bool:
+        self._require_built("is_first_stage")
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        self._require_built("is_last_stage")
+        return self.pp_rank == self.pp - 1
+
+    def __str__(self) -> str:
+        return (f"ParallelDims(world={self.world_size}: dp={self.dp} x pp={self.pp} x "
+                f"cp={self.cp} x tp={self.tp}, ep={self.ep})")
