@@ -28,6 +28,8 @@ requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
                                   reason="needs a CUDA GPU; its CPU twin runs here")
 
 WORLD_SIZES = (1, 2, 4)
+# Imported once by the fork server instead of by every rank of every test.
+_PRELOAD = ("pytest", "numpy", "harness")
 DEFAULT_TIMEOUT = 60.0
 
 
@@ -38,7 +40,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ``backend="nccl"`` is for GPU-only tests."""
     try:
         return launch(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, env=env,
-                      backend=backend)
+                      backend=backend, preload=_PRELOAD)
     except LaunchError as exc:
         # Re-raise without the launcher's frames: the ranks' tracebacks are in the message.
         raise LaunchError(str(exc), exc.outcomes) from None
@@ -50,4 +52,4 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any,
     """Like run_ranks, but returns every rank's RankOutcome instead of raising, for tests
     that expect failures (a killed peer, a timeout)."""
     return launch(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, grace=grace,
-                  raise_on_error=False)
+                  raise_on_error=False, preload=_PRELOAD)

@@ -155,11 +155,12 @@ def _rank_main(
     os._exit(0)
 
 
-def _context() -> mp.context.BaseContext:
+def _context(preload: Sequence[str]) -> mp.context.BaseContext:
+    # The fork server starts once per launcher process; what it preloads is fixed then.
     global _preload_set
     ctx = mp.get_context("forkserver")
     if not _preload_set:
-        ctx.set_forkserver_preload(_PRELOAD)
+        ctx.set_forkserver_preload(list(dict.fromkeys([*_PRELOAD, *preload])))
         _preload_set = True
     return ctx
 
@@ -176,6 +177,7 @@ def launch(
     env: dict[str, str] | None = None,
     num_threads: int = 1,
     raise_on_error: bool = True,
+    preload: Sequence[str] = (),
 ) -> list[Any] | list[RankOutcome]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks and return their results.
 
@@ -183,6 +185,8 @@ def launch(
     default process group is initialised and ``RANK``/``WORLD_SIZE``/``LOCAL_*`` are set.
     With ``raise_on_error`` (default) a failure raises LaunchError naming the failing ranks with
     their tracebacks; otherwise the list of RankOutcome is returned whatever happened.
+    ``preload`` names extra modules the fork server imports once (it only matters on the first
+    launch of this process), so that ranks do not each pay for importing them.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"launch: world_size must be a positive int, got {world_size!r}")
@@ -193,7 +197,7 @@ def launch(
     kwargs = kwargs or {}
     child_env = {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
     child_env.update(env or {})
-    ctx = _context()
+    ctx = _context(preload)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
     tmpdir = tempfile.TemporaryDirectory(prefix="overlap_launch_")
