@@ -4,8 +4,10 @@
 namespace py = pybind11;
 
 void register_signal(py::module_& m);
+void register_quant(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "overlap CPU kernels: shared-memory signal atomics and quantization";
   register_signal(m);
+  register_quant(m);
 }

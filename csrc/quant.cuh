@@ -1,0 +1,138 @@
+// Blockwise symmetric INT8 quantization: the arithmetic shared by the CUDA kernels (quant.cu), the
+// C++ CPU extension (quant.cpp) and, line for line, the Triton kernels and the torch reference in
+// overlap/comm. All four must produce the same bytes, so every step is pinned down here:
+//
+//   absmax_b = max |x_i| over the finite x_i of block b (0 if none)       exact in any order
+//   scale_b  = absmax_b / 127                                             one IEEE fp32 division
+//   q_i      = -128                       if x_i is NaN or +-Inf          (the non-finite code)
+//            = 0                          if scale_b == 0                 (all-zero or tiny block)
+//            = clamp(rne(x_i / scale_b), -127, 127)   round to nearest, ties to even
+//            = clamp(floor(x_i / scale_b + u_i), -127, 127)   stochastic, u_i in [0, 1)
+//   deq_i    = NaN                        if q_i == -128
+//            = clamp(q_i * scale_b, -FLT_MAX, FLT_MAX)  (127 * (FLT_MAX / 127) rounds up to Inf)
+//
+// Every product, sum and quotient is a separately rounded fp32 operation: no FMA contraction
+// (the CUDA path uses the __f*_rn intrinsics, which nvcc never fuses; quant.cpp turns contraction
+// off), no reciprocal in place of a division. rne() adds and subtracts 1.5 * 2^23, which rounds to
+// nearest-even for |v| < 2^22 (here |v| <= 254) and vectorises on any x86-64, unlike rintf.
+#pragma once
+#include "common.cuh"
+
+#if !defined(__CUDACC_RTC__)  // NVRTC has no standard headers; common.cuh defines the types there
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#endif
+
+namespace overlap {
+namespace quant {
+
+constexpr int kQMax = 127;
+constexpr int8_t kNonFinite = -128;
+constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23
+constexpr float kFloatMax = 3.402823466e+38f;
+
+// Input element types, as the Python side numbers them.
+enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+OVERLAP_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+OVERLAP_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+OVERLAP_HD float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+OVERLAP_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+OVERLAP_HD float bits_to_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+// NaN fails every comparison, so this is false for NaN and +-Inf alike.
+OVERLAP_HD bool is_finite(float x) { return fabsf(x) <= kFloatMax; }
+
+// bf16 and fp16 widen to fp32 exactly, so the arithmetic below never sees the input type.
+OVERLAP_HD float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
+
+OVERLAP_HD float f16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1fu) return bits_to_float(sign | 0x7f800000u | (mant << 13));
+  if (exp != 0) return bits_to_float(sign | ((exp + 112u) << 23) | (mant << 13));
+  // Subnormal (or zero): mant * 2^-24 is exact in fp32.
+  const float mag = mul_rn(static_cast<float>(mant), 5.9604644775390625e-08f);
+  return sign ? -mag : mag;
+}
+
+OVERLAP_HD float load_as_float(const void* base, int dtype, int64_t i) {
+  if (dtype == kBF16) return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+  if (dtype == kF16) return f16_to_float(static_cast<const uint16_t*>(base)[i]);
+  return static_cast<const float*>(base)[i];
+}
+
+// |x| for the block maximum; non-finite values are coded separately and must not set the scale.
+OVERLAP_HD float finite_abs(float x) { return is_finite(x) ? fabsf(x) : 0.0f; }
+
+OVERLAP_HD float scale_from_absmax(float absmax) { return div_rn(absmax, static_cast<float>(kQMax)); }
+
+OVERLAP_HD float round_half_even(float v) { return sub_rn(add_rn(v, kRoundMagic), kRoundMagic); }
+
+// Counter-based noise for stochastic rounding: a 32-bit integer mix of (index, key), so every
+// implementation draws the same u_i without sharing RNG state. u = (h >> 8) * 2^-24 in [0, 1).
+OVERLAP_HD uint32_t mix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x7feb352du;
+  h ^= h >> 15;
+  h *= 0x846ca68bu;
+  h ^= h >> 16;
+  return h;
+}
+OVERLAP_HD float noise_u01(uint32_t key, int64_t index) {
+  const uint32_t h = mix32(static_cast<uint32_t>(index) ^ key);
+  return mul_rn(static_cast<float>(h >> 8), 5.9604644775390625e-08f);
+}
+
+OVERLAP_HD int8_t quantize_value(float x, float scale, bool stochastic, float noise) {
+  if (!is_finite(x)) return kNonFinite;
+  if (scale == 0.0f) return 0;
+  const float v = div_rn(x, scale);
+  float r = stochastic ? floorf(add_rn(v, noise)) : round_half_even(v);
+  r = fminf(fmaxf(r, -static_cast<float>(kQMax)), static_cast<float>(kQMax));
+  return static_cast<int8_t>(r);
+}
+
+OVERLAP_HD float dequantize_value(int8_t q, float scale) {
+  if (q == kNonFinite) return bits_to_float(0x7fc00000u);  // quiet NaN
+  const float d = mul_rn(static_cast<float>(q), scale);
+  return fminf(fmaxf(d, -kFloatMax), kFloatMax);
+}
+
+}  // namespace quant
+}  // namespace overlap

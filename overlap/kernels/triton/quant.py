@@ -1,0 +1,197 @@
+"""Blockwise INT8 quantize, dequantize and fused dequantize-reduce(-requantize) in Triton.
+
+The arithmetic is the one csrc/quant.cuh pins down, step for step, so these kernels write the
+same bytes as the C++ and CUDA kernels and the torch reference (overlap/comm/quant_kernels.py):
+
+    absmax_b = max |x_i| over finite x_i of block b       scale_b = absmax_b / 127  (div_rn)
+    q_i = -128 (non-finite) | 0 (scale 0) | clamp(rne(x_i / scale_b), -127, 127)
+    deq_i = NaN (q_i = -128) | clamp(q_i * scale_b, -FLT_MAX, FLT_MAX)
+
+rne(v) is (v + 1.5 * 2^23) - 1.5 * 2^23 (libdevice.rint has no interpreter twin). Kernels are
+launched with ``enable_fp_fusion=False`` so ``acc + q * scale`` is never contracted into an FMA.
+Outputs are fp32; callers cast to bf16/fp16 with torch (the interpreter's fp32->bf16 cast does
+not round to nearest-even).
+
+Layout: ``rows`` rows of ``row_len`` codes, row r at ``q + r * q_stride`` with its scales at
+``s + r * s_stride`` (so a collective can quantize straight into a [codes | scales] wire row).
+Row r stands for ``flat[r * flat_row : (r + 1) * flat_row]`` of a flat tensor of ``numel``
+elements, zero-padded to ``row_len``. Each program handles GROUP quantization blocks as a
+[GROUP, BLOCK] tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["quantize_into", "dequantize_into", "dequant_reduce_into"]
+
+_FLOAT_MAX = 3.4028234663852886e38
+_MAGIC = 12582912.0  # 1.5 * 2^23: (v + M) - M rounds v to nearest-even for |v| < 2^22
+_TILE = 4096  # elements per program (GROUP * BLOCK)
+
+
+@triton.jit
+def _noise_u01(key, idx):
+    # Same mix as csrc/quant.cuh noise_u01: u = (mix32(idx ^ key) >> 8) * 2^-24.
+    h = idx.to(tl.uint32) ^ key.to(tl.uint32)
+    h = h ^ (h >> 16)
+    h = h * 0x7feb352d
+    h = h ^ (h >> 15)
+    h = h * 0x846ca68b
+    h = h ^ (h >> 16)
+    return (h >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def _quantize_tile(x, scale, idx, key, STOCHASTIC: tl.constexpr):
+    # x [G, BLOCK] fp32, scale [G] fp32 -> int8 codes [G, BLOCK].
+    fin = tl.abs(x) <= _FLOAT_MAX
+    safe_scale = tl.where(scale > 0.0, scale, 1.0)
+    v = tl.math.div_rn(tl.where(fin, x, 0.0), safe_scale[:, None])
+    if STOCHASTIC:
+        r = tl.floor(v + _noise_u01(key, idx))
+    else:
+        r = (v + _MAGIC) - _MAGIC
+    r = tl.minimum(tl.maximum(r, -127.0), 127.0)
+    r = tl.where((scale > 0.0)[:, None], r, 0.0)
+    r = tl.where(fin, r, -128.0)
+    return r.to(tl.int8)
+
+
+@triton.jit
+def _absmax_scale(x):
+    fin = tl.abs(x) <= _FLOAT_MAX
+    absmax = tl.max(tl.where(fin, tl.abs(x), 0.0), axis=1)
+    return tl.math.div_rn(absmax, 127.0)
+
+
+@triton.jit
+def _dequant_tile(q, scale):
+    d = q.to(tl.float32) * scale[:, None]
+    d = tl.minimum(tl.maximum(d, -_FLOAT_MAX), _FLOAT_MAX)
+    return tl.where(q == -128, float("nan"), d)
+
+
+@triton.jit(do_not_specialize=["numel", "flat_row", "key", "index_base"])
+def _quantize_kernel(x_ptr, numel, flat_row, total_blocks, blocks_per_row, q_ptr, q_stride,
+                     s_ptr, s_stride, key, index_base, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                     STOCHASTIC: tl.constexpr):
+    gb = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
+    t = tl.arange(0, BLOCK)
+    gmask = gb < total_blocks
+    r = gb // blocks_per_row
+    b = gb % blocks_per_row
+    j = (b * BLOCK)[:, None] + t[None, :]
+    e = (r * flat_row)[:, None] + j
+    valid = gmask[:, None] & (j < flat_row) & (e < numel)
+    x = tl.load(x_ptr + e, mask=valid, other=0.0).to(tl.float32)
+    scale = _absmax_scale(x)
+    tl.store(s_ptr + r * s_stride + b, scale, mask=gmask)
+    q = _quantize_tile(x, scale, index_base + e, key, STOCHASTIC)
+    tl.store(q_ptr + (r * q_stride + b * BLOCK)[:, None] + t[None, :], q, mask=gmask[:, None])
+
+
+@triton.jit(do_not_specialize=["numel", "flat_row"])
+def _dequantize_kernel(q_ptr, q_stride, s_ptr, s_stride, total_blocks, blocks_per_row, out_ptr,
+                       numel, flat_row, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    gb = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
+    t = tl.arange(0, BLOCK)
+    r = gb // blocks_per_row
+    b = gb % blocks_per_row
+    j = (b * BLOCK)[:, None] + t[None, :]
+    e = (r * flat_row)[:, None] + j
+    mask = (gb < total_blocks)[:, None] & (j < flat_row) & (e < numel)
+    q = tl.load(q_ptr + (r * q_stride)[:, None] + j, mask=mask, other=0)
+    scale = tl.load(s_ptr + r * s_stride + b, mask=gb < total_blocks, other=0.0)
+    tl.store(out_ptr + e, _dequant_tile(q, scale), mask=mask)
+
+
+@triton.jit(do_not_specialize=["divisor", "key", "index_base"])
+def _dequant_reduce_kernel(q_ptr, q_stride, s_ptr, s_stride, num_src, num_blocks, divisor,
+                           out_ptr, q_out_ptr, s_out_ptr, key, index_base, BLOCK: tl.constexpr,
+                           GROUP: tl.constexpr, HAS_DIV: tl.constexpr, REQUANT: tl.constexpr,
+                           STOCHASTIC: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
+    t = tl.arange(0, BLOCK)
+    bmask = b < num_blocks
+    j = (b * BLOCK)[:, None] + t[None, :]
+    acc = tl.zeros([GROUP, BLOCK], dtype=tl.float32)
+    # Sources in rank order, one rounding per add: the order every implementation uses.
+    for r in range(num_src):
+        q = tl.load(q_ptr + r * q_stride + j, mask=bmask[:, None], other=0)
+        scale = tl.load(s_ptr + r * s_stride + b, mask=bmask, other=0.0)
+        acc = acc + _dequant_tile(q, scale)
+    if HAS_DIV:
+        acc = tl.math.div_rn(acc, divisor)
+    if REQUANT:
+        scale = _absmax_scale(acc)
+        tl.store(s_out_ptr + b, scale, mask=bmask)
+        tl.store(q_out_ptr + j, _quantize_tile(acc, scale, index_base + j, key, STOCHASTIC),
+                 mask=bmask[:, None])
+    else:
+        tl.store(out_ptr + j, acc, mask=bmask[:, None])
+
+
+def _group(block: int) -> int:
+    return max(1, _TILE // block)
+
+
+def _row_stride(t: torch.Tensor, name: str) -> int:
+    if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
+        raise ValueError(f"triton quant: {name} must be a 2-D view with unit inner stride, "
+                         f"got shape {tuple(t.shape)} stride {t.stride()}")
+    return t.stride(0)
+
+
+def quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, block: int,
+                  flat_row: int, stochastic: bool = False, key: int = 0,
+                  index_base: int = 0) -> None:
+    """Quantize flat ``x`` (fp32/bf16/fp16) into ``q`` [rows, row_len] int8 and ``s``
+    [rows, row_len // block] fp32 (row-strided views); row r is x[r*flat_row:(r+1)*flat_row]."""
+    rows, row_len = q.shape
+    total = rows * (row_len // block)
+    if total == 0:
+        return
+    grid = (triton.cdiv(total, _group(block)),)
+    _quantize_kernel[grid](x, x.numel(), flat_row, total, row_len // block, q,
+                           _row_stride(q, "q"), s, _row_stride(s, "s"), key, index_base,
+                           BLOCK=block, GROUP=_group(block), STOCHASTIC=stochastic,
+                           enable_fp_fusion=False)
+
+
+def dequantize_into(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, *, block: int,
+                    flat_row: int) -> None:
+    """Flat fp32 ``out``: row r of dequant(``q`` [rows, row_len], ``s``) lands at
+    out[r*flat_row : (r+1)*flat_row] (cut at out.numel())."""
+    blocks_per_row = triton.cdiv(flat_row, block)
+    total = q.shape[0] * blocks_per_row
+    if total == 0 or out.numel() == 0:
+        return
+    grid = (triton.cdiv(total, _group(block)),)
+    _dequantize_kernel[grid](q, _row_stride(q, "q"), s, _row_stride(s, "s"), total,
+                             blocks_per_row, out, out.numel(), flat_row, BLOCK=block,
+                             GROUP=_group(block), enable_fp_fusion=False)
+
+
+def dequant_reduce_into(q: torch.Tensor, s: torch.Tensor, *, block: int, divisor: float,
+                        out: torch.Tensor | None = None, q_out: torch.Tensor | None = None,
+                        s_out: torch.Tensor | None = None, stochastic: bool = False,
+                        key: int = 0, index_base: int = 0) -> None:
+    """Sum the ``q``/``s`` rows [num_src, row_len] in fp32 (row order), divide by ``divisor``
+    unless it is 1, then write fp32 ``out`` [row_len] or requantize into ``q_out``/``s_out``."""
+    num_src, row_len = q.shape
+    num_blocks = row_len // block
+    if num_blocks == 0:
+        return
+    requant = out is None
+    if requant == (q_out is None or s_out is None):
+        raise ValueError("triton dequant_reduce_into: give either out or (q_out, s_out)")
+    # The pointers a branch does not use still need a tensor; pass one that exists.
+    out, q_out, s_out = (q_out, q_out, s_out) if requant else (out, out, out)
+    grid = (triton.cdiv(num_blocks, _group(block)),)
+    _dequant_reduce_kernel[grid](
+        q, _row_stride(q, "q"), s, _row_stride(s, "s"), num_src, num_blocks, float(divisor),
+        out, q_out, s_out, key, index_base, BLOCK=block, GROUP=_group(block),
+        HAS_DIV=divisor != 1, REQUANT=requant, STOCHASTIC=stochastic, enable_fp_fusion=False)
