@@ -1,0 +1,310 @@
+"""Run a validated PipelineSchedule on this rank's stages: ``Pipeline(...).step(inputs, targets)``.
+
+The executor walks its rank's program in order. Consecutive comm actions are posted as one
+batch (``P2P.post``); a compute action first waits for the received tensor it consumes, then
+runs, and its output is handed to the next SEND action. See ``overlap.pp.schedules`` for why
+this order cannot deadlock.
+
+Shapes. Receive buffers need shapes before data arrives. At the start of every step pp rank 0
+broadcasts a 63-bit digest of its micro-batches' shapes and dtypes (one small broadcast). The
+first step with a new digest runs in *header mode*: each activation is preceded by a shape
+header, and receives are posted when needed (header first). Every rank records the shapes it
+saw under that digest, so later steps with the same digest post all receives early with the
+cached shapes. Variable sequence lengths therefore work, and cost a header round trip only the
+first time each length appears. A stage whose output shape changes while its input shapes do
+not (data-dependent shapes) gets a clear error.
+
+Loss and gradients are returned the same way for every schedule: the last stage computes
+``loss_fn(output_mb, target_mb)`` per micro-batch, backpropagates it scaled by ``1/m``, and
+``step`` returns the mean loss on the rank that holds the last stage (None elsewhere). So
+``param.grad`` ends up equal to the gradient of the mean loss over the m micro-batches, summed
+into ``param.grad`` (which must be zeroed by the caller between steps, as usual).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from overlap.pp.p2p import HEADER_LEN, P2P, P2PError, decode_header, encode_header
+from overlap.pp.schedules import Action, PipelineSchedule, stage_rank
+from overlap.pp.stage import PipelineStage
+
+__all__ = ["Pipeline", "StepResult", "Timeline", "bubble_fractions"]
+
+
+@dataclasses.dataclass(slots=True)
+class Timeline:
+    """This rank's step: ``events`` = (kind, stage, micro-batch, t_start, t_end) of each
+    compute action, excluding the time spent waiting for its input (perf_counter seconds)."""
+
+    start: float
+    end: float
+    events: list[tuple[str, int, int, float, float]]
+
+    @property
+    def busy(self) -> float:
+        return sum(t1 - t0 for *_, t0, t1 in self.events)
+
+
+def bubble_fractions(timelines: Sequence[Timeline]) -> list[float]:
+    """Per rank ``1 - busy / window`` over the common window [earliest start, latest end]
+    (perf_counter is the system-wide monotonic clock, so ranks on one host share it)."""
+    window = max(t.end for t in timelines) - min(t.start for t in timelines)
+    return [1.0 - t.busy / window for t in timelines]
+
+
+@dataclasses.dataclass(slots=True)
+class StepResult:
+    loss: torch.Tensor | None
+    """Mean loss over the micro-batches on the rank holding the last stage, else None."""
+    losses: list[torch.Tensor] | None
+    timeline: Timeline
+
+
+def _split(name: str, value, m: int, rank: int) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != m:
+            raise ValueError(f"pp Pipeline.step: {name} has {len(value)} micro-batches on pp "
+                             f"rank {rank}; the schedule was built for num_microbatches={m}")
+        return list(value)
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or value.shape[0] % m:
+            raise ValueError(f"pp Pipeline.step: {name} of shape {tuple(value.shape)} on pp "
+                             f"rank {rank}: dim 0 must be divisible by num_microbatches={m}")
+        return list(value.chunk(m))
+    raise TypeError(f"pp Pipeline.step: {name} must be a tensor or a list of {m} micro-batches "
+                    f"on pp rank {rank}, got {type(value).__name__}")
+
+
+class Pipeline:
+    """This rank's part of a pipeline: its stages (ordered by stage index) and a schedule."""
+
+    def __init__(self, stages: Sequence[PipelineStage], schedule: PipelineSchedule, *,
+                 loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+                 pp_group: dist.ProcessGroup, timeout: float = 60.0):
+        p, rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+        if not isinstance(schedule, PipelineSchedule):
+            raise TypeError(f"pp Pipeline: schedule must be a PipelineSchedule (from "
+                            f"build_schedule), got {type(schedule).__name__}")
+        if schedule.pp_size != p:
+            raise ValueError(f"pp Pipeline: schedule pp_size={schedule.pp_size} but pp_group "
+                             f"has {p} ranks (pp rank {rank})")
+        want = schedule.stages_of(rank)
+        got = [s.stage_index for s in stages]
+        if got != want or any(s.num_stages != schedule.num_stages for s in stages):
+            raise ValueError(f"pp Pipeline: pp rank {rank} must hold stages {want} of "
+                             f"{schedule.num_stages} for {schedule.name}, got stages {got} of "
+                             f"{[s.num_stages for s in stages]}")
+        if not callable(loss_fn):
+            raise TypeError(f"pp Pipeline: loss_fn must be callable, got {loss_fn!r}")
+        self.stages = {s.stage_index: s for s in stages}
+        self.schedule = schedule
+        self.loss_fn = loss_fn
+        self.pp_group, self.pp_rank, self.pp_size = pp_group, rank, p
+        self.program: tuple[Action, ...] = schedule.actions[rank]
+        params = [q for s in stages for q in s.module.parameters()]
+        self.device = params[0].device if params else torch.device("cpu")
+        self.p2p = P2P(pp_group, timeout=timeout, device=self.device)
+        self._shapes: dict[int, dict[tuple, tuple]] = {}
+        # Index of each stage's final gradient-accumulating action (see PipelineStage).
+        self._last_grad_action: dict[int, int] = {}
+        for i, a in enumerate(self.program):
+            first = a.stage == 0
+            if a.kind == "B" or (a.kind == "I" and first) or (a.kind == "W" and not first):
+                self._last_grad_action[a.stage] = i
+
+    def _digest(self, mbs: list | None) -> int:
+        key = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if mbs is not None:
+            desc = repr([(tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor)
+                         else type(x).__name__ for x in mbs]).encode()
+            key[0] = int.from_bytes(hashlib.blake2b(desc, digest_size=8).digest(), "little") >> 1
+        if self.pp_size == 1:
+            return int(key.item())
+        try:
+            dist.broadcast(key, src=self.p2p.global_ranks[0], group=self.pp_group)
+        except RuntimeError as exc:
+            raise P2PError(f"pp Pipeline.step on pp rank {self.pp_rank}: broadcast of the "
+                           f"micro-batch shape digest from {self.p2p.describe(0)} failed: "
+                           f"{exc}") from exc
+        return int(key.item())
+
+    def step(self, inputs=None, targets=None) -> StepResult:
+        """Run one schedule: forward and backward of every micro-batch on every stage.
+
+        ``inputs`` (needed on the rank holding stage 0) and ``targets`` (on the rank holding
+        the last stage) are a tensor split along dim 0, or a list of micro-batches.
+        """
+        m, rank = self.schedule.num_microbatches, self.pp_rank
+        has_first, has_last = 0 in self.stages, self.schedule.num_stages - 1 in self.stages
+        if has_first and inputs is None:
+            raise ValueError(f"pp Pipeline.step: pp rank {rank} holds stage 0 and needs inputs")
+        if has_last and targets is None:
+            raise ValueError(f"pp Pipeline.step: pp rank {rank} holds the last stage and "
+                             "needs targets")
+        mbs = _split("inputs", inputs, m, rank) if has_first else None
+        tgts = _split("targets", targets, m, rank) if has_last else None
+        for s in self.stages.values():
+            s.reset()
+        t_start = time.perf_counter()
+        key = self._digest(mbs)
+        header_mode = key not in self._shapes
+        run = _StepRun(self, self._shapes.setdefault(key, {}), header_mode, mbs, tgts)
+        try:
+            run.execute()
+        except BaseException:
+            if header_mode:
+                self._shapes.pop(key, None)  # never keep a half-learned shape table
+            for s in self.stages.values():
+                s.reset()
+            raise
+        timeline = Timeline(start=t_start, end=time.perf_counter(), events=run.events)
+        if not has_last:
+            return StepResult(loss=None, losses=None, timeline=timeline)
+        losses = [run.losses[i] for i in range(m)]
+        return StepResult(loss=torch.stack(losses).mean(), losses=losses, timeline=timeline)
+
+
+class _StepRun:
+    """The mutable state of one step on one rank."""
+
+    def __init__(self, pipe: Pipeline, shapes: dict, header_mode: bool, mbs, tgts):
+        self.pipe, self.shapes, self.header_mode = pipe, shapes, header_mode
+        self.mbs, self.tgts = mbs, tgts
+        self.p2p = pipe.p2p
+        self.num_stages = pipe.schedule.num_stages
+        self.recvd: dict[tuple, tuple[torch.Tensor, Any, int]] = {}
+        self.deferred: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        self.outbox: dict[tuple, torch.Tensor] = {}
+        self.local: dict[tuple, torch.Tensor] = {}
+        self.sent: list[tuple[Any, torch.Tensor, str, int]] = []
+        self.losses: dict[int, torch.Tensor] = {}
+        self.events: list[tuple[str, int, int, float, float]] = []
+
+    def execute(self) -> None:
+        pending: list[Action] = []
+        for i, a in enumerate(self.pipe.program):
+            if not a.is_compute:
+                pending.append(a)
+                continue
+            self.post(pending)
+            pending = []
+            self.compute(i, a)
+        self.post(pending)
+        for work, _, what, peer in self.sent:
+            self.p2p.wait(work, what=what, peer=peer)
+        leftovers = [k for k in (*self.recvd, *self.outbox, *self.local)]
+        leftovers += [d for q in self.deferred.values() for d in q]
+        leftovers += [(s.stage_index, s.pending()) for s in self.pipe.stages.values()
+                      if s.pending()]
+        if leftovers:
+            raise RuntimeError(f"pp Pipeline.step: pp rank {self.pipe.pp_rank} finished the "
+                               f"schedule with unconsumed state {leftovers[:4]}")
+
+    # ------------------------------------------------------------------ communication
+    def post(self, actions: list[Action]) -> None:
+        sends, recvs, recv_keys = [], [], []
+        for a in actions:
+            s, mb = a.stage, a.microbatch
+            if a.kind == "SEND_F":
+                t = self.outbox.pop(("act", s + 1, mb))
+                if self.header_mode:
+                    sends.append((encode_header(t), a.peer))
+                sends.append((t, a.peer))
+            elif a.kind == "SEND_B":
+                sends.append((self.outbox.pop(("grad", s - 1, mb)), a.peer))
+            elif self.header_mode:
+                self.deferred[a.peer].append(a)
+            else:
+                key = ("act", s, mb) if a.kind == "RECV_F" else ("grad", s, mb)
+                shape, dtype = self.shapes[("in", s, mb) if a.kind == "RECV_F" else
+                                           ("out", s, mb)]
+                recvs.append((torch.empty(shape, dtype=dtype, device=self.pipe.device),
+                              a.peer))
+                recv_keys.append(key)
+        send_works, recv_works = self.p2p.post(sends, recvs)
+        for (t, peer), work in zip(sends, send_works):
+            self.sent.append((work, t, "send", peer))
+        for key, (buf, peer), work in zip(recv_keys, recvs, recv_works):
+            self.recvd[key] = (buf, work, peer)
+
+    def _drain_deferred(self, key: tuple, peer: int) -> None:
+        # Header mode: receive this peer's messages in its send order up to ``key``.
+        while key not in self.recvd:
+            if not self.deferred[peer]:
+                raise RuntimeError(f"pp Pipeline.step: pp rank {self.pipe.pp_rank} needs "
+                                   f"{key} from pp rank {peer} but posted no receive for it")
+            a = self.deferred[peer].popleft()
+            s, mb = a.stage, a.microbatch
+            if a.kind == "RECV_F":
+                hdr = self.p2p.recv_now((HEADER_LEN,), torch.int64, peer,
+                                        what=f"shape header of stage {s} micro-batch {mb}")
+                self.shapes[("in", s, mb)] = decode_header(hdr)
+                shape, dtype = self.shapes[("in", s, mb)]
+                k = ("act", s, mb)
+            else:
+                shape, dtype = self.shapes[("out", s, mb)]
+                k = ("grad", s, mb)
+            buf = torch.empty(shape, dtype=dtype, device=self.pipe.device)
+            _, (work,) = self.p2p.post([], [(buf, peer)])
+            self.recvd[k] = (buf, work, peer)
+
+    def take(self, key: tuple, peer: int) -> torch.Tensor:
+        if peer == self.pipe.pp_rank:
+            return self.local.pop(key)
+        if key not in self.recvd:
+            self._drain_deferred(key, peer)
+        buf, work, _ = self.recvd.pop(key)
+        what = (f"{'activation' if key[0] == 'act' else 'gradient'} of stage {key[1]} "
+                f"micro-batch {key[2]}")
+        self.p2p.wait(work, what=f"receive of the {what}", peer=peer)
+        return buf
+
+    def give(self, key: tuple, t: torch.Tensor, peer: int) -> None:
+        (self.local if peer == self.pipe.pp_rank else self.outbox)[key] = t.detach().contiguous()
+
+    # ------------------------------------------------------------------ compute
+    def compute(self, index: int, a: Action) -> None:
+        pipe, s, mb = self.pipe, a.stage, a.microbatch
+        stage, p = pipe.stages[s], pipe.pp_size
+        if a.kind == "F":
+            x = self.mbs[mb] if s == 0 else self.take(("act", s, mb), stage_rank(s - 1, p))
+            t0 = time.perf_counter()
+            if stage.is_last:
+                self.losses[mb] = stage.forward(mb, x, target=self.tgts[mb],
+                                                loss_fn=pipe.loss_fn,
+                                                loss_scale=1.0 / pipe.schedule.num_microbatches)
+            else:
+                out = stage.forward(mb, x)
+                self._check_out_shape(s, mb, out)
+                self.give(("act", s + 1, mb), out, stage_rank(s + 1, p))
+        elif a.kind in ("B", "I"):
+            g = None if stage.is_last else self.take(("grad", s, mb), stage_rank(s + 1, p))
+            t0 = time.perf_counter()
+            stage.last_backward = pipe._last_grad_action.get(s) == index
+            grad_in = stage.backward(mb, g, split=a.kind == "I")
+            if s > 0:
+                self.give(("grad", s - 1, mb), grad_in, stage_rank(s - 1, p))
+        else:
+            t0 = time.perf_counter()
+            stage.last_backward = pipe._last_grad_action.get(s) == index
+            stage.backward_weight(mb)
+        stage.last_backward = False
+        self.events.append((a.kind, s, mb, t0, time.perf_counter()))
+
+    def _check_out_shape(self, s: int, mb: int, out: torch.Tensor) -> None:
+        meta = (tuple(out.shape), out.dtype)
+        known = self.shapes.get(("out", s, mb))
+        if known is None and self.header_mode:
+            self.shapes[("out", s, mb)] = meta
+        elif known != meta:
+            raise ValueError(f"pp Pipeline.step: stage {s} micro-batch {mb} output is "
+                             f"{meta} but was {known} in an earlier step with the same input "
+                             "shapes; stages must have shapes determined by the input shapes")

@@ -1,0 +1,301 @@
+"""Pipeline schedules as data: per-rank lists of actions, built by a function, then validated.
+
+Vocabulary. ``p`` pipeline ranks, ``v`` virtual stages (model chunks) per rank, ``S = v*p``
+stages, ``m`` micro-batches. Stage ``s`` lives on pp rank ``s % p`` (rank ``r`` holds stages
+``r, r+p, ..., r+(v-1)p``), so activations always flow to the next rank (wrapping from ``p-1``
+to ``0`` between chunks) and gradients to the previous one.
+
+Compute actions (``Action.kind``):
+
+- ``F``  forward of (stage, micro-batch); on the last stage it includes the loss.
+- ``B``  full backward: input gradient and weight gradient together.
+- ``I``  input-gradient half of a split backward (the zero-bubble "B").
+- ``W``  weight-gradient half of a split backward; runs any time after its ``I``.
+
+Communication actions, inserted by :func:`lower` (never written by hand):
+
+- ``SEND_F`` (stage s) sends s's output activation to the rank of s+1; ``RECV_F`` (stage s)
+  receives s's input from the rank of s-1.
+- ``SEND_B`` (stage s) sends the gradient of s's input to the rank of s-1; ``RECV_B``
+  (stage s) receives the gradient of s's output from the rank of s+1.
+
+``lower`` places every send right after the compute that produces it and every receive one
+compute action *before* the compute that consumes it, so the transfer runs while that compute
+runs. Why this cannot deadlock: sends and receives are all asynchronous (posting never blocks)
+and the executor blocks only when a compute action needs a received tensor; messages on each
+ordered rank pair (src, dst) are received in exactly the order src sends them (``lower`` posts
+a receive early enough that every receive earlier in that pair's send order is posted before
+it), which is the matching rule of both NCCL and gloo. So a rank waits only for data that some
+compute action on another rank produces, and :func:`overlap.pp.check.validate` simulates the
+per-rank orders to prove that every such wait is eventually satisfied (no cycle), before any
+rank runs the schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+__all__ = ["Action", "PipelineSchedule", "build_schedule", "SCHEDULES", "lower", "stage_rank",
+           "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "COMPUTE_KINDS", "COMM_KINDS"]
+
+COMPUTE_KINDS = ("F", "B", "I", "W")
+COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Action:
+    """One step of a rank's program. ``peer`` is the pp rank at the other end (comm only)."""
+
+    kind: str
+    stage: int
+    microbatch: int
+    peer: int | None = None
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE_KINDS
+
+    def __str__(self) -> str:
+        if self.is_compute:
+            return f"{self.kind}{self.microbatch}s{self.stage}"
+        arrow = "->" if self.kind.startswith("SEND") else "<-"
+        return f"{self.kind}{self.microbatch}s{self.stage}{arrow}{self.peer}"
+
+
+def stage_rank(stage: int, pp_size: int) -> int:
+    """The pp rank that owns ``stage`` (looping placement)."""
+    return stage % pp_size
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PipelineSchedule:
+    """A validated schedule: ``actions[r]`` is pp rank r's program (compute and comm)."""
+
+    name: str
+    pp_size: int
+    num_virtual: int
+    num_microbatches: int
+    actions: tuple[tuple[Action, ...], ...]
+    peak_live_activations: tuple[int, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp_size * self.num_virtual
+
+    @property
+    def split_backward(self) -> bool:
+        return any(a.kind == "I" for a in self.actions[0])
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [rank + j * self.pp_size for j in range(self.num_virtual)]
+
+    def compute_actions(self, rank: int) -> list[Action]:
+        return [a for a in self.actions[rank] if a.is_compute]
+
+    def table(self, *, with_comm: bool = False) -> str:
+        """One line per rank listing its program, e.g. ``r0: F0s0 F1s0 B0s0 ...``."""
+        from overlap.pp.check import render_table
+
+        return render_table(self, with_comm=with_comm)
+
+    def diagram(self, costs: dict[str, float] | None = None) -> str:
+        """ASCII timeline of the simulated run (unit costs by default), idle shown as ``.``."""
+        from overlap.pp.check import render_timeline, simulate
+
+        return render_timeline(simulate(self, costs))
+
+
+# --------------------------------------------------------------------------- builders
+# Each returns compute actions only: list (per pp rank) of list of Action.
+
+def gpipe(pp_size: int, num_microbatches: int, num_virtual: int = 1) -> list[list[Action]]:
+    """All forwards, then all backwards: peak live activations = m on every rank."""
+    p, m = pp_size, num_microbatches
+    return [[Action("F", r, i) for i in range(m)] + [Action("B", r, i) for i in range(m)]
+            for r in range(p)]
+
+
+def one_f_one_b(pp_size: int, num_microbatches: int, num_virtual: int = 1) -> list[list[Action]]:
+    """p-r-1 warm-up forwards, then alternate F and B: peak live = p - r <= p on rank r."""
+    p, m = pp_size, num_microbatches
+    out = []
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        prog = [Action("F", r, i) for i in range(warm)]
+        for i in range(m - warm):
+            prog += [Action("F", r, warm + i), Action("B", r, i)]
+        prog += [Action("B", r, i) for i in range(m - warm, m)]
+        out.append(prog)
+    return out
+
+
+def interleaved_1f1b(pp_size: int, num_microbatches: int,
+                     num_virtual: int = 2) -> list[list[Action]]:
+    """Interleaved 1F1B (v chunks per rank, m a multiple of p).
+
+    Forward unit k (of m*v) on rank r runs chunk ``(k mod pv) div p`` for micro-batch
+    ``(k div pv)*p + k mod p``: groups of p micro-batches sweep through the chunks in order.
+    Backward units sweep the chunks in reverse. Rank r warms up with ``2(p-r-1) + (v-1)p``
+    forward units, then alternates, so its ideal bubble shrinks v-fold versus 1F1B.
+    """
+    p, m, v = pp_size, num_microbatches, num_virtual
+    if v == 1:
+        return one_f_one_b(p, m)
+    total = m * v
+
+    def unit(r: int, k: int, forward: bool) -> tuple[int, int]:
+        chunk = (k % (p * v)) // p
+        if not forward:
+            chunk = v - 1 - chunk
+        return chunk * p + r, (k // (p * v)) * p + k % p
+
+    out = []
+    for r in range(p):
+        warm = min(2 * (p - r - 1) + (v - 1) * p, total)
+        prog = [Action("F", *unit(r, k, True)) for k in range(warm)]
+        for i in range(total - warm):
+            prog += [Action("F", *unit(r, warm + i, True)), Action("B", *unit(r, i, False))]
+        prog += [Action("B", *unit(r, k, False)) for k in range(total - warm, total)]
+        out.append(prog)
+    return out
+
+
+def zb_h1(pp_size: int, num_microbatches: int, num_virtual: int = 1) -> list[list[Action]]:
+    """Zero-bubble H1: 1F1B's forward order with the backward split into I then W.
+
+    Rank r delays each W by r slots (W of micro-batch i runs after I of micro-batch i+r), so
+    every rank keeps p micro-batches in flight, the same peak as 1F1B on rank 0, while I passes
+    (the only backward work on the critical path) reach upstream ranks sooner; the delayed W
+    passes fill the tail. With equal F, I, W times the bubble is (p-1)/(3m + p-1) of the step
+    instead of 1F1B's (p-1)/(m + p-1).
+    """
+    p, m = pp_size, num_microbatches
+    out = []
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        prog = [Action("F", r, i) for i in range(warm)]
+        w_next = 0
+        for i in range(m):
+            if warm + i < m:
+                prog.append(Action("F", r, warm + i))
+            prog.append(Action("I", r, i))
+            if i - w_next >= r:
+                prog.append(Action("W", r, w_next))
+                w_next += 1
+        prog += [Action("W", r, i) for i in range(w_next, m)]
+        out.append(prog)
+    return out
+
+
+SCHEDULES: dict[str, Callable[..., list[list[Action]]]] = {
+    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b, "zb_h1": zb_h1,
+}
+
+
+# --------------------------------------------------------------------------- lowering
+
+def _messages(a: Action, num_stages: int) -> tuple[tuple | None, tuple | None]:
+    """(message this compute consumes, message it produces) as (kind, stage_of_receiver, mb)."""
+    s, mb = a.stage, a.microbatch
+    if a.kind == "F":
+        consumed = ("act", s, mb) if s > 0 else None
+        produced = ("act", s + 1, mb) if s < num_stages - 1 else None
+    elif a.kind in ("B", "I"):
+        consumed = ("grad", s, mb) if s < num_stages - 1 else None
+        produced = ("grad", s - 1, mb) if s > 0 else None
+    else:
+        consumed = produced = None
+    return consumed, produced
+
+
+def _msg_src_dst(msg: tuple, pp_size: int) -> tuple[int, int]:
+    kind, s, _ = msg
+    if kind == "act":
+        return stage_rank(s - 1, pp_size), stage_rank(s, pp_size)
+    return stage_rank(s + 1, pp_size), stage_rank(s, pp_size)
+
+
+def lower(compute: list[list[Action]], pp_size: int, num_stages: int) -> list[list[Action]]:
+    """Insert SEND/RECV actions (see the module docstring for the placement rule)."""
+    p = pp_size
+    # Send order of every channel (src, dst) = program order of the producers on src.
+    channel: dict[tuple[int, int], list[tuple]] = {}
+    for src in range(p):
+        for a in compute[src]:
+            msg = _messages(a, num_stages)[1]
+            if msg is not None:
+                s, d = _msg_src_dst(msg, p)
+                if s != d:
+                    channel.setdefault((s, d), []).append(msg)
+    out = []
+    for dst in range(p):
+        deadline = {}
+        for i, a in enumerate(compute[dst]):
+            msg = _messages(a, num_stages)[0]
+            if msg is not None:
+                deadline[msg] = i
+        post_at: dict[int, list[Action]] = {}
+        for (src, d), msgs in channel.items():
+            if d != dst:
+                continue
+            missing = [m_ for m_ in msgs if m_ not in deadline]
+            if missing:
+                raise ValueError(f"pp lower: rank {src} sends {missing[0]} to rank {dst}, "
+                                 "which never consumes it")
+            # One compute ahead of the consumer, but never after a later message of the
+            # same channel (the suffix minimum keeps receives in the channel's send order).
+            pos, positions = len(compute[dst]), []
+            for msg in reversed(msgs):
+                pos = min(pos, max(deadline[msg] - 1, 0))
+                positions.append(pos)
+            for msg, pos in zip(msgs, reversed(positions)):
+                kind = "RECV_F" if msg[0] == "act" else "RECV_B"
+                post_at.setdefault(pos, []).append(Action(kind, msg[1], msg[2], peer=src))
+        prog: list[Action] = []
+        for i, a in enumerate(compute[dst]):
+            prog += post_at.get(i, [])
+            prog.append(a)
+            msg = _messages(a, num_stages)[1]
+            if msg is not None:
+                src_, d = _msg_src_dst(msg, p)
+                if src_ != d:
+                    stage = msg[1] - 1 if msg[0] == "act" else msg[1] + 1
+                    kind = "SEND_F" if msg[0] == "act" else "SEND_B"
+                    prog.append(Action(kind, stage, msg[2], peer=d))
+        out.append(prog)
+    return out
+
+
+def build_schedule(name: str, *, pp_size: int, num_microbatches: int,
+                   num_virtual: int = 1) -> PipelineSchedule:
+    """Build, lower and validate a schedule; raises ValueError naming the bad argument."""
+    if name not in SCHEDULES:
+        raise ValueError(f"pp build_schedule: unknown schedule {name!r}; expected one of "
+                         f"{sorted(SCHEDULES)}")
+    for arg, val in (("pp_size", pp_size), ("num_microbatches", num_microbatches),
+                     ("num_virtual", num_virtual)):
+        if not isinstance(val, int) or val < 1:
+            raise ValueError(f"pp build_schedule({name}): {arg} must be a positive int, "
+                             f"got {val!r}")
+    if num_virtual > 1 and name != "interleaved_1f1b":
+        raise ValueError(f"pp build_schedule({name}): num_virtual={num_virtual} needs "
+                         "'interleaved_1f1b'; the other schedules run one chunk per rank")
+    if num_microbatches < pp_size:
+        raise ValueError(f"pp build_schedule({name}): num_microbatches={num_microbatches} must "
+                         f"be >= pp_size={pp_size}, else some stages idle the whole step")
+    if name == "interleaved_1f1b" and num_microbatches % pp_size:
+        raise ValueError(f"pp build_schedule({name}): num_microbatches={num_microbatches} must "
+                         f"be a multiple of pp_size={pp_size} (micro-batches sweep the chunks "
+                         f"in groups of pp_size)")
+    from overlap.pp.check import validate
+
+    compute = SCHEDULES[name](pp_size, num_microbatches, num_virtual)
+    num_stages = pp_size * num_virtual
+    actions = lower(compute, pp_size, num_stages)
+    peak = validate(actions, pp_size=pp_size, num_stages=num_stages,
+                    num_microbatches=num_microbatches, name=name)
+    return PipelineSchedule(name=name, pp_size=pp_size, num_virtual=num_virtual,
+                            num_microbatches=num_microbatches,
+                            actions=tuple(tuple(a) for a in actions),
+                            peak_live_activations=tuple(peak))
