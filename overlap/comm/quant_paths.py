@@ -1,0 +1,216 @@
+"""The bodies of the quantized collectives, one per (op, comm dtype), and their wire sizes.
+
+Called by ``overlap.comm.quant`` after validation; each runs inline or on a worker thread.
+Notation: n = group size, N = elements of the input, B = block size, m = elements per shard,
+L = ceil(m / B) * B (a shard padded to whole blocks), C = L + 4 L / B (bytes of one quantized
+shard on the wire: L int8 codes then L / B fp32 scales).
+
+INT8 all-reduce (two-shot; reduction in fp32, never in int8), m = ceil(N / n):
+    1. quantize x into n rows, row j = x[j*m : (j+1)*m]          send [n, C] bytes
+    2. all_to_all: row j goes to rank j                          recv [n, C]: my shard, from all
+    3. y = sum_r deq(recv[r]) in fp32 in rank order (/ n for avg); requantize y -> [C]
+    4. all_gather the requantized shards                        [n, C]
+    5. dequantize into x (cast to x's dtype)
+INT8 reduce-scatter: steps 1-3 with m = N / n, and y (cast) is the result.
+INT8 all-gather: quantize the local tensor (one row, m = N), all_gather, dequantize.
+BF16 (comm_dtype="bf16"): the same shapes with a bf16 cast (RNE) instead of quantize; sums in
+fp32 in rank order. None: the plain torch.distributed collective in the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from overlap.comm import quant_kernels as qk
+
+__all__ = ["int8_geometry", "wire_bytes", "stochastic_key", "int8_all_reduce",
+           "int8_reduce_scatter", "int8_all_gather", "bf16_all_reduce", "bf16_reduce_scatter",
+           "bf16_all_gather"]
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def int8_geometry(m: int, block: int) -> tuple[int, int]:
+    """(L, C) for a shard of m elements: padded length and bytes on the wire."""
+    L = -(-m // block) * block
+    return L, L + 4 * (L // block)
+
+
+def wire_bytes(op: str, numel: int, element_size: int, comm_dtype: str | None, world_size: int,
+               block_size: int) -> int:
+    """Bytes one rank sends to its peers for ``op`` on a tensor of ``numel`` elements.
+
+    INT8 and BF16 count what this module hands to all_to_all / all_gather (each peer's share);
+    ``None`` counts what a ring algorithm sends (nccl-tests' convention): 2(n-1)/n * bytes for
+    all-reduce, (n-1)/n * bytes of the full tensor for reduce-scatter and all-gather."""
+    n = world_size
+    if op not in ("all_reduce", "reduce_scatter", "all_gather"):
+        raise ValueError(f"wire_bytes: unknown op {op!r}")
+    m = {"all_reduce": -(-numel // n), "reduce_scatter": numel // n, "all_gather": numel}[op]
+    phases = 2 if op == "all_reduce" else 1
+    if comm_dtype == "int8":
+        return phases * (n - 1) * int8_geometry(m, block_size)[1]
+    if comm_dtype == "bf16":
+        return phases * (n - 1) * m * 2
+    if op == "all_reduce":
+        return 2 * (n - 1) * numel * element_size // n
+    full = numel if op == "reduce_scatter" else numel * n
+    return (n - 1) * full * element_size // n
+
+
+def stochastic_key(seed: int, rank: int, phase: int) -> int:
+    """Noise key of one quantization: distinct per seed, rank and phase, so ranks round
+    independently and the two quantizations of an all-reduce do too."""
+    return ((seed * 0x9E3779B1) ^ (rank * 0x85EBCA77) ^ (phase * 0xC2B2AE3D)) & 0x7FFFFFFF
+
+
+def _views(buf: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes [rows, L] and fp32 scales [rows, L/B] inside a [rows, C] byte buffer."""
+    return buf[:, :L].view(torch.int8), buf[:, L:].view(torch.float32)
+
+
+def _quantize_rows(p, n, m, block, stochastic, key, backend):
+    L, C = int8_geometry(m, block)
+    send = torch.empty(n, C, dtype=torch.uint8, device=p.device)
+    q, s = _views(send, L)
+    qk.quantize_into(p, q, s, block=block, flat_row=m, stochastic=stochastic, key=key,
+                     backend=backend)
+    return send
+
+
+def _local_residual(ef, p, send, m, block, backend):
+    # e' = p - deq(q(p)): what this rank's quantization dropped.
+    q, s = _views(send, int8_geometry(m, block)[0])
+    deq = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
+    qk.dequantize_into(q, s, deq, block=block, flat_row=m, backend=backend)
+    torch.sub(p, deq, out=ef.residual)
+
+
+def _compensated(x, ef):
+    return x.to(torch.float32) if ef is None else x.to(torch.float32) + ef.residual
+
+
+def _exchange_int8(x, group, rank, n, m, block, stochastic, seed, ef, backend):
+    p = x if ef is None else _compensated(x, ef)
+    send = _quantize_rows(p, n, m, block, stochastic, stochastic_key(seed, rank, 0), backend)
+    if ef is not None:
+        _local_residual(ef, p, send, m, block, backend)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def int8_all_reduce(x, group, rank, n, divisor, block, stochastic, seed, ef, backend):
+    """In place on the flat contiguous ``x``; see the module docstring for the phases."""
+    N = x.numel()
+    m = -(-N // n)
+    L, C = int8_geometry(m, block)
+    recv = _exchange_int8(x, group, rank, n, m, block, stochastic, seed, ef, backend)
+    q, s = _views(recv, L)
+    mine = torch.empty(1, C, dtype=torch.uint8, device=x.device)
+    q_out, s_out = _views(mine, L)
+    key = stochastic_key(seed, rank, 1)
+    if ef is None:
+        qk.dequant_reduce_into(q, s, block=block, divisor=divisor, q_out=q_out.view(-1),
+                               s_out=s_out.view(-1), stochastic=stochastic, key=key,
+                               index_base=rank * m, backend=backend)
+    else:
+        # The owner of a shard also carries the error of requantizing the reduced shard.
+        y = torch.empty(L, dtype=torch.float32, device=x.device)
+        qk.dequant_reduce_into(q, s, block=block, divisor=divisor, out=y, backend=backend)
+        y += ef.shard_residual_for(L)
+        qk.quantize_into(y, q_out, s_out, block=block, stochastic=stochastic, key=key,
+                         index_base=rank * m, backend=backend)
+        deq = torch.empty(L, dtype=torch.float32, device=x.device)
+        qk.dequantize_into(q_out, s_out, deq, block=block, backend=backend)
+        torch.sub(y, deq, out=ef.shard_residual)
+    gathered = torch.empty(n, C, dtype=torch.uint8, device=x.device)
+    _all_gather(gathered.view(-1), mine.view(-1), group=group)
+    q, s = _views(gathered, L)
+    out = x if x.dtype == torch.float32 else torch.empty(N, dtype=torch.float32, device=x.device)
+    qk.dequantize_into(q, s, out, block=block, flat_row=m, backend=backend)
+    if out is not x:
+        x.copy_(out)
+
+
+def int8_reduce_scatter(x, group, rank, n, divisor, block, stochastic, seed, ef, backend):
+    """Flat ``x`` of n*m elements -> this rank's reduced shard, fp32 [m]."""
+    m = x.numel() // n
+    L, _ = int8_geometry(m, block)
+    recv = _exchange_int8(x, group, rank, n, m, block, stochastic, seed, ef, backend)
+    q, s = _views(recv, L)
+    y = torch.empty(L, dtype=torch.float32, device=x.device)
+    qk.dequant_reduce_into(q, s, block=block, divisor=divisor, out=y, backend=backend)
+    return y[:m]
+
+
+def int8_all_gather(x, group, rank, n, block, stochastic, seed, backend):
+    """Flat ``x`` of m elements -> every rank's x, dequantized, fp32 [n * m]."""
+    m = x.numel()
+    L, _ = int8_geometry(m, block)
+    send = _quantize_rows(x, 1, m, block, stochastic, stochastic_key(seed, rank, 0), backend)
+    gathered = torch.empty(n, send.shape[1], dtype=torch.uint8, device=x.device)
+    _all_gather(gathered.view(-1), send.view(-1), group=group)
+    q, s = _views(gathered, L)
+    out = torch.empty(n * m, dtype=torch.float32, device=x.device)
+    qk.dequantize_into(q, s, out, block=block, flat_row=m, backend=backend)
+    return out
+
+
+def _bf16_exchange(x, group, n, m, ef):
+    p = _compensated(x, ef)
+    send = torch.zeros(n * m, dtype=torch.bfloat16, device=x.device)
+    send[: x.numel()] = p
+    if ef is not None:
+        torch.sub(p, send[: x.numel()].to(torch.float32), out=ef.residual)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.view(n, m)
+
+
+def _sum_rows_fp32(rows: torch.Tensor, divisor: float) -> torch.Tensor:
+    acc = rows[0].to(torch.float32)
+    for r in range(1, rows.shape[0]):  # rank order, one rounding per add
+        acc = acc + rows[r].to(torch.float32)
+    if divisor != 1:
+        acc = acc / torch.full_like(acc, float(divisor))
+    return acc
+
+
+def bf16_all_reduce(x, group, rank, n, divisor, ef):
+    """In place on the flat contiguous ``x``: bf16 on the wire, fp32 sums."""
+    N = x.numel()
+    m = -(-N // n)
+    acc = _sum_rows_fp32(_bf16_exchange(x, group, n, m, ef), divisor)
+    if ef is not None:
+        acc += ef.shard_residual_for(m)
+    mine = acc.to(torch.bfloat16)
+    if ef is not None:
+        torch.sub(acc, mine.to(torch.float32), out=ef.shard_residual)
+    gathered = torch.empty(n * m, dtype=torch.bfloat16, device=x.device)
+    _all_gather(gathered, mine, group=group)
+    x.copy_(gathered[:N])
+
+
+def bf16_reduce_scatter(x, group, rank, n, divisor, ef):
+    return _sum_rows_fp32(_bf16_exchange(x, group, n, x.numel() // n, ef), divisor)
+
+
+def bf16_all_gather(x, group, n):
+    gathered = torch.empty(n * x.numel(), dtype=torch.bfloat16, device=x.device)
+    _all_gather(gathered, x.to(torch.bfloat16), group=group)
+    return gathered
+
+
+def plain_reduce_scatter(x, group, n, avg):
+    out = torch.empty(x.numel() // n, dtype=x.dtype, device=x.device)
+    _reduce_scatter(out, x, op=dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def plain_all_gather(x, group, n):
+    out = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
+    _all_gather(out, x, group=group)
+    return out
