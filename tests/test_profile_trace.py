@@ -69,3 +69,21 @@ def test_metrics_of_a_real_trace_are_consistent(tmp_path):
         assert 0 <= m.exposed_fraction <= 1 and 0 <= m.hidden_fraction <= 1
         assert m.exposed_comm_s + m.hidden_comm_s == pytest.approx(m.comm_s)
         json.dumps(m.as_dict())
+
+
+def test_comm_wait_accounts_outermost_waits_once():
+    import time
+
+    from overlap.profile.timers import comm_wait, exposed_seconds, reset_exposed
+
+    reset_exposed()
+    with comm_wait("outer"):
+        time.sleep(0.02)
+        with comm_wait("inner"):  # nested: must not be counted twice
+            time.sleep(0.02)
+    took = exposed_seconds()
+    assert 0.04 <= took < 0.5
+    time.sleep(0.02)  # outside any wait: not counted
+    assert exposed_seconds() == took
+    reset_exposed()
+    assert exposed_seconds() == 0.0
