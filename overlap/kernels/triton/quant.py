@@ -77,7 +77,7 @@ def _dequant_tile(q, scale):
 @triton.jit(do_not_specialize=["numel", "flat_row", "key", "index_base"])
 def _quantize_kernel(x_ptr, numel, flat_row, total_blocks, blocks_per_row, q_ptr, q_stride,
                      s_ptr, s_stride, key, index_base, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-                     STOCHASTIC: tl.constexpr):
+                     STOCHASTIC: tl.constexpr, BF16_BITS: tl.constexpr):
     gb = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
     t = tl.arange(0, BLOCK)
     gmask = gb < total_blocks
@@ -86,7 +86,13 @@ def _quantize_kernel(x_ptr, numel, flat_row, total_blocks, blocks_per_row, q_ptr
     j = (b * BLOCK)[:, None] + t[None, :]
     e = (r * flat_row)[:, None] + j
     valid = gmask[:, None] & (j < flat_row) & (e < numel)
-    x = tl.load(x_ptr + e, mask=valid, other=0.0).to(tl.float32)
+    if BF16_BITS:
+        # bf16 arrives as int16 bits and widens by a shift, as in quant.cuh: the interpreter's
+        # own bf16 -> fp32 cast gets subnormals wrong.
+        bits = tl.load(x_ptr + e, mask=valid, other=0).to(tl.uint16).to(tl.uint32) << 16
+        x = bits.to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(x_ptr + e, mask=valid, other=0.0).to(tl.float32)
     scale = _absmax_scale(x)
     tl.store(s_ptr + r * s_stride + b, scale, mask=gmask)
     q = _quantize_tile(x, scale, index_base + e, key, STOCHASTIC)
@@ -155,10 +161,11 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, block: i
     if total == 0:
         return
     grid = (triton.cdiv(total, _group(block)),)
-    _quantize_kernel[grid](x, x.numel(), flat_row, total, row_len // block, q,
-                           _row_stride(q, "q"), s, _row_stride(s, "s"), key, index_base,
-                           BLOCK=block, GROUP=_group(block), STOCHASTIC=stochastic,
-                           enable_fp_fusion=False)
+    bf16 = x.dtype == torch.bfloat16
+    _quantize_kernel[grid](x.view(torch.int16) if bf16 else x, x.numel(), flat_row, total,
+                           row_len // block, q, _row_stride(q, "q"), s, _row_stride(s, "s"), key,
+                           index_base, BLOCK=block, GROUP=_group(block), STOCHASTIC=stochastic,
+                           BF16_BITS=bf16, enable_fp_fusion=False)
 
 
 def dequantize_into(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, *, block: int,
