@@ -1,0 +1,437 @@
+"""GradReducer: bucketed, asynchronous data-parallel gradient reduction under the backward pass.
+
+Every parameter's ``.grad`` is a view into one flat buffer per dtype, laid out in buckets (see
+``overlap.dp.buckets``). A post-accumulate-grad hook counts the gradients of each bucket; the
+moment a bucket's last gradient is accumulated its collective is launched with ``async_op=True``
+and runs (on the backend's threads / NCCL stream) under the rest of the backward::
+
+    backward:  dL/dW_L ... [bucket 0 full] -> launch(0) ... [bucket 1 full] -> launch(1) ...
+    comm:                                     |--- reduce(0) ---|        |--- reduce(1) ---|
+    end of backward (autograd's final callback): finish() = launch the rest, wait for all
+
+**Where the wait happens.** On the first hook of a backward, a callback is queued on the
+autograd engine (``Variable._execution_engine.queue_callback``, as torch DDP does); it runs
+``finish()`` when the backward pass ends, so after ``loss.backward()`` returns the gradients are
+reduced. ``finish()`` may also be called explicitly (it is a no-op when there is nothing to do);
+call it after a backward in which this rank's loss touched no parameter at all.
+
+**Issue order.** Collectives on a group must be issued in the same order on every rank, so
+buckets launch strictly in index order: when bucket ``i`` becomes ready, every consecutive ready
+bucket from the first unlaunched one is launched.
+
+**Bucket order.** At first, reverse registration order (the backward roughly runs the forward
+backwards). After the first synchronising backward, the buckets are rebuilt in the order the
+gradients actually became ready *on DP rank 0* (broadcast over the DP group, so every rank
+agrees), the flat buffer is reallocated and the ``.grad`` views re-pointed (contents copied).
+
+**Unused parameters.** No graph traversal: at ``finish()`` every bucket not launched yet is
+launched, in index order; a parameter that got no gradient contributes its buffer contents
+(zero after ``zero_grad``), as torch DDP's ``find_unused_parameters`` does. Which parameters
+are unused may differ between ranks and between iterations. After the rebuild, parameters that
+were unused in the first iteration sit in the last buckets, so they delay little.
+
+**Average.** ``op="avg"`` divides each bucket by the DP size *before* a sum collective
+(gloo has no ReduceOp.AVG on every version, and pre-dividing keeps low-precision sums in range);
+dividing by a power of two is exact.
+
+**Sharded mode** (``shard=True``, used by ``ShardedOptimizer``): buckets are padded to a
+multiple of the DP size and reduced with a reduce-scatter, so DP rank ``r`` receives the summed
+slice ``r`` of each bucket in ``grad_shard(bucket)``; ``p.grad`` then holds this rank's local,
+unreduced gradient. The first synchronising iteration (before the rebuild) uses an all-reduce
+so the rebuilt layout can be filled.
+
+Shape legend: ``n_b`` padded elements of bucket b, ``dp`` DP size, ``r`` DP rank::
+
+    all-reduce:      g_b (n_b,)         = sum_ranks g_b^rank / dp      (op="avg")
+    reduce-scatter:  g_shard_b (n_b/dp) = sum_ranks g_b^rank[r*n_b/dp : (r+1)*n_b/dp] / dp
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import zlib
+from datetime import timedelta
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from overlap.dp import buckets as dp_comm
+from overlap.dp.buckets import Bucket, Layout, build_layout
+
+__all__ = ["GradReducer", "ReducerConfig", "IterationStats"]
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ReducerConfig:
+    """``bucket_cap_mb`` / ``first_bucket_cap_mb``: bucket byte caps in MiB (torch DDP's
+    defaults; 0 gives one parameter per bucket). ``comm_dtype``: None (the gradient dtype),
+    "bf16" or "int8" (through ``overlap.comm.quant``). ``op``: "avg" or "sum" over the DP group.
+    ``shard``: reduce-scatter for ``ShardedOptimizer``. ``rebuild_buckets``: re-order buckets
+    after the first iteration. ``broadcast_params``: copy DP rank 0's parameters at
+    construction (as DDP). ``timeout_s``: bound on every wait."""
+
+    bucket_cap_mb: float = 25.0
+    first_bucket_cap_mb: float = 1.0
+    comm_dtype: str | None = None
+    op: str = "avg"
+    shard: bool = False
+    rebuild_buckets: bool = True
+    broadcast_params: bool = True
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"GradReducer: {name} must be a number >= 0, got {v!r}")
+        if self.comm_dtype not in dp_comm.COMM_DTYPES:
+            raise ValueError(f"GradReducer: comm_dtype must be one of {dp_comm.COMM_DTYPES}, "
+                             f"got {self.comm_dtype!r}")
+        if self.op not in ("avg", "sum"):
+            raise ValueError(f"GradReducer: op must be 'avg' or 'sum', got {self.op!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"GradReducer: timeout_s must be > 0, got {self.timeout_s!r}")
+
+
+@dataclasses.dataclass(slots=True)
+class IterationStats:
+    """Timestamps (``time.perf_counter``) of the last synchronising iteration.
+
+    ``launch_times[b]``: when bucket b's collective was issued; ``launched_in_backward[b]``:
+    from a gradient hook (True) or from ``finish()`` (False); ``ready_times``: each gradient's
+    hook, in ready order; ``backward_end``: when ``finish()`` started; ``wait_s``: seconds
+    ``finish()`` spent waiting for collectives (communication not hidden by the backward)."""
+
+    launch_times: list[float] = dataclasses.field(default_factory=list)
+    launched_in_backward: list[bool] = dataclasses.field(default_factory=list)
+    ready_times: list[float] = dataclasses.field(default_factory=list)
+    backward_end: float | None = None
+    wait_s: float = 0.0
+
+
+class GradReducer:
+    """Data-parallel gradient reduction of ``module`` over ``dp_group``, overlapped with the
+    backward pass. Keyword options are the fields of ``ReducerConfig``.
+
+    Construction is collective over ``dp_group``: it checks that every rank has the same
+    parameters (count, shapes, dtypes) and, by default, broadcasts DP rank 0's values.
+    """
+
+    def __init__(self, module: nn.Module, *, dp_group: dist.ProcessGroup, **config) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"GradReducer: module must be an nn.Module, got "
+                            f"{type(module).__name__}")
+        if dp_group is None:
+            raise ValueError("GradReducer: dp_group is required (pass ParallelDims.dp_group or "
+                             "dist.group.WORLD explicitly)")
+        self.config = ReducerConfig(**config)
+        self.module = module
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group)
+        self.dp_rank = dist.get_rank(dp_group)
+        self.rank = dist.get_rank()
+        self._src = dist.get_global_rank(dp_group, 0)
+        self.params: list[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError(f"GradReducer: rank {self.rank}: module has no parameter that "
+                             "requires grad")
+        for p in self.params:
+            if p.is_sparse or p.layout != torch.strided:
+                raise TypeError(f"GradReducer: rank {self.rank}: only dense strided parameters "
+                                f"are supported, got layout {p.layout}")
+        self._check_same_params()
+        if self.config.broadcast_params and self.dp_size > 1:
+            self._broadcast_params()
+
+        self._sync = True
+        self._frozen = False
+        self._final = not (self.config.rebuild_buckets and self.dp_size > 1)
+        self._layout_listeners: list[Callable[[Layout, Layout], None]] = []
+        self.flat: dict[torch.dtype, torch.Tensor] = {}
+        self._grad_shard: dict[torch.dtype, torch.Tensor] = {}
+        self._views: list[torch.Tensor] = []
+        self._apply_layout(list(reversed(range(len(self.params)))), copy=False)
+        self.stats = IterationStats()
+        self._reset_iteration()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                       for i, p in enumerate(self.params)]
+        self._hooks.append(module.register_forward_pre_hook(self._forward_pre_hook))
+
+    # ---------------------------------------------------------------- public
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self._layout.buckets
+
+    def grad_shard(self, bucket: Bucket) -> torch.Tensor:
+        """Sharded mode: this rank's reduced slice of ``bucket``, shape (padded / dp,)."""
+        if not self.config.shard:
+            raise RuntimeError("GradReducer.grad_shard: the reducer was built with shard=False")
+        return self._grad_shard[bucket.dtype].narrow(0, bucket.offset // self.dp_size,
+                                                      bucket.padded // self.dp_size)
+
+    def finish(self) -> None:
+        """Launch every bucket not launched yet (in index order) and wait for all of them.
+
+        Runs automatically at the end of every synchronising backward; a no-op when nothing
+        happened since the last call, or inside ``no_sync()``."""
+        if not self._sync or not (self._active or self._forward_seen):
+            return
+        if self.stats.backward_end is None:
+            self.stats.backward_end = time.perf_counter()
+        self._active = False
+        self._forward_seen = False
+        while self._next < len(self.buckets):
+            self._launch(self._next, in_backward=False)
+            self._next += 1
+        t0 = time.perf_counter()
+        self._wait_all()
+        self.stats.wait_s = time.perf_counter() - t0
+        if not self._final and not self._frozen:
+            self._rebuild()
+        if self.config.shard and not self._final_at_launch:
+            self._fill_shards_from_full()
+        self._reset_iteration()
+
+    def reduce_now(self) -> float:
+        """Reduce the current gradient buffer right now (every bucket, then wait); returns the
+        seconds it took. Not for use during a backward. The bench uses it to time the
+        collectives alone."""
+        if self._active:
+            raise RuntimeError("GradReducer.reduce_now: called during a backward pass")
+        t0 = time.perf_counter()
+        self._reset_iteration()
+        for b in range(len(self.buckets)):
+            self._launch(b, in_backward=False)
+        self._wait_all()
+        self._reset_iteration()
+        return time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes run inside accumulate into the gradient buffer without any
+        communication; the first synchronising backward after it reduces the accumulated sum."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def zero_grad(self) -> None:
+        """Zero the flat gradient buffers (one memset per dtype) and re-attach the views."""
+        for buf in self.flat.values():
+            buf.zero_()
+        for p, view in zip(self.params, self._views):
+            p.grad = view
+
+    def freeze_layout(self) -> None:
+        """Never rebuild the buckets from now on (a ShardedOptimizer calls it at its first
+        step, when its state starts to depend on the layout)."""
+        self._frozen = True
+        self._final = True
+
+    def add_layout_listener(self, fn: Callable[[Layout, Layout], None]) -> None:
+        """``fn(old_layout, new_layout)`` runs after the buckets are rebuilt."""
+        self._layout_listeners.append(fn)
+
+    def close(self) -> None:
+        """Remove every hook this reducer installed."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # ---------------------------------------------------------------- hooks
+
+    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            self._on_grad_ready(i, p)
+        return hook
+
+    def _forward_pre_hook(self, module: nn.Module, args) -> None:
+        if torch.is_grad_enabled() and self._sync:
+            self._forward_seen = True
+        # optimizer.zero_grad(set_to_none=True) drops the views; a None grad is a zero grad.
+        for p, view in zip(self.params, self._views):
+            g = p.grad
+            if g is None:
+                view.zero_()
+                p.grad = view
+            elif g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+                p.grad = view
+
+    def _on_grad_ready(self, i: int, p: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if not (self._active or self._local):
+            self._start_backward()
+        view = self._views[i]
+        if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
+            # AccumulateGrad made a new tensor (the grad was None or replaced): it holds the
+            # whole logical gradient, so it becomes the view's contents.
+            view.copy_(p.grad)
+            p.grad = view
+        if self._local:
+            return
+        if self._fired[i]:
+            b = self._layout.param_bucket[i]
+            if b < self._next:
+                raise RuntimeError(
+                    f"GradReducer: rank {self.rank}: gradient of parameter {i} was accumulated "
+                    f"again after its bucket {b} was launched (a second backward through the "
+                    "same parameter before finish(); reentrant checkpointing is not supported)")
+            return
+        self._fired[i] = True
+        self._observed.append(i)
+        self.stats.ready_times.append(now)
+        b = self._layout.param_bucket[i]
+        self._missing[b] -= 1
+        if self._missing[b] == 0:
+            # Strict index order: a later bucket that is ready waits for the earlier ones.
+            while self._next < len(self.buckets) and self._missing[self._next] == 0:
+                self._launch(self._next, in_backward=True)
+                self._next += 1
+
+    def _start_backward(self) -> None:
+        engine = torch.autograd.Variable._execution_engine
+        if self._sync:
+            self._active = True
+            self.stats = IterationStats()
+            engine.queue_callback(self._backward_done)
+        else:
+            self._local = True
+            engine.queue_callback(self._local_done)
+
+    def _backward_done(self) -> None:
+        self.stats.backward_end = time.perf_counter()
+        self.finish()
+
+    def _local_done(self) -> None:
+        self._local = False
+        self._forward_seen = False
+
+    # ---------------------------------------------------------------- comm
+
+    def _launch(self, b: int, *, in_backward: bool) -> None:
+        bucket = self.buckets[b]
+        buf = self.flat[bucket.dtype].narrow(0, bucket.offset, bucket.padded)
+        if self.config.op == "avg" and self.dp_size > 1:
+            buf.div_(self.dp_size)
+        if self.config.shard and self._final:
+            self._works[b] = dp_comm.reduce_scatter_async(
+                self.grad_shard(bucket), buf, group=self.dp_group,
+                comm_dtype=self.config.comm_dtype)
+        else:
+            self._works[b] = dp_comm.all_reduce_async(buf, group=self.dp_group,
+                                                      comm_dtype=self.config.comm_dtype)
+        self._final_at_launch = self._final
+        self.stats.launch_times.append(time.perf_counter())
+        self.stats.launched_in_backward.append(in_backward)
+
+    def _wait_all(self) -> None:
+        timeout = timedelta(seconds=self.config.timeout_s)
+        for b, work in enumerate(self._works):
+            if work is None:
+                continue
+            try:
+                work.wait(timeout)
+            except RuntimeError as exc:
+                ranks = dist.get_process_group_ranks(self.dp_group)
+                raise RuntimeError(
+                    f"GradReducer: rank {self.rank}: bucket {b} of {len(self._works)} on DP "
+                    f"group {ranks} failed or did not finish within {self.config.timeout_s} s: "
+                    f"{exc}") from exc
+            self._works[b] = None
+
+    def _reset_iteration(self) -> None:
+        n = len(self.buckets)
+        self._active = False
+        self._local = False
+        self._forward_seen = False
+        self._next = 0
+        self._works: list = [None] * n
+        self._missing = [len(bk.params) for bk in self.buckets]
+        self._fired = [False] * len(self.params)
+        self._observed: list[int] = []
+        self._final_at_launch = self._final
+
+    # ---------------------------------------------------------------- layout
+
+    def _apply_layout(self, order: list[int], *, copy: bool) -> None:
+        cfg = self.config
+        layout = build_layout(order, self.params, cap_bytes=int(cfg.bucket_cap_mb * MiB),
+                              first_cap_bytes=int(cfg.first_bucket_cap_mb * MiB),
+                              pad_to=self.dp_size if cfg.shard else 1)
+        device = self.params[0].device
+        flat = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in layout.numel.items()}
+        views = []
+        for i, p in enumerate(self.params):
+            dt, off = layout.param_offset[i]
+            view = flat[dt].narrow(0, off, p.numel()).view(p.shape)
+            if copy:
+                view.copy_(self._views[i])
+            p.grad = view
+            views.append(view)
+        self.flat, self._views, self._layout = flat, views, layout
+        if cfg.shard:
+            self._grad_shard = {dt: torch.zeros(n // self.dp_size, dtype=dt, device=device)
+                                for dt, n in layout.numel.items()}
+
+    def _rebuild(self) -> None:
+        seen = set(self._observed)
+        order = self._observed + [i for i in reversed(range(len(self.params))) if i not in seen]
+        t = torch.tensor(order, dtype=torch.int64, device=self.params[0].device)
+        # Every rank must bucket identically: DP rank 0's observed order wins (as in DDP).
+        dist.broadcast(t, src=self._src, group=self.dp_group)
+        order = t.tolist()
+        self._final = True
+        if order != self._layout.order:
+            old = self._layout
+            self._apply_layout(order, copy=True)
+            for fn in self._layout_listeners:
+                fn(old, self._layout)
+
+    def _fill_shards_from_full(self) -> None:
+        for bucket in self.buckets:
+            off, n = bucket.shard(self.dp_size, self.dp_rank)
+            self.grad_shard(bucket).copy_(self.flat[bucket.dtype].narrow(0, off, n))
+
+    # ---------------------------------------------------------------- construction checks
+
+    def _check_same_params(self) -> None:
+        sig = ";".join(f"{tuple(p.shape)}:{p.dtype}:{p.device.type}" for p in self.params)
+        mine = torch.tensor([len(self.params), sum(p.numel() for p in self.params),
+                             zlib.crc32(sig.encode())], dtype=torch.int64)
+        every = torch.zeros(self.dp_size * 3, dtype=torch.int64)
+        dp_comm.all_gather_async(every, mine, group=self.dp_group).wait(
+            timedelta(seconds=self.config.timeout_s))
+        every = every.view(self.dp_size, 3)
+        if not bool((every == mine).all()):
+            ranks = dist.get_process_group_ranks(self.dp_group)
+            rows = {ranks[k]: every[k].tolist() for k in range(self.dp_size)}
+            raise ValueError(
+                f"GradReducer: rank {self.rank}: the DP replicas differ in their parameters "
+                f"(per rank [count, numel, crc32 of shapes/dtypes]: {rows}); expected every "
+                "rank of the DP group to hold the same module")
+
+    @torch.no_grad()
+    def _broadcast_params(self) -> None:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for ps in by_dtype.values():
+            flat = torch.cat([p.detach().reshape(-1) for p in ps])
+            dist.broadcast(flat, src=self._src, group=self.dp_group)
+            off = 0
+            for p in ps:
+                p.copy_(flat[off:off + p.numel()].view_as(p))
+                off += p.numel()
