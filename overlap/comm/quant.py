@@ -24,7 +24,7 @@ error of one quantization of a block with absmax M, every element i of block b s
                                              ~= S/127   (two quantizations of ~S/254 each)
 
 divided by n for "avg" (plus 2^-24 relative), plus the rounding of the result to t's dtype
-(2^-9 relative for bf16, 2^-12 for fp16). Non-finite inputs come back as NaN for those elements
+(2^-8 relative for bf16, 2^-11 for fp16). Non-finite inputs come back as NaN for those elements
 only (code -128); a sum that overflows fp32 comes back NaN (all-reduce) or Inf (reduce-scatter).
 An all-zero block is exact.
 """
