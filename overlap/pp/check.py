@@ -211,3 +211,4 @@ def render_timeline(sim: SimResult) -> str:
     fr = ", ".join(f"{f:.3f}" for f in sim.bubble_fractions)
     rows.append(f"makespan {sim.makespan:g}; bubble fraction per rank: {fr}")
     return "\n".join(rows)
+

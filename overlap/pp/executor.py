@@ -210,16 +210,20 @@ class _StepRun:
 
     # ------------------------------------------------------------------ communication
     def post(self, actions: list[Action]) -> None:
-        sends, recvs, recv_keys = [], [], []
+        sends, recvs, recv_keys, send_what = [], [], [], []
         for a in actions:
             s, mb = a.stage, a.microbatch
             if a.kind == "SEND_F":
                 t = self.outbox.pop(("act", s + 1, mb))
+                what = f"send of the activation of stage {s} micro-batch {mb}"
                 if self.header_mode:
                     sends.append((encode_header(t), a.peer))
+                    send_what.append(what.replace("send of the", "send of the shape of the"))
                 sends.append((t, a.peer))
+                send_what.append(what)
             elif a.kind == "SEND_B":
                 sends.append((self.outbox.pop(("grad", s - 1, mb)), a.peer))
+                send_what.append(f"send of the input gradient of stage {s} micro-batch {mb}")
             elif self.header_mode:
                 self.deferred[a.peer].append(a)
             else:
@@ -230,8 +234,17 @@ class _StepRun:
                               a.peer))
                 recv_keys.append(key)
         send_works, recv_works = self.p2p.post(sends, recvs)
-        for (t, peer), work in zip(sends, send_works):
-            self.sent.append((work, t, "send", peer))
+        # Drop finished sends so their buffers can be freed (1F1B's memory bound must hold);
+        # wait() on a completed work only surfaces its error, it does not block.
+        still = []
+        for entry in self.sent:
+            if entry[0].is_completed():
+                self.p2p.wait(entry[0], what=entry[2], peer=entry[3])
+            else:
+                still.append(entry)
+        self.sent = still
+        for (t, peer), work, what in zip(sends, send_works, send_what):
+            self.sent.append((work, t, what, peer))
         for key, (buf, peer), work in zip(recv_keys, recvs, recv_works):
             self.recvd[key] = (buf, work, peer)
 

@@ -1,0 +1,242 @@
+"""Pipeline schedules: step time and bubble fraction, overlap.pp vs torch.distributed.pipelining.
+
+    python -m bench.bench_pp                       # CPU: 2 gloo ranks, writes bench/results/pp.*
+    python -m bench.bench_pp --pp 4 --device cuda  # GPU: NCCL, one GPU per rank
+
+Both implementations run the same split GPT (same chunks, same micro-batches) in the same
+process group, one after the other, for the schedules both have (GPipe, 1F1B, interleaved
+1F1B); ZB-H1 is ours only. Columns:
+
+- ``step_ms``: median step time (forward + backward of all micro-batches), barrier-synced;
+  the two implementations alternate step by step so both see the same machine load.
+- ``bubble``: 1 - busy/window per rank, averaged over ranks (median over steps). The window
+  spans the earliest start to the latest end of the step over all ranks; busy is the time in
+  stage compute, excluding waits for received tensors. Ours comes from the executor's
+  timeline; torch's from probes around each chunk (forward pre/post, and backward from the
+  gradient reaching the chunk output to the last of: gradient reaching its input, last
+  parameter gradient accumulated).
+- ``bubble_ideal``: the schedule's simulated bubble with F=1, B=2 (I=W=1): (p-1)/(m+p-1),
+  (p-1)/(v*m+p-1), ZB-H1 (p-1)/(3m+p-1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from bench.runner import Table, Timing, time_fn
+from overlap.dist.launch import launch
+from overlap.models import GPT, GPTConfig, gpt_loss, pipeline_piece_costs
+from overlap.pp import Pipeline, build_schedule, pipeline_stages, simulate
+
+TORCH_NAMES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+               "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class BenchConfig:
+    pp: int = 2
+    microbatches: tuple[int, ...] = (4, 8)
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+    num_virtual: int = 2
+    microbatch_size: int = 4
+    seq_len: int = 64
+    d_model: int = 192
+    n_layer: int = 8
+    vocab_size: int = 512
+    warmup: int = 1
+    iters: int = 5
+    device: str = "cpu"
+    out: str = "bench/results/pp"
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        dev = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cpu")
+
+
+class _Probe(torch.autograd.Function):
+    """Identity whose backward logs the time gradient reaches it (start or end of a stage's
+    backward, depending on where it sits)."""
+
+    @staticmethod
+    def forward(ctx, x, log, tag):
+        ctx.log, ctx.tag = log, tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.append((ctx.tag, time.perf_counter()))
+        return grad, None, None
+
+
+class _Timed(torch.nn.Module):
+    """Wraps a chunk for torch.distributed.pipelining so its compute shows up on a timeline:
+    forward = [pre, post]; backward = [gradient reaches the output, last of (gradient reaches
+    the input, last parameter gradient accumulated)]."""
+
+    def __init__(self, inner: torch.nn.Module, log: list):
+        super().__init__()
+        self.inner, self.log = inner, log
+        self.handles = [q.register_post_accumulate_grad_hook(
+            lambda _q: log.append(("b_end", time.perf_counter()))) for q in inner.parameters()]
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def forward(self, x):
+        t0 = time.perf_counter()
+        if x.is_floating_point():
+            x = _Probe.apply(x, self.log, "b_end")
+        out = _Probe.apply(self.inner(x), self.log, "b_start")
+        self.log.append(("f", t0, time.perf_counter()))
+        return out
+
+
+def _busy(log: list) -> float:
+    busy, b_start, b_end = 0.0, None, None
+    for ev in log + [("f", 0.0, 0.0)]:
+        if ev[0] in ("f", "b_start") and b_start is not None:
+            busy += b_end - b_start
+            b_start = None
+        if ev[0] == "f":
+            busy += ev[2] - ev[1]
+        elif ev[0] == "b_start":
+            b_start = b_end = ev[1]
+        elif b_start is not None:
+            b_end = max(b_end, ev[1])
+    return busy
+
+
+def _bench_rank(cfg: BenchConfig) -> list[dict]:
+    from torch.distributed import pipelining
+
+    g, p = dist.group.WORLD, dist.get_world_size()
+    dev = _device()
+    sync = (lambda: (torch.cuda.synchronize(), dist.barrier())) if dev.type == "cuda" else (
+        lambda: dist.barrier())
+    torch.manual_seed(0)
+    gcfg = GPTConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, d_model=cfg.d_model,
+                     n_layer=cfg.n_layer, n_head=4)
+    model = GPT(gcfg).to(dev)
+    costs = pipeline_piece_costs(gcfg)
+    rows = []
+    for m in cfg.microbatches:
+        batch = m * cfg.microbatch_size
+        gen = torch.Generator().manual_seed(m)
+        idx = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=gen).to(dev)
+        tgt = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=gen).to(dev)
+        for name in cfg.schedules:
+            v = cfg.num_virtual if name == "interleaved_1f1b" else 1
+            if m < p or (v > 1 and m % p):
+                continue
+            stages = pipeline_stages(model, pp_group=g, num_virtual=v, costs=costs)
+            sched = build_schedule(name, pp_size=p, num_microbatches=m, num_virtual=v)
+            pipe = Pipeline(stages, sched, loss_fn=gpt_loss, pp_group=g, timeout=300)
+            runs = {"overlap": ([], [])}  # impl -> (Timing samples, (start, end, busy))
+
+            def ours():
+                model.zero_grad(set_to_none=True)
+                tl = pipe.step(idx, tgt).timeline
+                runs["overlap"][1].append((tl.start, tl.end, tl.busy))
+
+            steps = {"overlap": ours}
+            if name in TORCH_NAMES:
+                log: list = []
+                theirs = [pipelining.PipelineStage(_Timed(s.module, log), s.stage_index,
+                                                   p * v, dev, group=g) for s in stages]
+                tsched = getattr(pipelining, TORCH_NAMES[name])(
+                    theirs if v > 1 else theirs[0], m, loss_fn=gpt_loss)
+                has_first = any(s.is_first for s in stages)
+                has_last = any(s.is_last for s in stages)
+                runs["torch.pipelining"] = ([], [])
+
+                def torch_step():
+                    model.zero_grad(set_to_none=True)
+                    log.clear()
+                    kw = {"target": tgt, "losses": []} if has_last else {}
+                    t0 = time.perf_counter()
+                    tsched.step(idx, **kw) if has_first else tsched.step(**kw)
+                    runs["torch.pipelining"][1].append((t0, time.perf_counter(), _busy(log)))
+
+                steps["torch.pipelining"] = torch_step
+            # Alternate the implementations step by step so both see the same machine load.
+            for it in range(cfg.warmup + cfg.iters):
+                for impl, fn in steps.items():
+                    sample = time_fn(fn, warmup=0, iters=1, sync=sync).samples[0]
+                    if it >= cfg.warmup:
+                        runs[impl][0].append(sample)
+            if name in TORCH_NAMES:
+                for st in theirs:
+                    st.submod.close()
+            for impl, (samples, spans) in runs.items():
+                gathered: list = [None] * p
+                dist.all_gather_object(gathered, spans[cfg.warmup:])
+                bubbles = []
+                for i in range(cfg.iters):
+                    per_rank = [gathered[r][i] for r in range(p)]
+                    window = max(e for _, e, _ in per_rank) - min(s for s, _, _ in per_rank)
+                    bubbles.append(statistics.mean(1 - b / window for _, _, b in per_rank))
+                t = Timing(samples)
+                rows.append(dict(impl=impl, schedule=name, p=p, v=v, m=m, step_s=t.median,
+                                 spread=t.spread, bubble=statistics.median(bubbles),
+                                 bubble_ideal=simulate(sched).bubble_fraction))
+    return rows
+
+
+def main(cfg: BenchConfig) -> None:
+    backend = "nccl" if cfg.device == "cuda" else "gloo"
+    rows = launch(_bench_rank, cfg.pp, args=(cfg,), backend=backend, timeout=3600,
+                  preload=["torch.distributed.pipelining"])[0]
+    notes = [
+        f"GPT d_model={cfg.d_model} n_layer={cfg.n_layer} vocab={cfg.vocab_size} "
+        f"seq_len={cfg.seq_len}, micro-batch size {cfg.microbatch_size}, fp32, split by "
+        f"FLOP cost; {cfg.pp} ranks on {cfg.device} ({backend}), 1 thread per rank; "
+        f"median of {cfg.iters} steps after {cfg.warmup} warm-up, implementations alternating.",
+        "bubble: 1 - busy/window per rank (compute time on the rank's timeline, excluding "
+        "waits for data), mean over ranks; bubble_ideal: simulated with F=1, B=2 (I=W=1).",
+        "Command: python -m bench.bench_pp" + "".join(
+            f" --{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}"
+            for k, v in dataclasses.asdict(cfg).items() if v != getattr(BenchConfig(), k)),
+    ]
+    table = Table("Pipeline schedules: overlap.pp vs torch.distributed.pipelining",
+                  ["schedule", "p", "v", "m", "impl", "step_ms", "spread", "bubble",
+                   "bubble_ideal", "speedup_vs_torch"], notes=notes)
+    torch_ms = {(r["schedule"], r["m"]): r["step_s"] for r in rows
+                if r["impl"] == "torch.pipelining"}
+    for r in rows:
+        base = torch_ms.get((r["schedule"], r["m"]))
+        table.add(schedule=r["schedule"], p=r["p"], v=r["v"], m=r["m"], impl=r["impl"],
+                  step_ms=1e3 * r["step_s"], spread=r["spread"], bubble=r["bubble"],
+                  bubble_ideal=r["bubble_ideal"],
+                  speedup_vs_torch="-" if base is None else base / r["step_s"])
+    paths = table.write(cfg.out)
+    with open(paths[1]) as f:
+        print(f.read())
+
+
+def _parse() -> BenchConfig:
+    defaults = BenchConfig()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for f in dataclasses.fields(BenchConfig):
+        val = getattr(defaults, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(val, tuple):
+            ap.add_argument(flag, nargs="+", type=type(val[0]), default=val)
+        else:
+            ap.add_argument(flag, type=type(val), default=val)
+    ns = vars(ap.parse_args())
+    return BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in ns.items()})
+
+
+if __name__ == "__main__":
+    main(_parse())
