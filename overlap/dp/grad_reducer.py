@@ -150,8 +150,9 @@ class GradReducer:
             self._broadcast_params()
 
         self._sync = True
+        self._sync_if: Callable[[], bool] | None = None
         self._frozen = False
-        self._final = not (self.config.rebuild_buckets and self.dp_size > 1)
+        self._final = not self.config.rebuild_buckets
         self._layout_listeners: list[Callable[[Layout, Layout], None]] = []
         self.flat: dict[torch.dtype, torch.Tensor] = {}
         self._grad_shard: dict[torch.dtype, torch.Tensor] = {}
@@ -226,6 +227,12 @@ class GradReducer:
             yield
         finally:
             self._sync = old
+
+    def sync_if(self, predicate: Callable[[], bool] | None) -> None:
+        """``predicate()`` is asked at the first gradient hook of every backward; False makes
+        that backward accumulate locally, as inside ``no_sync()``. A pipeline schedule passes
+        ``lambda: stage.last_backward`` so only a stage's last micro-batch backward reduces."""
+        self._sync_if = predicate
 
     def zero_grad(self) -> None:
         """Zero the flat gradient buffers (one memset per dtype) and re-attach the views."""
@@ -303,7 +310,7 @@ class GradReducer:
 
     def _start_backward(self) -> None:
         engine = torch.autograd.Variable._execution_engine
-        if self._sync:
+        if self._sync and (self._sync_if is None or self._sync_if()):
             self._active = True
             self.stats = IterationStats()
             engine.queue_callback(self._backward_done)
