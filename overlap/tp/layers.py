@@ -1,0 +1,351 @@
+"""Drop-in tensor-parallel linear layers: ColumnParallelLinear and RowParallelLinear.
+
+Shape legend: ``tp`` size of the TP group, ``K`` in_features, ``N`` out_features, ``b`` batch,
+``t`` sequence, ``...`` any leading dims. Weights keep the ``nn.Linear`` layout [out, in]; the
+fused ops take ``w`` as [K, N], so the layers pass ``weight.t()``. Suffixes name the sharding:
+``_shard_n`` split over the output features, ``_shard_k`` over the input features, ``_shard_s``
+over the sequence: dim ``sequence_dim`` of a 3-D input (1: batch-first (b, t, K), the default,
+as in Hugging Face and overlap's GPT; 0: sequence-first (t, b, K), Megatron's layout), dim 0 of
+a 2-D (M, K) input.
+
+A column layer followed by a row layer is one TP region (attention: q/k/v column, o row; MLP:
+fc1 column, fc2 row). Between regions the activations are replicated (sequence_parallel=False)
+or sharded along the sequence (sequence_parallel=True, so norms and dropout run on 1/tp of the
+tokens). Every layer takes its group explicitly: ``tp_group=`` or ``dims=`` (a built
+ParallelDims); there is no default group.
+
+Both layers are built either fresh (``ColumnParallelLinear(K, N, ...)``: a full ``nn.Linear``
+is created with the current RNG, exactly as the unsharded layer would be, then sliced, so the
+same seed on every rank gives the shards of the same full weight) or from an existing module
+(``from_linear``: ``nn.Linear`` or Hugging Face ``Conv1D``). ``full_state_dict()`` gathers the
+unsharded parameters back (collective) in the source module's layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from overlap.tp import sharding
+from overlap.tp.regions import (all_reduce_async, copy_to_tp, gather_from_tp, scatter_to_tp,
+                                wait)
+from overlap.tp.sharding import ShardSpec
+
+__all__ = ["TPModule", "ColumnParallelLinear", "RowParallelLinear", "resolve_tp_group",
+           "linear_weight", "BACKENDS"]
+
+BACKENDS = ("auto", "chunked", "symmetric", "triton")
+
+
+def resolve_tp_group(op: str, tp_group, dims):
+    """The TP group from exactly one of ``tp_group=`` / ``dims=`` (a built ParallelDims)."""
+    if (tp_group is None) == (dims is None):
+        raise TypeError(f"{op}: pass exactly one of tp_group= or dims= (got "
+                        f"tp_group={tp_group!r}, dims={dims!r}); there is no default group")
+    if dims is not None:
+        if getattr(dims, "tp_group", None) is None:
+            raise ValueError(f"{op}: dims has no tp_group; build it with ParallelDims.build()")
+        return dims.tp_group
+    return tp_group
+
+
+def linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """(weight, bias, transposed) of an ``nn.Linear`` ([out, in]) or an HF ``Conv1D``
+    ([in, out], transposed=True). TypeError for anything else."""
+    if isinstance(module, nn.Linear):
+        return module.weight, module.bias, False
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        return module.weight, getattr(module, "bias", None), True
+    raise TypeError(f"expected nn.Linear or transformers Conv1D, got {type(module).__name__}")
+
+
+def _fused_ops():
+    # The fused ops live in overlap.tp.ops; imported lazily so that building a model does not
+    # pull in Triton.
+    from overlap.tp import ops
+
+    return ops
+
+
+class TPModule(nn.Module):
+    """Base of every TP layer: owns ``tp_group`` and one ShardSpec per parameter."""
+
+    tp_group = None
+    shard_specs: dict[str, ShardSpec]
+
+    def _init_group(self, op: str, tp_group, dims) -> None:
+        self.tp_group = resolve_tp_group(op, tp_group, dims)
+        self.tp_size = dist.get_world_size(self.tp_group)
+        self.tp_rank = dist.get_rank(self.tp_group)
+
+    def full_state_dict(self, prefix: str = "", *, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Unsharded parameters (or their gradients, zeros where None) keyed like the source
+        module's state dict. Collective over ``tp_group``."""
+        out = {}
+        for name, p in self.named_parameters(recurse=False):
+            local = p if not grads else (p.grad if p.grad is not None else torch.zeros_like(p))
+            out[prefix + name] = sharding.gather(local, self.shard_specs[name],
+                                                 group=self.tp_group)
+        return out
+
+    def _set_params(self, weight_full: torch.Tensor, bias_full: torch.Tensor | None,
+                    w_spec: ShardSpec, b_spec: ShardSpec | None) -> None:
+        self.shard_specs = {"weight": w_spec}
+        self.weight = nn.Parameter(sharding.shard(weight_full, w_spec, self.tp_rank,
+                                                  self.tp_size))
+        if bias_full is None:
+            self.register_parameter("bias", None)
+        else:
+            self.shard_specs["bias"] = b_spec
+            self.bias = nn.Parameter(sharding.shard(bias_full, b_spec, self.tp_rank,
+                                                    self.tp_size))
+
+    def _seq_dim(self, x: torch.Tensor) -> int:
+        return self.sequence_dim if x.dim() == 3 else 0
+
+    def _check_input(self, x: torch.Tensor, want_k: int) -> None:
+        if x.dim() < 1 or x.shape[-1] != want_k:
+            raise ValueError(f"{type(self).__name__}: input last dim must be {want_k} on tp rank "
+                             f"{self.tp_rank}, got shape {tuple(x.shape)}")
+        if self.sequence_parallel and x.dim() not in (2, 3):
+            raise ValueError(f"{type(self).__name__}: sequence_parallel needs (M, K) or "
+                             f"(b, t, K) input on tp rank {self.tp_rank}, got {tuple(x.shape)}")
+
+
+class _ColumnLinearAllReduceDgrad(torch.autograd.Function):
+    """y_shard_n = x @ w_shard_n.T + b_shard_n with x replicated; backward all-reduces dx
+    asynchronously and computes the weight gradient while it is in flight."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = work = None
+        if ctx.needs_input_grad[0]:
+            dx = dy.matmul(weight)
+            # Launch first: the all-reduce of dgrad runs while wgrad is computed below.
+            work = all_reduce_async(dx, group=ctx.group)
+        dw = db = None
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if ctx.needs_input_grad[1]:
+            dw = dy2.t().matmul(x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        if work is not None:
+            wait(work, op="ColumnParallelLinear dgrad all_reduce", group=ctx.group)
+        return dx, dw, db, None
+
+
+class _Linear(TPModule):
+    """Shared construction for the two linear layers (``_split`` says which dim is sharded)."""
+
+    _split: str  # "out" or "in"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 tp_group=None, dims=None, sequence_parallel: bool = False,
+                 sequence_dim: int = 1, backend: str = "auto", chunks: int | None = None,
+                 parts: int = 1, device=None, dtype=None, **options):
+        super().__init__()
+        self._configure(tp_group, dims, sequence_parallel, sequence_dim, backend, chunks, parts,
+                        options)
+        # Same RNG draws as nn.Linear(in, out): the shards of the same full weight on every rank.
+        full = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._load(full.weight, full.bias, transposed=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, *, tp_group=None, dims=None,
+                    sequence_parallel: bool = False, sequence_dim: int = 1,
+                    backend: str = "auto", chunks: int | None = None, parts: int = 1,
+                    **options):
+        """Shard an existing ``nn.Linear`` or HF ``Conv1D`` (its values; the source module is
+        left unchanged). ``parts``: the output dim is that many equal blocks to shard
+        separately (fused qkv: parts=3; column layers only)."""
+        try:
+            weight, bias, transposed = linear_weight(linear)
+        except TypeError as exc:
+            raise TypeError(f"{cls.__name__}.from_linear: {exc}") from None
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._configure(tp_group, dims, sequence_parallel, sequence_dim, backend, chunks, parts,
+                        options)
+        self._load(weight, bias, transposed=transposed)
+        return self
+
+    def _configure(self, tp_group, dims, sequence_parallel, sequence_dim, backend, chunks, parts,
+                   options):
+        name = type(self).__name__
+        self._init_group(name, tp_group, dims)
+        if backend not in BACKENDS:
+            raise ValueError(f"{name}: backend must be one of {BACKENDS}, got {backend!r}")
+        if not isinstance(parts, int) or parts < 1 or (parts > 1 and self._split == "in"):
+            raise ValueError(f"{name}: parts must be a positive int (and 1 for a row layer), "
+                             f"got {parts!r}")
+        if sequence_dim not in (0, 1):
+            raise ValueError(f"{name}: sequence_dim must be 1 (batch-first (b, t, K)) or 0 "
+                             f"(sequence-first (t, b, K)), got {sequence_dim!r}")
+        self.sequence_parallel, self.backend, self.chunks = bool(sequence_parallel), backend, chunks
+        self.sequence_dim = sequence_dim
+        self.parts = parts
+        for key, value in options.items():
+            setattr(self, key, bool(value))
+
+    def _load(self, weight: torch.Tensor, bias: torch.Tensor | None, *, transposed: bool):
+        name = type(self).__name__
+        out_f, in_f = (weight.shape[1], weight.shape[0]) if transposed else weight.shape
+        self.in_features, self.out_features = int(in_f), int(out_f)
+        n = out_f if self._split == "out" else in_f
+        tp = self.tp_size
+        if n % self.parts or n // self.parts < tp:
+            raise ValueError(f"{name}: {self._split}_features={n} must be {self.parts} equal "
+                             f"parts of at least tp={tp} features each (rank {dist.get_rank()})")
+        if self.parts > 1 and (n // self.parts) % tp:
+            raise ValueError(f"{name}: each of the {self.parts} parts ({n // self.parts} "
+                             f"features) must be divisible by tp={tp} (rank {dist.get_rank()})")
+        sizes = sharding.shard_sizes(n, tp)
+        uneven = tuple(sizes) if len(set(sizes)) > 1 else None
+        if uneven and self._split == "in":
+            # The row input comes from a column layer split evenly, and the fused ops need
+            # every rank's w to have the same shape.
+            raise ValueError(f"{name}: in_features={n} must be divisible by tp={tp} "
+                             f"(rank {dist.get_rank()})")
+        self.local_sizes = sizes
+        dim = 0 if self._split == "out" else 1
+        w_spec = ShardSpec(dim=dim, parts=self.parts, sizes=uneven, transpose=transposed)
+        b_spec = (ShardSpec(dim=0, parts=self.parts, sizes=uneven) if self._split == "out"
+                  else ShardSpec(dim=None))
+        self._set_params(weight, bias, w_spec, b_spec)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"local_weight={tuple(self.weight.shape)}, bias={self.bias is not None}, "
+                f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}, "
+                f"backend={self.backend}")
+
+
+class ColumnParallelLinear(_Linear):
+    """y = x @ W.T + b with W [N, K] split over its output features: weight_shard_n [N/tp, K].
+
+    sequence_parallel=False: x (..., K) replicated on every rank.
+      forward  y_shard_n = x @ w_shard_n.T + b_shard_n
+      dgrad    dx        = all_reduce(dy_shard_n @ w_shard_n)   (async, overlaps wgrad)
+      wgrad    dw_shard_n = dy_shard_n.T @ x
+    sequence_parallel=True: x_shard_s (b, t/tp, K) (or (M/tp, K)), via all_gather_matmul.
+      forward  y_shard_n  = all_gather_s(x_shard_s) @ w_shard_n.T + b_shard_n   (b, t, N/tp)
+      dgrad    dx_shard_s = reduce_scatter_s(dy_shard_n @ w_shard_n)
+      wgrad    dw_shard_n = dy_shard_n.T @ all_gather_s(x_shard_s)
+    gather_output=True returns y = all_gather(y_shard_n, dim -1) (..., N) instead (for a
+    head whose loss wants full logits); its backward keeps this rank's columns of dy.
+
+    ``parts`` > 1 shards each of ``parts`` equal output blocks separately (fused [q; k; v]).
+    N not divisible by tp (parts=1) gives uneven shards (first N % tp ranks one larger).
+    """
+
+    _split = "out"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 tp_group=None, dims=None, gather_output: bool = False,
+                 sequence_parallel: bool = False, sequence_dim: int = 1,
+                 backend: str = "auto", chunks: int | None = None, parts: int = 1,
+                 device=None, dtype=None):
+        super().__init__(in_features, out_features, bias, tp_group=tp_group, dims=dims,
+                         sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                         backend=backend, chunks=chunks, parts=parts, device=device,
+                         dtype=dtype, gather_output=gather_output)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, *, tp_group=None, dims=None,
+                    gather_output: bool = False, sequence_parallel: bool = False,
+                    sequence_dim: int = 1, backend: str = "auto", chunks: int | None = None,
+                    parts: int = 1):
+        return super().from_linear(linear, tp_group=tp_group, dims=dims,
+                                   sequence_parallel=sequence_parallel,
+                                   sequence_dim=sequence_dim, backend=backend, chunks=chunks,
+                                   parts=parts, gather_output=gather_output)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x, self.in_features)
+        if self.tp_size == 1:
+            y = F.linear(x, self.weight, self.bias)
+        elif self.sequence_parallel:
+            w, n_local = self.weight.t(), self.weight.shape[0]
+            pad = max(self.local_sizes) - n_local
+            if pad:  # uneven vocab: the fused op needs one w shape on every rank
+                w = F.pad(w, (0, pad))
+            y = _fused_ops().all_gather_matmul(x, w, group=self.tp_group, backend=self.backend,
+                                               chunks=self.chunks, seq_dim=self._seq_dim(x))
+            if pad:
+                y = y[..., :n_local]
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = _ColumnLinearAllReduceDgrad.apply(x, self.weight, self.bias, self.tp_group)
+        if self.gather_output:
+            sizes = None if len(set(self.local_sizes)) == 1 else self.local_sizes
+            y = gather_from_tp(y, -1, group=self.tp_group, sizes=sizes)
+        return y
+
+
+class RowParallelLinear(_Linear):
+    """y = x @ W.T + b with W [N, K] split over its input features: weight_shard_k [N, K/tp];
+    the bias is replicated and added once, after the reduction.
+
+    input_is_parallel=True: x_shard_k (..., K/tp) is the output of a column layer.
+    input_is_parallel=False: x (..., K) is replicated and this layer keeps its K/tp columns
+    (backward all-gathers dx).
+    sequence_parallel=False, via matmul_all_reduce:
+      forward  y          = all_reduce(x_shard_k @ w_shard_k.T) + b        (..., N) replicated
+      dgrad    dx_shard_k = dy @ w_shard_k
+      wgrad    dw_shard_k = dy.T @ x_shard_k ;  db = sum(dy)
+    sequence_parallel=True, via matmul_reduce_scatter (x_shard_k (b, t, K/tp)):
+      forward  y_shard_s  = reduce_scatter_s(x_shard_k @ w_shard_k.T) + b  (b, t/tp, N)
+      dgrad    dx_shard_k = all_gather_s(dy_shard_s) @ w_shard_k
+      wgrad    dw_shard_k = all_gather_s(dy_shard_s).T @ x_shard_k
+               db         = all_reduce(sum(dy_shard_s))   (each rank saw only its tokens)
+    """
+
+    _split = "in"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 tp_group=None, dims=None, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False, sequence_dim: int = 1,
+                 backend: str = "auto", chunks: int | None = None, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias, tp_group=tp_group, dims=dims,
+                         sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                         backend=backend, chunks=chunks, device=device, dtype=dtype,
+                         input_is_parallel=input_is_parallel)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, *, tp_group=None, dims=None,
+                    input_is_parallel: bool = True, sequence_parallel: bool = False,
+                    sequence_dim: int = 1, backend: str = "auto", chunks: int | None = None):
+        return super().from_linear(linear, tp_group=tp_group, dims=dims,
+                                   sequence_parallel=sequence_parallel,
+                                   sequence_dim=sequence_dim, backend=backend, chunks=chunks,
+                                   input_is_parallel=input_is_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sizes = None if len(set(self.local_sizes)) == 1 else self.local_sizes
+        if not self.input_is_parallel:
+            self._check_input(x, self.in_features)
+            x = scatter_to_tp(x, -1, group=self.tp_group, sizes=sizes)
+        self._check_input(x, self.weight.shape[1])
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        ops = _fused_ops()
+        if self.sequence_parallel:
+            y = ops.matmul_reduce_scatter(x, self.weight.t(), group=self.tp_group,
+                                          backend=self.backend, chunks=self.chunks,
+                                          seq_dim=self._seq_dim(x))
+            bias = None if self.bias is None else copy_to_tp(self.bias, group=self.tp_group)
+        else:
+            y = ops.matmul_all_reduce(x, self.weight.t(), group=self.tp_group,
+                                      backend=self.backend, chunks=self.chunks)
+            bias = self.bias
+        return y if bias is None else y + bias

@@ -1,0 +1,166 @@
+"""Tensor-parallel plans for overlap's own GPT and for Hugging Face ``transformers`` models.
+
+Written against transformers 5.x module names (checked against 4.46+ too where they agree):
+
+- overlap ``GPT``: q/k/v column, o row, fc1 column, fc2 row, vocab-parallel ``tok_emb`` and
+  ``lm_head``; ``attn.num_heads`` becomes the local count. Supports sequence parallelism: the
+  token embedding reduce-scatters along the sequence, the position table is cut to the local
+  shard, the norms run on sequence shards, the column layers all-gather the sequence inside
+  their GEMM (all_gather_matmul) and the row layers reduce-scatter it (matmul_reduce_scatter).
+- GPT-2 (``GPT2LMHeadModel`` / ``GPT2Model``): its linears are ``Conv1D`` (weight [in, out]);
+  the fused ``c_attn`` output is [q; k; v] and is sharded as three parts ("qkv" style), so the
+  local output still splits into local q, k, v at ``split_size`` = d/tp; ``num_heads`` and
+  ``split_size`` are divided. ``lm_head`` stays tied to ``wte``.
+- Llama, Qwen2, Mistral (``*ForCausalLM`` / ``*Model``): q/k/v column, o row, gate/up column,
+  down row. Their attention infers the local head count from the projection width
+  (``view(..., -1, head_dim)``) and ``num_key_value_groups`` (q heads per kv head) is unchanged
+  by sharding, so no attribute is divided, but both ``num_attention_heads`` and
+  ``num_key_value_heads`` must be divisible by tp (each rank keeps whole kv groups).
+
+The Hugging Face models keep their residual stream replicated between TP regions (their
+decoder layers add full-sequence residuals), so their plans refuse ``sequence_parallel=True``
+with NotImplementedError. Their ``lm_head`` uses the "head" style (full logits, so the model's
+own loss works); pass a plan with "vocab_head" and use ``vocab_parallel_cross_entropy`` to keep
+logits sharded.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+import torch.nn.functional as F
+
+from overlap.models.gpt import GPT, CausalSelfAttention
+from overlap.tp.parallelize import Style, TPPlan
+
+__all__ = ["gpt_plan", "gpt2_plan", "llama_plan", "plan_for"]
+
+
+class SequenceParallelAttention(CausalSelfAttention):
+    """overlap GPT attention for sequence parallelism: its input is a sequence shard
+    (b, t/tp, d) but q/k/v come back full-length (b, t, h*hd) from all_gather_matmul, so the
+    sequence length is read from q, not from x (``CausalSelfAttention`` reads it from x)."""
+
+    def forward(self, x):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        b, t, _ = q.shape
+        head_dim = q.shape[-1] // self.num_heads
+        q, k, v = (z.view(b, t, self.num_heads, head_dim).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(b, t, self.num_heads * head_dim)
+        return self.resid_drop(self.o_proj(y))
+
+
+def _sp_attention(module: nn.Module, *, tp_group, sequence_parallel: bool) -> nn.Module:
+    if type(module) is not CausalSelfAttention:
+        raise TypeError(f"overlap-gpt plan: expected CausalSelfAttention, got "
+                        f"{type(module).__name__}")
+    new = SequenceParallelAttention.__new__(SequenceParallelAttention)
+    new.__dict__.update(module.__dict__)  # same submodules and parameters, new forward
+    return new
+
+
+def gpt_plan(*, loss_parallel: bool = False) -> TPPlan:
+    """Plan for ``overlap.models.GPT``. ``loss_parallel=True`` leaves the logits sharded over
+    the vocabulary (use ``vocab_parallel_cross_entropy``; ``GPT.forward(idx, targets)`` would
+    then compute a wrong loss)."""
+    return TPPlan(
+        name="overlap-gpt",
+        layers={
+            "tok_emb": "embedding",
+            "pos_emb": "sp_positions",
+            "blocks.*.attn": Style(kind="custom", build=_sp_attention, sp_only=True),
+            "blocks.*.ln1": "sp_norm",
+            "blocks.*.ln2": "sp_norm",
+            "blocks.*.attn.q_proj": "column",
+            "blocks.*.attn.k_proj": "column",
+            "blocks.*.attn.v_proj": "column",
+            "blocks.*.attn.o_proj": "row",
+            "blocks.*.mlp.fc1": "column",
+            "blocks.*.mlp.fc2": "row",
+            "ln_f": "sp_norm",
+            "lm_head": "vocab_head" if loss_parallel else "head",
+        },
+        divide={"blocks.*.attn": ("num_heads",)},
+        sequence_parallel=True,
+    )
+
+
+def _hf_prefix(model: nn.Module) -> str:
+    # XForCausalLM holds its decoder at model.<base_model_prefix>; the bare XModel is the decoder.
+    base = getattr(model, "base_model_prefix", "")
+    inner = getattr(model, base, None) if base else None
+    return f"{base}." if isinstance(inner, nn.Module) and inner is not model else ""
+
+
+def _has_head(model: nn.Module) -> bool:
+    return isinstance(getattr(model, "lm_head", None), nn.Module)
+
+
+def gpt2_plan(model: nn.Module) -> TPPlan:
+    """Plan for a transformers GPT-2 model (``GPT2LMHeadModel`` or ``GPT2Model``)."""
+    p = _hf_prefix(model)
+    layers = {
+        f"{p}wte": "embedding",
+        f"{p}h.*.attn.c_attn": "qkv",
+        f"{p}h.*.attn.c_proj": "row",
+        f"{p}h.*.mlp.c_fc": "column",
+        f"{p}h.*.mlp.c_proj": "row",
+    }
+    if _has_head(model):
+        layers["lm_head"] = "head"
+
+    def check(m: nn.Module, tp: int) -> list[str]:
+        if getattr(m.config, "add_cross_attention", False):
+            return ["GPT-2 with add_cross_attention=True is not supported (its crossattention "
+                    "c_attn is a fused [k; v] projection of the encoder states)"]
+        return []
+
+    return TPPlan(name="hf-gpt2", layers=layers,
+                  divide={f"{p}h.*.attn": ("num_heads", "split_size")}, check=check)
+
+
+def llama_plan(model: nn.Module) -> TPPlan:
+    """Plan for transformers Llama, Qwen2 or Mistral (same module names)."""
+    p = _hf_prefix(model)
+    layers = {
+        f"{p}embed_tokens": "embedding",
+        f"{p}layers.*.self_attn.q_proj": "column",
+        f"{p}layers.*.self_attn.k_proj": "column",
+        f"{p}layers.*.self_attn.v_proj": "column",
+        f"{p}layers.*.self_attn.o_proj": "row",
+        f"{p}layers.*.mlp.gate_proj": "column",
+        f"{p}layers.*.mlp.up_proj": "column",
+        f"{p}layers.*.mlp.down_proj": "row",
+    }
+    if _has_head(model):
+        layers["lm_head"] = "head"
+
+    def check(m: nn.Module, tp: int) -> list[str]:
+        cfg, problems = m.config, []
+        for attr in ("num_attention_heads", "num_key_value_heads"):
+            value = getattr(cfg, attr, None)
+            if not isinstance(value, int) or value % tp:
+                problems.append(f"config.{attr}={value} is not divisible by tp={tp}"
+                                + (" (grouped-query attention: each rank needs whole kv "
+                                   "groups)" if attr == "num_key_value_heads" else ""))
+        return problems
+
+    return TPPlan(name=f"hf-{model.config.model_type}", layers=layers, check=check)
+
+
+_HF_PLANS = {"gpt2": gpt2_plan, "llama": llama_plan, "qwen2": llama_plan, "mistral": llama_plan}
+
+
+def plan_for(model: nn.Module) -> TPPlan:
+    """The shipped plan for ``model``: overlap GPT, or a transformers model by its
+    ``config.model_type`` (gpt2, llama, qwen2, mistral). ValueError for anything else."""
+    if isinstance(model, GPT):
+        return gpt_plan()
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in _HF_PLANS:
+        return _HF_PLANS[model_type](model)
+    raise ValueError(f"parallelize: no shipped plan for {type(model).__name__} (model_type="
+                     f"{model_type!r}); known: overlap GPT, {sorted(_HF_PLANS)}. Pass plan=TPPlan("
+                     "...) with your module-name patterns.")
