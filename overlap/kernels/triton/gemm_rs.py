@@ -1,0 +1,210 @@
+"""GEMM-ReduceScatter in Triton: the GEMM's epilogue writes each output tile straight into the
+owner rank's workspace; the owner waits for every source and reduces in a fixed order.
+
+Shapes (per rank of a TP group of ``world`` ranks; M = world * m):
+
+    x         [M, K]        this rank's activation (typically a column shard of the features)
+    w         [K, N]        this rank's weight (typically a row shard of a Linear)
+    y_shard   [m, N]        y_shard = reduce_scatter(x @ w, dim 0): rows [rank*m, (rank+1)*m)
+                            of sum over ranks s of x_s @ w_s
+
+    y_shard[i, j] = sum_{s = 0 .. world-1} round_dtype((x_s @ w_s)[rank*m + i, j])   in fp32,
+    rounded once to the input dtype. Each partial is rounded to the dtype like the unfused
+    reference ``x @ w`` (the staging is in the input dtype, half the NVLink bytes of fp32 for
+    bf16), and the sum runs in the fixed order s = 0, 1, ..., so every run gives the same bits.
+
+Buffering and signals (b = phase % 2):
+
+    workspace bytes  two halves; buffer b at b * (nbytes / 2) = staging[world][m][N]: slot s
+                     holds source s's partial of this rank's rows
+    slot s           (0 <= s < world)  on owner r: source s wrote its partial of phase p
+    slot world + o   (0 <= o < world)  on source s: owner o finished reducing phase p
+
+    gemm kernel      tile of owner o: K loop -> wait ack[o] >= previous phase that used buffer
+                     b -> store the tile into o's staging[b][rank] -> the last tile of o
+                     release-stores ready[rank] = phase on o
+    reduce kernel    wait ready[s] >= phase for every s -> sum staging[b][0..world-1] in fp32
+                     -> store y_shard -> the last program release-stores ack[rank] = phase on
+                     every source
+
+Signalling choice: per-owner "last tile" counters in the kernel rather than a host signal after
+the kernel, so an owner's slot is announced as soon as the source's tiles for it are done
+(tile order starts at owner rank+1 and ends with this rank's own rows, so the remote writes go
+first and each owner receives from about one source at a time). A per-tile signal_add would
+also work but needs cross-process atomic adds, which the interpreter does not have.
+No program waits on a later program of its own kernel: the GEMM waits on owners' reduce
+kernels of an earlier call, the reduce on the sources' GEMM kernels (its own ran before it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from overlap.kernels.triton.tp_sync import (INTERPRET, align, arrive_last, begin_call,
+                                            check_dtypes, check_workspace, gemm_blocks,
+                                            half_buffer, new_status,
+                                            publish, raise_on_status, spin_wait, to_out_dtype,
+                                            wait_budget)
+
+__all__ = ["gemm_rs", "gemm_rs_workspace_bytes", "gemm_rs_num_signals"]
+
+_OP = "gemm_rs"
+_SYNC_ARGS = ["rank", "phase", "ack_phase", "max_spins", "timeout_ns"]
+
+
+@triton.jit(do_not_specialize=_SYNC_ARGS)
+def _gemm_rs_kernel(x_ptr, w_ptr, data_table, flag_table, counter_ptr, status_ptr, rank, world,
+                    m, N, K, stride_xm, stride_xk, stride_wk, stride_wn, buf_off, phase,
+                    ack_phase, max_spins, timeout_ns, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, CAST_F32: tl.constexpr, SOFT_BF16: tl.constexpr,
+                    USE_CLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(m, BM)
+    tiles_n = tl.cdiv(N, BN)
+    per_owner = tiles_m * tiles_n
+    step = pid // per_owner
+    tm = (pid % per_owner) // tiles_n
+    tn = pid % tiles_n
+    owner = (rank + 1 + step) % world
+    rows = (tm * BM + tl.arange(0, BM)).to(tl.int64)  # rows of the owner's shard
+    cols = (tn * BN + tl.arange(0, BN)).to(tl.int64)
+    row_ok = rows < m
+    col_ok = cols < N
+    x_rows = owner * m + rows
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ks = (k0 + tl.arange(0, BK)).to(tl.int64)
+        k_ok = ks < K
+        a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk,
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if CAST_F32:
+            # The interpreter's tl.dot multiplies bf16 as raw uint16: widen first (exact).
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision="ieee", out_dtype=tl.float32)
+    out = to_out_dtype(acc, x_ptr.dtype.element_ty, SOFT_BF16)
+    # The owner may still be reducing the previous phase that used this buffer: the tile was
+    # computed meanwhile, now it must wait before overwriting our staging slot there.
+    own_flags = tl.load(flag_table + rank).to(tl.pointer_type(tl.int64))
+    if spin_wait(own_flags + world + owner, ack_phase, world + owner, status_ptr, max_spins,
+                 timeout_ns, USE_CLOCK):
+        dst = tl.load(data_table + owner).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        dst += buf_off + rank * m * N
+        tl.store(dst + rows[:, None] * N + cols[None, :], out,
+                 mask=row_ok[:, None] & col_ok[None, :])
+        if arrive_last(counter_ptr + owner, per_owner):
+            owner_flags = tl.load(flag_table + owner).to(tl.pointer_type(tl.int64))
+            publish(owner_flags + rank, phase)
+
+
+@triton.jit(do_not_specialize=_SYNC_ARGS)
+def _reduce_kernel(y_ptr, data_table, flag_table, counter_ptr, status_ptr, rank, world, numel,
+                   buf_off, phase, max_spins, timeout_ns, BLOCK: tl.constexpr,
+                   SOFT_BF16: tl.constexpr, USE_CLOCK: tl.constexpr):
+    own_flags = tl.load(flag_table + rank).to(tl.pointer_type(tl.int64))
+    failed = 0
+    for s in range(0, world):
+        ok = spin_wait(own_flags + s, phase, s, status_ptr, max_spins, timeout_ns, USE_CLOCK)
+        failed += 1 - ok.to(tl.int32)
+    if failed == 0:
+        base = tl.load(data_table + rank).to(tl.pointer_type(y_ptr.dtype.element_ty)) + buf_off
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in range(0, world):  # fixed order: the same bits on every run
+            acc += tl.load(base + s * numel + offs, mask=mask, other=0.0).to(tl.float32)
+        if arrive_last(counter_ptr, tl.num_programs(0)):
+            for s in range(0, world):
+                src_flags = tl.load(flag_table + s).to(tl.pointer_type(tl.int64))
+                publish(src_flags + world + rank, phase)
+        tl.store(y_ptr + offs, to_out_dtype(acc, y_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def gemm_rs_workspace_bytes(m: int, n: int, world: int, dtype: torch.dtype) -> int:
+    """Bytes per rank gemm_rs needs for an output shard of [m, n] ``dtype`` (m = M / world):
+    two staging buffers (phase parity) of [world, m, n]."""
+    return 2 * align(world * m * n * _itemsize(dtype))
+
+
+def gemm_rs_num_signals(world: int) -> int:
+    """Signal slots gemm_rs needs: ready[world] then ack[world]."""
+    return 2 * world
+
+
+def _check_args(ws, x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int]:
+    for name, t in (("x", x), ("w", w)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{_OP}: {name} must be a 2-D tensor, got "
+                             f"{getattr(t, 'shape', type(t).__name__)} (rank {ws.rank})")
+    rows, k = x.shape
+    k_w, n = w.shape
+    if k != k_w:
+        raise ValueError(f"{_OP}: x is [M={rows}, K={k}] but w is [{k_w}, {n}]; w must be "
+                         f"[K={k}, N] (rank {ws.rank})")
+    if rows % ws.world:
+        raise ValueError(f"{_OP}: x has M={rows} rows, which the group of {ws.world} ranks "
+                         f"cannot scatter evenly; M must be a multiple of {ws.world} "
+                         f"(rank {ws.rank})")
+    if min(rows, k, n) <= 0:
+        raise ValueError(f"{_OP}: empty problem M={rows}, K={k}, N={n} (rank {ws.rank})")
+    return rows // ws.world, k, n
+
+
+def gemm_rs(ws, x: torch.Tensor, w: torch.Tensor, *, phase: int,
+            timeout: float | None = None) -> torch.Tensor:
+    """y_shard = reduce_scatter(x @ w, dim 0) over the workspace's group, the scatter fused
+    into the GEMM's epilogue (see the module docstring for shapes, design and signals).
+
+    ``phase``: positive, strictly increasing per workspace, the same on every rank for the
+    same call. ``timeout`` (default ``ws.timeout``) bounds every signal wait; a wait that runs
+    out raises TimeoutError naming the op, rank, slot and phase, after which the workspace is
+    out of step and must be closed. Returns y_shard [M / world, N] in the input dtype.
+    """
+    m, k, n = _check_args(ws, x, w)
+    dtype = check_dtypes(_OP, ws, x=x, w=w)
+    world, rank, device = ws.world, ws.rank, ws.device
+    check_workspace(_OP, ws, gemm_rs_workspace_bytes(m, n, world, dtype),
+                    gemm_rs_num_signals(world), f"an output shard of [{m}, {n}] {dtype}")
+    timeout = ws.timeout if timeout is None else float(timeout)
+    if timeout <= 0:
+        raise ValueError(f"{_OP}: timeout must be > 0 seconds, got {timeout} (rank {rank})")
+    state, buf, ack_phase = begin_call(_OP, ws, phase)
+
+    blocks = gemm_blocks(m, n, k, dtype, device)
+    max_spins, timeout_ns = wait_budget(timeout)
+    status = new_status(device)
+    counters = torch.zeros(world + 1, dtype=torch.int32, device=device)  # per owner, reduce
+    buf_off = buf * half_buffer(ws) // _itemsize(dtype)
+    on_gpu = device.type == "cuda"
+
+    grid = (world * triton.cdiv(m, blocks.bm) * triton.cdiv(n, blocks.bn),)
+    _gemm_rs_kernel[grid](
+        x, w, state.data_table, state.flag_table, counters, status, rank, world, m, n, k,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), buf_off, phase, ack_phase,
+        max_spins, timeout_ns, BM=blocks.bm, BN=blocks.bn, BK=blocks.bk,
+        CAST_F32=INTERPRET and dtype != torch.float32,
+        SOFT_BF16=INTERPRET and dtype == torch.bfloat16, USE_CLOCK=on_gpu,
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+
+    y_shard = torch.empty(m, n, dtype=dtype, device=device)
+    _reduce_kernel[(triton.cdiv(m * n, blocks.copy_block),)](
+        y_shard, state.data_table, state.flag_table, counters[world:], status, rank, world,
+        m * n, buf_off, phase, max_spins, timeout_ns, BLOCK=blocks.copy_block,
+        SOFT_BF16=INTERPRET and dtype == torch.bfloat16, USE_CLOCK=on_gpu, num_warps=4)
+
+    def describe(slot: int) -> str:
+        if slot < world:
+            return f"ready flag of source rank {slot}: its partial for phase {phase}"
+        return (f"ack of owner rank {slot - world}: it has not finished reducing buffer {buf} "
+                f"from phase {ack_phase}")
+
+    raise_on_status(status, op=_OP, ws=ws, phase=phase, timeout=timeout, describe=describe)
+    return y_shard

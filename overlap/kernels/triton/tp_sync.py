@@ -1,0 +1,249 @@
+"""What the fused TP GEMM kernels (ag_gemm.py, gemm_rs.py) share: bounded signal waits, the
+status word, "last program" arrival, bf16 rounding, per-workspace phase bookkeeping, blocks.
+
+Signals are int64 phase counters in a SymmetricWorkspace (see overlap/symm/workspace.py). Every
+flag used here has exactly ONE writer, which stores the phase with a release store at system
+scope; readers spin with acquire loads until the flag is >= the phase they need. A single writer
+per flag means no cross-process read-modify-write is ever needed (the Triton interpreter's
+atomics are not atomic across processes; its plain loads and stores are, for aligned words).
+
+Memory ordering on the GPU follows the CUTLASS semaphore pattern:
+
+    producer program:  stores -> debug_barrier (bar.sync) -> release atomic at sys scope
+    consumer program:  acquire spin at sys scope -> debug_barrier -> loads
+
+"Last program" arrival: the programs of one kernel cannot wait for each other (they are not
+all co-resident on a GPU and run one after the other under the interpreter), so a signal that
+covers the work of many programs is sent by whichever program finishes last: each program bumps
+a per-call counter (acq_rel, sys scope; the counter is a fresh zeroed tensor per call, local to
+this process) and the one that sees ``total - 1`` release-stores the flag. Its release covers
+the other programs' stores, which happen-before its counter update.
+
+Bounded waits: a wait gives up after ``timeout`` seconds. On a GPU the bound is real time, read
+from the %globaltimer register. The interpreter has no clock, so the bound is a spin count,
+``timeout * INTERP_SPINS_PER_S``; one spin of the interpreted loop costs 150-260 us on an idle
+x86 core, so the real wait is about 1x the timeout, longer when cores are busy, never shorter.
+A failed wait records (slot + 1, last seen, wanted) in the op's status word; later waits of the
+same op see the word and give up at once (so a dead peer costs one timeout, not one per tile),
+and the host turns the word into a TimeoutError after the kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+
+import torch
+import triton
+import triton.language as tl
+
+from overlap.kernels.triton import INTERPRET
+
+__all__ = ["INTERPRET", "INTERP_SPINS_PER_S", "spin_wait", "publish", "arrive_last",
+           "to_out_dtype", "align", "half_buffer", "GemmBlocks", "gemm_blocks", "begin_call",
+           "OpState", "wait_budget", "raise_on_status", "new_status", "check_dtypes",
+           "check_workspace"]
+
+INTERP_SPINS_PER_S = 4000
+_ALIGN = 256  # byte alignment of every region in a workspace (vector loads, cache lines)
+
+
+def align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def half_buffer(ws) -> int:
+    """Byte offset of buffer 1. It depends only on the workspace, never on the call's shape:
+    calls of different shapes on one workspace alternate buffers, and a shape-dependent offset
+    would let buffer 1 of a small call overlap buffer 0 of a big one that a peer still reads."""
+    return ws.nbytes // 2 // _ALIGN * _ALIGN
+
+
+# -- device functions -----------------------------------------------------------------------
+@triton.jit
+def _now_ns():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def spin_wait(flag_ptr, want, slot, status_ptr, max_spins, timeout_ns, USE_CLOCK: tl.constexpr):
+    """Wait until *flag_ptr >= want; 1 if it got there, 0 on timeout or an earlier failure."""
+    want = tl.cast(want, tl.int64)
+    earlier_failure = tl.atomic_load(status_ptr, sem="relaxed", scope="sys")
+    seen = tl.atomic_load(flag_ptr, sem="acquire", scope="sys")
+    live = (seen < want) & (earlier_failure == 0)
+    spins = 0
+    if USE_CLOCK:
+        t0 = _now_ns()
+    while live:
+        seen = tl.atomic_load(flag_ptr, sem="acquire", scope="sys")
+        spins += 1
+        if USE_CLOCK:
+            live = (seen < want) & ((_now_ns() - t0) <= timeout_ns)
+        else:
+            live = (seen < want) & (spins < max_spins)
+    if (seen < want) & (earlier_failure == 0):
+        # First failure wins the word; the host reports it. Losers' details are dropped.
+        old = tl.atomic_cas(status_ptr, 0, tl.cast(slot, tl.int64) + 1, sem="relaxed",
+                            scope="sys")
+        if old == 0:
+            tl.store(status_ptr + 1, seen)
+            tl.store(status_ptr + 2, want)
+    # The whole program waits for the one thread that acquired (CUTLASS wait_eq + syncthreads).
+    tl.debug_barrier()
+    return (seen >= want) & (earlier_failure == 0)
+
+
+@triton.jit
+def publish(flag_ptr, value):
+    """Release-store value into a (peer's) flag after this program's earlier memory operations."""
+    tl.debug_barrier()
+    tl.atomic_store(flag_ptr, tl.cast(value, tl.int64), sem="release", scope="sys")
+
+
+@triton.jit
+def arrive_last(counter_ptr, total):
+    """Count this program in; True for the one program that arrives last of ``total``."""
+    tl.debug_barrier()
+    old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
+    return old == total - 1
+
+
+@triton.jit
+def to_out_dtype(x, OUT: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """fp32 -> OUT with round-to-nearest-even. The interpreter's fp32 -> bf16 cast truncates,
+    so under it (SOFT_BF16) bf16 is rounded by bit arithmetic: the same bits the GPU's cvt.rn
+    produces for finite values and infinities; NaN stays a (quiet) NaN."""
+    if SOFT_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(OUT)
+
+
+# -- host side ------------------------------------------------------------------------------
+@dataclasses.dataclass(kw_only=True, slots=True)
+class GemmBlocks:
+    """Tile sizes and launch options of one GEMM launch."""
+
+    bm: int
+    bn: int
+    bk: int
+    copy_block: int
+    num_warps: int
+    num_stages: int
+
+
+def _pow2_clamp(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(max(1, n))))
+
+
+def gemm_blocks(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> GemmBlocks:
+    """Small tiles under the interpreter (its cost is per op, but the tests must cross tile and
+    mask edges); tensor-core sized tiles on a GPU, shrunk for small problems."""
+    if device.type != "cuda":
+        return GemmBlocks(bm=16, bn=32, bk=32, copy_block=2048, num_warps=1, num_stages=1)
+    bk_max = 32 if dtype == torch.float32 else 64
+    return GemmBlocks(bm=_pow2_clamp(m, 16, 128), bn=_pow2_clamp(n, 16, 128),
+                      bk=_pow2_clamp(k, 16, bk_max), copy_block=4096, num_warps=8, num_stages=3)
+
+
+def wait_budget(timeout: float) -> tuple[int, int]:
+    """(max_spins for the interpreter, timeout_ns for the GPU clock) of one bounded wait."""
+    return max(1, math.ceil(timeout * INTERP_SPINS_PER_S)), max(1, int(timeout * 1e9))
+
+
+def new_status(device: torch.device) -> torch.Tensor:
+    """The status word of one call: [failed slot + 1 (0 = ok), last seen, wanted]."""
+    return torch.zeros(3, dtype=torch.int64, device=device)
+
+
+def raise_on_status(status: torch.Tensor, *, op: str, ws, phase: int, timeout: float,
+                    describe) -> None:
+    """Raise TimeoutError naming op, rank, slot and phase if a wait of this call failed.
+    (Reading the word synchronises with the device on a GPU.)"""
+    code, seen, want = (int(v) for v in status.tolist())
+    if code == 0:
+        return
+    slot = code - 1
+    raise TimeoutError(
+        f"{op}: rank {ws.rank} of group {ws.group_name} timed out after ~{timeout:g}s at phase "
+        f"{phase} waiting on signal slot {slot} ({describe(slot)}): wanted >= {want}, last saw "
+        f"{seen}. A peer is slow, dead or out of step (every rank must call {op} with the same "
+        "phases); the workspace is now out of step and must be closed")
+
+
+def check_dtypes(op: str, ws, **tensors: torch.Tensor) -> torch.dtype:
+    dtypes = {name: t.dtype for name, t in tensors.items()}
+    dtype = next(iter(dtypes.values()))
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{op}: dtype must be float32, bfloat16 or float16, got {dtype} "
+                        f"(rank {ws.rank})")
+    if len(set(dtypes.values())) > 1:
+        raise TypeError(f"{op}: inputs must share one dtype, got " +
+                        ", ".join(f"{n}={d}" for n, d in dtypes.items()) + f" (rank {ws.rank})")
+    for name, t in tensors.items():
+        if t.device != ws.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but the workspace of group "
+                             f"{ws.group_name} is on {ws.device} (rank {ws.rank})")
+    return dtype
+
+
+def check_workspace(op: str, ws, need_bytes: int, need_signals: int, what: str) -> None:
+    if ws.nbytes < need_bytes:
+        raise ValueError(f"{op}: the workspace of group {ws.group_name} has {ws.nbytes} bytes "
+                         f"but {what} needs {need_bytes} (rank {ws.rank}); create it with "
+                         f"{op}_workspace_bytes(...)")
+    if ws.num_signals < need_signals:
+        raise ValueError(f"{op}: the workspace of group {ws.group_name} has {ws.num_signals} "
+                         f"signals but {op} needs {need_signals} (rank {ws.rank}); create it "
+                         f"with num_signals={op}_num_signals(world)")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, eq=False)
+class OpState:
+    """Host bookkeeping of one op on one workspace (this process's view)."""
+
+    op: str
+    last_phase: int = 0
+    last_by_buffer: list[int] = dataclasses.field(default_factory=lambda: [0, 0])
+    data_table: torch.Tensor | None = None
+    flag_table: torch.Tensor | None = None
+
+
+_STATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def begin_call(op: str, ws, phase: int) -> tuple[OpState, int, int]:
+    """Validate ``phase`` and claim its buffer: returns (state, buffer, ack_phase) where
+    ack_phase is the phase of the previous call that used the same buffer (0 if none); every
+    consumer must have acknowledged it before this call overwrites the buffer.
+
+    One workspace serves one op: ag_gemm and gemm_rs lay out its bytes and signal slots
+    differently, so sharing one workspace between them would let one op's peer writes land in
+    a region the other op is still reading.
+    """
+    if isinstance(phase, bool) or not isinstance(phase, int) or phase <= 0:
+        raise ValueError(f"{op}: phase must be a positive int, got {phase!r} (rank {ws.rank})")
+    state = _STATES.get(ws)
+    if state is None:
+        state = OpState(op=op)
+        _STATES[ws] = state
+    if state.op != op:
+        raise ValueError(f"{op}: this workspace of group {ws.group_name} already serves "
+                         f"{state.op}; give each op kind its own workspace (rank {ws.rank})")
+    if phase <= state.last_phase:
+        raise ValueError(f"{op}: phase must increase from call to call on a workspace: got "
+                         f"{phase} after {state.last_phase} (rank {ws.rank})")
+    if state.data_table is None:
+        state.data_table = ws.ptr_table()
+        state.flag_table = ws.signal_ptr_table()
+    buf = phase % 2
+    ack_phase = state.last_by_buffer[buf]
+    state.last_by_buffer[buf] = phase
+    state.last_phase = phase
+    return state, buf, ack_phase
