@@ -65,8 +65,28 @@ int64_t valid_in_block(int64_t numel, int64_t flat_row, int64_t r, int64_t b, in
   return std::clamp<int64_t>(row_valid - b * block, 0, block);
 }
 
-template <typename Load>
-void quantize_impl(Load load, int64_t numel, int64_t flat_row, int64_t rows, int64_t row_len,
+// Quantize one block of `valid` fp32 values (the rest of the block is padding).
+void quantize_block(const float* x, int64_t valid, int64_t block, int8_t* q, float* scale_out,
+                    bool stochastic, uint32_t key, int64_t index0) {
+  int32_t absmax_bits = 0;
+  for (int64_t t = 0; t < valid; ++t) {
+    const int32_t b = finite_abs_bits(x[t]);
+    absmax_bits = b > absmax_bits ? b : absmax_bits;
+  }
+  const float scale = scale_from_absmax(bits_to_float(static_cast<uint32_t>(absmax_bits)));
+  *scale_out = scale;
+  if (stochastic) {
+    for (int64_t t = 0; t < valid; ++t) {
+      q[t] = quantize_value(x[t], scale, true, noise_u01(key, index0 + t));
+    }
+  } else {
+    for (int64_t t = 0; t < valid; ++t) q[t] = quantize_value(x[t], scale, false, 0.0f);
+  }
+  for (int64_t t = valid; t < block; ++t) q[t] = 0;  // zero quantizes to 0 under any rounding
+}
+
+template <int kDType>
+void quantize_impl(const void* x, int64_t numel, int64_t flat_row, int64_t rows, int64_t row_len,
                    int64_t block, int8_t* q, int64_t q_stride, float* s, int64_t s_stride,
                    bool stochastic, uint32_t key, int64_t index_base, int nt) {
   const int64_t blocks_per_row = row_len / block;
@@ -76,20 +96,14 @@ void quantize_impl(Load load, int64_t numel, int64_t flat_row, int64_t rows, int
     const int64_t r = gb / blocks_per_row, b = gb % blocks_per_row;
     const int64_t e0 = r * flat_row + b * block;
     const int64_t valid = valid_in_block(numel, flat_row, r, b, block);
-    float absmax = 0.0f;
-    for (int64_t t = 0; t < valid; ++t) absmax = fmaxf(absmax, finite_abs(load(e0 + t)));
-    const float scale = scale_from_absmax(absmax);
-    s[r * s_stride + b] = scale;
-    int8_t* qb = q + r * q_stride + b * block;
-    if (stochastic) {
-      for (int64_t t = 0; t < block; ++t) {
-        const float x = t < valid ? load(e0 + t) : 0.0f;
-        qb[t] = quantize_value(x, scale, true, noise_u01(key, index_base + e0 + t));
-      }
-    } else {
-      for (int64_t t = 0; t < valid; ++t) qb[t] = quantize_value(load(e0 + t), scale, false, 0.0f);
-      for (int64_t t = valid; t < block; ++t) qb[t] = 0;
+    const float* xb = static_cast<const float*>(x) + e0;
+    float widened[kMaxBlock];
+    if (kDType != kF32) {  // widen first so the arithmetic loops run on fp32 and vectorise
+      for (int64_t t = 0; t < valid; ++t) widened[t] = load_as_float(x, kDType, e0 + t);
+      xb = widened;
     }
+    quantize_block(xb, valid, block, q + r * q_stride + b * block, s + r * s_stride + b,
+                   stochastic, key, index_base + e0);
   }
 }
 
@@ -99,24 +113,23 @@ void quantize_blocks(uintptr_t x, int dtype, int64_t numel, int64_t flat_row, in
                      int num_threads) {
   check_geometry("quantize_blocks", rows, row_len, block);
   check_flat("quantize_blocks", numel, flat_row, rows, row_len);
+  if (dtype != kF32 && dtype != kBF16 && dtype != kF16) {
+    throw std::invalid_argument("quantize_blocks: dtype code must be 0 (f32), 1 (bf16) or 2 (f16)");
+  }
   auto* qp = reinterpret_cast<int8_t*>(q);
   auto* sp = reinterpret_cast<float*>(s);
   const int nt = threads_for(rows * row_len, num_threads);
   py::gil_scoped_release nogil;
+  const void* xp = reinterpret_cast<const void*>(x);
   if (dtype == kF32) {
-    const auto* xp = reinterpret_cast<const float*>(x);
-    quantize_impl([xp](int64_t i) { return xp[i]; }, numel, flat_row, rows, row_len, block, qp,
-                  q_stride, sp, s_stride, stochastic, key, index_base, nt);
+    quantize_impl<kF32>(xp, numel, flat_row, rows, row_len, block, qp, q_stride, sp, s_stride,
+                        stochastic, key, index_base, nt);
   } else if (dtype == kBF16) {
-    const auto* xp = reinterpret_cast<const uint16_t*>(x);
-    quantize_impl([xp](int64_t i) { return bf16_to_float(xp[i]); }, numel, flat_row, rows,
-                  row_len, block, qp, q_stride, sp, s_stride, stochastic, key, index_base, nt);
-  } else if (dtype == kF16) {
-    const auto* xp = reinterpret_cast<const uint16_t*>(x);
-    quantize_impl([xp](int64_t i) { return f16_to_float(xp[i]); }, numel, flat_row, rows,
-                  row_len, block, qp, q_stride, sp, s_stride, stochastic, key, index_base, nt);
+    quantize_impl<kBF16>(xp, numel, flat_row, rows, row_len, block, qp, q_stride, sp, s_stride,
+                         stochastic, key, index_base, nt);
   } else {
-    throw std::invalid_argument("quantize_blocks: dtype code must be 0 (f32), 1 (bf16) or 2 (f16)");
+    quantize_impl<kF16>(xp, numel, flat_row, rows, row_len, block, qp, q_stride, sp, s_stride,
+                        stochastic, key, index_base, nt);
   }
 }
 
@@ -182,14 +195,7 @@ void dequant_reduce_blocks(uintptr_t q, int64_t q_stride, uintptr_t s, int64_t s
       for (int64_t t = 0; t < block; ++t) op[e0 + t] = acc[t];
       continue;
     }
-    float absmax = 0.0f;
-    for (int64_t t = 0; t < block; ++t) absmax = fmaxf(absmax, finite_abs(acc[t]));
-    const float scale = scale_from_absmax(absmax);
-    so[b] = scale;
-    for (int64_t t = 0; t < block; ++t) {
-      const float u = stochastic ? noise_u01(key, index_base + e0 + t) : 0.0f;
-      qo[e0 + t] = quantize_value(acc[t], scale, stochastic, u);
-    }
+    quantize_block(acc, block, block, qo + e0, so + b, stochastic, key, index_base + e0);
   }
 }
 

@@ -74,7 +74,22 @@ OVERLAP_HD float bits_to_float(uint32_t u) {
 #endif
 }
 
+// max / min for operands that are never NaN. fmaxf/fminf would do, but their NaN rules make
+// g++ call libm instead of emitting maxss/minss, which stops the loops from vectorising.
+OVERLAP_HD float max_nn(float a, float b) { return a > b ? a : b; }
+OVERLAP_HD float min_nn(float a, float b) { return a < b ? a : b; }
+
 // NaN fails every comparison, so this is false for NaN and +-Inf alike.
+OVERLAP_HD uint32_t float_to_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
 OVERLAP_HD bool is_finite(float x) { return fabsf(x) <= kFloatMax; }
 
 // bf16 and fp16 widen to fp32 exactly, so the arithmetic below never sees the input type.
@@ -100,6 +115,14 @@ OVERLAP_HD float load_as_float(const void* base, int dtype, int64_t i) {
 // |x| for the block maximum; non-finite values are coded separately and must not set the scale.
 OVERLAP_HD float finite_abs(float x) { return is_finite(x) ? fabsf(x) : 0.0f; }
 
+// finite_abs as bits. Non-negative floats order like their bit patterns, so an integer max of
+// these is the block absmax exactly, and integer max reductions vectorise without fast-math.
+// Signed, because SSE2 has only signed 32-bit compares (the sign bit is clear anyway).
+OVERLAP_HD int32_t finite_abs_bits(float x) {
+  const int32_t b = static_cast<int32_t>(float_to_bits(x) & 0x7fffffffu);
+  return b < 0x7f800000 ? b : 0;
+}
+
 OVERLAP_HD float scale_from_absmax(float absmax) { return div_rn(absmax, static_cast<float>(kQMax)); }
 
 OVERLAP_HD float round_half_even(float v) { return sub_rn(add_rn(v, kRoundMagic), kRoundMagic); }
@@ -119,19 +142,20 @@ OVERLAP_HD float noise_u01(uint32_t key, int64_t index) {
   return mul_rn(static_cast<float>(h >> 8), 5.9604644775390625e-08f);
 }
 
+// Branch-free (selects only) so the CPU loops vectorise; same results as the branchy form.
 OVERLAP_HD int8_t quantize_value(float x, float scale, bool stochastic, float noise) {
-  if (!is_finite(x)) return kNonFinite;
-  if (scale == 0.0f) return 0;
-  const float v = div_rn(x, scale);
+  const bool finite = is_finite(x);
+  const float v = div_rn(finite ? x : 0.0f, scale > 0.0f ? scale : 1.0f);
   float r = stochastic ? floorf(add_rn(v, noise)) : round_half_even(v);
-  r = fminf(fmaxf(r, -static_cast<float>(kQMax)), static_cast<float>(kQMax));
-  return static_cast<int8_t>(r);
+  r = min_nn(max_nn(r, -static_cast<float>(kQMax)), static_cast<float>(kQMax));
+  r = scale > 0.0f ? r : 0.0f;
+  return finite ? static_cast<int8_t>(r) : kNonFinite;
 }
 
 OVERLAP_HD float dequantize_value(int8_t q, float scale) {
-  if (q == kNonFinite) return bits_to_float(0x7fc00000u);  // quiet NaN
-  const float d = mul_rn(static_cast<float>(q), scale);
-  return fminf(fmaxf(d, -kFloatMax), kFloatMax);
+  float d = mul_rn(static_cast<float>(q), scale);  // never NaN: q and scale are finite
+  d = min_nn(max_nn(d, -kFloatMax), kFloatMax);
+  return q == kNonFinite ? bits_to_float(0x7fc00000u) : d;  // quiet NaN
 }
 
 }  // namespace quant
