@@ -1,0 +1,55 @@
+"""Device-neutral profiler ranges: one ``with nvtx.range("ag_matmul.chunked.gemm[3]"):`` marks
+a span for both tools that look at overlap.
+
+- ``torch.profiler.record_function``: the span appears in torch.profiler traces on every device
+  (so the CPU twin's traces show each chunk's comm and GEMM, per thread);
+- ``torch.cuda.nvtx``: when CUDA is available the same span is pushed as an NVTX range, which
+  Nsight Systems shows on the CPU thread that launched the work.
+
+A range measures the *host* time spent inside it. For work the host only enqueues (CUDA kernels,
+async collectives) that is the launch cost, not the device time: read device spans from the
+kernel rows of the trace, and use the ranges to attribute them to chunks.
+
+Set ``OVERLAP_NVTX=0`` to turn ranges into no-ops (they cost about a microsecond each).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+
+__all__ = ["range", "enabled"]
+
+_ENABLED = os.environ.get("OVERLAP_NVTX", "1") != "0"
+_CUDA: bool | None = None
+
+
+def enabled() -> bool:
+    return _ENABLED
+
+
+def _cuda() -> bool:
+    global _CUDA
+    if _CUDA is None:
+        _CUDA = torch.cuda.is_available()
+    return _CUDA
+
+
+@contextlib.contextmanager
+def range(name: str) -> Iterator[None]:  # noqa: A001 - mirrors torch.cuda.nvtx.range
+    """Mark the enclosed host code as ``name`` in torch.profiler traces and, on CUDA, in NVTX."""
+    if not _ENABLED:
+        yield
+        return
+    with torch.profiler.record_function(name):
+        if _cuda():
+            torch.cuda.nvtx.range_push(name)
+            try:
+                yield
+            finally:
+                torch.cuda.nvtx.range_pop()
+        else:
+            yield

@@ -1,0 +1,216 @@
+"""Chunked backend: portable collective matmuls built from async ``torch.distributed`` calls.
+
+Works unchanged on gloo (CPU) and NCCL (GPU). Every function takes 2-D, already validated
+inputs; overlap.tp.ops does the validation, the 3-D reshapes and autograd.
+
+Shape legend (per rank; ``world`` ranks in ``group``, ``r`` = this rank):
+    m = rows of one rank's shard, M = world * m, K = reduction dim, N = output columns,
+    s = chunks // world = pieces per shard (>= 1; at most m).
+
+- ``all_gather_matmul``: ring. Step j holds the shard of rank (r - j) % world; each piece is
+  sent on to the right neighbour and the next one received from the left (one
+  ``batch_isend_irecv``) *before* the piece is multiplied, so piece t+1's transfer is in flight
+  during piece t's GEMM. world - 1 transfers of m rows, like a ring all-gather.
+- ``matmul_reduce_scatter``: ring. Step j computes the partial product of block
+  d = (r - 1 - j) % world, adds the running sum received from the left and sends it right; after
+  world - 1 hops each block has been summed by every rank and lands on its owner. The GEMM of
+  step j + 1 runs while step j's sum travels. Partial sums travel in the input dtype (bf16 sums
+  round at every hop, as NCCL's ring does).
+- ``matmul_all_reduce``: M split into ``chunks`` row blocks; block i's async all_reduce runs
+  while block i + 1 is multiplied.
+
+Every chunk's comm and GEMM sits in an ``overlap.profile.nvtx`` range named
+``<op>.chunked.comm[i]`` / ``.gemm[i]`` (the comm range covers the launch and, separately, the
+wait).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from overlap.profile import nvtx
+
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "split_bounds",
+           "all_gather_rows", "reduce_scatter_rows"]
+
+
+def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous [lo, hi) ranges covering 0..n, sizes differing by at most one."""
+    parts = max(1, min(parts, n))
+    base, extra = divmod(n, parts)
+    out, lo = [], 0
+    for i in range(parts):
+        hi = lo + base + (1 if i < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def _exchange(group: dist.ProcessGroup, send: torch.Tensor | None, to: int,
+              recv: torch.Tensor | None, frm: int, tag: int) -> list:
+    # One batch so NCCL posts the send and the receive together: every rank sends first, and
+    # unbatched blocking sends would wait on receives queued behind them.
+    ops = []
+    if send is not None:
+        ops.append(dist.P2POp(dist.isend, send, to, group, tag))
+    if recv is not None:
+        ops.append(dist.P2POp(dist.irecv, recv, frm, group, tag))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _neighbours(group: dist.ProcessGroup) -> tuple[int, int, int, int]:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    right = dist.get_global_rank(group, (rank + 1) % world)
+    left = dist.get_global_rank(group, (rank - 1) % world)
+    return rank, world, right, left
+
+
+def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGroup,
+                      chunks: int, return_gathered: bool,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """y [M, N] = all_gather(x_shard [m, K], dim 0) @ w [K, N]; also x [M, K] if asked."""
+    rank, world, right, left = _neighbours(group)
+    if world == 1:
+        with nvtx.range("all_gather_matmul.chunked.gemm[0]"):
+            return x_shard @ w, (x_shard if return_gathered else None)
+    x_shard = x_shard.contiguous()
+    m, k = x_shard.shape
+    pieces = split_bounds(m, chunks // world)
+    s = len(pieces)
+    gathered = x_shard.new_empty(world * m, k)
+    y = x_shard.new_empty(world * m, w.shape[1])
+
+    def rows(t: int) -> tuple[int, int]:
+        j, p = divmod(t, s)
+        src = (rank - j) % world
+        return src * m + pieces[p][0], src * m + pieces[p][1]
+
+    def piece(t: int) -> torch.Tensor:
+        if t < s:  # our own shard: send straight from the input
+            return x_shard[pieces[t][0]:pieces[t][1]]
+        lo, hi = rows(t)
+        return gathered[lo:hi]
+
+    # Every work is waited exactly once (a gloo send work waited twice waits for a second send).
+    inflight: dict[int, list] = {}
+    for t in range(world * s):
+        if t in inflight:
+            with nvtx.range(f"all_gather_matmul.chunked.comm[{t}].wait"):
+                for work in inflight.pop(t):
+                    work.wait()
+        if t + s < world * s:
+            # Forward this piece and receive the one we multiply s steps from now.
+            lo, hi = rows(t + s)
+            with nvtx.range(f"all_gather_matmul.chunked.comm[{t + s}]"):
+                works = _exchange(group, piece(t), right, gathered[lo:hi], left, tag=t)
+            inflight[t + s] = works
+        lo, hi = rows(t)
+        with nvtx.range(f"all_gather_matmul.chunked.gemm[{t}]"):
+            torch.matmul(piece(t), w, out=y[lo:hi])
+    if return_gathered:
+        gathered[rank * m:(rank + 1) * m].copy_(x_shard)
+    return y, (gathered if return_gathered else None)
+
+
+def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGroup,
+                          chunks: int, overlap_with: Callable[[], None] | None = None,
+                          ) -> torch.Tensor:
+    """y_shard [m, N] = reduce_scatter(x [M, K] @ w [K, N], dim 0), summed over ranks.
+
+    ``overlap_with`` (e.g. the weight-gradient GEMM of a backward) runs once every GEMM of this
+    op is done and only the last hop's transfers are in flight, then the op waits for them."""
+    rank, world, right, left = _neighbours(group)
+    if world == 1:
+        with nvtx.range("matmul_reduce_scatter.chunked.gemm[0]"):
+            y = x @ w
+        if overlap_with is not None:
+            overlap_with()
+        return y
+    m = x.shape[0] // world
+    pieces = split_bounds(m, chunks // world)
+    s = len(pieces)
+    n = w.shape[1]
+    out = x.new_empty(m, n)
+    # piece -> (works of the hop that delivers it, its receive buffer, the tensor that hop
+    # sent, kept alive until the works are waited; each work is waited exactly once)
+    inflight: dict[int, tuple[list, torch.Tensor, torch.Tensor]] = {}
+
+    def gemm(t: int) -> torch.Tensor:
+        j, p = divmod(t, s)
+        d = (rank - 1 - j) % world
+        lo, hi = d * m + pieces[p][0], d * m + pieces[p][1]
+        with nvtx.range(f"matmul_reduce_scatter.chunked.gemm[{t}]"):
+            return x[lo:hi] @ w
+
+    def add_received(t: int, part: torch.Tensor) -> None:
+        works, buf, _sent = inflight.pop(t)
+        with nvtx.range(f"matmul_reduce_scatter.chunked.comm[{t}].wait"):
+            for work in works:
+                work.wait()
+        part += buf
+
+    for t in range((world - 1) * s):
+        part = gemm(t)
+        if t >= s:
+            add_received(t, part)
+        lo, hi = pieces[t % s]  # piece t + s has the same rows within its block
+        buf = x.new_empty(hi - lo, n)
+        with nvtx.range(f"matmul_reduce_scatter.chunked.comm[{t + s}]"):
+            works = _exchange(group, part, right, buf, left, tag=t)
+        inflight[t + s] = (works, buf, part)
+    # Last step: our own block. Its GEMMs need no data from peers, so they and the caller's
+    # extra work run while the final hop's partial sums are still travelling.
+    last = [(t, gemm(t)) for t in range((world - 1) * s, world * s)]
+    if overlap_with is not None:
+        overlap_with()
+    for t, part in last:
+        add_received(t, part)
+        lo, hi = pieces[t % s]
+        out[lo:hi] = part
+    return out
+
+
+def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGroup,
+                      chunks: int) -> torch.Tensor:
+    """y [M, N] = all_reduce(x [M, K] @ w [K, N]), row block by row block."""
+    y = x.new_empty(x.shape[0], w.shape[1])
+    if dist.get_world_size(group) == 1:
+        with nvtx.range("matmul_all_reduce.chunked.gemm[0]"):
+            return torch.matmul(x, w, out=y)
+    works = []
+    for i, (lo, hi) in enumerate(split_bounds(x.shape[0], chunks)):
+        with nvtx.range(f"matmul_all_reduce.chunked.gemm[{i}]"):
+            torch.matmul(x[lo:hi], w, out=y[lo:hi])
+        with nvtx.range(f"matmul_all_reduce.chunked.comm[{i}]"):
+            works.append(dist.all_reduce(y[lo:hi], group=group, async_op=True))
+    with nvtx.range("matmul_all_reduce.chunked.comm.wait"):
+        for work in works:
+            work.wait()
+    return y
+
+
+def all_gather_rows(x_shard: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
+    """[world * m, ...] = all_gather(x_shard [m, ...], dim 0): the plain collective."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x_shard
+    x_shard = x_shard.contiguous()
+    out = x_shard.new_empty(world * x_shard.shape[0], *x_shard.shape[1:])
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x_shard, group=group)
+    return out
+
+
+def reduce_scatter_rows(x: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
+    """[M / world, ...] = reduce_scatter(x [M, ...], dim 0, sum): the plain collective."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty(x.shape[0] // world, *x.shape[1:])
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, x, group=group)
+    return out

@@ -1,0 +1,164 @@
+"""Contexts of the workspace backends ("symmetric", "triton"): who owns the userbuffers.
+
+A :class:`TPContext` owns, for one fused op over one TP group, a SymmetricWorkspace, the phase
+counter that orders its signals, and (symmetric backend) the copier (overlap.tp.copier).
+
+Concurrency contract: **one op in flight per context.** Every rank of the group must call the
+ops of a context in the same order (each call takes the next phase, and phases pair the ranks'
+signals). Back-to-back calls are safe: the workspace is double-buffered by phase parity and a
+buffer is rewritten only after every peer has acknowledged reading it two phases ago.
+
+Two ways to get one:
+
+- implicitly: ``all_gather_matmul(...)`` etc. look up a cached context per ``(op, backend,
+  group, x shape, N, dtype, device)``, sized exactly for that call. The cache keeps the
+  ``MAX_CACHED`` most recently used contexts (least recently used ones are closed), and
+  ``close_all_contexts()`` closes them all (tests, teardown). A context is created collectively,
+  by every rank at the same call; with ``check_inputs`` that is also when the ranks' shapes are
+  compared, so a cached context costs no collective per call.
+- explicitly: ``make_context(op, x, w, group=..., nbytes=...)`` (no cache; pass it as
+  ``context=`` and ``close()`` it yourself). A call whose shapes need more bytes than the
+  context has raises ValueError before touching the workspace.
+
+On any error inside an op the context *fails*: it aborts the workspace (peers waiting on this
+rank raise PeerDied at once instead of timing out), closes, and leaves the cache.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from overlap.symm.workspace import PeerDied, SignalTimeout, create_workspace, group_name
+from overlap.tp.copier import make_copier
+
+__all__ = ["TPContext", "cached_context", "close_all_contexts", "MAX_CACHED", "align"]
+
+MAX_CACHED = 16
+DEFAULT_TIMEOUT = 30.0
+_ALIGN = 256
+_ids = itertools.count()
+_cache: collections.OrderedDict[tuple, "TPContext"] = collections.OrderedDict()
+
+
+def align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class TPContext:
+    """Workspace, phase counter and copier of one fused op over one group. See module doc."""
+
+    def __init__(self, *, op: str, backend: str, group: dist.ProcessGroup, nbytes: int,
+                 num_signals: int, device: torch.device, timeout: float = DEFAULT_TIMEOUT):
+        self.op = op
+        self.backend = backend
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.device = device
+        self.timeout = timeout
+        self.phase = 0
+        self.closed = False
+        self.key: tuple | None = None
+        # slot -> value every peer must reach before our buffers may be released (AG readers).
+        self.quiesce: dict[int, int] = {}
+        self.ws = create_workspace(group, nbytes, num_signals=num_signals, device=device,
+                                   timeout=timeout)
+        self.copier = None
+        if backend == "symmetric":
+            self.copier = make_copier(device, f"overlap-copier-{op}-{next(_ids)}", timeout)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"phase {self.phase}"
+        return (f"TPContext({self.op}, {self.backend}, group {group_name(self.group)}, "
+                f"{self.ws.nbytes if not self.closed else 0} bytes, {state})")
+
+    def next_phase(self) -> int:
+        if self.closed:
+            raise RuntimeError(f"{self.op}: the context {self!r} is closed (rank {self.rank}); "
+                               "create a new one")
+        self.phase += 1
+        return self.phase
+
+    def require(self, op: str, nbytes: int, what: str) -> None:
+        """ValueError if this call needs more workspace than the context has."""
+        if op != self.op:
+            raise ValueError(f"{op}: context= was made for {self.op}, not {op} (rank "
+                             f"{self.rank})")
+        if nbytes > self.ws.nbytes:
+            raise ValueError(f"{op}: {what} needs a workspace of {nbytes} bytes per rank but "
+                             f"the context's workspace has {self.ws.nbytes} (rank {self.rank} "
+                             f"of group {group_name(self.group)}); make the context with "
+                             f"nbytes >= {nbytes}")
+
+    def fail(self, exc: BaseException) -> None:
+        """The op raised mid-protocol: wake the peers, release everything, leave the cache."""
+        if not self.closed:
+            try:
+                self.ws.abort(f"{self.op} failed on rank {self.rank}: {exc}")
+            except Exception:
+                pass
+        self.close(wait_for_peers=False)
+
+    def close(self, *, wait_for_peers: bool = True) -> None:
+        """Free the workspace and stop the copier. Waits (briefly, at most 5 s) for peers to
+        finish reading this rank's buffers; needs no collective, so it is safe on error paths."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.key is not None and _cache.get(self.key) is self:
+            del _cache[self.key]
+        try:
+            if self.copier is not None:
+                self.copier.close()
+            if wait_for_peers:
+                limit = min(5.0, self.timeout)
+                for slot, value in self.quiesce.items():
+                    _host_wait(self.ws, slot, value, limit)
+        except (SignalTimeout, PeerDied, TimeoutError):
+            pass  # peers are gone or out of step: nobody will read our memory any more
+        finally:
+            self.ws.close()
+
+
+def _host_wait(ws, slot: int, value: int, timeout: float) -> None:
+    if ws.device.type == "cuda":
+        ws.wait(slot, value, timeout, blocking=True)
+    else:
+        ws.wait(slot, value, timeout)
+
+
+def cached_context(key: tuple, *, op: str, backend: str, group: dist.ProcessGroup,
+                   nbytes: int, num_signals: int, device: torch.device,
+                   on_create=None) -> TPContext:
+    """The cached context for ``key``, created (collectively) on first use. ``on_create`` runs
+    first, on every rank, when it is created (the cross-rank input check)."""
+    full_key = (id(group), *key)
+    ctx = _cache.get(full_key)
+    if ctx is not None and not ctx.closed and ctx.group is group:
+        _cache.move_to_end(full_key)
+        return ctx
+    if on_create is not None:
+        on_create()
+    ctx = TPContext(op=op, backend=backend, group=group, nbytes=nbytes,
+                    num_signals=num_signals, device=device)
+    ctx.key = full_key
+    _cache[full_key] = ctx
+    while len(_cache) > MAX_CACHED:
+        _, old = _cache.popitem(last=False)
+        old.close()
+    return ctx
+
+
+def close_all_contexts() -> None:
+    """Close every cached context (collective-free; call it on every rank at teardown)."""
+    for ctx in list(_cache.values()):
+        ctx.close()
+    _cache.clear()
+
+
+def num_cached() -> int:
+    return len(_cache)

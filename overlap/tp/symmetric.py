@@ -1,0 +1,187 @@
+"""Symmetric (userbuffer) backend: collective matmuls over a SymmetricWorkspace.
+
+Each function runs one op on a :class:`~overlap.tp.context.TPContext` (workspace + phase +
+copier; one op in flight per context). Inputs are 2-D and validated by overlap.tp.ops.
+
+Shape legend (per rank; ``world`` ranks, ``r`` = this rank, ``p`` = the call's phase):
+    m = rows of one shard, M = world * m, K = reduction dim, N = output columns,
+    s = chunks // world = pieces per shard (>= 1, at most m), isz = bytes per element.
+
+Signals (per region, ``base`` = first slot): ``READY(q) = base + q`` is set on the consumer to
+``p`` when rank q's data of phase p is available; ``ACK(q) = base + world + q`` is set on the
+producer to ``p`` when rank q has finished reading it. Buffers are double-buffered by ``p % 2``
+and a half is rewritten at phase p only after ``ACK >= p - 2`` from every peer, so back-to-back
+calls never overwrite data a peer has not read yet.
+
+all_gather_matmul (workspace: 2 halves of [m, K]; pull)
+    r copies x_shard into its half ``p % 2`` and sets READY(r) = p on every peer. The copier
+    (copy thread on CPU, side stream on GPU) pulls peer (r + j)'s shard, j = 1..world-1, piece
+    by piece into the local gathered buffer and acks each peer; meanwhile the GEMM does r's own
+    shard, then each piece as soon as the copier has landed it.
+        y [M, N] = gathered [M, K] @ w [K, N],   gathered = all_gather(x_shard [m, K])
+matmul_reduce_scatter (workspace: 2 halves of world slots of [m, N]; push)
+    For d = r+1, ..., r+world-1 the GEMM produces the partial block destined to rank d piece by
+    piece and the copier pushes each piece into slot r of d's workspace, then sets READY(r) = p
+    on d. r's own block is computed last; r then waits for each peer's block, adds it in fp32
+    and acks it.
+        y_shard [m, N] = sum_q (x_q [M, K] @ w_q [K, N])[r*m:(r+1)*m]   (fp32 sum, cast back)
+matmul_all_reduce
+    reduce-scatter as above (M padded to a multiple of world with zero rows), then all-gather of
+    the reduced shards through a second region of the same workspace (pull, no GEMM).
+
+Every chunk's copy and GEMM sits in an ``overlap.profile.nvtx`` range:
+``<op>.symmetric.comm[<peer>.<piece>]`` (in the copier's thread or stream) and ``.gemm[...]``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from overlap.profile import nvtx
+from overlap.tp.chunked import split_bounds
+from overlap.tp.context import TPContext, align
+
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "ag_bytes",
+           "rs_bytes", "ar_bytes", "num_signals"]
+
+
+def _isz(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def ag_bytes(m: int, k: int, dtype: torch.dtype) -> int:
+    return 2 * align(m * k * _isz(dtype))
+
+
+def rs_bytes(m: int, n: int, world: int, dtype: torch.dtype) -> int:
+    return 2 * world * align(m * n * _isz(dtype))
+
+
+def ar_bytes(rows: int, n: int, world: int, dtype: torch.dtype) -> int:
+    m = -(-rows // world)
+    return rs_bytes(m, n, world, dtype) + ag_bytes(m, n, dtype)
+
+
+def num_signals(op: str, world: int) -> int:
+    return (4 if op == "matmul_all_reduce" else 2) * world
+
+
+def all_gather_matmul(ctx: TPContext, x_shard: torch.Tensor, w: torch.Tensor | None, *,
+                      chunks: int, return_gathered: bool, op: str = "all_gather_matmul",
+                      phase: int | None = None, offset: int = 0, base: int = 0,
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(y [M, N], gathered [M, K] or None); ``w=None`` only gathers."""
+    ws, copier = ctx.ws, ctx.copier
+    rank, world = ws.rank, ws.world
+    x_shard = x_shard.contiguous()
+    m, k = x_shard.shape
+    half = align(m * k * x_shard.element_size())
+    ctx.require(op, offset + 2 * half, f"a shard of {m} x {k} {x_shard.dtype}")
+    p = ctx.next_phase() if phase is None else phase
+    at = offset + (p % 2) * half
+    peers = [(rank + j) % world for j in range(1, world)]
+
+    with nvtx.range(f"{op}.symmetric.comm[publish]"):
+        if p > 2:  # every reader of phase p - 2 is done with this half
+            for q in peers:
+                ws.wait(base + world + q, p - 2)
+        ws.view(rank, x_shard.dtype, (m, k), at).copy_(x_shard)
+        for q in peers:
+            ws.signal(q, base + rank, p)
+    for q in peers:
+        ctx.quiesce[base + world + q] = p
+
+    gathered = x_shard.new_empty(world * m, k)
+    pieces = split_bounds(m, chunks // world)
+    tickets = []
+    for q in peers:
+        src = ws.view(q, x_shard.dtype, (m, k), at)
+        for i, (lo, hi) in enumerate(pieces):
+            def pull(q=q, src=src, lo=lo, hi=hi, i=i) -> None:
+                with nvtx.range(f"{op}.symmetric.comm[{q}.{i}]"):
+                    if i == 0:
+                        ws.wait(base + q, p)
+                    gathered[q * m + lo:q * m + hi].copy_(src[lo:hi])
+                    if i == len(pieces) - 1:
+                        ws.signal(q, base + world + rank, p)
+            tickets.append((q, lo, hi, copier.submit(pull, gathered)))
+
+    y = None
+    if w is not None:
+        y = x_shard.new_empty(world * m, w.shape[1])
+        with nvtx.range(f"{op}.symmetric.gemm[{rank}]"):
+            torch.matmul(x_shard, w, out=y[rank * m:(rank + 1) * m])
+    if return_gathered or w is None:
+        gathered[rank * m:(rank + 1) * m].copy_(x_shard)
+    for q, lo, hi, ticket in tickets:
+        copier.wait(ticket, f"{op} (rank {rank}, pulling rank {q}'s shard)")
+        if w is not None:
+            with nvtx.range(f"{op}.symmetric.gemm[{q}.{lo}]"):
+                torch.matmul(gathered[q * m + lo:q * m + hi], w, out=y[q * m + lo:q * m + hi])
+    return y, (gathered if return_gathered or w is None else None)
+
+
+def matmul_reduce_scatter(ctx: TPContext, x: torch.Tensor, w: torch.Tensor, *, chunks: int,
+                          overlap_with: Callable[[], None] | None = None,
+                          op: str = "matmul_reduce_scatter", phase: int | None = None,
+                          offset: int = 0, base: int = 0) -> torch.Tensor:
+    """y_shard [m, N]; ``overlap_with`` runs after every GEMM, while peers' pushes land."""
+    ws, copier = ctx.ws, ctx.copier
+    rank, world = ws.rank, ws.world
+    m, n = x.shape[0] // world, w.shape[1]
+    blk = align(m * n * x.element_size())
+    ctx.require(op, offset + 2 * world * blk, f"a {x.shape[0]} x {n} {x.dtype} product")
+    p = ctx.next_phase() if phase is None else phase
+    at = offset + (p % 2) * world * blk
+    pieces = split_bounds(m, chunks // world)
+
+    for j in range(1, world):
+        d = (rank + j) % world
+        dst = ws.view(d, x.dtype, (m, n), at + rank * blk)
+        for i, (lo, hi) in enumerate(pieces):
+            with nvtx.range(f"{op}.symmetric.gemm[{d}.{i}]"):
+                part = x[d * m + lo:d * m + hi] @ w
+
+            def push(d=d, dst=dst, lo=lo, hi=hi, i=i, part=part) -> None:
+                with nvtx.range(f"{op}.symmetric.comm[{d}.{i}]"):
+                    if i == 0 and p > 2:  # d has reduced what we pushed at p - 2
+                        ws.wait(base + world + d, p - 2)
+                    dst[lo:hi].copy_(part)
+                    if i == len(pieces) - 1:
+                        ws.signal(d, base + rank, p)
+            copier.submit(push, part)
+    with nvtx.range(f"{op}.symmetric.gemm[{rank}]"):
+        acc = x[rank * m:(rank + 1) * m] @ w
+    if overlap_with is not None:
+        overlap_with()
+    acc = acc.float()
+    for j in range(1, world):
+        q = (rank - j) % world
+        with nvtx.range(f"{op}.symmetric.comm[{q}].reduce"):
+            ws.wait(base + q, p)
+            acc += ws.view(rank, x.dtype, (m, n), at + q * blk)
+            ws.signal(q, base + world + rank, p)  # q may refill this slot at phase p + 2
+    copier.drain(f"{op} (rank {rank}, pushing partial blocks)")
+    return acc.to(x.dtype)
+
+
+def matmul_all_reduce(ctx: TPContext, x: torch.Tensor, w: torch.Tensor, *,
+                      chunks: int) -> torch.Tensor:
+    """y [M, N] = all_reduce(x [M, K] @ w [K, N]) as reduce-scatter + all-gather."""
+    op = "matmul_all_reduce"
+    world = ctx.world
+    rows = x.shape[0]
+    m = -(-rows // world)
+    ctx.require(op, ar_bytes(rows, w.shape[1], world, x.dtype),
+                f"a {rows} x {w.shape[1]} {x.dtype} product")
+    if rows % world:  # zero rows make M divisible; they reduce to zeros and are dropped
+        x = torch.cat([x, x.new_zeros(m * world - rows, x.shape[1])])
+    s = max(1, chunks // world)
+    p = ctx.next_phase()
+    y_shard = matmul_reduce_scatter(ctx, x, w, chunks=s * world, op=op, phase=p)
+    _, y = all_gather_matmul(ctx, y_shard, None, chunks=world, return_gathered=True, op=op,
+                             phase=p, offset=rs_bytes(m, w.shape[1], world, x.dtype),
+                             base=2 * world)
+    return y[:rows]
