@@ -122,7 +122,7 @@ def _all_reduce(t: torch.Tensor, op, *, group, name: str) -> torch.Tensor:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, ignore_index, mean, group):
-        x = logits.float()
+        x = logits.float().contiguous()
         m = _all_reduce(x.max(-1).values, dist.ReduceOp.MAX, group=group,
                         name="vocab_parallel_cross_entropy max")
         x = x - m.unsqueeze(-1)
