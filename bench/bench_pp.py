@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import time
 
@@ -195,13 +196,16 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
 
 def main(cfg: BenchConfig) -> None:
     backend = "nccl" if cfg.device == "cuda" else "gloo"
+    load_before = os.getloadavg()[0]
     rows = launch(_bench_rank, cfg.pp, args=(cfg,), backend=backend, timeout=3600,
                   preload=["torch.distributed.pipelining"])[0]
+    load = f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     notes = [
         f"GPT d_model={cfg.d_model} n_layer={cfg.n_layer} vocab={cfg.vocab_size} "
         f"seq_len={cfg.seq_len}, micro-batch size {cfg.microbatch_size}, fp32, split by "
         f"FLOP cost; {cfg.pp} ranks on {cfg.device} ({backend}), 1 thread per rank; "
-        f"median of {cfg.iters} steps after {cfg.warmup} warm-up, implementations alternating.",
+        f"median of {cfg.iters} steps after {cfg.warmup} warm-up, implementations alternating; "
+        f"{load} (on {os.cpu_count()} cores: other jobs shared the machine when above ~0.5).",
         "bubble: 1 - busy/window per rank (compute time on the rank's timeline, excluding "
         "waits for data), mean over ranks; bubble_ideal: simulated with F=1, B=2 (I=W=1).",
         "Command: python -m bench.bench_pp" + "".join(
