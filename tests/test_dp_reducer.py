@@ -215,6 +215,80 @@ def _tp_dp():
     return max(rel_err(p.grad, w) for p, w in zip(model.parameters(), want)), dims.ranks("dp")
 
 
+def _exact_mean_and_scale(red: GradReducer, local: nn.Module, b: tuple):
+    """The exact DP mean of every rank's local gradient, flat in ``red``'s layout, and per
+    bucket the bound's scale S = sum_r max_bucket |g_r| / dp."""
+    local.zero_grad()
+    loss_of(local, b).backward()
+    flat = {dt: torch.zeros_like(buf) for dt, buf in red.flat.items()}
+    for i, p in enumerate(local.parameters()):
+        dt, off = red.layout.param_offset[i]
+        flat[dt][off:off + p.numel()] = p.grad.reshape(-1)
+    world = dist.get_world_size()
+    mean, scale = {}, []
+    for dt, x in flat.items():
+        every = torch.zeros(world * x.numel(), dtype=x.dtype)
+        dist.all_gather_into_tensor(every, x, group=dist.group.WORLD)
+        mean[dt] = every.view(world, -1).mean(0)
+    for bk in red.buckets:
+        mine = flat[bk.dtype][bk.offset:bk.offset + bk.padded].abs().max().reshape(1)
+        every = torch.zeros(world)
+        dist.all_gather_into_tensor(every, mine, group=dist.group.WORLD)
+        scale.append(every.sum().item() / world)
+    return mean, scale
+
+
+def _lossy(comm_dtype: str):
+    """Bucket-wise error of bf16 / int8 all-reduce and reduce-scatter against the exact mean,
+    relative to S = sum_r max|g_r| / dp over the bucket (the quantized collectives' bound is
+    per 128-element block; a block can straddle parameters, so the scale is per bucket)."""
+    rank = dist.get_rank()
+    out = {}
+    for shard in (False, True):
+        torch.manual_seed(0)
+        model = gpt()
+        local = copy.deepcopy(model)
+        red = GradReducer(model, dp_group=dist.group.WORLD, bucket_cap_mb=0.01,
+                          first_bucket_cap_mb=0.002, comm_dtype=comm_dtype, shard=shard)
+        err = 0.0
+        for it in range(3):  # with shard=True: iteration 0 all-reduces, later reduce-scatter
+            b = gpt_batch(1000 * it + rank)
+            loss_of(model, b).backward()
+            mean, scale = _exact_mean_and_scale(red, local, b)
+            for bk, s in zip(red.buckets, scale):
+                if shard and it > 0:
+                    off, n = bk.shard(red.dp_size, red.dp_rank)
+                    got, want = red.grad_shard(bk), mean[bk.dtype][off:off + n]
+                else:
+                    got = red.flat[bk.dtype][bk.offset:bk.offset + bk.padded]
+                    want = mean[bk.dtype][bk.offset:bk.offset + bk.padded]
+                err = max(err, (got - want).abs().max().item() / (s or 1.0))
+            red.zero_grad()
+        out[f"shard={shard}"] = err
+        red.close()
+    # error feedback: the same gradient 8 times; the mean of the results converges to the
+    # exact value instead of repeating the same rounding error
+    for fb in (False, True):
+        torch.manual_seed(0)
+        model = gpt()
+        local = copy.deepcopy(model)
+        red = GradReducer(model, dp_group=dist.group.WORLD, bucket_cap_mb=0.01,
+                          comm_dtype=comm_dtype, error_feedback=fb)
+        b = gpt_batch(rank)
+        acc = {dt: torch.zeros_like(x) for dt, x in red.flat.items()}
+        for _ in range(8):
+            loss_of(model, b).backward()
+            for dt in acc:
+                acc[dt] += red.flat[dt] / 8
+            red.zero_grad()
+        mean, scale = _exact_mean_and_scale(red, local, b)
+        out[f"feedback={fb}"] = max(
+            (acc[bk.dtype] - mean[bk.dtype])[bk.offset:bk.offset + bk.padded].abs().max().item()
+            / (s or 1.0) for bk, s in zip(red.buckets, scale))
+        red.close()
+    return out
+
+
 def _mismatch():
     model = mlp() if dist.get_rank() == 0 else nn.Sequential(nn.Linear(9, 40))
     try:
@@ -259,6 +333,24 @@ def test_first_bucket_launched_before_backward_finished(world):
             assert f["first_in_backward"] and f["before_input_grad"], f
             assert f["before_last_ready"] and f["before_end"], f
             assert f["num_buckets"] > 2 and f["launched_in_backward"] == f["num_buckets"], f
+
+
+# bound / S (see overlap.comm.quant): int8 two quantizations of ~S/254 each, bf16 two
+# roundings to 8 significant bits (inputs to the wire, reduced shard to the wire) of 2^-8 S each
+LOSSY_TOL = {"int8": 1.01 / 127, "bf16": 1.01 / 128}
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("comm_dtype", ["bf16", "int8"])
+def test_lossy_comm_dtype_within_bound_of_exact(world, comm_dtype):
+    for res in run_ranks(_lossy, world, comm_dtype):
+        if world == 1:  # a group of one sends nothing, so nothing is quantized
+            assert res["shard=False"] == res["shard=True"] == 0.0, res
+            assert res["feedback=False"] <= 1e-6 and res["feedback=True"] <= 1e-6, res
+            continue
+        assert 0 < res["shard=False"] <= LOSSY_TOL[comm_dtype], res
+        assert 0 < res["shard=True"] <= LOSSY_TOL[comm_dtype], res
+        assert res["feedback=True"] <= res["feedback=False"] / 2, res
 
 
 def test_reduces_only_over_the_dp_group_of_tp_x_dp():

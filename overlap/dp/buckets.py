@@ -25,15 +25,19 @@ to ``torch.distributed``; every one is asynchronous and returns a handle with
 from __future__ import annotations
 
 import dataclasses
+import zlib
+from datetime import timedelta
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Bucket", "Layout", "build_layout", "COMM_DTYPES", "all_reduce_async",
-           "reduce_scatter_async", "all_gather_async"]
+from overlap.comm import quant
 
-COMM_DTYPES = (None, "bf16", "int8")
+__all__ = ["Bucket", "Layout", "build_layout", "COMM_DTYPES", "BucketWork", "all_reduce_async",
+           "reduce_scatter_async", "all_gather_async", "check_same_params", "broadcast_params"]
+
+COMM_DTYPES = quant.COMM_DTYPES
 
 
 @dataclasses.dataclass(slots=True)
@@ -130,24 +134,91 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def all_reduce_async(buf: torch.Tensor, *, group: dist.ProcessGroup, comm_dtype: str | None):
-    """In place ``buf = sum over group of buf``."""
+class BucketWork:
+    """Handle of one bucket collective: ``wait(timeout_s)`` returns once the result is in
+    place. Wraps a ``torch.distributed`` Work (comm_dtype None) or an ``overlap.comm.quant``
+    QuantWork, whose reduce-scatter returns a new tensor that is copied into ``out`` here."""
+
+    __slots__ = ("_work", "_out", "_quant")
+
+    def __init__(self, work, *, out: torch.Tensor | None = None, quant: bool = False):
+        self._work, self._out, self._quant = work, out, quant
+
+    def wait(self, timeout_s: float) -> None:
+        if self._quant:
+            result = self._work.wait(timeout_s)
+            if self._out is not None:
+                self._out.copy_(result.view(-1))
+        else:
+            self._work.wait(timedelta(seconds=timeout_s))
+
+
+def all_reduce_async(buf: torch.Tensor, *, group: dist.ProcessGroup, comm_dtype: str | None,
+                     error_feedback=None, check_ranks: bool = False) -> BucketWork:
+    """In place ``buf = sum over group of buf``; "bf16"/"int8" go through overlap.comm.quant
+    (whose error bound is documented there)."""
     if comm_dtype is None:
-        return dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    raise NotImplementedError(f"bucket all-reduce: comm_dtype={comm_dtype!r} needs "
-                              "overlap.comm.quant")
+        return BucketWork(dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True))
+    work = quant.all_reduce(buf, group=group, comm_dtype=comm_dtype, op="sum",
+                            error_feedback=error_feedback, check_ranks=check_ranks,
+                            async_op=True)
+    return BucketWork(work, quant=True)
 
 
 def reduce_scatter_async(out: torch.Tensor, buf: torch.Tensor, *, group: dist.ProcessGroup,
-                         comm_dtype: str | None):
+                         comm_dtype: str | None, error_feedback=None,
+                         check_ranks: bool = False) -> BucketWork:
     """``out (n/dp,) = sum over group of buf[r*n/dp : (r+1)*n/dp]`` for group rank ``r``."""
     if comm_dtype is None:
-        return _reduce_scatter(out, buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    raise NotImplementedError(f"bucket reduce-scatter: comm_dtype={comm_dtype!r} needs "
-                              "overlap.comm.quant")
+        return BucketWork(_reduce_scatter(out, buf, op=dist.ReduceOp.SUM, group=group,
+                                          async_op=True))
+    work = quant.reduce_scatter(buf, group=group, comm_dtype=comm_dtype, op="sum",
+                                error_feedback=error_feedback, check_ranks=check_ranks,
+                                async_op=True)
+    return BucketWork(work, out=out, quant=True)
 
 
-def all_gather_async(out: torch.Tensor, shard: torch.Tensor, *, group: dist.ProcessGroup):
+def all_gather_async(out: torch.Tensor, shard: torch.Tensor, *,
+                     group: dist.ProcessGroup) -> BucketWork:
     """``out (n,)[r*n/dp : (r+1)*n/dp] = shard`` of group rank ``r``, exact (parameters are
     never quantized)."""
-    return _all_gather(out, shard, group=group, async_op=True)
+    return BucketWork(_all_gather(out, shard, group=group, async_op=True))
+
+
+# ---- replica checks at construction ------------------------------------------------------------
+
+def check_same_params(params: Sequence[torch.Tensor], *, group: dist.ProcessGroup, where: str,
+                      timeout_s: float) -> None:
+    """Raise ValueError on every rank unless every rank of ``group`` holds parameters of the same
+    count, shapes and dtypes (one small all-gather)."""
+    sig = ";".join(f"{tuple(p.shape)}:{p.dtype}:{p.device.type}" for p in params)
+    mine = torch.tensor([len(params), sum(p.numel() for p in params), zlib.crc32(sig.encode())],
+                        dtype=torch.int64)
+    size = dist.get_world_size(group)
+    every = torch.zeros(size * 3, dtype=torch.int64)
+    all_gather_async(every, mine, group=group).wait(timeout_s)
+    every = every.view(size, 3)
+    if not bool((every == mine).all()):
+        ranks = dist.get_process_group_ranks(group)
+        rows = {ranks[k]: every[k].tolist() for k in range(size)}
+        raise ValueError(
+            f"{where}: the DP replicas differ in their parameters (per rank [count, numel, crc32 "
+            f"of shapes/dtypes]: {rows}); expected every rank of the DP group to hold the same "
+            "module")
+
+
+@torch.no_grad()
+def broadcast_params(params: Sequence[torch.Tensor], *, src: int,
+                     group: dist.ProcessGroup) -> None:
+    """Copy global rank ``src``'s parameter values to every rank of ``group`` (one broadcast
+    per dtype)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for ps in by_dtype.values():
+        flat = torch.cat([p.detach().reshape(-1) for p in ps])
+        dist.broadcast(flat, src=src, group=group)
+        off = 0
+        for p in ps:
+            p.copy_(flat[off:off + p.numel()].view_as(p))
+            off += p.numel()

@@ -34,6 +34,12 @@ were unused in the first iteration sit in the last buckets, so they delay little
 (gloo has no ReduceOp.AVG on every version, and pre-dividing keeps low-precision sums in range);
 dividing by a power of two is exact.
 
+**Lossy communication.** ``comm_dtype="bf16"`` or ``"int8"`` sends each bucket through
+``overlap.comm.quant`` (async; its per-element error bound is documented there, about
+``S/127`` for int8 and ``S/128`` for bf16 with ``S = sum_r max|g_r| / dp`` over a block);
+``error_feedback=True`` carries each bucket's residual to the next step. Parameters (the
+ShardedOptimizer's all-gather) always travel exactly.
+
 **Sharded mode** (``shard=True``, used by ``ShardedOptimizer``): buckets are padded to a
 multiple of the DP size and reduced with a reduce-scatter, so DP rank ``r`` receives the summed
 slice ``r`` of each bucket in ``grad_shard(bucket)``; ``p.grad`` then holds this rank's local,
@@ -51,16 +57,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-import zlib
-from datetime import timedelta
 from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from overlap.comm.quant import ErrorFeedback
 from overlap.dp import buckets as dp_comm
-from overlap.dp.buckets import Bucket, Layout, build_layout
+from overlap.dp.buckets import (Bucket, Layout, broadcast_params, build_layout,
+                                 check_same_params)
 
 __all__ = ["GradReducer", "ReducerConfig", "IterationStats"]
 
@@ -74,7 +80,9 @@ class ReducerConfig:
     "bf16" or "int8" (through ``overlap.comm.quant``). ``op``: "avg" or "sum" over the DP group.
     ``shard``: reduce-scatter for ``ShardedOptimizer``. ``rebuild_buckets``: re-order buckets
     after the first iteration. ``broadcast_params``: copy DP rank 0's parameters at
-    construction (as DDP). ``timeout_s``: bound on every wait."""
+    construction (as DDP). ``error_feedback``: with a lossy ``comm_dtype``, carry each
+    bucket's quantization residual into the next step (``overlap.comm.quant.ErrorFeedback``).
+    ``timeout_s``: bound on every wait."""
 
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
@@ -83,6 +91,7 @@ class ReducerConfig:
     shard: bool = False
     rebuild_buckets: bool = True
     broadcast_params: bool = True
+    error_feedback: bool = False
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -95,6 +104,8 @@ class ReducerConfig:
                              f"got {self.comm_dtype!r}")
         if self.op not in ("avg", "sum"):
             raise ValueError(f"GradReducer: op must be 'avg' or 'sum', got {self.op!r}")
+        if self.error_feedback and self.comm_dtype is None:
+            raise ValueError("GradReducer: error_feedback=True needs comm_dtype 'bf16' or 'int8'")
         if not self.timeout_s > 0:
             raise ValueError(f"GradReducer: timeout_s must be > 0, got {self.timeout_s!r}")
 
@@ -145,10 +156,14 @@ class GradReducer:
             if p.is_sparse or p.layout != torch.strided:
                 raise TypeError(f"GradReducer: rank {self.rank}: only dense strided parameters "
                                 f"are supported, got layout {p.layout}")
-        self._check_same_params()
+        check_same_params(self.params, group=self.dp_group, where=f"GradReducer: rank {self.rank}",
+                          timeout_s=self.config.timeout_s)
         if self.config.broadcast_params and self.dp_size > 1:
-            self._broadcast_params()
+            broadcast_params(self.params, src=self._src, group=self.dp_group)
 
+        self._checked = False
+        self._feedbacks: dict[tuple[int, int], ErrorFeedback] = {}
+        self.flat_device = self.params[0].device
         self._sync = True
         self._sync_if: Callable[[], bool] | None = None
         self._frozen = False
@@ -198,6 +213,7 @@ class GradReducer:
         t0 = time.perf_counter()
         self._wait_all()
         self.stats.wait_s = time.perf_counter() - t0
+        self._checked = True
         if not self._final and not self._frozen:
             self._rebuild()
         if self.config.shard and not self._final_at_launch:
@@ -333,25 +349,36 @@ class GradReducer:
         buf = self.flat[bucket.dtype].narrow(0, bucket.offset, bucket.padded)
         if self.config.op == "avg" and self.dp_size > 1:
             buf.div_(self.dp_size)
-        if self.config.shard and self._final:
+        cfg = self.config
+        # Lossy comm: the first iteration also compares sizes and options across the ranks.
+        extra = {} if cfg.comm_dtype is None else dict(
+            error_feedback=self._feedback(b, buf.numel()), check_ranks=not self._checked)
+        if cfg.shard and self._final:
             self._works[b] = dp_comm.reduce_scatter_async(
-                self.grad_shard(bucket), buf, group=self.dp_group,
-                comm_dtype=self.config.comm_dtype)
+                self.grad_shard(bucket), buf, group=self.dp_group, comm_dtype=cfg.comm_dtype,
+                **extra)
         else:
             self._works[b] = dp_comm.all_reduce_async(buf, group=self.dp_group,
-                                                      comm_dtype=self.config.comm_dtype)
+                                                      comm_dtype=cfg.comm_dtype, **extra)
         self._final_at_launch = self._final
         self.stats.launch_times.append(time.perf_counter())
         self.stats.launched_in_backward.append(in_backward)
 
+    def _feedback(self, b: int, numel: int) -> ErrorFeedback | None:
+        if not self.config.error_feedback:
+            return None
+        fb = self._feedbacks.get((b, numel))
+        if fb is None:  # (re)created when the layout changes or a bucket switches collective
+            fb = self._feedbacks[(b, numel)] = ErrorFeedback(numel, device=self.flat_device)
+        return fb
+
     def _wait_all(self) -> None:
-        timeout = timedelta(seconds=self.config.timeout_s)
         for b, work in enumerate(self._works):
             if work is None:
                 continue
             try:
-                work.wait(timeout)
-            except RuntimeError as exc:
+                work.wait(self.config.timeout_s)
+            except (RuntimeError, TimeoutError) as exc:
                 ranks = dist.get_process_group_ranks(self.dp_group)
                 raise RuntimeError(
                     f"GradReducer: rank {self.rank}: bucket {b} of {len(self._works)} on DP "
@@ -402,6 +429,7 @@ class GradReducer:
         order = t.tolist()
         self._final = True
         if order != self._layout.order:
+            self._feedbacks.clear()
             old = self._layout
             self._apply_layout(order, copy=True)
             for fn in self._layout_listeners:
@@ -411,34 +439,3 @@ class GradReducer:
         for bucket in self.buckets:
             off, n = bucket.shard(self.dp_size, self.dp_rank)
             self.grad_shard(bucket).copy_(self.flat[bucket.dtype].narrow(0, off, n))
-
-    # ---------------------------------------------------------------- construction checks
-
-    def _check_same_params(self) -> None:
-        sig = ";".join(f"{tuple(p.shape)}:{p.dtype}:{p.device.type}" for p in self.params)
-        mine = torch.tensor([len(self.params), sum(p.numel() for p in self.params),
-                             zlib.crc32(sig.encode())], dtype=torch.int64)
-        every = torch.zeros(self.dp_size * 3, dtype=torch.int64)
-        dp_comm.all_gather_async(every, mine, group=self.dp_group).wait(
-            timedelta(seconds=self.config.timeout_s))
-        every = every.view(self.dp_size, 3)
-        if not bool((every == mine).all()):
-            ranks = dist.get_process_group_ranks(self.dp_group)
-            rows = {ranks[k]: every[k].tolist() for k in range(self.dp_size)}
-            raise ValueError(
-                f"GradReducer: rank {self.rank}: the DP replicas differ in their parameters "
-                f"(per rank [count, numel, crc32 of shapes/dtypes]: {rows}); expected every "
-                "rank of the DP group to hold the same module")
-
-    @torch.no_grad()
-    def _broadcast_params(self) -> None:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in self.params:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for ps in by_dtype.values():
-            flat = torch.cat([p.detach().reshape(-1) for p in ps])
-            dist.broadcast(flat, src=self._src, group=self.dp_group)
-            off = 0
-            for p in ps:
-                p.copy_(flat[off:off + p.numel()].view_as(p))
-                off += p.numel()

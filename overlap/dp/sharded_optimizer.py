@@ -32,7 +32,6 @@ not provided.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -69,7 +68,7 @@ class ShardedOptimizer:
                             f"subclass, got {optimizer_cls!r}")
         self.reducer = reducer
         self.dp_size, self.dp_rank = reducer.dp_size, reducer.dp_rank
-        self._timeout = timedelta(seconds=reducer.config.timeout_s)
+        self._timeout = reducer.config.timeout_s
         self._gathers: list = []
         self.inner: torch.optim.Optimizer | None = None
         self._build(reducer.layout)
@@ -154,7 +153,7 @@ class ShardedOptimizer:
                 continue
             try:
                 work.wait(self._timeout)
-            except RuntimeError as exc:
+            except (RuntimeError, TimeoutError) as exc:
                 ranks = dist.get_process_group_ranks(self.reducer.dp_group)
                 raise RuntimeError(
                     f"ShardedOptimizer: rank {self.reducer.rank}: parameter all-gather of bucket "
