@@ -67,7 +67,8 @@ def _ag_publish_kernel(x_ptr, data_table, flag_table, counter_ptr, status_ptr, r
                        timeout_ns, USE_CLOCK)
         failed += 1 - ok.to(tl.int32)
     if failed == 0:
-        dst = tl.load(data_table + rank).to(tl.pointer_type(x_ptr.dtype.element_ty)) + buf_off
+        dst = tl.load(data_table + rank).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        dst = tl.multiple_of(dst, 16) + buf_off  # workspace buffers are 256-byte aligned
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
         tl.store(dst + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
@@ -93,7 +94,10 @@ def _ag_gemm_kernel(w_ptr, y_ptr, g_ptr, data_table, flag_table, counter_ptr, st
     src = (rank + step) % world
     own_flags = tl.load(flag_table + rank).to(tl.pointer_type(tl.int64))
     if spin_wait(own_flags + src, phase, src, status_ptr, max_spins, timeout_ns, USE_CLOCK):
-        a_base = tl.load(data_table + src).to(tl.pointer_type(y_ptr.dtype.element_ty)) + buf_off
+        a_base = tl.load(data_table + src).to(tl.pointer_type(y_ptr.dtype.element_ty))
+        # The hint lets the compiler vectorise and pipeline (cp.async) the peer loads; a raw
+        # address carries no alignment, and workspace buffers are 256-byte aligned.
+        a_base = tl.multiple_of(a_base, 16) + buf_off
         rows = (tm * BM + tl.arange(0, BM)).to(tl.int64)
         cols = (tn * BN + tl.arange(0, BN)).to(tl.int64)
         row_ok = rows < m

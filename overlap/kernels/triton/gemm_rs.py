@@ -93,7 +93,8 @@ def _gemm_rs_kernel(x_ptr, w_ptr, data_table, flag_table, counter_ptr, status_pt
     if spin_wait(own_flags + world + owner, ack_phase, world + owner, status_ptr, max_spins,
                  timeout_ns, USE_CLOCK):
         dst = tl.load(data_table + owner).to(tl.pointer_type(x_ptr.dtype.element_ty))
-        dst += buf_off + rank * m * N
+        # Alignment hint (buffers are 256-byte aligned) so the peer stores are vectorised.
+        dst = tl.multiple_of(dst, 16) + buf_off + rank.to(tl.int64) * m * N
         tl.store(dst + rows[:, None] * N + cols[None, :], out,
                  mask=row_ok[:, None] & col_ok[None, :])
         if arrive_last(counter_ptr + owner, per_owner):
@@ -111,7 +112,8 @@ def _reduce_kernel(y_ptr, data_table, flag_table, counter_ptr, status_ptr, rank,
         ok = spin_wait(own_flags + s, phase, s, status_ptr, max_spins, timeout_ns, USE_CLOCK)
         failed += 1 - ok.to(tl.int32)
     if failed == 0:
-        base = tl.load(data_table + rank).to(tl.pointer_type(y_ptr.dtype.element_ty)) + buf_off
+        base = tl.load(data_table + rank).to(tl.pointer_type(y_ptr.dtype.element_ty))
+        base = tl.multiple_of(base, 16) + buf_off
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
