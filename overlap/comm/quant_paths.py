@@ -15,21 +15,47 @@ INT8 reduce-scatter: steps 1-3 with m = N / n, and y (cast) is the result.
 INT8 all-gather: quantize the local tensor (one row, m = N), all_gather, dequantize.
 BF16 (comm_dtype="bf16"): the same shapes with a bf16 cast (RNE) instead of quantize; sums in
 fp32 in rank order. None: the plain torch.distributed collective in the input dtype.
+
+Wire buffers come from a per-(group, device) scratch cache: a fresh multi-MB allocation costs a
+page fault per 4 KB on every call, as much as the quantization itself on a CPU. That is safe
+because the ops of this module on one group never overlap (quant_work keeps them in order);
+results handed back to the caller are always fresh tensors. ``clear_scratch()`` frees it.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
 
 from overlap.comm import quant_kernels as qk
 
-__all__ = ["int8_geometry", "wire_bytes", "stochastic_key", "int8_all_reduce",
+__all__ = ["int8_geometry", "wire_bytes", "stochastic_key", "clear_scratch", "int8_all_reduce",
            "int8_reduce_scatter", "int8_all_gather", "bf16_all_reduce", "bf16_reduce_scatter",
            "bf16_all_gather"]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+_scratch: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+
+
+def clear_scratch() -> None:
+    """Free the cached wire buffers of every group."""
+    _scratch.clear()
+
+
+def _buffer(group, slot: str, shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor for ``slot`` of this group's scratch, grown when too small."""
+    slots = _scratch.setdefault((id(group), str(device)), {})
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    buf = slots.get(slot)
+    if buf is None or buf.numel() < nbytes:
+        buf = slots[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf[:nbytes].view(dtype).view(shape)
 
 
 def int8_geometry(m: int, block: int) -> tuple[int, int]:
@@ -71,9 +97,9 @@ def _views(buf: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
     return buf[:, :L].view(torch.int8), buf[:, L:].view(torch.float32)
 
 
-def _quantize_rows(p, n, m, block, stochastic, key, backend):
+def _quantize_rows(p, group, n, m, block, stochastic, key, backend):
     L, C = int8_geometry(m, block)
-    send = torch.empty(n, C, dtype=torch.uint8, device=p.device)
+    send = _buffer(group, "send", (n, C), torch.uint8, p.device)
     q, s = _views(send, L)
     qk.quantize_into(p, q, s, block=block, flat_row=m, stochastic=stochastic, key=key,
                      backend=backend)
@@ -94,10 +120,11 @@ def _compensated(x, ef):
 
 def _exchange_int8(x, group, rank, n, m, block, stochastic, seed, ef, backend):
     p = x if ef is None else _compensated(x, ef)
-    send = _quantize_rows(p, n, m, block, stochastic, stochastic_key(seed, rank, 0), backend)
+    send = _quantize_rows(p, group, n, m, block, stochastic, stochastic_key(seed, rank, 0),
+                          backend)
     if ef is not None:
         _local_residual(ef, p, send, m, block, backend)
-    recv = torch.empty_like(send)
+    recv = _buffer(group, "recv", tuple(send.shape), torch.uint8, x.device)
     dist.all_to_all_single(recv, send, group=group)
     return recv
 
@@ -109,7 +136,7 @@ def int8_all_reduce(x, group, rank, n, divisor, block, stochastic, seed, ef, bac
     L, C = int8_geometry(m, block)
     recv = _exchange_int8(x, group, rank, n, m, block, stochastic, seed, ef, backend)
     q, s = _views(recv, L)
-    mine = torch.empty(1, C, dtype=torch.uint8, device=x.device)
+    mine = _buffer(group, "mine", (1, C), torch.uint8, x.device)
     q_out, s_out = _views(mine, L)
     key = stochastic_key(seed, rank, 1)
     if ef is None:
@@ -126,7 +153,7 @@ def int8_all_reduce(x, group, rank, n, divisor, block, stochastic, seed, ef, bac
         deq = torch.empty(L, dtype=torch.float32, device=x.device)
         qk.dequantize_into(q_out, s_out, deq, block=block, backend=backend)
         torch.sub(y, deq, out=ef.shard_residual)
-    gathered = torch.empty(n, C, dtype=torch.uint8, device=x.device)
+    gathered = _buffer(group, "gathered", (n, C), torch.uint8, x.device)
     _all_gather(gathered.view(-1), mine.view(-1), group=group)
     q, s = _views(gathered, L)
     out = x if x.dtype == torch.float32 else torch.empty(N, dtype=torch.float32, device=x.device)
@@ -150,8 +177,9 @@ def int8_all_gather(x, group, rank, n, block, stochastic, seed, backend):
     """Flat ``x`` of m elements -> every rank's x, dequantized, fp32 [n * m]."""
     m = x.numel()
     L, _ = int8_geometry(m, block)
-    send = _quantize_rows(x, 1, m, block, stochastic, stochastic_key(seed, rank, 0), backend)
-    gathered = torch.empty(n, send.shape[1], dtype=torch.uint8, device=x.device)
+    send = _quantize_rows(x, group, 1, m, block, stochastic, stochastic_key(seed, rank, 0),
+                          backend)
+    gathered = _buffer(group, "gathered", (n, send.shape[1]), torch.uint8, x.device)
     _all_gather(gathered.view(-1), send.view(-1), group=group)
     q, s = _views(gathered, L)
     out = torch.empty(n * m, dtype=torch.float32, device=x.device)
@@ -160,22 +188,23 @@ def int8_all_gather(x, group, rank, n, block, stochastic, seed, backend):
 
 
 def _bf16_exchange(x, group, n, m, ef):
-    p = _compensated(x, ef)
-    send = torch.zeros(n * m, dtype=torch.bfloat16, device=x.device)
+    p = x if ef is None else _compensated(x, ef)
+    send = _buffer(group, "send", (n * m,), torch.bfloat16, x.device)
     send[: x.numel()] = p
+    send[x.numel():] = 0
     if ef is not None:
         torch.sub(p, send[: x.numel()].to(torch.float32), out=ef.residual)
-    recv = torch.empty_like(send)
+    recv = _buffer(group, "recv", (n * m,), torch.bfloat16, x.device)
     dist.all_to_all_single(recv, send, group=group)
     return recv.view(n, m)
 
 
 def _sum_rows_fp32(rows: torch.Tensor, divisor: float) -> torch.Tensor:
     acc = rows[0].to(torch.float32)
-    for r in range(1, rows.shape[0]):  # rank order, one rounding per add
-        acc = acc + rows[r].to(torch.float32)
+    for r in range(1, rows.shape[0]):  # rank order, one rounding per add (bf16 -> fp32 exact)
+        acc.add_(rows[r])
     if divisor != 1:
-        acc = acc / torch.full_like(acc, float(divisor))
+        acc.div_(float(divisor))
     return acc
 
 
@@ -189,7 +218,7 @@ def bf16_all_reduce(x, group, rank, n, divisor, ef):
     mine = acc.to(torch.bfloat16)
     if ef is not None:
         torch.sub(acc, mine.to(torch.float32), out=ef.shard_residual)
-    gathered = torch.empty(n * m, dtype=torch.bfloat16, device=x.device)
+    gathered = _buffer(group, "gathered", (n * m,), torch.bfloat16, x.device)
     _all_gather(gathered, mine, group=group)
     x.copy_(gathered[:N])
 
