@@ -1,4 +1,5 @@
-"""Bucket assignment and flat-buffer layout for data-parallel gradient reduction.
+"""Bucket assignment, flat-buffer layout and bucket collectives for data-parallel gradient
+reduction, and ``ReducerConfig`` (the knobs of both).
 
 A *layout* places every parameter of a module in one flat buffer per dtype. The buffer is split
 into buckets; each bucket is one contiguous slice, so one collective reduces it. Buckets are
@@ -34,10 +35,49 @@ import torch.distributed as dist
 
 from overlap.comm import quant
 
-__all__ = ["Bucket", "Layout", "build_layout", "COMM_DTYPES", "BucketWork", "all_reduce_async",
-           "reduce_scatter_async", "all_gather_async", "check_same_params", "broadcast_params"]
+__all__ = ["ReducerConfig", "Bucket", "Layout", "build_layout", "COMM_DTYPES", "BucketWork",
+           "all_reduce_async", "reduce_scatter_async", "all_gather_async", "check_same_params",
+           "broadcast_params"]
 
 COMM_DTYPES = quant.COMM_DTYPES
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ReducerConfig:
+    """``bucket_cap_mb`` / ``first_bucket_cap_mb``: bucket byte caps in MiB (torch DDP's
+    defaults; 0 gives one parameter per bucket). ``comm_dtype``: None (the gradient dtype),
+    "bf16" or "int8" (through ``overlap.comm.quant``). ``op``: "avg" or "sum" over the DP group.
+    ``shard``: reduce-scatter for ``ShardedOptimizer``. ``rebuild_buckets``: re-order buckets
+    after the first iteration. ``broadcast_params``: copy DP rank 0's parameters at
+    construction (as DDP). ``error_feedback``: with a lossy ``comm_dtype``, carry each
+    bucket's quantization residual into the next step (``overlap.comm.quant.ErrorFeedback``).
+    ``timeout_s``: bound on every wait."""
+
+    bucket_cap_mb: float = 25.0
+    first_bucket_cap_mb: float = 1.0
+    comm_dtype: str | None = None
+    op: str = "avg"
+    shard: bool = False
+    rebuild_buckets: bool = True
+    broadcast_params: bool = True
+    error_feedback: bool = False
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"GradReducer: {name} must be a number >= 0, got {v!r}")
+        if self.comm_dtype not in COMM_DTYPES:
+            raise ValueError(f"GradReducer: comm_dtype must be one of {COMM_DTYPES}, "
+                             f"got {self.comm_dtype!r}")
+        if self.op not in ("avg", "sum"):
+            raise ValueError(f"GradReducer: op must be 'avg' or 'sum', got {self.op!r}")
+        if self.error_feedback and self.comm_dtype is None:
+            raise ValueError("GradReducer: error_feedback=True needs comm_dtype 'bf16' or 'int8'")
+        if not self.timeout_s > 0:
+            raise ValueError(f"GradReducer: timeout_s must be > 0, got {self.timeout_s!r}")
 
 
 @dataclasses.dataclass(slots=True)

@@ -65,50 +65,10 @@ import torch.nn as nn
 
 from overlap.comm.quant import ErrorFeedback
 from overlap.dp import buckets as dp_comm
-from overlap.dp.buckets import (Bucket, Layout, broadcast_params, build_layout,
-                                 check_same_params)
+from overlap.dp.buckets import (MiB, Bucket, Layout, ReducerConfig, broadcast_params,
+                                 build_layout, check_same_params)
 
-__all__ = ["GradReducer", "ReducerConfig", "IterationStats"]
-
-MiB = 1 << 20
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class ReducerConfig:
-    """``bucket_cap_mb`` / ``first_bucket_cap_mb``: bucket byte caps in MiB (torch DDP's
-    defaults; 0 gives one parameter per bucket). ``comm_dtype``: None (the gradient dtype),
-    "bf16" or "int8" (through ``overlap.comm.quant``). ``op``: "avg" or "sum" over the DP group.
-    ``shard``: reduce-scatter for ``ShardedOptimizer``. ``rebuild_buckets``: re-order buckets
-    after the first iteration. ``broadcast_params``: copy DP rank 0's parameters at
-    construction (as DDP). ``error_feedback``: with a lossy ``comm_dtype``, carry each
-    bucket's quantization residual into the next step (``overlap.comm.quant.ErrorFeedback``).
-    ``timeout_s``: bound on every wait."""
-
-    bucket_cap_mb: float = 25.0
-    first_bucket_cap_mb: float = 1.0
-    comm_dtype: str | None = None
-    op: str = "avg"
-    shard: bool = False
-    rebuild_buckets: bool = True
-    broadcast_params: bool = True
-    error_feedback: bool = False
-    timeout_s: float = 300.0
-
-    def __post_init__(self) -> None:
-        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ValueError(f"GradReducer: {name} must be a number >= 0, got {v!r}")
-        if self.comm_dtype not in dp_comm.COMM_DTYPES:
-            raise ValueError(f"GradReducer: comm_dtype must be one of {dp_comm.COMM_DTYPES}, "
-                             f"got {self.comm_dtype!r}")
-        if self.op not in ("avg", "sum"):
-            raise ValueError(f"GradReducer: op must be 'avg' or 'sum', got {self.op!r}")
-        if self.error_feedback and self.comm_dtype is None:
-            raise ValueError("GradReducer: error_feedback=True needs comm_dtype 'bf16' or 'int8'")
-        if not self.timeout_s > 0:
-            raise ValueError(f"GradReducer: timeout_s must be > 0, got {self.timeout_s!r}")
-
+__all__ = ["GradReducer", "ReducerConfig", "IterationStats"]  # ReducerConfig: re-exported
 
 @dataclasses.dataclass(slots=True)
 class IterationStats:
@@ -139,9 +99,13 @@ class GradReducer:
             raise TypeError(f"GradReducer: module must be an nn.Module, got "
                             f"{type(module).__name__}")
         if dp_group is None:
-            raise ValueError("GradReducer: dp_group is required (pass ParallelDims.dp_group or "
-                             "dist.group.WORLD explicitly)")
-        self.config = ReducerConfig(**config)
+            rank = dist.get_rank() if dist.is_initialized() else "?"
+            raise ValueError(f"GradReducer: rank {rank}: dp_group is required (pass "
+                             "ParallelDims.dp_group or dist.group.WORLD explicitly)")
+        try:
+            self.config = ReducerConfig(**config)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{exc} (rank {dist.get_rank()})") from None
         self.module = module
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
