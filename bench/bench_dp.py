@@ -20,7 +20,8 @@ Columns: ``step_ms`` median step time (barrier-synced) and its ``spread``; ``vs_
 median / this one's (> 1: faster than DDP); ``comm_ms``: the gradient collectives of one step
 run alone (``reduce_now()``, median); ``exposed_ms``: median time ``finish()`` waited after the
 backward; ``hidden``: 1 - exposed/comm, the fraction of gradient communication hidden under
-the backward; ``state_MB``: optimizer state per rank.
+the backward; ``ag_exposed_ms`` (sharded): time the forward pre-hooks waited for the
+parameter all-gathers launched by the previous step; ``state_MB``: optimizer state per rank.
 """
 
 from __future__ import annotations
@@ -137,13 +138,15 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
     sync = _sync(device)
     variants = _variants(base, dist.group.WORLD, cfg.bucket_cap_mb)
     for v in variants.values():
-        v["samples"], v["exposed"] = [], []
+        v["samples"], v["exposed"], v["ag_exposed"] = [], [], []
         for _ in range(cfg.warmup):
             _step(v, idx, tgt)
     for _ in range(cfg.rounds):
         for v in variants.values():
             for _ in range(cfg.steps_per_round):
                 sync()
+                if isinstance(v["opt"], ShardedOptimizer):  # waits of the previous forward
+                    v["ag_exposed"].append(v["opt"].forward_wait_s)
                 t0 = time.perf_counter()
                 _step(v, idx, tgt)
                 sync()
@@ -169,6 +172,7 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
             hidden=(max(0.0, 1.0 - exposed / comm_s) if comm_s and exposed is not None
                     else None),
             state_bytes=_state_bytes(v["opt"]),
+            ag_exposed_s=statistics.median(v["ag_exposed"]) if v["ag_exposed"] else None,
             num_buckets=len(v["red"].buckets) if v["red"] is not None else None))
     return rows
 
@@ -191,6 +195,7 @@ def main(cfg: BenchConfig) -> None:
                 comm_ms="-" if r["comm_s"] is None else 1e3 * r["comm_s"],
                 exposed_ms="-" if r["exposed_s"] is None else 1e3 * r["exposed_s"],
                 hidden="-" if r["hidden"] is None else r["hidden"],
+                ag_exposed_ms="-" if r["ag_exposed_s"] is None else 1e3 * r["ag_exposed_s"],
                 state_MB=r["state_bytes"] / 2**20,
                 buckets="-" if r["num_buckets"] is None else r["num_buckets"]))
     load = f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
@@ -215,7 +220,7 @@ def main(cfg: BenchConfig) -> None:
     ]
     table = Table("Data-parallel step: overlap.dp vs torch DDP",
                   ["world", "variant", "step_ms", "spread", "vs_ddp", "comm_ms", "exposed_ms",
-                   "hidden", "state_MB", "buckets"], notes=notes)
+                   "hidden", "ag_exposed_ms", "state_MB", "buckets"], notes=notes)
     for row in table_rows:
         table.add(**row)
     paths = table.write(cfg.out)

@@ -117,23 +117,38 @@ def _vs_ddp(cases):
 
 
 def _no_sync():
+    """k micro-batches per rank, reduced once: equals one batch of k*m*world rows. Steps 0-1
+    use the no_sync() context, steps 2-3 the sync_if predicate (as a pipeline stage would)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     res = {}
-    # no_sync: k micro-batches of m rows, averaged over ranks == one batch of k*m*world rows.
     torch.manual_seed(0)
     model = mlp()
-    big = copy.deepcopy(model)
+    big, local = copy.deepcopy(model), copy.deepcopy(model)
     red = GradReducer(model, dp_group=dist.group.WORLD, bucket_cap_mb=0.002,
                       first_bucket_cap_mb=0.001)
     k = 3
-    for step in range(2):
+    last = [False]
+    for step in range(4):
         micro = [mlp_batch(100 * step + 10 * r + j)[0] for r in range(world) for j in range(k)]
         mine = micro[rank * k:(rank + 1) * k]
-        with red.no_sync():
+        if step < 2:
+            with red.no_sync():
+                for x in mine[:-1]:
+                    (model(x).square().mean() / k).backward()
+        else:
+            red.sync_if(lambda: last[0])
             for x in mine[:-1]:
                 (model(x).square().mean() / k).backward()
-        # no communication happened inside the context: the buffer holds the local sum only
+            last[0] = True
+        # nothing was communicated yet: the buffer holds this rank's local sum
+        local.zero_grad()
+        for x in mine[:-1]:
+            (local(x).square().mean() / k).backward()
+        res[f"local{step}"] = max(rel_err(p.grad, q.grad)
+                                  for p, q in zip(model.parameters(), local.parameters()))
         (model(mine[-1]).square().mean() / k).backward()
+        red.sync_if(None)
+        last[0] = False
         big.zero_grad()
         big(torch.cat(micro)).square().mean().backward()
         res[f"no_sync{step}"] = max(rel_err(p.grad, q.grad)
@@ -322,8 +337,10 @@ def test_grads_equal_ddp_every_bucket_size_and_unused_branches(world):
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_no_sync_accumulation_equals_one_big_batch(world):
     for res in run_ranks(_no_sync, world):
-        # k*world micro-batch means vs one mean: a different summation order, hence 1e-5
-        assert res["no_sync0"] <= 1e-5 and res["no_sync1"] <= 1e-5, res
+        for step in range(4):
+            assert res[f"local{step}"] <= RTOL, res
+            # k*world micro-batch means vs one mean: another summation order, hence 1e-5
+            assert res[f"no_sync{step}"] <= 1e-5, res
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)

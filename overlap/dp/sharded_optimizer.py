@@ -32,6 +32,7 @@ not provided.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -70,6 +71,9 @@ class ShardedOptimizer:
         self.dp_size, self.dp_rank = reducer.dp_size, reducer.dp_rank
         self._timeout = reducer.config.timeout_s
         self._gathers: list = []
+        # seconds the forward pre-hooks waited for parameter gathers since the last step():
+        # the part of the all-gather the forward did not hide
+        self.forward_wait_s = 0.0
         self.inner: torch.optim.Optimizer | None = None
         self._build(reducer.layout)
         self.inner = optimizer_cls(self.masters, **optimizer_kwargs)
@@ -102,6 +106,7 @@ class ShardedOptimizer:
             g = self.reducer.grad_shard(bucket)
             master.grad = g if g.dtype == torch.float32 else g.float()
         self.inner.step()
+        self.forward_wait_s = 0.0
         for b in self._gather_order:
             bucket = self.reducer.buckets[b]
             n = bucket.padded // self.dp_size
@@ -143,7 +148,9 @@ class ShardedOptimizer:
     def _make_wait_hook(self, param_ids: list[int]) -> Callable:
         def hook(module: nn.Module, args) -> None:
             layout = self.reducer.layout
+            t0 = time.perf_counter()
             self._wait({layout.param_bucket[i] for i in param_ids})
+            self.forward_wait_s += time.perf_counter() - t0
         return hook
 
     def _wait(self, buckets) -> None:
