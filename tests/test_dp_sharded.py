@@ -134,9 +134,22 @@ def _gather_overlaps_forward():
         opt.zero_grad()
     pending_at.clear()
     model(x)
+    # weights loaded into the model after construction reach the masters via refresh_masters()
+    gen = torch.Generator().manual_seed(5)
+    new = [torch.randn(p.shape, generator=gen) for p in model.parameters()]
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), new):
+            p.copy_(w)
+    opt.refresh_masters()
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    model(x).square().mean().backward()
+    opt.step()
+    opt.wait_params()
+    refreshed = all(torch.equal(p, w) for p, w in zip(model.parameters(), new))
     opt.close()
     red.close()
-    return pending_at, len(red.buckets)
+    return pending_at, len(red.buckets), refreshed
 
 
 def _bad_input():
@@ -155,7 +168,8 @@ def _bad_input():
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_20_adamw_steps_match_ddp(world):
     results = run_ranks(_train_vs_ddp, world, [0.0, 25.0], timeout=120)
-    for pending_at, num_buckets in (r[1] for r in results):
+    for pending_at, num_buckets, refreshed in (r[1] for r in results):
+        assert refreshed
         assert num_buckets == 12  # one per weight and bias
         # the parameter all-gather is waited per module in the forward: when layer 0 starts,
         # only its own 2 buckets have been waited for, the 10 others may still be in flight

@@ -26,8 +26,13 @@ a forward, e.g. for a checkpoint); the next ``step()`` does too.
 padding); ``state_bytes()`` measures it. The full-size gradient buffer stays (ZeRO-1 memory with
 ZeRO-2 communication): ``p.grad`` holds this rank's local gradient, the reduced slice is in
 ``reducer.grad_shard``. Every parameter of a bucket shares the inner optimizer's single param
-group (one set of hyper-parameters for the whole model). Gradient clipping by global norm is
-not provided.
+group (one set of hyper-parameters for the whole model). Gradient clipping by global norm and
+a (sharded) ``state_dict`` are not provided.
+
+**Backends.** The reduce-scatter and all-gather are the backend's own flat-tensor collectives
+(``reduce_scatter_single`` / ``all_gather_single``, native on NCCL and, in torch 2.13, on
+gloo); with ``comm_dtype`` "bf16"/"int8" the reduce-scatter goes through
+``overlap.comm.quant.reduce_scatter`` on both. Parameters are always gathered exactly.
 """
 
 from __future__ import annotations
@@ -115,6 +120,16 @@ class ShardedOptimizer:
             out = self.flat_params[bucket.dtype].narrow(0, bucket.offset, bucket.padded)
             self._gathers[b] = all_gather_async(out, send, group=self.reducer.dp_group)
         return loss
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """Copy the parameters' current values into this rank's fp32 masters: call it after
+        loading weights into the model (the next step would otherwise start from the old
+        masters)."""
+        self.wait_params()
+        for bucket, master in zip(self.reducer.buckets, self.masters):
+            off, n = bucket.shard(self.dp_size, self.dp_rank)
+            master.copy_(self.flat_params[bucket.dtype].narrow(0, off, n))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the reducer's gradient buffer (the ``.grad`` views stay attached)."""
