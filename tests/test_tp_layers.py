@@ -123,6 +123,32 @@ def _check_linear(c, group):
     return errs
 
 
+def _check_shared(sp, backend, group):
+    """column_parallel_shared (q, k, v as one GEMM) equals three unsharded linears."""
+    from overlap.tp.layers import ColumnParallelLinear, column_parallel_shared
+
+    tp, r = dist.get_world_size(group), dist.get_rank(group)
+    torch.manual_seed(3)
+    refs = [nn.Linear(10, n * tp) for n in (2, 1, 2)]
+    x = torch.randn(3, 2 * tp, 10)
+    xr = x.clone().requires_grad_()
+    dys = [torch.randn(3, 2 * tp, m.out_features) for m in refs]
+    for m, dy in zip(refs, dys):
+        m(xr).backward(dy)
+    layers = [ColumnParallelLinear.from_linear(m, tp_group=group, sequence_parallel=sp,
+                                               backend=backend) for m in refs]
+    x_in = (x.chunk(tp, 1)[r] if sp else x).clone().requires_grad_()
+    ys = column_parallel_shared(x_in, layers)
+    torch.autograd.backward(ys, [dy.chunk(tp, -1)[r] for dy in dys])
+    errs = {"dx": _rel(x_in.grad, xr.grad.chunk(tp, 1)[r] if sp else xr.grad)}
+    for i, (m, ref, y) in enumerate(zip(layers, refs, ys)):
+        errs[f"y{i}"] = _rel(y, ref(x).detach().chunk(tp, -1)[r])
+        grads = m.full_state_dict(grads=True)
+        errs[f"dw{i}"] = _rel(grads["weight"], ref.weight.grad)
+        errs[f"db{i}"] = _rel(grads["bias"], ref.bias.grad)
+    return errs
+
+
 def _check_embedding(V, sp, seq_first, padding_idx, group):
     from overlap.tp.embedding import VocabParallelEmbedding
 
@@ -170,6 +196,10 @@ def _check_cross_entropy(V, dtype, reduction, ignore_index, group):
 def _all_cases(world):
     """(name, fn-spec) for every case of this world size, in a fixed order."""
     cases = [(_name(c), ("linear", c)) for c in _linear_cases(world)]
+    for backend in (["chunked"] if world == 1 else ["chunked", "symmetric"]):
+        for sp in (False, True):
+            cases.append((f"shared-qkv-{backend}-{'sp' if sp else 'nosp'}",
+                          ("shared", sp, backend)))
     for V in (4 * world + 3, 8 * world):
         for sp in (False, True):
             cases.append((f"embedding-V{V}-{'sp' if sp else 'nosp'}", ("emb", V, sp, False, None)))
@@ -200,6 +230,8 @@ def _run_all(world):
         for name, spec in _all_cases(world):
             if spec[0] == "linear":
                 out[name] = _check_linear(spec[1], group)
+            elif spec[0] == "shared":
+                out[name] = _check_shared(*spec[1:], group)
             elif spec[0] == "emb":
                 out[name] = _check_embedding(*spec[1:], group)
             else:

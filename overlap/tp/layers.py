@@ -29,12 +29,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from overlap.tp import sharding
+from overlap.tp.ops import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 from overlap.tp.regions import (all_reduce_async, copy_to_tp, gather_from_tp, scatter_to_tp,
                                 wait)
 from overlap.tp.sharding import ShardSpec
 
-__all__ = ["TPModule", "ColumnParallelLinear", "RowParallelLinear", "resolve_tp_group",
-           "linear_weight", "BACKENDS"]
+__all__ = ["TPModule", "ColumnParallelLinear", "RowParallelLinear", "column_parallel_shared",
+           "resolve_tp_group", "linear_weight", "BACKENDS"]
 
 BACKENDS = ("auto", "chunked", "symmetric", "triton")
 
@@ -59,14 +60,6 @@ def linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None,
     if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
         return module.weight, getattr(module, "bias", None), True
     raise TypeError(f"expected nn.Linear or transformers Conv1D, got {type(module).__name__}")
-
-
-def _fused_ops():
-    # The fused ops live in overlap.tp.ops; imported lazily so that building a model does not
-    # pull in Triton.
-    from overlap.tp import ops
-
-    return ops
 
 
 class TPModule(nn.Module):
@@ -278,8 +271,8 @@ class ColumnParallelLinear(_Linear):
             pad = max(self.local_sizes) - n_local
             if pad:  # uneven vocab: the fused op needs one w shape on every rank
                 w = F.pad(w, (0, pad))
-            y = _fused_ops().all_gather_matmul(x, w, group=self.tp_group, backend=self.backend,
-                                               chunks=self.chunks, seq_dim=self._seq_dim(x))
+            y = all_gather_matmul(x, w, group=self.tp_group, backend=self.backend,
+                                  chunks=self.chunks, seq_dim=self._seq_dim(x))
             if pad:
                 y = y[..., :n_local]
             if self.bias is not None:
@@ -338,14 +331,44 @@ class RowParallelLinear(_Linear):
         self._check_input(x, self.weight.shape[1])
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
-        ops = _fused_ops()
         if self.sequence_parallel:
-            y = ops.matmul_reduce_scatter(x, self.weight.t(), group=self.tp_group,
-                                          backend=self.backend, chunks=self.chunks,
-                                          seq_dim=self._seq_dim(x))
+            y = matmul_reduce_scatter(x, self.weight.t(), group=self.tp_group,
+                                      backend=self.backend, chunks=self.chunks,
+                                      seq_dim=self._seq_dim(x))
             bias = None if self.bias is None else copy_to_tp(self.bias, group=self.tp_group)
         else:
-            y = ops.matmul_all_reduce(x, self.weight.t(), group=self.tp_group,
-                                      backend=self.backend, chunks=self.chunks)
+            y = matmul_all_reduce(x, self.weight.t(), group=self.tp_group,
+                                  backend=self.backend, chunks=self.chunks)
             bias = self.bias
         return y if bias is None else y + bias
+
+
+def column_parallel_shared(x: torch.Tensor, layers) -> list[torch.Tensor]:
+    """Several ColumnParallelLinear layers that read the same input (q, k and v), as one GEMM:
+
+        [y_1, ..., y_n] = split(column(x; w = [w_1; ...; w_n], b = [b_1; ...; b_n]))
+
+    so the input is all-gathered once (sequence parallel) or its gradient all-reduced once
+    (not) instead of n times. Equal to ``[layer(x) for layer in layers]``, which is what runs
+    when the layers disagree on group, sequence parallelism, backend, chunks or sequence_dim,
+    gather their output, or mix bias and no bias.
+    """
+    first = layers[0]
+    key = (first.tp_group, first.sequence_parallel, first.backend, first.chunks,
+           first.sequence_dim, first.bias is None)
+    if any((m.tp_group, m.sequence_parallel, m.backend, m.chunks, m.sequence_dim,
+            m.bias is None) != key or m.gather_output or not isinstance(m, ColumnParallelLinear)
+           or len(set(m.local_sizes)) > 1 for m in layers):
+        return [m(x) for m in layers]
+    first._check_input(x, first.in_features)
+    weight = torch.cat([m.weight for m in layers])
+    bias = None if first.bias is None else torch.cat([m.bias for m in layers])
+    if first.tp_size == 1:
+        y = F.linear(x, weight, bias)
+    elif first.sequence_parallel:
+        y = all_gather_matmul(x, weight.t(), group=first.tp_group, backend=first.backend,
+                              chunks=first.chunks, seq_dim=first._seq_dim(x))
+        y = y if bias is None else y + bias
+    else:
+        y = _ColumnLinearAllReduceDgrad.apply(x, weight, bias, first.tp_group)
+    return list(y.split([m.weight.shape[0] for m in layers], -1))

@@ -3,7 +3,9 @@
 Written against transformers 5.x module names (checked against 4.46+ too where they agree):
 
 - overlap ``GPT``: q/k/v column, o row, fc1 column, fc2 row, vocab-parallel ``tok_emb`` and
-  ``lm_head``; ``attn.num_heads`` becomes the local count. Supports sequence parallelism: the
+  ``lm_head``; ``attn.num_heads`` becomes the local count, and the attention becomes a
+  ``ParallelCausalSelfAttention`` (same parameters) that runs q/k/v as one column GEMM, so
+  the input is gathered (or its gradient reduced) once. Supports sequence parallelism: the
   token embedding reduce-scatters along the sequence, the position table is cut to the local
   shard, the norms run on sequence shards, the column layers all-gather the sequence inside
   their GEMM (all_gather_matmul) and the row layers reduce-scatter it (matmul_reduce_scatter).
@@ -31,18 +33,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from overlap.models.gpt import GPT, CausalSelfAttention
+from overlap.tp.layers import column_parallel_shared
 from overlap.tp.parallelize import Style, TPPlan
 
-__all__ = ["gpt_plan", "gpt2_plan", "llama_plan", "plan_for"]
+__all__ = ["gpt_plan", "gpt2_plan", "llama_plan", "plan_for", "ParallelCausalSelfAttention"]
 
 
-class SequenceParallelAttention(CausalSelfAttention):
-    """overlap GPT attention for sequence parallelism: its input is a sequence shard
-    (b, t/tp, d) but q/k/v come back full-length (b, t, h*hd) from all_gather_matmul, so the
-    sequence length is read from q, not from x (``CausalSelfAttention`` reads it from x)."""
+class ParallelCausalSelfAttention(CausalSelfAttention):
+    """overlap GPT attention once q/k/v/o are TP layers. q, k and v read the same input, so
+    they run as one column GEMM (``column_parallel_shared``): one all-gather of the input with
+    sequence parallelism, one all-reduce of its gradient without. With sequence parallelism
+    the input is a sequence shard (b, t/tp, d) but q/k/v come back full-length (b, t, h*hd),
+    so the sequence length is read from q (``CausalSelfAttention`` reads it from x)."""
 
     def forward(self, x):
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = column_parallel_shared(x, [self.q_proj, self.k_proj, self.v_proj])
         b, t, _ = q.shape
         head_dim = q.shape[-1] // self.num_heads
         q, k, v = (z.view(b, t, self.num_heads, head_dim).transpose(1, 2) for z in (q, k, v))
@@ -52,11 +57,11 @@ class SequenceParallelAttention(CausalSelfAttention):
         return self.resid_drop(self.o_proj(y))
 
 
-def _sp_attention(module: nn.Module, *, tp_group, sequence_parallel: bool) -> nn.Module:
+def _parallel_attention(module: nn.Module, *, tp_group, sequence_parallel: bool) -> nn.Module:
     if type(module) is not CausalSelfAttention:
         raise TypeError(f"overlap-gpt plan: expected CausalSelfAttention, got "
                         f"{type(module).__name__}")
-    new = SequenceParallelAttention.__new__(SequenceParallelAttention)
+    new = ParallelCausalSelfAttention.__new__(ParallelCausalSelfAttention)
     new.__dict__.update(module.__dict__)  # same submodules and parameters, new forward
     return new
 
@@ -70,7 +75,7 @@ def gpt_plan(*, loss_parallel: bool = False) -> TPPlan:
         layers={
             "tok_emb": "embedding",
             "pos_emb": "sp_positions",
-            "blocks.*.attn": Style(kind="custom", build=_sp_attention, sp_only=True),
+            "blocks.*.attn": Style(kind="custom", build=_parallel_attention),
             "blocks.*.ln1": "sp_norm",
             "blocks.*.ln2": "sp_norm",
             "blocks.*.attn.q_proj": "column",

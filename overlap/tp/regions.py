@@ -126,7 +126,8 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.contiguous().clone(), group=group, op="reduce_from_tp")
+        return _all_reduce(x.clone(memory_format=torch.contiguous_format), group=group,
+                           op="reduce_from_tp")
 
     @staticmethod
     def backward(ctx, dy):
