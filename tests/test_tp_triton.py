@@ -220,9 +220,10 @@ def _absent_peer():
                                                    r"source rank 1"):
                 if op == "ag_gemm":
                     tp.ag_gemm(ws, torch.randn(4, 8), torch.randn(8, 6), phase=1, timeout=0.3)
-                else:
+                else:  # the deferred check: the call returns, check_pending raises
                     tp.gemm_rs(ws, torch.randn(4 * world, 8), torch.randn(8, 6), phase=1,
-                               timeout=0.3)
+                               timeout=0.3, sync=False)
+                    tp.check_pending(ws)
             out.append(time.monotonic() - t0)
             dist.barrier()
     return out

@@ -44,10 +44,9 @@ import triton
 import triton.language as tl
 
 from overlap.kernels.triton.tp_sync import (INTERPRET, align, arrive_last, begin_call,
-                                            check_dtypes, check_workspace, gemm_blocks,
-                                            half_buffer, new_status,
-                                            publish, raise_on_status, spin_wait, to_out_dtype,
-                                            wait_budget)
+                                            check_dtypes, check_workspace, finish_call,
+                                            gemm_blocks, half_buffer, new_status, publish,
+                                            spin_wait, to_out_dtype, wait_budget)
 
 __all__ = ["ag_gemm", "ag_gemm_workspace_bytes", "ag_gemm_num_signals"]
 
@@ -160,15 +159,16 @@ def _check_args(ws, x_shard: torch.Tensor, w: torch.Tensor) -> tuple[int, int, i
 
 
 def ag_gemm(ws, x_shard: torch.Tensor, w: torch.Tensor, *, phase: int,
-            return_gathered: bool = False,
-            timeout: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return_gathered: bool = False, timeout: float | None = None,
+            sync: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y = all_gather(x_shard, dim 0) @ w over the workspace's group, the gather fused into the
     GEMM (see the module docstring for shapes, design and signals).
 
     ``phase``: positive, strictly increasing per workspace, the same on every rank for the
     same call. ``timeout`` (default ``ws.timeout``) bounds every signal wait; a wait that runs
     out raises TimeoutError naming the op, rank, slot and phase, after which the workspace is
-    out of step and must be closed. Returns (y [world*m, N], gathered [world*m, K] or None).
+    out of step and must be closed. ``sync=False`` defers that check (no host-device sync on a
+    GPU): the error is raised by a later call on ``ws`` or by ``check_pending(ws)``. Returns (y [world*m, N], gathered [world*m, K] or None).
     fp32 inputs are multiplied in IEEE fp32 (no TF32); bf16/fp16 accumulate in fp32 and round
     once to the input dtype.
     """
@@ -212,5 +212,6 @@ def ag_gemm(ws, x_shard: torch.Tensor, w: torch.Tensor, *, phase: int,
         return (f"ack of consumer rank {slot - world}: it has not finished reading this rank's "
                 f"buffer {buf} from phase {ack_phase}")
 
-    raise_on_status(status, op=_OP, ws=ws, phase=phase, timeout=timeout, describe=describe)
+    finish_call(state, status, ws=ws, phase=phase, timeout=timeout, describe=describe,
+                sync=sync)
     return y, gathered

@@ -43,10 +43,9 @@ import triton
 import triton.language as tl
 
 from overlap.kernels.triton.tp_sync import (INTERPRET, align, arrive_last, begin_call,
-                                            check_dtypes, check_workspace, gemm_blocks,
-                                            half_buffer, new_status,
-                                            publish, raise_on_status, spin_wait, to_out_dtype,
-                                            wait_budget)
+                                            check_dtypes, check_workspace, finish_call,
+                                            gemm_blocks, half_buffer, new_status, publish,
+                                            spin_wait, to_out_dtype, wait_budget)
 
 __all__ = ["gemm_rs", "gemm_rs_workspace_bytes", "gemm_rs_num_signals"]
 
@@ -161,14 +160,15 @@ def _check_args(ws, x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int]:
 
 
 def gemm_rs(ws, x: torch.Tensor, w: torch.Tensor, *, phase: int,
-            timeout: float | None = None) -> torch.Tensor:
+            timeout: float | None = None, sync: bool = True) -> torch.Tensor:
     """y_shard = reduce_scatter(x @ w, dim 0) over the workspace's group, the scatter fused
     into the GEMM's epilogue (see the module docstring for shapes, design and signals).
 
     ``phase``: positive, strictly increasing per workspace, the same on every rank for the
     same call. ``timeout`` (default ``ws.timeout``) bounds every signal wait; a wait that runs
     out raises TimeoutError naming the op, rank, slot and phase, after which the workspace is
-    out of step and must be closed. Returns y_shard [M / world, N] in the input dtype.
+    out of step and must be closed. ``sync=False`` defers that check (no host-device sync on a
+    GPU): the error is raised by a later call on ``ws`` or by ``check_pending(ws)``. Returns y_shard [M / world, N] in the input dtype.
     """
     m, k, n = _check_args(ws, x, w)
     dtype = check_dtypes(_OP, ws, x=x, w=w)
@@ -208,5 +208,6 @@ def gemm_rs(ws, x: torch.Tensor, w: torch.Tensor, *, phase: int,
         return (f"ack of owner rank {slot - world}: it has not finished reducing buffer {buf} "
                 f"from phase {ack_phase}")
 
-    raise_on_status(status, op=_OP, ws=ws, phase=phase, timeout=timeout, describe=describe)
+    finish_call(state, status, ws=ws, phase=phase, timeout=timeout, describe=describe,
+                sync=sync)
     return y_shard

@@ -6,6 +6,9 @@ flag used here has exactly ONE writer, which stores the phase with a release sto
 scope; readers spin with acquire loads until the flag is >= the phase they need. A single writer
 per flag means no cross-process read-modify-write is ever needed (the Triton interpreter's
 atomics are not atomic across processes; its plain loads and stores are, for aligned words).
+Under the interpreter, atomic_load/atomic_store are plain numpy loads and stores, so the CPU twin
+relies on x86 total store order for "payload, then flag" (stores are not reordered with stores,
+loads not with loads); an ARM host would need fences the interpreter does not emit.
 
 Memory ordering on the GPU follows the CUTLASS semaphore pattern:
 
@@ -21,8 +24,9 @@ the other programs' stores, which happen-before its counter update.
 
 Bounded waits: a wait gives up after ``timeout`` seconds. On a GPU the bound is real time, read
 from the %globaltimer register. The interpreter has no clock, so the bound is a spin count,
-``timeout * INTERP_SPINS_PER_S``; one spin of the interpreted loop costs 150-260 us on an idle
-x86 core, so the real wait is about 1x the timeout, longer when cores are busy, never shorter.
+``timeout * INTERP_SPINS_PER_S``; one spin of the interpreted loop costs about 250 us on the
+2-core x86 CI machine, so the real wait is roughly 0.5-2x the timeout depending on CPU speed
+and load (it only decides how soon a dead peer is reported, never correctness).
 A failed wait records (slot + 1, last seen, wanted) in the op's status word; later waits of the
 same op see the word and give up at once (so a dead peer costs one timeout, not one per tile),
 and the host turns the word into a TimeoutError after the kernels.
@@ -33,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
+from typing import Callable
 
 import torch
 import triton
@@ -42,10 +47,10 @@ from overlap.kernels.triton import INTERPRET
 
 __all__ = ["INTERPRET", "INTERP_SPINS_PER_S", "spin_wait", "publish", "arrive_last",
            "to_out_dtype", "align", "half_buffer", "GemmBlocks", "gemm_blocks", "begin_call",
-           "OpState", "wait_budget", "raise_on_status", "new_status", "check_dtypes",
-           "check_workspace"]
+           "OpState", "wait_budget", "raise_on_status", "new_status", "finish_call",
+           "check_pending", "check_dtypes", "check_workspace"]
 
-INTERP_SPINS_PER_S = 4000
+INTERP_SPINS_PER_S = 3000
 _ALIGN = 256  # byte alignment of every region in a workspace (vector loads, cache lines)
 
 
@@ -165,7 +170,8 @@ def new_status(device: torch.device) -> torch.Tensor:
 def raise_on_status(status: torch.Tensor, *, op: str, ws, phase: int, timeout: float,
                     describe) -> None:
     """Raise TimeoutError naming op, rank, slot and phase if a wait of this call failed.
-    (Reading the word synchronises with the device on a GPU.)"""
+    Reading the word synchronises the host with the device on a GPU: the kernels of one call
+    overlap their communication with their compute, but the host does not run ahead of them."""
     code, seen, want = (int(v) for v in status.tolist())
     if code == 0:
         return
@@ -205,6 +211,17 @@ def check_workspace(op: str, ws, need_bytes: int, need_signals: int, what: str) 
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, eq=False)
+class _Pending:
+    """The status word of a call made with sync=False, checked later."""
+
+    status: torch.Tensor
+    event: object  # torch.cuda.Event after the call's kernels, or None (CPU: they have run)
+    phase: int
+    timeout: float
+    describe: Callable[[int], str]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, eq=False)
 class OpState:
     """Host bookkeeping of one op on one workspace (this process's view)."""
 
@@ -213,6 +230,7 @@ class OpState:
     last_by_buffer: list[int] = dataclasses.field(default_factory=lambda: [0, 0])
     data_table: torch.Tensor | None = None
     flag_table: torch.Tensor | None = None
+    pending: list[_Pending] = dataclasses.field(default_factory=list)
 
 
 _STATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -236,6 +254,7 @@ def begin_call(op: str, ws, phase: int) -> tuple[OpState, int, int]:
     if state.op != op:
         raise ValueError(f"{op}: this workspace of group {ws.group_name} already serves "
                          f"{state.op}; give each op kind its own workspace (rank {ws.rank})")
+    check_pending(ws, block=False)
     if phase <= state.last_phase:
         raise ValueError(f"{op}: phase must increase from call to call on a workspace: got "
                          f"{phase} after {state.last_phase} (rank {ws.rank})")
@@ -247,3 +266,35 @@ def begin_call(op: str, ws, phase: int) -> tuple[OpState, int, int]:
     state.last_by_buffer[buf] = phase
     state.last_phase = phase
     return state, buf, ack_phase
+
+
+def finish_call(state: OpState, status: torch.Tensor, *, ws, phase: int, timeout: float,
+                describe: Callable[[int], str], sync: bool) -> None:
+    """Check the call's status word now (sync) or leave it for check_pending (not sync: on a
+    GPU the host then runs ahead of the kernels instead of waiting for them)."""
+    if sync:
+        raise_on_status(status, op=state.op, ws=ws, phase=phase, timeout=timeout,
+                        describe=describe)
+        return
+    event = None
+    if status.device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record()
+    state.pending.append(_Pending(status=status, event=event, phase=phase, timeout=timeout,
+                                  describe=describe))
+
+
+def check_pending(ws, *, block: bool = True) -> None:
+    """Raise the TimeoutError of the oldest call made with ``sync=False`` on ``ws`` whose wait
+    failed. ``block=False`` looks only at calls the device has finished (every call does that
+    first, so a failure surfaces at the latest one call later); ``block=True`` waits for all."""
+    state = _STATES.get(ws)
+    if state is None:
+        return
+    while state.pending:
+        p = state.pending[0]
+        if not block and p.event is not None and not p.event.query():
+            return
+        state.pending.pop(0)
+        raise_on_status(p.status, op=state.op, ws=ws, phase=p.phase, timeout=p.timeout,
+                        describe=p.describe)
