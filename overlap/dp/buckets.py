@@ -232,10 +232,11 @@ def check_same_params(params: Sequence[torch.Tensor], *, group: dist.ProcessGrou
     """Raise ValueError on every rank unless every rank of ``group`` holds parameters of the same
     count, shapes and dtypes (one small all-gather)."""
     sig = ";".join(f"{tuple(p.shape)}:{p.dtype}:{p.device.type}" for p in params)
+    device = params[0].device  # NCCL needs device tensors, gloo takes either
     mine = torch.tensor([len(params), sum(p.numel() for p in params), zlib.crc32(sig.encode())],
-                        dtype=torch.int64)
+                        dtype=torch.int64, device=device)
     size = dist.get_world_size(group)
-    every = torch.zeros(size * 3, dtype=torch.int64)
+    every = torch.zeros(size * 3, dtype=torch.int64, device=device)
     all_gather_async(every, mine, group=group).wait(timeout_s)
     every = every.view(size, 3)
     if not bool((every == mine).all()):

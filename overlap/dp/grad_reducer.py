@@ -24,15 +24,13 @@ backwards). After the first synchronising backward, the buckets are rebuilt in t
 gradients actually became ready *on DP rank 0* (broadcast over the DP group, so every rank
 agrees), the flat buffer is reallocated and the ``.grad`` views re-pointed (contents copied).
 
-**Unused parameters.** No graph traversal: at ``finish()`` every bucket not launched yet is
-launched, in index order; a parameter that got no gradient contributes its buffer contents
-(zero after ``zero_grad``), as torch DDP's ``find_unused_parameters`` does. Which parameters
-are unused may differ between ranks and between iterations. After the rebuild, parameters that
-were unused in the first iteration sit in the last buckets, so they delay little.
+**Unused parameters.** No graph traversal: ``finish()`` launches every bucket not launched
+yet, in index order; a parameter without gradient contributes its buffer (zero after
+``zero_grad``), as DDP's ``find_unused_parameters`` does. The unused set may differ between
+ranks and iterations; the rebuild puts parameters unused in iteration 0 in the last buckets.
 
-**Average.** ``op="avg"`` divides each bucket by the DP size *before* a sum collective
-(gloo has no ReduceOp.AVG on every version, and pre-dividing keeps low-precision sums in range);
-dividing by a power of two is exact.
+**Average.** ``op="avg"`` divides each bucket by the DP size *before* a sum collective (not
+every gloo has ReduceOp.AVG, and pre-dividing keeps low-precision sums in range).
 
 **Lossy communication.** ``comm_dtype="bf16"`` or ``"int8"`` sends each bucket through
 ``overlap.comm.quant`` (async; its per-element error bound is documented there, about
@@ -116,10 +114,9 @@ class GradReducer:
         if not self.params:
             raise ValueError(f"GradReducer: rank {self.rank}: module has no parameter that "
                              "requires grad")
-        for p in self.params:
-            if p.is_sparse or p.layout != torch.strided:
-                raise TypeError(f"GradReducer: rank {self.rank}: only dense strided parameters "
-                                f"are supported, got layout {p.layout}")
+        if any(p.layout != torch.strided for p in self.params):
+            raise TypeError(f"GradReducer: rank {self.rank}: only dense (strided) parameters "
+                            "are supported")
         check_same_params(self.params, group=self.dp_group, where=f"GradReducer: rank {self.rank}",
                           timeout_s=self.config.timeout_s)
         if self.config.broadcast_params and self.dp_size > 1:
@@ -167,6 +164,8 @@ class GradReducer:
         happened since the last call, or inside ``no_sync()``."""
         if not self._sync or not (self._active or self._forward_seen):
             return
+        if not self._active:  # an explicit finish() after a forward without backward hooks
+            self.stats = IterationStats()
         if self.stats.backward_end is None:
             self.stats.backward_end = time.perf_counter()
         self._active = False
@@ -192,6 +191,7 @@ class GradReducer:
             raise RuntimeError("GradReducer.reduce_now: called during a backward pass")
         t0 = time.perf_counter()
         self._reset_iteration()
+        self.stats = IterationStats()
         for b in range(len(self.buckets)):
             self._launch(b, in_backward=False)
         self._wait_all()
@@ -240,9 +240,7 @@ class GradReducer:
     # ---------------------------------------------------------------- hooks
 
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(p: torch.Tensor) -> None:
-            self._on_grad_ready(i, p)
-        return hook
+        return lambda p: self._on_grad_ready(i, p)
 
     def _forward_pre_hook(self, module: nn.Module, args) -> None:
         if torch.is_grad_enabled() and self._sync:
