@@ -197,20 +197,22 @@ def test_dead_peer_fails_the_survivor():
 def _hung_peer():
     model = _model(2)
     stages = pipeline_stages(model, pp_group=dist.group.WORLD)
-    pipe = Pipeline(stages, build_schedule("gpipe", pp_size=2, num_microbatches=2),
-                    loss_fn=gpt_loss, pp_group=dist.group.WORLD, timeout=1.5)
+    sched = build_schedule("gpipe", pp_size=2, num_microbatches=2)
     idx, tgt = _batch(2, SEQ, seed=0)
-    pipe.step(idx, tgt)
+    # A healthy step with a generous timeout (the machine may be loaded), then a short one.
+    Pipeline(stages, sched, loss_fn=gpt_loss, pp_group=dist.group.WORLD, timeout=30).step(
+        idx, tgt)
+    pipe = Pipeline(stages, sched, loss_fn=gpt_loss, pp_group=dist.group.WORLD, timeout=1.5)
     if dist.get_rank() == 1:
         import time
         slept = []
-        # Stall once (longer than the 1.5 s timeout) instead of dying.
+        # Stall once, far longer than the 1.5 s timeout, instead of dying.
         stages[0].module.register_forward_pre_hook(
-            lambda *_: slept or slept.append(time.sleep(3)))
+            lambda *_: slept or slept.append(time.sleep(6)))
     pipe.step(idx, tgt)
 
 
 def test_hung_peer_times_out():
-    outcomes = run_ranks_outcomes(_hung_peer, 2, timeout=60, grace=10)
+    outcomes = run_ranks_outcomes(_hung_peer, 2, timeout=60, grace=3)
     assert outcomes[0].status == "error", outcomes[0]
     assert "timed out after 1.5s" in outcomes[0].error and "pp rank 1" in outcomes[0].error
