@@ -165,6 +165,21 @@ def _many_calls(num_calls):
             y.sum().backward()
         worst = max(worst, float((y.detach() - ref).abs().max() / ref.abs().max()))
         most_cached = max(most_cached, num_cached())
+    # Bursts on the same contexts, ranks skewed by random sleeps: the phase-parity double
+    # buffers and acks must keep a fast rank from overwriting what a slow one has not read.
+    skew = torch.Generator().manual_seed(r)
+    x_ag, x_rs, w = torch.randn(6, 8), torch.randn(6 * world, 8), torch.randn(8, 4)
+    ag_ref, rs_ref = torch.cat(_all(x_ag)) @ w, sum(_all(x_rs @ w))
+    for i in range(40):
+        time.sleep(float(torch.rand((), generator=skew)) * 2e-3)
+        x_ag.add_(1.0)  # a different payload every call: a stale read shows up
+        ag_ref += torch.ones(6 * world, 8) @ w
+        x_rs.add_(1.0)
+        rs_ref += world * (torch.ones(6 * world, 8) @ w)
+        y = all_gather_matmul(x_ag, w, group=g, backend="symmetric")
+        z = matmul_reduce_scatter(x_rs, w, group=g, backend="symmetric")
+        worst = max(worst, float((y - ag_ref).abs().max() / ag_ref.abs().max()),
+                    float((z - rs_ref[r * 6:(r + 1) * 6]).abs().max() / rs_ref.abs().max()))
     auto = resolve_backend(torch.empty(1), group=g)
     close_all_contexts()
     gc.collect()

@@ -17,7 +17,7 @@ Shape legend (per rank; ``world`` ranks in ``group``, ``r`` = this rank):
   step j + 1 runs while step j's sum travels. Partial sums travel in the input dtype (bf16 sums
   round at every hop, as NCCL's ring does).
 - ``matmul_all_reduce``: M split into ``chunks`` row blocks; block i's async all_reduce runs
-  while block i + 1 is multiplied.
+  while block i + 1 is multiplied (one reduction in flight at a time).
 
 Every chunk's comm and GEMM sits in an ``overlap.profile.nvtx`` range named
 ``<op>.chunked.comm[i]`` / ``.gemm[i]`` (the comm range covers the launch and, separately, the
@@ -180,15 +180,19 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGr
     if dist.get_world_size(group) == 1:
         with nvtx.range("matmul_all_reduce.chunked.gemm[0]"):
             return torch.matmul(x, w, out=y)
-    works = []
+    inflight = None
     for i, (lo, hi) in enumerate(split_bounds(x.shape[0], chunks)):
         with nvtx.range(f"matmul_all_reduce.chunked.gemm[{i}]"):
             torch.matmul(x[lo:hi], w, out=y[lo:hi])
+        # One reduction in flight at a time: block i - 1's ran under GEMM i. (Several
+        # outstanding gloo collectives contend for its worker threads and finish later.)
+        if inflight is not None:
+            with nvtx.range(f"matmul_all_reduce.chunked.comm[{i - 1}].wait"):
+                inflight.wait()
         with nvtx.range(f"matmul_all_reduce.chunked.comm[{i}]"):
-            works.append(dist.all_reduce(y[lo:hi], group=group, async_op=True))
+            inflight = dist.all_reduce(y[lo:hi], group=group, async_op=True)
     with nvtx.range("matmul_all_reduce.chunked.comm.wait"):
-        for work in works:
-            work.wait()
+        inflight.wait()
     return y
 
 
