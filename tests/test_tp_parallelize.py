@@ -256,6 +256,7 @@ def _plan_errors():
     model = _gpt_model(n_head=6, d_model=24)
     plan = gpt_plan()
     plan.layers = {"blocks.0.ln2": "column", "no_such.*": "row", **plan.layers}
+    model.blocks[1].attn.__class__ = type("MyAttention", (type(model.blocks[1].attn),), {})
     before = {k: v.clone() for k, v in model.state_dict().items()}
     try:
         parallelize(model, tp_group=group, plan=plan)
@@ -283,7 +284,9 @@ def test_bad_plan_lists_every_problem_and_changes_nothing():
         for part in ("blocks.0.ln2: style 'column' needs nn.Linear or Conv1D, got LayerNorm",
                      "pattern 'no_such.*' (row) matched no module",
                      "blocks.0.attn.num_heads=6 is not divisible by tp=4",
-                     "blocks.1.attn.num_heads=6 is not divisible by tp=4"):
+                     "blocks.1.attn.num_heads=6 is not divisible by tp=4",
+                     "blocks.1.attn: custom style accepts ['CausalSelfAttention'], got "
+                     "MyAttention"):
             assert part in msg, f"rank {rank}: {part!r} missing from:\n{msg}"
         assert res["unchanged"], f"rank {rank}: the model was modified by a failing parallelize"
         assert "no shipped plan for Sequential" in res["unknown"]

@@ -50,9 +50,10 @@ __all__ = ["Style", "TPPlan", "STYLES", "parallelize", "gather_state_dict", "gat
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class Style:
     """How one module is parallelized. ``kind``: column, row, embedding, sp_norm,
-    sp_positions, or custom (``build(module, tp_group=, sequence_parallel=) -> module``, for
-    a model-specific replacement). ``uneven``: the sharded size need not be divisible by tp
-    (vocabularies). ``sp_only``: applied only with sequence_parallel=True."""
+    sp_positions, or custom (``build(module, tp_group=, sequence_parallel=) -> module``, a
+    model-specific replacement of a module whose exact type is in ``accepts``). ``uneven``:
+    the sharded size need not be divisible by tp (vocabularies). ``sp_only``: applied only
+    with sequence_parallel=True."""
 
     kind: str
     parts: int = 1
@@ -60,6 +61,7 @@ class Style:
     uneven: bool = False
     sp_only: bool = False
     build: Callable[..., nn.Module] | None = None
+    accepts: tuple[type, ...] = ()  # custom: the exact module types ``build`` takes
 
 
 STYLES: dict[str, Style] = {
@@ -117,7 +119,12 @@ def _check_module(name: str, module: nn.Module, style: Style, tp: int) -> list[s
             return [f"{name}: num_embeddings={module.num_embeddings} is smaller than tp={tp}"]
         return []
     if kind == "custom":
-        return [] if callable(style.build) else [f"{name}: custom style needs build=callable"]
+        if not callable(style.build):
+            return [f"{name}: custom style needs build=callable"]
+        if type(module) not in style.accepts:
+            return [f"{name}: custom style accepts {[t.__name__ for t in style.accepts]}, got "
+                    f"{type(module).__name__}"]
+        return []
     if kind == "sp_norm":
         if not isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             return [f"{name}: style 'sp_norm' needs nn.LayerNorm or nn.RMSNorm, got "

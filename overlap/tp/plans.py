@@ -58,9 +58,6 @@ class ParallelCausalSelfAttention(CausalSelfAttention):
 
 
 def _parallel_attention(module: nn.Module, *, tp_group, sequence_parallel: bool) -> nn.Module:
-    if type(module) is not CausalSelfAttention:
-        raise TypeError(f"overlap-gpt plan: expected CausalSelfAttention, got "
-                        f"{type(module).__name__}")
     new = ParallelCausalSelfAttention.__new__(ParallelCausalSelfAttention)
     new.__dict__.update(module.__dict__)  # same submodules and parameters, new forward
     return new
@@ -75,7 +72,8 @@ def gpt_plan(*, loss_parallel: bool = False) -> TPPlan:
         layers={
             "tok_emb": "embedding",
             "pos_emb": "sp_positions",
-            "blocks.*.attn": Style(kind="custom", build=_parallel_attention),
+            "blocks.*.attn": Style(kind="custom", build=_parallel_attention,
+                                   accepts=(CausalSelfAttention,)),
             "blocks.*.ln1": "sp_norm",
             "blocks.*.ln2": "sp_norm",
             "blocks.*.attn.q_proj": "column",
