@@ -56,8 +56,8 @@ class BenchConfig:
     n_head: int = 4
     vocab_size: int = 1024
     warmup: int = 2
-    rounds: int = 5
-    steps_per_round: int = 3
+    rounds: int = 12
+    steps_per_round: int = 1
     comm_reps: int = 5
     device: str = "cpu"
     out: str = "bench/results/dp"
