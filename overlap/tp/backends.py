@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.tp import chunked, symmetric, triton_backend
-from overlap.tp.checks import check_across_ranks, signature, where
+from overlap.tp.checks import check_across_ranks, where
 from overlap.tp.context import TPContext, cached_context
 
 __all__ = ["Call", "resolve", "run_ag", "run_rs", "run_ar", "gather", "scatter",
@@ -105,10 +105,10 @@ def _context(call: Call, x: torch.Tensor, w: torch.Tensor) -> TPContext:
     else:
         nbytes = symmetric.ar_bytes(rows, n, world, x.dtype)
         nsig = symmetric.num_signals(call.op, world)
-    on_create = None
-    if call.check_sig is not None:
-        def on_create() -> None:
+    def on_create() -> None:  # ranks compare shapes when (and only when) they create it
+        if call.check_sig is not None:
             check_across_ranks(call.op, call.check_sig, group=call.group, device=x.device)
+
     key = (call.op, call.backend, rows, k, n, x.dtype, x.device)
     return cached_context(key, op=call.op, backend=call.backend, group=call.group,
                           nbytes=nbytes, num_signals=nsig, device=x.device, on_create=on_create)
@@ -170,8 +170,3 @@ def gather(call: Call, x_shard: torch.Tensor) -> torch.Tensor:
 def scatter(call: Call, x: torch.Tensor) -> torch.Tensor:
     """reduce_scatter along dim 0 with no GEMM."""
     return chunked.reduce_scatter_rows(x, group=call.group)
-
-
-def make_signature(op: str, backend: str, x: torch.Tensor, w: torch.Tensor,
-                   chunks: int | None, flags: int = 0) -> list[int]:
-    return signature(op, backend, x, w, chunks, flags)

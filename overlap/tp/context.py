@@ -123,6 +123,13 @@ class TPContext:
         finally:
             self.ws.close()
 
+    def __del__(self) -> None:
+        # A forgotten explicit context must not leave its copy thread running.
+        try:
+            self.close(wait_for_peers=False)
+        except Exception:
+            pass
+
 
 def _host_wait(ws, slot: int, value: int, timeout: float) -> None:
     if ws.device.type == "cuda":

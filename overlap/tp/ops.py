@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from overlap.symm.workspace import group_name
 from overlap.tp import backends
 from overlap.tp.backends import Call
 from overlap.tp.checks import check_across_ranks, signature, validate, where
@@ -57,9 +58,9 @@ def _prepare(op: str, x: torch.Tensor, w: torch.Tensor, *, group, backend: str, 
         if context.op != op:
             raise ValueError(f"{op}: context= was made for {context.op}, not {op}{where(group)}")
         if context.group is not group or backend not in ("auto", context.backend):
-            raise ValueError(f"{op}: context= belongs to group {context.group} / backend "
-                             f"{context.backend!r}, but the call passes backend {backend!r} on "
-                             f"another group or backend{where(group)}")
+            raise ValueError(f"{op}: context= belongs to group {group_name(context.group)} "
+                             f"and backend {context.backend!r}, but the call passes group "
+                             f"{group_name(group)} and backend {backend!r}{where(group)}")
         backend = context.backend
     resolved = backends.resolve(op, backend, group=group, device=x.device, dtype=x.dtype)
     world = dist.get_world_size(group)
