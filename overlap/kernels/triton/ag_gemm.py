@@ -168,7 +168,8 @@ def ag_gemm(ws, x_shard: torch.Tensor, w: torch.Tensor, *, phase: int,
     same call. ``timeout`` (default ``ws.timeout``) bounds every signal wait; a wait that runs
     out raises TimeoutError naming the op, rank, slot and phase, after which the workspace is
     out of step and must be closed. ``sync=False`` defers that check (no host-device sync on a
-    GPU): the error is raised by a later call on ``ws`` or by ``check_pending(ws)``. Returns (y [world*m, N], gathered [world*m, K] or None).
+    GPU): the error is raised by a later call on ``ws`` or by ``check_pending(ws)``.
+    Returns (y [world*m, N], gathered [world*m, K] or None).
     fp32 inputs are multiplied in IEEE fp32 (no TF32); bf16/fp16 accumulate in fp32 and round
     once to the input dtype.
     """

@@ -168,7 +168,8 @@ def gemm_rs(ws, x: torch.Tensor, w: torch.Tensor, *, phase: int,
     same call. ``timeout`` (default ``ws.timeout``) bounds every signal wait; a wait that runs
     out raises TimeoutError naming the op, rank, slot and phase, after which the workspace is
     out of step and must be closed. ``sync=False`` defers that check (no host-device sync on a
-    GPU): the error is raised by a later call on ``ws`` or by ``check_pending(ws)``. Returns y_shard [M / world, N] in the input dtype.
+    GPU): the error is raised by a later call on ``ws`` or by ``check_pending(ws)``.
+    Returns y_shard [M / world, N] in the input dtype.
     """
     m, k, n = _check_args(ws, x, w)
     dtype = check_dtypes(_OP, ws, x=x, w=w)

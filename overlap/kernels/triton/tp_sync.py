@@ -91,8 +91,8 @@ def spin_wait(flag_ptr, want, slot, status_ptr, max_spins, timeout_ns, USE_CLOCK
             live = (seen < want) & (spins < max_spins)
     if (seen < want) & (earlier_failure == 0):
         # First failure wins the word; the host reports it. Losers' details are dropped.
-        old = tl.atomic_cas(status_ptr, tl.cast(0, tl.int64), tl.cast(slot, tl.int64) + 1, sem="relaxed",
-                            scope="sys")
+        old = tl.atomic_cas(status_ptr, tl.cast(0, tl.int64), tl.cast(slot, tl.int64) + 1,
+                            sem="relaxed", scope="sys")
         if old == 0:
             tl.store(status_ptr + 1, seen)
             tl.store(status_ptr + 2, want)
