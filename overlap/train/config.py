@@ -47,6 +47,8 @@ class TrainConfig:
     sequence_parallel: bool = _field(True, "sequence-parallel TP layers (fused AG-GEMM / GEMM-RS)")
     tp_backend: str = _field("auto", "fused TP op backend", choices=TP_BACKENDS)
     comm_dtype: str = _field("fp32", "data-parallel gradient wire dtype", choices=COMM_DTYPES)
+    bucket_mb: float = _field(0.25, "gradient bucket size in MiB (small: the demo model is "
+                                    "small, and several buckets show the overlap)")
     sharded_optimizer: bool = _field(True, "ZeRO-style sharded optimizer over the dp axis")
     check: bool = _field(False, "also train the same model on one process and compare losses")
     check_tolerance: float = _field(2e-3, "max |loss difference| per step allowed by --check")
@@ -97,6 +99,10 @@ class TrainConfig:
         if self.schedule == "interleaved" and self.micro_batches % self.pp:
             raise ConfigError(f"the interleaved schedule needs --micro-batches "
                               f"({self.micro_batches}) to be a multiple of --pp ({self.pp})")
+        if self.bucket_mb < 0:
+            raise ConfigError(f"--bucket-mb must be >= 0, got {self.bucket_mb}")
+        if self.timeout <= 0:
+            raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout}")
         if self.check_tolerance <= 0:
             raise ConfigError(f"--check-tolerance must be > 0, got {self.check_tolerance}")
 

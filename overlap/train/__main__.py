@@ -1,0 +1,124 @@
+"""``python -m overlap.train`` / ``overlap-train``: 3D-parallel GPT training with every overlap on.
+
+Without torchrun it starts tp*pp*dp local processes itself (gloo, CPU). Under torchrun
+(RANK/WORLD_SIZE set) every process runs one rank: NCCL on GPUs, gloo otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from datetime import timedelta
+
+from overlap.train.config import TrainConfig, parse_args
+
+__all__ = ["main"]
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def _run(cfg: TrainConfig) -> list[dict]:
+    """Every rank's result (under torchrun only this rank's, and only rank 0 reports)."""
+    if _under_torchrun():
+        import torch
+        import torch.distributed as dist
+
+        world = int(os.environ["WORLD_SIZE"])
+        if world != cfg.world_size:
+            raise SystemExit(f"overlap-train: error: torchrun started {world} processes but "
+                             f"tp*pp*dp = {cfg.world_size}")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout))
+        from overlap.train.loop import train_rank
+
+        try:
+            result = train_rank(cfg)
+        finally:
+            dist.destroy_process_group()
+        return [result] if int(os.environ["RANK"]) == 0 else []
+    from overlap.dist.launch import launch
+    from overlap.train.loop import train_rank
+
+    # train_rank lives in an importable module: ranks unpickle it by reference.
+    return launch(train_rank, cfg.world_size, args=(cfg,), timeout=cfg.timeout,
+                  preload=("overlap.train.loop", "overlap.tp", "overlap.pp", "overlap.dp"))
+
+
+def _summary(cfg: TrainConfig, records: list[dict]) -> str:
+    steady = records[1:] or records  # step 0 pays for warm-up (shape exchange, bucket rebuild)
+    med = statistics.median
+    lines = ["", "summary", "-------",
+             f"layout          tp={cfg.tp} x pp={cfg.pp} x dp={cfg.dp} ({cfg.world_size} ranks), "
+             f"schedule {cfg.schedule}, {cfg.micro_batches} micro-batches",
+             f"overlap         sequence-parallel fused TP ops ({cfg.tp_backend}) "
+             f"{'on' if cfg.sequence_parallel else 'off'}, async P2P, bucketed DP reduction "
+             f"({cfg.comm_dtype}), sharded optimizer {'on' if cfg.sharded_optimizer else 'off'}",
+             f"steps           {len(records)}",
+             f"loss            {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}",
+             f"step time       {1e3 * med(r['step_s'] for r in steady):.1f} ms (median, step >= 2)",
+             f"tokens/s        {med(r['tokens_per_s'] for r in steady):.0f} (median)",
+             f"exposed comm    {100 * med(r['exposed_fraction'] for r in steady):.1f}% of the step "
+             "(median; time ranks spent blocked on communication)"]
+    return "\n".join(lines)
+
+
+def _check(cfg: TrainConfig, records: list[dict]) -> bool:
+    from overlap.train.loop import reference_losses
+
+    ref = reference_losses(cfg)
+    diffs = [abs(r["loss"] - x) for r, x in zip(records, ref)]
+    worst = max(diffs)
+    print("\ncheck: the same model trained on one process (same seed, data and optimizer)")
+    print(f"{'step':>5} {'3D loss':>10} {'1-proc loss':>12} {'|diff|':>10}")
+    for r, x, d in zip(records, ref, diffs):
+        print(f"{r['step'] + 1:>5} {r['loss']:>10.5f} {x:>12.5f} {d:>10.2e}")
+    ok = worst <= cfg.check_tolerance
+    print(f"check: max |loss difference| {worst:.2e} "
+          f"{'<=' if ok else '>'} tolerance {cfg.check_tolerance:.1e}: {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def _profile_report(cfg: TrainConfig, results: list[dict]) -> None:
+    from overlap.profile.plot import plot_timeline
+    from overlap.profile.trace import load_events, overlap_metrics
+
+    traces = [r["trace"] for r in results if r.get("trace")]
+    events = [load_events(t) for t in traces]
+    metrics = [overlap_metrics(e).as_dict() for e in events]
+    for rank, m in enumerate(metrics):
+        m["rank"] = rank
+        m["main_tid"] = str(m["main_tid"])
+    png = os.path.join(cfg.profile, "timeline.png")
+    plot_timeline(events, png, title=f"overlap-train tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}")
+    out = os.path.join(cfg.profile, "overlap_metrics.json")
+    with open(out, "w") as f:
+        json.dump({"ranks": metrics}, f, indent=1)
+    print(f"\nprofile: {len(traces)} traces, {png}, {out}")
+    print(f"{'rank':>4} {'step ms':>8} {'comm ms':>8} {'exposed ms':>10} {'exposed %':>9} "
+          f"{'hidden %':>9}")
+    for m in metrics:
+        print(f"{m['rank']:>4} {1e3 * m['step_s']:>8.1f} {1e3 * m['comm_s']:>8.1f} "
+              f"{1e3 * m['exposed_comm_s']:>10.1f} {100 * m['exposed_fraction']:>9.1f} "
+              f"{100 * m['hidden_fraction']:>9.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    results = _run(cfg)
+    if not results:  # a non-zero torchrun rank
+        return 0
+    records = results[0]["records"]
+    print(_summary(cfg, records))
+    if cfg.profile:
+        _profile_report(cfg, results)
+    if cfg.check and not _check(cfg, records):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
