@@ -7,6 +7,7 @@ each tensor (the only difference is the summation order inside the collective).
 from __future__ import annotations
 
 import copy
+import os
 import time
 
 import pytest
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness import WORLD_SIZES, run_ranks
+from harness import WORLD_SIZES, run_ranks, run_ranks_outcomes
 from overlap.dist.dims import ParallelDims
 from overlap.dp import GradReducer, ReducerConfig
 from overlap.dp.buckets import build_layout
@@ -404,3 +405,29 @@ def test_layout_tiling_and_padding():
     assert lay.buckets[3].shard(4, 2) == (4 + 6, 3)
     with pytest.raises(ValueError, match="permutation"):
         build_layout([0, 0, 1, 2, 3], params, cap_bytes=1, first_cap_bytes=1)
+
+
+def _peer_fails(mode: str):
+    model = mlp()
+    red = GradReducer(model, dp_group=dist.group.WORLD, timeout_s=2.0)
+    if dist.get_rank() == 1:
+        if mode == "dies":
+            os._exit(3)
+        time.sleep(6.0)  # alive, but never joins the reduction
+        return "slept"
+    t0 = time.perf_counter()
+    try:
+        model(mlp_batch(0)[0]).square().mean().backward()
+    except RuntimeError as exc:
+        return f"{time.perf_counter() - t0:.1f}s {exc}"
+    return None
+
+
+@pytest.mark.parametrize("mode", ["dies", "hangs"])
+def test_dead_or_silent_peer_raises_within_the_timeout(mode):
+    outcomes = run_ranks_outcomes(_peer_fails, 2, mode, timeout=30, grace=10)
+    msg = outcomes[0].value
+    assert outcomes[0].status == "ok" and msg is not None, outcomes[0]
+    seconds = float(msg.split("s ", 1)[0])
+    assert "GradReducer: rank 0: bucket" in msg and "DP group [0, 1] (peers [1])" in msg, msg
+    assert seconds < 5.0, msg

@@ -342,10 +342,11 @@ class GradReducer:
                 work.wait(self.config.timeout_s)
             except (RuntimeError, TimeoutError) as exc:
                 ranks = dist.get_process_group_ranks(self.dp_group)
+                peers = [r for r in ranks if r != self.rank]
                 raise RuntimeError(
                     f"GradReducer: rank {self.rank}: bucket {b} of {len(self._works)} on DP "
-                    f"group {ranks} failed or did not finish within {self.config.timeout_s} s: "
-                    f"{exc}") from exc
+                    f"group {ranks} (peers {peers}) failed or did not finish within "
+                    f"{self.config.timeout_s} s: {exc}") from exc
             self._works[b] = None
 
     def _reset_iteration(self) -> None:

@@ -177,9 +177,11 @@ class ShardedOptimizer:
                 work.wait(self._timeout)
             except (RuntimeError, TimeoutError) as exc:
                 ranks = dist.get_process_group_ranks(self.reducer.dp_group)
+                peers = [r for r in ranks if r != self.reducer.rank]
                 raise RuntimeError(
                     f"ShardedOptimizer: rank {self.reducer.rank}: parameter all-gather of bucket "
-                    f"{b} on DP group {ranks} failed or timed out: {exc}") from exc
+                    f"{b} on DP group {ranks} (peers {peers}) failed or did not finish within "
+                    f"{self._timeout} s: {exc}") from exc
             self._gathers[b] = None
 
     @torch.no_grad()
