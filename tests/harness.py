@@ -29,7 +29,7 @@ requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
 
 WORLD_SIZES = (1, 2, 4)
 # Imported once by the fork server instead of by every rank of every test.
-_PRELOAD = ("pytest", "numpy", "harness")
+_PRELOAD = ("pytest", "numpy", "harness", "overlap.kernels.triton.tp_gemm", "overlap.tp")
 DEFAULT_TIMEOUT = 60.0
 
 

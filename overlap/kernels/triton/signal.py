@@ -32,7 +32,10 @@ def wait_signal(flag_ptr, phase, max_spins):
 
 @triton.jit
 def set_signal(flag_ptr, value):
-    """Release-store value into *flag_ptr once this program's earlier stores are visible."""
+    """Release-store value into *flag_ptr once this program's earlier stores are visible.
+    The barrier first makes every thread of the program finish its stores: the release orders
+    only the signalling thread's own prior writes."""
+    tl.debug_barrier()
     tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
 
 
