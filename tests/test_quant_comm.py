@@ -414,7 +414,8 @@ def _rank_bad_input():
         except (TypeError, ValueError) as exc:
             seen[name] = (type(exc).__name__, str(exc))
     ok = quant.all_reduce(torch.ones(6), group=group, comm_dtype="int8")  # group still usable
-    return seen, ok.tolist()
+    avg = quant.all_reduce(torch.ones(6), group=group, comm_dtype="int8", op=dist.ReduceOp.AVG)
+    return seen, ok.tolist() + avg.tolist()
 
 
 def test_bad_input_raises_naming_op_argument_and_rank():
@@ -426,7 +427,7 @@ def test_bad_input_raises_naming_op_argument_and_rank():
               "numel across ranks": ("ValueError", "t.numel() differs"),
               "dtype across ranks": ("ValueError", "t.dtype differs")}
     for rank, (seen, ok) in enumerate(per_rank):
-        assert ok == [2.0] * 6
+        assert ok == [2.0] * 6 + [1.0] * 6
         for name, (etype, needle) in expect.items():
             assert seen[name] is not None, f"rank {rank}: {name} did not raise"
             got_type, msg = seen[name]

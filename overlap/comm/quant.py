@@ -9,7 +9,7 @@ on the wire, each taking an explicit ``group``.
 fp32) or "int8" (symmetric per-block scales in fp32, round-to-nearest-even or stochastic;
 dequantize and sum in fp32, never in int8). Inputs fp32/bf16/fp16 (any dtype for None); the
 result has the input's dtype and is identical on every rank. A group of one rank returns the
-input exactly (nothing to send, so nothing is quantized). ``op``: "sum" or "avg". With
+input exactly (nothing to send, so nothing is quantized). ``op``: "sum" or "avg" (or dist.ReduceOp.SUM / AVG). With
 ``async_op=True`` each returns a ``QuantWork`` whose ``wait()`` returns the result (see
 ``quant_work`` for the ordering contract; do not modify ``t`` before ``wait()``). The phases
 and wire sizes are in ``quant_paths``.
@@ -20,11 +20,12 @@ error of one quantization of a block with absmax M, every element i of block b s
 
     all_gather:      |out_i - x_i|          <= Q(M_r)
     reduce_scatter:  |out_i - sum_r x_r,i|  <= sum_r Q(M_r) + n*2^-23*S
-    all_reduce:      |out_i - sum_r x_r,i|  <= sum_r Q(M_r) + n*2^-23*S + Q(S*(1 + 2^-7))
+    all_reduce:      |out_i - sum_r x_r,i|  <= sum_r Q(M_r) + n*2^-23*S
+                                                + Q(S*(1 + 2^-7) + n*2^-142)
                                              ~= S/127   (two quantizations of ~S/254 each)
 
-divided by n for "avg" (plus 2^-24 relative), plus the rounding of the result to t's dtype
-(2^-8 relative for bf16, 2^-11 for fp16). Non-finite inputs come back as NaN for those elements
+divided by n for "avg" (plus 2^-23*S/n + 2^-142), plus the rounding of the result to t's dtype
+(2^-8 relative for bf16, 2^-11 for fp16). Stochastic rounding: 2Q in place of Q. Non-finite inputs come back as NaN for those elements
 only (code -128); a sum that overflows fp32 comes back NaN (all-reduce) or Inf (reduce-scatter).
 An all-zero block is exact.
 """
@@ -95,6 +96,16 @@ def _rank_and_size(opname: str, group) -> tuple[int, int]:
     return rank, dist.get_world_size(group)
 
 
+def _op_name(op) -> str:
+    """"sum" / "avg", also accepting dist.ReduceOp.SUM / AVG."""
+    if isinstance(op, str):
+        return op
+    for name, red in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG)):
+        if op == red:
+            return name
+    return repr(op)
+
+
 def _validate(opname, t, group, comm_dtype, op, block_size, error_feedback, needs_contiguous,
               backend):
     rank, n = _rank_and_size(opname, group)
@@ -118,9 +129,10 @@ def _validate(opname, t, group, comm_dtype, op, block_size, error_feedback, need
     if error_feedback is not None:
         if comm_dtype is None:
             raise ValueError(f"{where} error_feedback needs comm_dtype 'int8' or 'bf16'")
-        if not isinstance(error_feedback, ErrorFeedback) or error_feedback.numel != t.numel():
-            raise ValueError(f"{where} error_feedback must be an ErrorFeedback({t.numel()}), got "
-                             f"{error_feedback!r} with numel "
+        if not isinstance(error_feedback, ErrorFeedback) or error_feedback.numel != t.numel() \
+                or error_feedback.residual.device != t.device:
+            raise ValueError(f"{where} error_feedback must be an ErrorFeedback({t.numel()}) on "
+                             f"{t.device}, got {error_feedback!r} with numel "
                              f"{getattr(error_feedback, 'numel', None)}")
     return rank, n
 
@@ -169,6 +181,7 @@ def all_reduce(t: torch.Tensor, *, group, comm_dtype: str | None = None, op: str
     (one small all-gather; the hot path may turn it off once a configuration is known good).
     ``backend``: kernel backend for INT8 ("auto": C++ on CPU, Triton on GPU; "torch", "triton").
     Returns ``t``, or with ``async_op`` a QuantWork whose ``wait()`` returns ``t``."""
+    op = _op_name(op)
     rank, n = _validate("quant.all_reduce", t, group, comm_dtype, op, block_size,
                         error_feedback, needs_contiguous=True, backend=backend)
     divisor = float(n) if op == "avg" else 1.0
@@ -197,6 +210,7 @@ def reduce_scatter(t: torch.Tensor, *, group, comm_dtype: str | None = None, op:
                    async_op: bool = False, backend: str = "auto") -> torch.Tensor | QuantWork:
     """Reduce ``t`` [n*m0, *rest] over the group and return this rank's slice [m0, *rest] of
     the sum (or mean): out_shard_r = sum_k t_k[r*m0 : (r+1)*m0]. Options as in ``all_reduce``."""
+    op = _op_name(op)
     rank, n = _validate("quant.reduce_scatter", t, group, comm_dtype, op, block_size,
                         error_feedback, needs_contiguous=False, backend=backend)
     if t.dim() == 0 or t.shape[0] % n:
