@@ -328,8 +328,10 @@ def _rank_async():
     w3 = quant.all_gather(c, group=group, async_op=True)
     sync_mid = quant.all_reduce(xs[rank].clone(), group=group, comm_dtype="bf16")  # queued
     w4 = quant.all_reduce(xs[rank].clone(), group=group, async_op=True)
-    got = [w3.wait(), w1.wait(), w4.wait(timeout=30), w2.wait()]
+    quant.drain(group, timeout=30)  # after this a plain collective may follow
     done = all(w.is_completed() for w in (w1, w2, w3, w4))
+    dist.barrier(group=group)
+    got = [w3.wait(), w1.wait(), w4.wait(timeout=30), w2.wait()]
     want = [quant.all_gather(xs[rank].clone(), group=group),
             quant.all_reduce(xs[rank].clone(), group=group, comm_dtype="int8"),
             quant.all_reduce(xs[rank].clone(), group=group),

@@ -10,8 +10,9 @@ fp32) or "int8" (symmetric per-block scales in fp32, round-to-nearest-even or st
 dequantize and sum in fp32, never in int8). Inputs fp32/bf16/fp16 (any dtype for None); the
 result has the input's dtype and is identical on every rank. A group of one rank returns the
 input exactly (nothing to send, so nothing is quantized). ``op``: "sum" or "avg" (or dist.ReduceOp.SUM / AVG). With
-``async_op=True`` each returns a ``QuantWork`` whose ``wait()`` returns the result (see
-``quant_work`` for the ordering contract; do not modify ``t`` before ``wait()``). The phases
+``async_op=True`` each returns a ``QuantWork`` whose ``wait()`` returns the result; ops on one
+group run in call order, and a plain ``torch.distributed`` call on that group must wait for
+them (``wait()`` or ``drain(group)``; see ``quant_work``). Do not modify ``t`` before ``wait()``. The phases
 and wire sizes are in ``quant_paths``.
 
 INT8 accuracy (derived in the README's "Quantized collectives" section). With M_r the absmax of
@@ -37,9 +38,9 @@ import torch.distributed as dist
 
 from overlap.comm import quant_kernels as qk
 from overlap.comm import quant_paths as paths
-from overlap.comm.quant_work import QuantWork, submit
+from overlap.comm.quant_work import QuantWork, drain, submit
 
-__all__ = ["all_reduce", "reduce_scatter", "all_gather", "ErrorFeedback", "QuantWork",
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "ErrorFeedback", "QuantWork", "drain",
            "DEFAULT_BLOCK_SIZE", "COMM_DTYPES", "wire_bytes"]
 
 # 128: relative RMS error of a 4-rank INT8 all-reduce of N(0,1) data 0.9e-2 (64: 0.8e-2,

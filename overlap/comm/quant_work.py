@@ -9,7 +9,8 @@ Collectives are matched between ranks by the order in which each rank issues the
 of this module on one group run strictly in call order: each worker starts only when the
 previous async op on that group has finished, and a synchronous call first waits for the
 pending ones. Contract: while an async op of this module is in flight on a group, issue no
-other collective on that group except through this module (or call ``wait()`` first).
+other collective on that group except through this module; call ``wait()`` on it, or
+``drain(group)``, before a plain ``torch.distributed`` call on that group.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["QuantWork", "submit", "DEFAULT_WAIT_TIMEOUT_S"]
+__all__ = ["QuantWork", "submit", "drain", "DEFAULT_WAIT_TIMEOUT_S"]
 
 DEFAULT_WAIT_TIMEOUT_S = 300.0
 
@@ -70,6 +71,19 @@ def _await_previous(op: str, rank: int, prev: QuantWork | None) -> None:
     if prev._error is not None:
         raise RuntimeError(f"{op}: rank {rank}: not started because the earlier {prev.op} on "
                            f"this group failed: {prev._error}") from prev._error
+
+
+def drain(group: Any, timeout: float | None = None) -> None:
+    """Wait until every async op of this module submitted on ``group`` has finished (their
+    errors stay with their own ``wait()``), so plain collectives on the group are safe again."""
+    with _tails_lock:
+        last = _tails.get(id(group))
+    if last is None:
+        return
+    limit = DEFAULT_WAIT_TIMEOUT_S if timeout is None else timeout
+    if not last._done.wait(limit):
+        raise TimeoutError(f"quant.drain: rank {last.rank}: {last.op} still running after "
+                           f"{limit:.0f}s")
 
 
 def submit(op: str, group: Any, rank: int, body: Callable[[], Any], *, async_op: bool,
