@@ -37,8 +37,10 @@ __device__ float block_max(float v, float* red) {
 // Elements of block b of row r that hold data (the rest is padding).
 __device__ int64_t valid_in_block(int64_t numel, int64_t flat_row, int64_t r, int64_t b,
                                   int64_t block) {
-  const int64_t row_valid = min(flat_row, numel - r * flat_row);
-  return max(static_cast<int64_t>(0), min(row_valid - b * block, block));
+  // Ternaries, not min/max: NVRTC (which builds this file at run time) has no <algorithm>.
+  const int64_t rest = numel - r * flat_row;
+  const int64_t in_block = (rest < flat_row ? rest : flat_row) - b * block;
+  return in_block < 0 ? 0 : (in_block < block ? in_block : block);
 }
 
 }  // namespace

@@ -66,7 +66,7 @@ def noise_u01(key: int, idx: torch.Tensor) -> torch.Tensor:
 
 def _scales_ref(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     fin = xb.abs() <= FLOAT_MAX
-    absmax = torch.where(fin, xb.abs(), 0.0).amax(dim=1) if xb.shape[1] else xb.new_zeros(0)
+    absmax = torch.where(fin, xb.abs(), 0.0).amax(dim=1)
     # Tensor / tensor: a division by a Python scalar may become a reciprocal multiply on GPUs.
     return fin, absmax / torch.full_like(absmax, 127.0)
 
