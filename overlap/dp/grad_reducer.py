@@ -65,6 +65,7 @@ from overlap.comm.quant import ErrorFeedback
 from overlap.dp import buckets as dp_comm
 from overlap.dp.buckets import (MiB, Bucket, Layout, ReducerConfig, broadcast_params,
                                  build_layout, check_same_params)
+from overlap.profile.timers import comm_wait
 
 __all__ = ["GradReducer", "ReducerConfig", "IterationStats"]  # ReducerConfig: re-exported
 
@@ -339,7 +340,8 @@ class GradReducer:
             if work is None:
                 continue
             try:
-                work.wait(self.config.timeout_s)
+                with comm_wait("dp.grads"):
+                    work.wait(self.config.timeout_s)
             except (RuntimeError, TimeoutError) as exc:
                 ranks = dist.get_process_group_ranks(self.dp_group)
                 peers = [r for r in ranks if r != self.rank]

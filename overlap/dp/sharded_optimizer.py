@@ -46,6 +46,7 @@ import torch.nn as nn
 
 from overlap.dp.buckets import Layout, all_gather_async
 from overlap.dp.grad_reducer import GradReducer
+from overlap.profile.timers import comm_wait
 
 __all__ = ["ShardedOptimizer"]
 
@@ -174,7 +175,8 @@ class ShardedOptimizer:
             if work is None:
                 continue
             try:
-                work.wait(self._timeout)
+                with comm_wait("dp.params"):
+                    work.wait(self._timeout)
             except (RuntimeError, TimeoutError) as exc:
                 ranks = dist.get_process_group_ranks(self.reducer.dp_group)
                 peers = [r for r in ranks if r != self.reducer.rank]

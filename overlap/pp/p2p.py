@@ -23,6 +23,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from overlap.profile.timers import comm_wait
 
 __all__ = ["P2P", "P2PError", "HEADER_LEN", "encode_header", "decode_header"]
 
@@ -118,7 +119,8 @@ class P2P:
     def wait(self, work, *, what: str, peer: int) -> None:
         """Wait for one transfer with the timeout; errors name the transfer and the peer."""
         try:
-            work.wait(timeout=self.timeout)
+            with comm_wait("pp.p2p"):
+                work.wait(timeout=self.timeout)
         except RuntimeError as exc:
             raise P2PError(f"pp p2p on pp rank {self.pp_rank}: {what} with "
                            f"{self.describe(peer)} failed or timed out after "

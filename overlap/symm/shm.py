@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from overlap import _C
+from overlap.profile.timers import comm_wait
 from overlap.symm.workspace import PeerDied, SignalTimeout, SymmetricWorkspace, group_name
 
 __all__ = ["ShmWorkspace"]
@@ -150,9 +151,10 @@ class ShmWorkspace(SymmetricWorkspace):
                                  "; every rank must pass the same value")
         hosts = {(i["host"], i["boot"]) for i in infos}
         if len(hosts) > 1:
+            where_is = ", ".join(f"rank {r}={i['host']}" for r, i in enumerate(infos))
             raise ValueError(f"{where}: the shm backend needs every rank on one host; ranks are "
-                             "on " + ", ".join(f"rank {r}={i['host']}" for r, i in enumerate(infos)) +
-                             ". Use the cuda backend or a chunked (collective) backend across hosts")
+                             f"on {where_is}. Use the cuda backend or a chunked (collective) "
+                             "backend across hosts")
 
     def _unlink_own(self) -> None:
         try:
@@ -198,10 +200,12 @@ class ShmWorkspace(SymmetricWorkspace):
     def wait(self, slot: int, value: int, timeout: float | None = None) -> None:
         self._check_open("wait")
         self._check_slot("wait", slot)
-        self._wait_addr(self.signal_ptr(self.rank) + 8 * slot, value, timeout, f"slot {slot}",
-                        slot)
+        with comm_wait("symm.wait"):
+            self._wait_addr(self.signal_ptr(self.rank) + 8 * slot, value, timeout,
+                            f"slot {slot}", slot)
 
-    def _wait_addr(self, addr: int, value: int, timeout: float | None, what: str, slot: int) -> None:
+    def _wait_addr(self, addr: int, value: int, timeout: float | None, what: str,
+                   slot: int) -> None:
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         while True:
@@ -235,8 +239,9 @@ class ShmWorkspace(SymmetricWorkspace):
         self._barrier_phase += 1
         for r in range(self.world):
             _C.signal_add(self._word(r, _W_BARRIER), 1)
-        self._wait_addr(self._word(self.rank, _W_BARRIER), self._barrier_phase * self.world,
-                        timeout, "barrier", -1)
+        with comm_wait("symm.barrier"):
+            self._wait_addr(self._word(self.rank, _W_BARRIER), self._barrier_phase * self.world,
+                            timeout, "barrier", -1)
 
     def abort(self, reason: str = "") -> None:
         if self._closed:

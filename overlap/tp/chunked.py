@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.profile import nvtx
+from overlap.profile.timers import comm_wait
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "split_bounds",
            "all_gather_rows", "reduce_scatter_rows"]
@@ -98,7 +99,8 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, *, group: dist.Pro
     inflight: dict[int, list] = {}
     for t in range(world * s):
         if t in inflight:
-            with nvtx.range(f"all_gather_matmul.chunked.comm[{t}].wait"):
+            with (nvtx.range(f"all_gather_matmul.chunked.comm[{t}].wait"),
+                  comm_wait("tp.chunked")):
                 for work in inflight.pop(t):
                     work.wait()
         if t + s < world * s:
@@ -147,7 +149,8 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
 
     def add_received(t: int, part: torch.Tensor) -> None:
         works, buf, _sent = inflight.pop(t)
-        with nvtx.range(f"matmul_reduce_scatter.chunked.comm[{t}].wait"):
+        with (nvtx.range(f"matmul_reduce_scatter.chunked.comm[{t}].wait"),
+              comm_wait("tp.chunked")):
             for work in works:
                 work.wait()
         part += buf
@@ -187,11 +190,13 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGr
         # One reduction in flight at a time: block i - 1's ran under GEMM i. (Several
         # outstanding gloo collectives contend for its worker threads and finish later.)
         if inflight is not None:
-            with nvtx.range(f"matmul_all_reduce.chunked.comm[{i - 1}].wait"):
+            with (nvtx.range(f"matmul_all_reduce.chunked.comm[{i - 1}].wait"),
+                  comm_wait("tp.chunked")):
                 inflight.wait()
         with nvtx.range(f"matmul_all_reduce.chunked.comm[{i}]"):
             inflight = dist.all_reduce(y[lo:hi], group=group, async_op=True)
-    with nvtx.range("matmul_all_reduce.chunked.comm.wait"):
+    with (nvtx.range("matmul_all_reduce.chunked.comm.wait"),
+          comm_wait("tp.chunked")):
         inflight.wait()
     return y
 

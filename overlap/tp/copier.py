@@ -23,6 +23,7 @@ import threading
 from typing import Callable
 
 import torch
+from overlap.profile.timers import comm_wait
 
 __all__ = ["ThreadCopier", "StreamCopier", "make_copier"]
 
@@ -71,7 +72,9 @@ class ThreadCopier:
     def wait(self, ticket: _Ticket, what: str) -> None:
         # The copier's own signal waits time out after `timeout`; the margin lets their error,
         # which names the peer and slot, arrive before this generic one.
-        if not ticket.done.wait(self.timeout + 5.0):
+        with comm_wait("tp.copier"):
+            done = ticket.done.wait(self.timeout + 5.0)
+        if not done:
             raise TimeoutError(f"{what}: the copy thread did not finish a copy within "
                                f"{self.timeout + 5.0:g}s")
         if ticket.error is not None:

@@ -29,6 +29,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from overlap.profile.timers import comm_wait
 
 __all__ = ["TIMEOUT", "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
            "reduce_scatter_to_sp", "gather_from_sp", "all_reduce_async", "wait",
@@ -45,7 +46,8 @@ _reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
 def wait(work, *, op: str, group) -> None:
     """Wait for an async collective, at most ``TIMEOUT``; name the op and group on failure."""
     try:
-        work.wait(timeout=TIMEOUT)
+        with comm_wait(f"tp.{op}"):
+            work.wait(timeout=TIMEOUT)
     except Exception as exc:  # gloo raises RuntimeError, NCCL DistBackendError
         ranks = dist.get_process_group_ranks(group)
         raise RuntimeError(f"tp {op}: collective on group {ranks} failed or timed out after "
