@@ -1,0 +1,63 @@
+"""The main job end to end: `python -m overlap.train` on 8 local processes (tp2 x pp2 x dp2)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+TINY = ["--steps", "3", "--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
+        "--micro-batch-size", "2", "--micro-batches", "2", "--timeout", "240"]
+
+
+def _run(args, timeout=300):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "overlap.train", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_check_and_profile_on_8_processes(tmp_path):
+    prof = tmp_path / "prof"
+    res = _run([*TINY, "--check", "--profile", str(prof)])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout
+    # One progress row per step, from rank 0, with the measured exposed fraction.
+    rows = re.findall(r"step +(\d)/3 .* loss +([\d.]+) .* exposed comm +([\d.]+)%", out)
+    assert [int(r[0]) for r in rows] == [1, 2, 3]
+    assert all(0.0 <= float(r[2]) <= 100.0 for r in rows)
+    # --check: every step's loss equals the one-process run within the stated tolerance.
+    diffs = [float(d) for d in re.findall(r"^ +\d+ +[\d.]+ +[\d.]+ +([\d.e+-]+)$", out, re.M)]
+    assert len(diffs) == 3 and max(diffs) <= 2e-3, out
+    assert "check: max |loss difference|" in out and "PASS" in out
+    # --profile: a trace per rank, a PNG, and consistent overlap metrics.
+    assert sorted(p.name for p in prof.glob("trace_rank*.json")) == \
+        [f"trace_rank{r}.json" for r in range(8)]
+    png = (prof / "timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    metrics = json.loads((prof / "overlap_metrics.json").read_text())["ranks"]
+    assert len(metrics) == 8
+    for m in metrics:
+        assert m["step_s"] > 0 and m["comm_s"] > 0 and m["compute_s"] > 0
+        assert 0 <= m["exposed_comm_s"] <= m["comm_s"] + 1e-9
+        assert abs(m["exposed_comm_s"] + m["hidden_comm_s"] - m["comm_s"]) < 1e-9
+        assert 0 <= m["exposed_fraction"] <= 1 and 0 <= m["hidden_fraction"] <= 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tp", "2", "--pp", "2", "--dp", "2", "--n-head", "3", "--d-model", "48"],
+     "--n-head 3 is not divisible by --tp 2"),
+    (["--pp", "4", "--n-layer", "2", "--dp", "1"], "--n-layer 2 is less than the 4 pipeline stages"),
+    (["--micro-batches", "1"], "--micro-batches 1 must be >= --pp 2"),
+    (["--steps", "0"], "--steps must be a positive integer, got 0"),
+    (["--schedule", "interleaved", "--micro-batches", "3", "--n-layer", "4"],
+     "needs --micro-batches (3) to be a multiple of --pp (2)"),
+])
+def test_bad_flags_fail_fast_with_one_line(args, message):
+    res = _run(args, timeout=60)
+    assert res.returncode == 2
+    lines = [ln for ln in res.stderr.strip().splitlines() if ln]
+    assert len(lines) == 1 and lines[0].startswith("overlap-train: error: "), res.stderr
+    assert message in lines[0]
+    assert "step" not in res.stdout  # no process was started
