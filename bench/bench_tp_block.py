@@ -14,7 +14,9 @@ load), barrier-synced; the table reports medians. Variants:
 - ``overlap``: ``parallelize()`` with the shipped GPT plan, per backend, without sequence
   parallelism (column: async dgrad all-reduce under the wgrad GEMM; row: matmul_all_reduce)
   and with it (input and output are sequence shards; column: all_gather_matmul, row:
-  matmul_reduce_scatter; the norms run on t/tp tokens).
+  matmul_reduce_scatter; the norms run on t/tp tokens). ``check_inputs``: whether the fused
+  ops compare shapes across ranks on each call (the default; "chunked" pays one small
+  all-gather per op for it, the workspace backends only when they create a context).
 
 ``vs_unsharded`` = unsharded median / this median (> 1: faster than one rank doing it all);
 ``vs_dtensor`` = dtensor median / this median.
@@ -79,7 +81,7 @@ def _dtensor_block(block, tp: int, device):
 
 
 def _variants(cfg: BenchConfig, device, dtype):
-    """[(name, backend, sp, block, x, dy)]: x and dy as the block sees them on this rank."""
+    """[(name, backend, sp, check_inputs, block, x, dy)]: x, dy as the block sees them here."""
     from overlap.tp.parallelize import parallelize
 
     group, tp, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
@@ -88,15 +90,18 @@ def _variants(cfg: BenchConfig, device, dtype):
     x = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
     dy = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
     x_s, dy_s = x.chunk(tp, 1)[rank].contiguous(), dy.chunk(tp, 1)[rank].contiguous()
-    out = [("unsharded", "-", False, _model(cfg, device, dtype).blocks[0], x, dy),
-           ("dtensor", "-", False, _dtensor_block(_model(cfg, device, dtype).blocks[0], tp,
-                                                   device), x, dy)]
+    out = [("unsharded", "-", False, "-", _model(cfg, device, dtype).blocks[0], x, dy),
+           ("dtensor", "-", False, "-", _dtensor_block(_model(cfg, device, dtype).blocks[0],
+                                                        tp, device), x, dy)]
     for backend in cfg.backends:
-        for sp in (False, True):
-            model = parallelize(_model(cfg, device, dtype), tp_group=group, backend=backend,
-                                sequence_parallel=sp)
-            out.append(("overlap", backend, sp, model.blocks[0], x_s if sp else x,
-                        dy_s if sp else dy))
+        # Only "chunked" compares shapes across ranks on every call; the workspace backends
+        # do it once per cached context.
+        for check in ((True, False) if backend == "chunked" else (True,)):
+            for sp in (False, True):
+                model = parallelize(_model(cfg, device, dtype), tp_group=group,
+                                    backend=backend, sequence_parallel=sp, check_inputs=check)
+                out.append(("overlap", backend, sp, check, model.blocks[0], x_s if sp else x,
+                            dy_s if sp else dy))
     return out
 
 
@@ -120,7 +125,7 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
     samples: list[list[float]] = [[] for _ in variants]
     try:
         for it in range(cfg.warmup + cfg.iters):
-            for i, (_, _, _, block, x, dy) in enumerate(variants):
+            for i, (*_, block, x, dy) in enumerate(variants):
                 sync()
                 t0 = time.perf_counter()
                 step(block, x, dy)
@@ -129,7 +134,7 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
                     samples[i].append(time.perf_counter() - t0)
     finally:
         close_all_contexts()
-    return [dict(variant=v[0], backend=v[1], sp=v[2], timing=Timing(s))
+    return [dict(variant=v[0], backend=v[1], sp=v[2], check=v[3], timing=Timing(s))
             for v, s in zip(variants, samples)]
 
 
@@ -148,6 +153,7 @@ def main(cfg: BenchConfig) -> None:
         f"Median of {cfg.iters} iterations after {cfg.warmup} warm-up, variants round-robin, "
         f"barrier-synced; {load} (on {os.cpu_count()} cores: other jobs shared the machine "
         "when above ~0.5).",
+        "check_inputs=False: the fused ops skip the per-call cross-rank shape check.",
         "vs_unsharded = unsharded median / median (the unsharded block runs on every rank at "
         "once, one core each); vs_dtensor = DTensor TP median / median.",
         "Command: python -m bench.bench_tp_block" + "".join(
@@ -155,12 +161,12 @@ def main(cfg: BenchConfig) -> None:
             for k, v in dataclasses.asdict(cfg).items() if v != getattr(BenchConfig(), k)),
     ]
     table = Table("Transformer block forward+backward: overlap TP vs DTensor TP vs unsharded",
-                  ["variant", "backend", "sequence_parallel", "median_ms", "spread",
-                   "vs_unsharded", "vs_dtensor"], notes=notes)
+                  ["variant", "backend", "sequence_parallel", "check_inputs", "median_ms",
+                   "spread", "vs_unsharded", "vs_dtensor"], notes=notes)
     for r in rows:
         t = r["timing"]
         table.add(variant=r["variant"], backend=r["backend"], sequence_parallel=r["sp"],
-                  median_ms=t.median_ms, spread=t.spread, vs_unsharded=base / t.median,
+                  check_inputs=r["check"], median_ms=t.median_ms, spread=t.spread, vs_unsharded=base / t.median,
                   vs_dtensor=dt / t.median)
     paths = table.write(cfg.out)
     with open(paths[1]) as f:

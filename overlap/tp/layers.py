@@ -137,9 +137,15 @@ class _ColumnLinearAllReduceDgrad(torch.autograd.Function):
 
 
 class _Linear(TPModule):
-    """Shared construction for the two linear layers (``_split`` says which dim is sharded)."""
+    """Shared construction for the two linear layers (``_split`` says which dim is sharded).
+
+    ``check_inputs`` (attribute, default True) is passed to the fused ops: with the "chunked"
+    backend they then compare shapes across ranks with a small all-gather on every call (on
+    NCCL that synchronises the stream); set it to False once the model is known to be sound.
+    """
 
     _split: str  # "out" or "in"
+    check_inputs: bool = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  tp_group=None, dims=None, sequence_parallel: bool = False,
@@ -272,7 +278,8 @@ class ColumnParallelLinear(_Linear):
             if pad:  # uneven vocab: the fused op needs one w shape on every rank
                 w = F.pad(w, (0, pad))
             y = all_gather_matmul(x, w, group=self.tp_group, backend=self.backend,
-                                  chunks=self.chunks, seq_dim=self._seq_dim(x))
+                                  chunks=self.chunks, seq_dim=self._seq_dim(x),
+                                  check_inputs=self.check_inputs)
             if pad:
                 y = y[..., :n_local]
             if self.bias is not None:
@@ -334,11 +341,12 @@ class RowParallelLinear(_Linear):
         if self.sequence_parallel:
             y = matmul_reduce_scatter(x, self.weight.t(), group=self.tp_group,
                                       backend=self.backend, chunks=self.chunks,
-                                      seq_dim=self._seq_dim(x))
+                                      seq_dim=self._seq_dim(x), check_inputs=self.check_inputs)
             bias = None if self.bias is None else copy_to_tp(self.bias, group=self.tp_group)
         else:
             y = matmul_all_reduce(x, self.weight.t(), group=self.tp_group,
-                                  backend=self.backend, chunks=self.chunks)
+                                  backend=self.backend, chunks=self.chunks,
+                                  check_inputs=self.check_inputs)
             bias = self.bias
         return y if bias is None else y + bias
 
@@ -367,7 +375,8 @@ def column_parallel_shared(x: torch.Tensor, layers) -> list[torch.Tensor]:
         y = F.linear(x, weight, bias)
     elif first.sequence_parallel:
         y = all_gather_matmul(x, weight.t(), group=first.tp_group, backend=first.backend,
-                              chunks=first.chunks, seq_dim=first._seq_dim(x))
+                              chunks=first.chunks, seq_dim=first._seq_dim(x),
+                              check_inputs=first.check_inputs)
         y = y if bias is None else y + bias
     else:
         y = _ColumnLinearAllReduceDgrad.apply(x, weight, bias, first.tp_group)

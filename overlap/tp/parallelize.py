@@ -233,9 +233,10 @@ def _build(module, style: Style, group, sequence_parallel, backend, chunks) -> n
 
 def parallelize(model: nn.Module, *, dims=None, tp_group=None, plan: TPPlan | None = None,
                 sequence_parallel: bool = False, backend: str = "auto",
-                chunks: int | None = None) -> nn.Module:
+                chunks: int | None = None, check_inputs: bool = True) -> nn.Module:
     """Replace ``model``'s modules by TP ones per ``plan`` (default: ``plans.plan_for(model)``)
     over ``dims.tp_group`` or ``tp_group``; returns ``model`` (changed in place).
+    ``backend``, ``chunks`` and ``check_inputs`` go to every linear layer's fused ops.
 
     Every rank of the group must call it on the same (same-seed) model. The sharded modules
     copy their shard of the current values, so the parallel model computes the same function.
@@ -267,8 +268,10 @@ def parallelize(model: nn.Module, *, dims=None, tp_group=None, plan: TPPlan | No
     for name, style in chosen.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, _build(getattr(parent, child), style, group, sequence_parallel,
-                                      backend, chunks))
+        new = _build(getattr(parent, child), style, group, sequence_parallel, backend, chunks)
+        if isinstance(new, (ColumnParallelLinear, RowParallelLinear)):
+            new.check_inputs = check_inputs
+        setattr(parent, child, new)
     for group_members in ties:
         (first, attr), *rest = group_members
         shared = getattr(model.get_submodule(first), attr)
