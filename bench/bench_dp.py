@@ -56,7 +56,7 @@ class BenchConfig:
     n_head: int = 4
     vocab_size: int = 1024
     warmup: int = 2
-    rounds: int = 12
+    rounds: int = 20
     steps_per_round: int = 1
     comm_reps: int = 5
     device: str = "cpu"
