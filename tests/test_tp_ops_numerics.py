@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import WORLD_SIZES, run_ranks
+from harness import WORLD_SIZES, requires_gpu, run_ranks
 
 HAVE_TRITON_TP = importlib.util.find_spec("overlap.kernels.triton.tp_gemm") is not None
 BACKENDS = ["chunked", "symmetric"] + (["triton"] if HAVE_TRITON_TP else [])
@@ -22,15 +22,14 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.detach().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+    return float((got.detach().cpu().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def _case_ag(backend, dtype, shape3, chunks, with_gathered, k, n, seq_dim=0):
+def _case_ag(backend, dtype, shape3, chunks, with_gathered, k, n, seq_dim=0, m=12, dev="cpu"):
     from overlap.tp import all_gather_matmul
 
     g, r, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(1234 + world)
-    m = 12
     q = lambda t: t.to(dtype).double()  # noqa: E731 - inputs as the op sees them
     xf = q(torch.randn(world * m, k, generator=gen, dtype=torch.float64))
     ws = q(torch.randn(world, k, n, generator=gen, dtype=torch.float64))
@@ -38,18 +37,18 @@ def _case_ag(backend, dtype, shape3, chunks, with_gathered, k, n, seq_dim=0):
     hs = q(torch.randn(world, world * m, k, generator=gen, dtype=torch.float64))
     x_shard = xf[r * m:(r + 1) * m]
     to3 = lambda t, rows: t.view(rows // 4, 4, t.shape[-1]) if shape3 else t  # noqa: E731
-    x_in = to3(x_shard, m).to(dtype)
+    x_in = to3(x_shard, m).to(dev, dtype)
     if seq_dim == 1:
         x_in = x_in.transpose(0, 1).contiguous()
     x_in.requires_grad_(True)
-    w = ws[r].to(dtype).requires_grad_(True)
+    w = ws[r].to(dev, dtype).requires_grad_(True)
     out = all_gather_matmul(x_in, w, group=g, backend=backend, chunks=chunks,
                             return_gathered=with_gathered, seq_dim=seq_dim)
     y, gathered = out if with_gathered else (out, None)
     back = (lambda t: t.transpose(0, 1)) if seq_dim == 1 else (lambda t: t)  # noqa: E731
-    dy = back(to3(gs[r], world * m).to(dtype))
+    dy = back(to3(gs[r], world * m).to(dev, dtype))
     if with_gathered:
-        dgath = back(to3(hs[r], world * m).to(dtype))
+        dgath = back(to3(hs[r], world * m).to(dev, dtype))
         torch.autograd.backward([y, gathered], [dy, dgath])
     else:
         y.backward(dy)
@@ -65,22 +64,21 @@ def _case_ag(backend, dtype, shape3, chunks, with_gathered, k, n, seq_dim=0):
     return errs
 
 
-def _case_rs(backend, dtype, shape3, chunks, k, n, seq_dim=0):
+def _case_rs(backend, dtype, shape3, chunks, k, n, seq_dim=0, m=12, dev="cpu"):
     from overlap.tp import matmul_reduce_scatter
 
     g, r, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(99 + world)
-    m = 12
     q = lambda t: t.to(dtype).double()  # noqa: E731
     xs = q(torch.randn(world, world * m, k, generator=gen, dtype=torch.float64))
     ws = q(torch.randn(world, k, n, generator=gen, dtype=torch.float64))
     gf = q(torch.randn(world * m, n, generator=gen, dtype=torch.float64))
     to3 = lambda t, rows: t.view(rows // 4, 4, t.shape[-1]) if shape3 else t  # noqa: E731
     back = (lambda t: t.transpose(0, 1)) if seq_dim == 1 else (lambda t: t)  # noqa: E731
-    x = back(to3(xs[r], world * m).to(dtype)).contiguous().requires_grad_(True)
-    w = ws[r].to(dtype).requires_grad_(True)
+    x = back(to3(xs[r], world * m).to(dev, dtype)).contiguous().requires_grad_(True)
+    w = ws[r].to(dev, dtype).requires_grad_(True)
     y = matmul_reduce_scatter(x, w, group=g, backend=backend, chunks=chunks, seq_dim=seq_dim)
-    y.backward(back(to3(gf[r * m:(r + 1) * m], m).to(dtype)))
+    y.backward(back(to3(gf[r * m:(r + 1) * m], m).to(dev, dtype)))
     flat = lambda t: back(t).reshape(-1, t.shape[-1])  # noqa: E731
     total = sum(xs[p] @ ws[p] for p in range(world))
     return {"y": _rel(flat(y), total[r * m:(r + 1) * m]),
@@ -88,59 +86,62 @@ def _case_rs(backend, dtype, shape3, chunks, k, n, seq_dim=0):
             "dw": _rel(w.grad, xs[r].T @ gf)}
 
 
-def _case_ar(backend, dtype, shape3, chunks, k, n):
+def _case_ar(backend, dtype, shape3, chunks, k, n, m=12, dev="cpu"):
     from overlap.tp import matmul_all_reduce
 
     g, r, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(7 + world)
-    rows = 12 * world if shape3 else 12 * world - 1  # 3-D: [3*world, 4, K]; 2-D: awkward M
+    rows = m * world if shape3 else m * world - 1  # 3-D: [m*world/4, 4, K]; 2-D: awkward M
     q = lambda t: t.to(dtype).double()  # noqa: E731
     xs = q(torch.randn(world, rows, k, generator=gen, dtype=torch.float64))
     ws = q(torch.randn(world, k, n, generator=gen, dtype=torch.float64))
     gf = q(torch.randn(rows, n, generator=gen, dtype=torch.float64))
     to3 = lambda t: t.view(rows // 4, 4, t.shape[-1]) if shape3 else t  # noqa: E731
-    x = to3(xs[r]).to(dtype).requires_grad_(True)
-    w = ws[r].to(dtype).requires_grad_(True)
+    x = to3(xs[r]).to(dev, dtype).requires_grad_(True)
+    w = ws[r].to(dev, dtype).requires_grad_(True)
     y = matmul_all_reduce(x, w, group=g, backend=backend, chunks=chunks)
-    y.backward(to3(gf).to(dtype))  # the same dy on every rank (replicated downstream)
+    y.backward(to3(gf).to(dev, dtype))  # the same dy on every rank (replicated downstream)
     flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
     return {"y": _rel(flat(y), sum(xs[p] @ ws[p] for p in range(world))),
             "dx": _rel(flat(x.grad), gf @ ws[r].T),
             "dw": _rel(w.grad, xs[r].T @ gf)}
 
 
-def _cases(world, small):
-    if small:  # the interpreter is slow: one case per op and layout, dtypes alternating
-        k, n, f32, bf16 = 40, 24, torch.float32, torch.bfloat16
-        return [("ag", f32, False, None, dict(with_gathered=False, k=k, n=n)),
-                ("ag", bf16, True, None, dict(with_gathered=True, k=k, n=n)),
-                ("rs", f32, True, None, dict(k=k, n=n)),
-                ("rs", bf16, False, None, dict(k=k, n=n)),
-                ("ar", f32, False, None, dict(k=k, n=n))]
-    k, n = 72, 40
-    dtypes = [torch.float32, torch.bfloat16]
+def _cases(world, mode):
+    """(op, dtype, 3-D?, chunks, kwargs) for mode "cpu", "small" (Triton interpreter) or "gpu"."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    if mode == "small":  # the interpreter is slow: one case per op and layout, dtypes alternating
+        kw = dict(k=40, n=24)
+        return [("ag", f32, False, None, dict(with_gathered=False, **kw)),
+                ("ag", bf16, True, None, dict(with_gathered=True, **kw)),
+                ("rs", f32, True, None, kw), ("rs", bf16, False, None, kw),
+                ("ar", f32, False, None, kw)]
+    kw = dict(k=72, n=40) if mode == "cpu" else dict(k=72 * 16, n=40 * 16, m=12 * 16)
     out = []
-    for dtype in dtypes:
+    for dtype in (f32, bf16):
         for shape3 in (False, True):
             for chunks in (None, 2 * world):
-                out.append(("ag", dtype, shape3, chunks, dict(with_gathered=shape3, k=k, n=n)))
-                out.append(("rs", dtype, shape3, chunks, dict(k=k, n=n)))
-                out.append(("ar", dtype, shape3, 3 if chunks else None, dict(k=k, n=n)))
+                out.append(("ag", dtype, shape3, chunks, dict(with_gathered=shape3, **kw)))
+                out.append(("rs", dtype, shape3, chunks, kw))
+                out.append(("ar", dtype, shape3, 3 if chunks else None, kw))
     # batch-first 3-D through seq_dim=1
-    out.append(("ag", torch.float32, True, None, dict(with_gathered=True, k=k, n=n, seq_dim=1)))
-    out.append(("rs", torch.float32, True, None, dict(k=k, n=n, seq_dim=1)))
+    out.append(("ag", f32, True, None, dict(with_gathered=True, seq_dim=1, **kw)))
+    out.append(("rs", f32, True, None, dict(seq_dim=1, **kw)))
     return out
 
 
-def _run_cases(backend, small):
+def _run_cases(backend, mode):
     from overlap.tp import close_all_contexts
 
-    world = dist.get_world_size()
+    world, dev = dist.get_world_size(), "cpu"
+    if mode == "gpu":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+        dev = torch.device("cuda", torch.cuda.current_device())
     fns = {"ag": _case_ag, "rs": _case_rs, "ar": _case_ar}
     results = []
     try:
-        for op, dtype, shape3, chunks, kw in _cases(world, small):
-            errs = fns[op](backend, dtype, shape3, chunks, **kw)
+        for op, dtype, shape3, chunks, kw in _cases(world, mode):
+            errs = fns[op](backend, dtype, shape3, chunks, dev=dev, **kw)
             results.append((op, str(dtype), shape3, chunks, kw.get("seq_dim", 0), errs))
     finally:
         close_all_contexts()
@@ -159,7 +160,7 @@ def _check(per_rank):
 @pytest.mark.parametrize("backend", ["chunked", "symmetric"])
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_ops_match_reference_forward_and_backward(world, backend):
-    _check(run_ranks(_run_cases, world, backend, False, timeout=120))
+    _check(run_ranks(_run_cases, world, backend, "cpu", timeout=120))
 
 
 # The Triton kernels run under TRITON_INTERPRET=1 across processes: small shapes only.
@@ -167,4 +168,13 @@ def test_ops_match_reference_forward_and_backward(world, backend):
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b == "triton"])
 def test_triton_ops_match_reference_small(world, backend):
-    _check(run_ranks(_run_cases, world, backend, True, timeout=300))
+    _check(run_ranks(_run_cases, world, backend, "small", timeout=300))
+
+
+@requires_gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ops_match_reference_large_gpu(backend):
+    """The GPU tier: 16x larger shapes on every visible GPU under NCCL (CUDA workspaces, side
+    copy stream, compiled Triton kernels). CPU twins: the two tests above."""
+    world = max(2, torch.cuda.device_count())
+    _check(run_ranks(_run_cases, world, backend, "gpu", backend="nccl", timeout=600))
