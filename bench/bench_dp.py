@@ -1,7 +1,9 @@
 """Data-parallel training step: overlap.dp (GradReducer, ShardedOptimizer) vs torch DDP.
 
-    python -m bench.bench_dp                          # CPU: 2 and 4 gloo ranks, writes bench/results/dp.*
-    python -m bench.bench_dp --world-sizes 8 --device cuda   # GPU: NCCL, one GPU per rank
+    python -m bench.bench_dp                                # CPU: 2 and 4 gloo ranks
+    python -m bench.bench_dp --world-sizes 8 --device cuda  # GPU: NCCL, one GPU per rank
+
+Writes bench/results/dp.json and dp.md (``--out`` to change).
 
 Every variant trains its own copy of the same GPT on the same data in the same process group;
 the variants take turns (a few steps each, several rounds) so all see the same machine load.
@@ -31,13 +33,12 @@ import copy
 import dataclasses
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bench.runner import Table
+from bench.runner import Table, Timing, time_fn
 from overlap.dist.launch import launch
 from overlap.dp import GradReducer, ShardedOptimizer
 from overlap.models.gpt import GPT, GPTConfig
@@ -144,13 +145,10 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
     for _ in range(cfg.rounds):
         for v in variants.values():
             for _ in range(cfg.steps_per_round):
-                sync()
                 if isinstance(v["opt"], ShardedOptimizer):  # waits of the previous forward
                     v["ag_exposed"].append(v["opt"].forward_wait_s)
-                t0 = time.perf_counter()
-                _step(v, idx, tgt)
-                sync()
-                v["samples"].append(time.perf_counter() - t0)
+                v["samples"] += time_fn(lambda: _step(v, idx, tgt), warmup=0, iters=1,
+                                        sync=sync).samples
                 if v["red"] is not None and not v.get("serial"):
                     v["exposed"].append(v["red"].stats.wait_s)
     rows = []
@@ -162,12 +160,13 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
             for _ in range(cfg.comm_reps):
                 sync()
                 comm.append(v["red"].reduce_now())
-        med = statistics.median(v["samples"])
+        timing = Timing(v["samples"])
+        med = timing.median
         comm_s = statistics.median(comm) if comm else None
         exposed = statistics.median(v["exposed"]) if v["exposed"] else None
         rows.append(dict(
             variant=name, step_s=med,
-            spread=(max(v["samples"]) - min(v["samples"])) / med,
+            spread=timing.spread,
             comm_s=comm_s, exposed_s=exposed,
             hidden=(max(0.0, 1.0 - exposed / comm_s) if comm_s and exposed is not None
                     else None),

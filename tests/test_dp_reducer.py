@@ -179,7 +179,8 @@ def _unused_vs_ddp():
                            for p, q in zip(model.parameters(), ref.parameters())])
         if it == 0:  # c got no gradient anywhere: it stays zero and moves to the last bucket
             assert float(model.c.weight.grad.abs().max()) == 0.0
-            c_ids = {i for i, p in enumerate(red.params) if p is model.c.weight or p is model.c.bias}
+            c_ids = {i for i, p in enumerate(red.params)
+                     if p is model.c.weight or p is model.c.bias}
             assert set(red.layout.order[-2:]) == c_ids, red.layout.order
         red.zero_grad()
         ref.zero_grad(set_to_none=False)
