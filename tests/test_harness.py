@@ -119,3 +119,14 @@ def _unpicklable():
 def test_unpicklable_result_is_an_error_not_a_hang():
     with pytest.raises(LaunchError, match="result could not be sent"):
         run_ranks(_unpicklable, 2, timeout=20)
+
+
+def _return_tensors():
+    return [torch.full((3,), float(dist.get_rank())), {"w": torch.arange(4.0)}]
+
+
+def test_tensor_results_survive_the_rank_exiting():
+    # Tensors must come back by value: a shared-memory handle would die with the rank.
+    got = run_ranks(_return_tensors, 2)
+    assert [r[0].tolist() for r in got] == [[0.0] * 3, [1.0] * 3]
+    assert all(r[1]["w"].tolist() == [0.0, 1.0, 2.0, 3.0] for r in got)

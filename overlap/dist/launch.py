@@ -29,6 +29,7 @@ import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import tempfile
 import threading
@@ -142,11 +143,14 @@ def _rank_main(
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
         msg = ("error", None, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
                time.monotonic() - t0, time.time())
+    # Plain pickle, not the connection's ForkingPickler: that one ships tensors as shared-memory
+    # file descriptors, which die with this process before the launcher reads them.
     try:
-        conn.send(msg)
+        payload = pickle.dumps(msg)
     except Exception as exc:  # the result itself may not pickle
-        conn.send(("error", None, f"rank {rank}: result could not be sent: {exc!r}", None,
-                   time.monotonic() - t0, time.time()))
+        payload = pickle.dumps(("error", None, f"rank {rank}: result could not be sent: {exc!r}",
+                                None, time.monotonic() - t0, time.time()))
+    conn.send_bytes(payload)
     if msg[0] == "ok" and dist.is_initialized():
         dist.destroy_process_group()
     conn.close()
@@ -310,7 +314,7 @@ def _receive(rank, conn, proc, elapsed) -> RankOutcome | None:
     """The rank's outcome if it has reported or exited, else None (still running)."""
     if conn.poll():
         try:
-            status, value, error, tb, secs, at = conn.recv()
+            status, value, error, tb, secs, at = pickle.loads(conn.recv_bytes())
             return RankOutcome(rank=rank, status=status, value=value, error=error, traceback=tb,
                                seconds=secs, finished_at=at)
         except (EOFError, OSError):
