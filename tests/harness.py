@@ -30,7 +30,7 @@ requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
 WORLD_SIZES = (1, 2, 4)
 # Imported once by the fork server instead of by every rank of every test.
 _PRELOAD = ("pytest", "numpy", "harness", "overlap.kernels.triton.tp_gemm", "overlap.tp",
-            "torch.distributed.tensor.parallel", "transformers.models.gpt2.modeling_gpt2",
+            "torch._dynamo", "torch.distributed.tensor.parallel", "transformers.models.gpt2.modeling_gpt2",
             "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2")
 DEFAULT_TIMEOUT = 60.0
 
