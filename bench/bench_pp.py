@@ -17,6 +17,9 @@ process group, one after the other, for the schedules both have (GPipe, 1F1B, in
   parameter gradient accumulated).
 - ``bubble_ideal``: the schedule's simulated bubble with F=1, B=2 (I=W=1): (p-1)/(m+p-1),
   (p-1)/(v*m+p-1), ZB-H1 (p-1)/(3m+p-1).
+
+On GPU the step times are synchronised but the per-action timestamps are host times of
+asynchronous launches, so read the GPU bubble from an Nsight trace instead of this column.
 """
 
 from __future__ import annotations
