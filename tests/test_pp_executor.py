@@ -213,6 +213,6 @@ def _hung_peer():
 
 
 def test_hung_peer_times_out():
-    outcomes = run_ranks_outcomes(_hung_peer, 2, timeout=60, grace=3)
+    outcomes = run_ranks_outcomes(_hung_peer, 2, timeout=60, grace=1)
     assert outcomes[0].status == "error", outcomes[0]
     assert "timed out after 1.5s" in outcomes[0].error and "pp rank 1" in outcomes[0].error
