@@ -9,7 +9,8 @@ Two implementations of one small interface, chosen by device:
   for that event. The host never blocks.
 - ``ThreadCopier`` (CPU): one thread that runs submitted functions in order. torch releases the
   GIL inside ``copy_`` and the workspace releases it while waiting on a signal, so the copies
-  really run beside the GEMM. ``wait(ticket)`` blocks the caller, with a timeout.
+  really run beside the GEMM. ``wait(ticket)`` blocks the caller, with a timeout, and runs
+  queued copies itself if the thread has not got to them.
 
 Both run submitted work in submission order, so "wait for peer, copy, signal" sequences never
 reorder. A failure inside the copier is sticky: it is re-raised by every later ``wait`` until
@@ -18,8 +19,9 @@ the owner closes the copier (the op's context is then unusable, see overlap.tp.c
 
 from __future__ import annotations
 
-import queue
+import collections
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -37,46 +39,76 @@ class _Ticket:
 
 
 class ThreadCopier:
-    """Runs submitted functions on one daemon thread, in order (CPU twin of a copy stream)."""
+    """Runs submitted functions in order on one daemon thread (CPU twin of a copy stream).
+
+    A waiter whose ticket is not done yet runs the queued functions itself when the thread is
+    not running one: on a busy CPU a woken thread can wait milliseconds for a core (the
+    scheduler lets the running GEMM finish its slice), and the op would wait with it. One lock
+    lets only one runner at a time pop and run, so submission order always holds."""
 
     def __init__(self, name: str, timeout: float):
         self.timeout = timeout
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._tasks: collections.deque = collections.deque()
+        self._cv = threading.Condition()  # guards _tasks and _closing
+        self._run = threading.Lock()       # held while a task runs, by the thread or a waiter
+        self._closing = False
         self._error: BaseException | None = None
         self._last: _Ticket | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
+    def _run_next(self) -> bool:
+        """Run the oldest queued task (caller holds ``_run``); False if there was none."""
+        with self._cv:
+            if not self._tasks:
+                return False
+            fn, ticket = self._tasks.popleft()
+        if self._error is None:
+            try:
+                fn()
+            except BaseException as exc:  # handed to the waiting op, never swallowed
+                self._error = exc
+        ticket.error = self._error
+        ticket.done.set()
+        return True
+
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fn, ticket = item
-            if self._error is None:
-                try:
-                    fn()
-                except BaseException as exc:  # handed to the waiting op, never swallowed
-                    self._error = exc
-            ticket.error = self._error
-            ticket.done.set()
+            with self._cv:
+                while not self._tasks and not self._closing:
+                    self._cv.wait()
+                if self._closing and not self._tasks:
+                    return
+            with self._run:
+                self._run_next()
 
     def submit(self, fn: Callable[[], None], *tensors: torch.Tensor) -> _Ticket:
-        if not self._thread.is_alive():
-            raise RuntimeError("ThreadCopier.submit: the copier is closed")
         ticket = _Ticket()
-        self._queue.put((fn, ticket))
+        with self._cv:
+            if self._closing:
+                raise RuntimeError("ThreadCopier.submit: the copier is closed")
+            self._tasks.append((fn, ticket))
+            self._cv.notify()
         self._last = ticket
         return ticket
 
     def wait(self, ticket: _Ticket, what: str) -> None:
         # The copier's own signal waits time out after `timeout`; the margin lets their error,
         # which names the peer and slot, arrive before this generic one.
+        limit = self.timeout + 5.0
+        deadline = time.monotonic() + limit
         with comm_wait("tp.copier"):
-            done = ticket.done.wait(self.timeout + 5.0)
-        if not done:
-            raise TimeoutError(f"{what}: the copy thread did not finish a copy within "
-                               f"{self.timeout + 5.0:g}s")
+            while not ticket.done.is_set():
+                if self._run.acquire(blocking=False):
+                    try:
+                        if self._run_next():
+                            continue
+                    finally:
+                        self._run.release()
+                ticket.done.wait(0.001)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{what}: the copy thread did not finish a copy within "
+                                       f"{limit:g}s")
         if ticket.error is not None:
             raise ticket.error
 
@@ -85,9 +117,10 @@ class ThreadCopier:
             self.wait(self._last, what)
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(self.timeout + 5.0)
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._thread.join(self.timeout + 5.0)
 
 
 class StreamCopier:

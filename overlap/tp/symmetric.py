@@ -156,6 +156,8 @@ def matmul_reduce_scatter(ctx: TPContext, x: torch.Tensor, w: torch.Tensor, *, c
         acc = x[rank * m:(rank + 1) * m] @ w
     if overlap_with is not None:
         overlap_with()
+    # Our pushes first: peers are waiting for them (on CPU the waiter may run them itself).
+    copier.drain(f"{op} (rank {rank}, pushing partial blocks)")
     acc = acc.float()
     for j in range(1, world):
         q = (rank - j) % world
@@ -163,7 +165,6 @@ def matmul_reduce_scatter(ctx: TPContext, x: torch.Tensor, w: torch.Tensor, *, c
             ws.wait(base + q, p)
             acc += ws.view(rank, x.dtype, (m, n), at + q * blk)
             ws.signal(q, base + world + rank, p)  # q may refill this slot at phase p + 2
-    copier.drain(f"{op} (rank {rank}, pushing partial blocks)")
     return acc.to(x.dtype)
 
 
