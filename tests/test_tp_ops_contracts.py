@@ -48,7 +48,8 @@ def _bad_inputs(backend):
     m["ranks_w"] = _raises(ValueError, lambda: matmul_reduce_scatter(
         torch.randn(12, 72), torch.randn(72, 40 + 2 * r), **kw))
     if not HAVE_TRITON_TP:
-        m["triton"] = _raises(ValueError, lambda: all_gather_matmul(x, w, group=g, backend="triton"))
+        m["triton"] = _raises(ValueError,
+                              lambda: all_gather_matmul(x, w, group=g, backend="triton"))
     ok = []
     if backend == "symmetric":
         ctx = make_context("all_gather_matmul", x[:4], w, group=g, backend=backend)
