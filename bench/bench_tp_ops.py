@@ -224,10 +224,13 @@ def main(cfg: BenchConfig) -> None:
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        if not dist.is_initialized():
+        owned = not dist.is_initialized()
+        if owned:
             dist.init_process_group("nccl" if cuda else "gloo")
-        rows, world = _bench_rank(cfg), dist.get_world_size()
-        if dist.get_rank() != 0:
+        rows, world, rank = _bench_rank(cfg), dist.get_world_size(), dist.get_rank()
+        if owned:
+            dist.destroy_process_group()
+        if rank != 0:
             return
     else:
         from overlap.dist.launch import launch
