@@ -175,6 +175,8 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, *, group: dist.Pro
                                                             gathered x)
 
     ``chunks``: pieces along M, a multiple of world (default world: one per rank's shard).
+    ``seq_dim=1``: x_shard is batch-first [B, s, K], gathered along dim 1 (outputs likewise).
+    ``check_inputs`` and ``context``: see the module docstring.
     Returns y, or (y, gathered) when ``return_gathered``.
     """
     op = "all_gather_matmul"
@@ -212,6 +214,8 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
         wgrad    dw      = x.T @ all_gather(dy_shard)      (reuses dgrad's gathered dy)
 
     ``chunks``: pieces along M, a multiple of world (default world: one per destination rank).
+    ``seq_dim=1``: x is batch-first [B, S, K], scattered along dim 1 -> [B, S/world, N].
+    ``check_inputs`` and ``context``: see the module docstring.
     """
     op = "matmul_reduce_scatter"
     _check_seq_dim(op, x, seq_dim, group)
@@ -240,7 +244,7 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGr
         wgrad    dw = x.T @ dy            it is when everything after y is replicated)
 
     ``chunks``: row blocks of M (default world). Any M works (symmetric/triton pad M to a
-    multiple of world internally).
+    multiple of world internally). ``check_inputs`` and ``context``: see the module docstring.
     """
     op = "matmul_all_reduce"
     call = _prepare(op, x, w, group=group, backend=backend, chunks=chunks,
