@@ -5,4 +5,15 @@ kernels (``overlap.kernels``, ``csrc/``), fused ops (``overlap.tp.ops``, ``overl
 layers (``overlap.tp``, ``overlap.dp``, ``overlap.pp``). See the README for what runs on CPU.
 """
 
+import os as _os
+import sys as _sys
+
 __version__ = "0.1.0"
+
+# Triton picks interpreter or compiler when a function is defined, its own standard library
+# included (at `import triton`). Decide before anything imports triton: without a GPU, the
+# Triton kernels run under the interpreter on CPU tensors.
+if "TRITON_INTERPRET" not in _os.environ and "triton" not in _sys.modules:
+    import torch as _torch
+
+    _os.environ["TRITON_INTERPRET"] = "0" if _torch.cuda.is_available() else "1"

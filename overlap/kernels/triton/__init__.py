@@ -1,14 +1,34 @@
 """Triton kernels.
 
 On a machine without a CUDA GPU they run under Triton's interpreter on CPU tensors. Triton
-decides interpreter vs compiler when a kernel is *defined* (``@triton.jit``), so this package
-sets ``TRITON_INTERPRET=1`` before any of its kernel modules is imported, unless the variable is
-already set or a GPU is present.
+decides interpreter vs compiler when a function is *defined* (``@triton.jit``), and that
+includes its own standard library (``tl.max``, ``tl.sum``, ...), defined when ``triton`` is
+first imported. So ``overlap`` sets ``TRITON_INTERPRET=1`` when the package is imported (see
+``overlap/__init__.py``), unless the variable is already set or a GPU is present, and this
+module checks that Triton was not imported in the other mode first.
 """
 
 import os
+import warnings
 
 import torch
 
 INTERPRET = os.environ.setdefault(
     "TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1") == "1"
+
+
+def _check_triton_mode() -> None:
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if INTERPRET and not isinstance(tl.max, InterpretedFunction):
+        # A warning, not an error: code that never launches a Triton kernel still works.
+        warnings.warn(
+            "overlap.kernels.triton: triton was imported before TRITON_INTERPRET=1 was set (for "
+            "example by torch.distributed.pipelining or torch._inductor), so its standard "
+            "library is compiled for a GPU and the interpreter cannot run overlap's Triton "
+            "kernels on this CPU machine. Import overlap before those modules, or export "
+            "TRITON_INTERPRET=1.", RuntimeWarning, stacklevel=2)
+
+
+_check_triton_mode()

@@ -25,11 +25,26 @@ import torch
 import triton
 import triton.language as tl
 
+from overlap.kernels.triton import INTERPRET
+
 __all__ = ["quantize_into", "dequantize_into", "dequant_reduce_into"]
 
 _FLOAT_MAX = 3.4028234663852886e38
 _MAGIC = 12582912.0  # 1.5 * 2^23: (v + M) - M rounds v to nearest-even for |v| < 2^22
 _TILE = 4096  # elements per program (GROUP * BLOCK)
+# Compiled, Triton's fp32 '/' is an approximate division, so the GPU path uses div_rn. Under the
+# interpreter '/' is numpy's IEEE division (the same correctly rounded result), and
+# tl.math.div_rn stops working there once torch._inductor's Triton helpers have been imported
+# (torch.distributed.pipelining does that), so the interpreter uses '/'.
+_SLASH_IS_IEEE = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _div_rn(a, b):
+    if _SLASH_IS_IEEE:
+        return a / b
+    else:
+        return tl.math.div_rn(a, b)
 
 
 @triton.jit
@@ -49,7 +64,7 @@ def _quantize_tile(x, scale, idx, key, STOCHASTIC: tl.constexpr):
     # x [G, BLOCK] fp32, scale [G] fp32 -> int8 codes [G, BLOCK].
     fin = tl.abs(x) <= _FLOAT_MAX
     safe_scale = tl.where(scale > 0.0, scale, 1.0)
-    v = tl.math.div_rn(tl.where(fin, x, 0.0), safe_scale[:, None])
+    v = _div_rn(tl.where(fin, x, 0.0), safe_scale[:, None])
     if STOCHASTIC:
         r = tl.floor(v + _noise_u01(key, idx))
     else:
@@ -64,7 +79,7 @@ def _quantize_tile(x, scale, idx, key, STOCHASTIC: tl.constexpr):
 def _absmax_scale(x):
     fin = tl.abs(x) <= _FLOAT_MAX
     absmax = tl.max(tl.where(fin, tl.abs(x), 0.0), axis=1)
-    return tl.math.div_rn(absmax, 127.0)
+    return _div_rn(absmax, 127.0)
 
 
 @triton.jit
@@ -130,7 +145,7 @@ def _dequant_reduce_kernel(q_ptr, q_stride, s_ptr, s_stride, num_src, num_blocks
         scale = tl.load(s_ptr + r * s_stride + b, mask=bmask, other=0.0)
         acc = acc + _dequant_tile(q, scale)
     if HAS_DIV:
-        acc = tl.math.div_rn(acc, divisor)
+        acc = _div_rn(acc, divisor)
     if REQUANT:
         scale = _absmax_scale(acc)
         tl.store(s_out_ptr + b, scale, mask=bmask)
