@@ -28,7 +28,6 @@ parameter all-gathers launched by the previous step; ``state_MB``: optimizer sta
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import os
@@ -38,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bench.runner import Table, Timing, time_fn
+from bench.runner import Table, Timing, time_fn, parse_config
 from overlap.dist.launch import launch
 from overlap.dp import GradReducer, ShardedOptimizer
 from overlap.models.gpt import GPT, GPTConfig
@@ -222,24 +221,8 @@ def main(cfg: BenchConfig) -> None:
                    "hidden", "ag_exposed_ms", "state_MB", "buckets"], notes=notes)
     for row in table_rows:
         table.add(**row)
-    paths = table.write(cfg.out)
-    with open(paths[1]) as f:
-        print(f.read())
-
-
-def _parse() -> BenchConfig:
-    defaults = BenchConfig()
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for f in dataclasses.fields(BenchConfig):
-        val = getattr(defaults, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(val, tuple):
-            ap.add_argument(flag, nargs="+", type=type(val[0]), default=val)
-        else:
-            ap.add_argument(flag, type=type(val), default=val)
-    ns = ap.parse_args()
-    return BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in vars(ns).items()})
+    table.publish(cfg.out)
 
 
 if __name__ == "__main__":
-    main(_parse())
+    main(parse_config(BenchConfig, __doc__.splitlines()[0]))

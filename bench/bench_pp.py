@@ -24,7 +24,6 @@ asynchronous launches, so read the GPU bubble from an Nsight trace instead of th
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import statistics
@@ -33,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.runner import Table, Timing, time_fn
+from bench.runner import Table, Timing, time_fn, parse_config
 from overlap.dist.launch import launch
 from overlap.models import GPT, GPTConfig, gpt_loss, pipeline_piece_costs
 from overlap.pp import Pipeline, build_schedule, pipeline_stages, simulate
@@ -226,24 +225,8 @@ def main(cfg: BenchConfig) -> None:
                   step_ms=1e3 * r["step_s"], spread=r["spread"], bubble=r["bubble"],
                   bubble_ideal=r["bubble_ideal"],
                   speedup_vs_torch="-" if base is None else base / r["step_s"])
-    paths = table.write(cfg.out)
-    with open(paths[1]) as f:
-        print(f.read())
-
-
-def _parse() -> BenchConfig:
-    defaults = BenchConfig()
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for f in dataclasses.fields(BenchConfig):
-        val = getattr(defaults, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(val, tuple):
-            ap.add_argument(flag, nargs="+", type=type(val[0]), default=val)
-        else:
-            ap.add_argument(flag, type=type(val), default=val)
-    ns = vars(ap.parse_args())
-    return BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in ns.items()})
+    table.publish(cfg.out)
 
 
 if __name__ == "__main__":
-    main(_parse())
+    main(parse_config(BenchConfig, __doc__.splitlines()[0]))

@@ -24,7 +24,6 @@ load), barrier-synced; the table reports medians. Variants:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import time
@@ -32,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.runner import Table, Timing
+from bench.runner import Table, Timing, parse_config
 from overlap.dist.launch import launch
 from overlap.models import GPT, GPTConfig
 
@@ -168,24 +167,8 @@ def main(cfg: BenchConfig) -> None:
         table.add(variant=r["variant"], backend=r["backend"], sequence_parallel=r["sp"],
                   check_inputs=r["check"], median_ms=t.median_ms, spread=t.spread, vs_unsharded=base / t.median,
                   vs_dtensor=dt / t.median)
-    paths = table.write(cfg.out)
-    with open(paths[1]) as f:
-        print(f.read())
-
-
-def _parse() -> BenchConfig:
-    defaults = BenchConfig()
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for f in dataclasses.fields(BenchConfig):
-        val = getattr(defaults, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(val, tuple):
-            ap.add_argument(flag, nargs="+", type=type(val[0]), default=val)
-        else:
-            ap.add_argument(flag, type=type(val), default=val)
-    ns = vars(ap.parse_args())
-    return BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in ns.items()})
+    table.publish(cfg.out)
 
 
 if __name__ == "__main__":
-    main(_parse())
+    main(parse_config(BenchConfig, __doc__.splitlines()[0]))

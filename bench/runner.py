@@ -16,6 +16,7 @@ when the device work is done; NVTX ranges come from overlap.profile.nvtx.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime as _dt
 import json
@@ -26,7 +27,7 @@ import subprocess
 import time
 from typing import Any, Callable
 
-__all__ = ["Timing", "time_fn", "Table", "machine_info"]
+__all__ = ["Timing", "time_fn", "Table", "machine_info", "parse_config"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -136,6 +137,12 @@ class Table:
             lines.append("| " + " | ".join(_fmt(row[c]) for c in self.columns) + " |")
         return "\n".join(lines) + "\n"
 
+    def publish(self, stem: str) -> None:
+        """Write ``<stem>.json`` and ``<stem>.md`` and print the markdown table."""
+        _, md = self.write(stem)
+        with open(md) as f:
+            print(f.read())
+
     def write(self, stem: str) -> tuple[str, str]:
         """Write ``<stem>.json`` and ``<stem>.md``; returns both paths."""
         machine = machine_info()
@@ -155,3 +162,19 @@ def _fmt(v: Any) -> str:
             return f"{v:.3e}"
         return f"{v:.3f}"
     return str(v)
+
+
+def parse_config(cls: type, description: str, argv: list[str] | None = None) -> Any:
+    """A bench's CLI, generated from its config dataclass (one definition of the settings):
+    ``--field-name VALUE`` per field, tuples as ``nargs='+'``."""
+    defaults = cls()
+    ap = argparse.ArgumentParser(description=description)
+    for f in dataclasses.fields(cls):
+        val = getattr(defaults, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(val, tuple):
+            ap.add_argument(flag, nargs="+", type=type(val[0]), default=val)
+        else:
+            ap.add_argument(flag, type=type(val), default=val)
+    ns = vars(ap.parse_args(argv))
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in ns.items()})
