@@ -206,11 +206,6 @@ class CudaWorkspace(SymmetricWorkspace):
         torch.cuda.current_stream(self.device).synchronize()
 
     # -- teardown -------------------------------------------------------------------------
-    def _check_open(self, op: str) -> None:
-        if self._closed:
-            raise RuntimeError(f"SymmetricWorkspace.{op}: the workspace of group "
-                               f"{self.group_name} is closed (rank {self.rank})")
-
     def close(self) -> None:
         if self._closed:
             return

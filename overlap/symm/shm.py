@@ -250,11 +250,6 @@ class ShmWorkspace(SymmetricWorkspace):
             _C.signal_store(self._word(r, _W_ABORT), self.rank + 1)
 
     # -- teardown -------------------------------------------------------------------------
-    def _check_open(self, op: str) -> None:
-        if self._closed:
-            raise RuntimeError(f"SymmetricWorkspace.{op}: the workspace of group "
-                               f"{self.group_name} is closed (rank {self.rank})")
-
     def close(self) -> None:
         if self._closed:
             return

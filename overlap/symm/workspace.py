@@ -147,6 +147,13 @@ class SymmetricWorkspace(abc.ABC):
         self.close()
 
     # -- helpers for subclasses -----------------------------------------------------------
+    _closed: bool = False
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"SymmetricWorkspace.{op}: the workspace of group "
+                               f"{self.group_name} is closed (rank {self.rank})")
+
     def _check_rank(self, op: str, r: int) -> None:
         if not 0 <= r < self.world:
             raise ValueError(f"SymmetricWorkspace.{op}: rank {r} is outside group "
