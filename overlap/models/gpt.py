@@ -72,8 +72,13 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.attend(self.q_proj(x), self.k_proj(x), self.v_proj(x))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Heads, causal attention and the output projection from projected q, k, v
+        (b, t, h*hd). The sequence length is read from q, so a TP subclass may hand in q/k/v
+        gathered to full length from a sequence shard."""
+        b, t, _ = q.shape
         head_dim = q.shape[-1] // self.num_heads
         q, k, v = (z.view(b, t, self.num_heads, head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,

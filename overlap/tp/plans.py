@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-import torch.nn.functional as F
 
 from overlap.models.gpt import GPT, CausalSelfAttention
 from overlap.tp.layers import column_parallel_shared
@@ -44,17 +43,10 @@ class ParallelCausalSelfAttention(CausalSelfAttention):
     they run as one column GEMM (``column_parallel_shared``): one all-gather of the input with
     sequence parallelism, one all-reduce of its gradient without. With sequence parallelism
     the input is a sequence shard (b, t/tp, d) but q/k/v come back full-length (b, t, h*hd),
-    so the sequence length is read from q (``CausalSelfAttention`` reads it from x)."""
+    and ``CausalSelfAttention.attend`` reads the sequence length from q."""
 
     def forward(self, x):
-        q, k, v = column_parallel_shared(x, [self.q_proj, self.k_proj, self.v_proj])
-        b, t, _ = q.shape
-        head_dim = q.shape[-1] // self.num_heads
-        q, k, v = (z.view(b, t, self.num_heads, head_dim).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(b, t, self.num_heads * head_dim)
-        return self.resid_drop(self.o_proj(y))
+        return self.attend(*column_parallel_shared(x, [self.q_proj, self.k_proj, self.v_proj]))
 
 
 def _parallel_attention(module: nn.Module, *, tp_group, sequence_parallel: bool) -> nn.Module:

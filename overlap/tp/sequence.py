@@ -33,15 +33,18 @@ def _adopt(new: nn.Module, old: nn.Module) -> None:
     new.__dict__.update(old.__dict__)
 
 
-class SequenceParallelLayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` on a sequence shard; parameter gradients summed over ``tp_group``."""
-
+class _FromNorm:
     @classmethod
-    def from_norm(cls, norm: nn.LayerNorm, *, tp_group=None, dims=None):
+    def from_norm(cls, norm: nn.Module, *, tp_group=None, dims=None):
+        """The sequence-parallel twin of ``norm``, sharing its parameters."""
         self = cls.__new__(cls)
         _adopt(self, norm)
         self.tp_group = resolve_tp_group(cls.__name__, tp_group, dims)
         return self
+
+
+class SequenceParallelLayerNorm(_FromNorm, nn.LayerNorm):
+    """``nn.LayerNorm`` on a sequence shard; parameter gradients summed over ``tp_group``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = None if self.weight is None else copy_to_tp(self.weight, group=self.tp_group)
@@ -49,15 +52,8 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
 
 
-class SequenceParallelRMSNorm(nn.RMSNorm):
+class SequenceParallelRMSNorm(_FromNorm, nn.RMSNorm):
     """``nn.RMSNorm`` on a sequence shard; weight gradient summed over ``tp_group``."""
-
-    @classmethod
-    def from_norm(cls, norm: nn.RMSNorm, *, tp_group=None, dims=None):
-        self = cls.__new__(cls)
-        _adopt(self, norm)
-        self.tp_group = resolve_tp_group(cls.__name__, tp_group, dims)
-        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = None if self.weight is None else copy_to_tp(self.weight, group=self.tp_group)
