@@ -51,7 +51,7 @@ def test_check_and_profile_on_8_processes(tmp_path):
     (["--pp", "4", "--n-layer", "2", "--dp", "1"], "--n-layer 2 is less than the 4 pipeline stages"),
     (["--micro-batches", "1"], "--micro-batches 1 must be >= --pp 2"),
     (["--steps", "0"], "--steps must be a positive integer, got 0"),
-    (["--schedule", "zb-h1"], "--schedule zb-h1 currently needs --tp 1"),
+    (["--schedule", "zb-h1", "--micro-batches", "1"], "--micro-batches 1 must be >= --pp 2"),
     (["--schedule", "interleaved", "--micro-batches", "3", "--n-layer", "4"],
      "needs --micro-batches (3) to be a multiple of --pp (2)"),
 ])

@@ -17,9 +17,10 @@ Boundary nodes whose parameter sets overlap (a weight used in two places) are ha
 backward call; pre-hooks then clamp each such node's incoming gradient to the saved value, so
 gradient flowing from one boundary node down to another is not counted twice.
 
-W uses ``torch.autograd.backward(..., inputs=params)``, so gradients are accumulated by the
-parameters' AccumulateGrad nodes: ``param.grad`` accumulates across micro-batches and
-post-accumulate-grad hooks (a data-parallel reducer) fire exactly as in a plain backward.
+W computes each group's weight gradients with ``torch.autograd.grad``, then accumulates all of
+them in one ``torch.autograd.backward`` rooted at the parameters, so ``param.grad`` accumulates
+across micro-batches and post-accumulate-grad hooks (a data-parallel reducer) fire exactly as
+in a plain backward, within one backward call.
 """
 
 from __future__ import annotations
@@ -82,7 +83,10 @@ def _analyse(root: Node, input_node: Node, param_nodes: dict[Node, torch.Tensor]
     on_input_path = ancestors([input_node])
     reaches_param = ancestors(param_nodes)
     boundary: dict[Node, set[Node]] = {}
-    for node in on_input_path:
+    # Walk in discovery order (fixed by the graph's structure), never in set order (fixed by
+    # node addresses): W runs the groups in this order, and a boundary node's backward may
+    # issue collectives (the fused TP ops), which every TP rank must issue in the same order.
+    for node in (n for n in parents if n in on_input_path):
         for child, _ in node.next_functions:
             if child is None or child in on_input_path or child not in reaches_param:
                 continue
@@ -112,7 +116,9 @@ def _group(boundary: dict[Node, set[Node]], param_nodes) -> list[_Group]:
             else:
                 keep.append((nodes, ps))
         groups = keep + [(merged_nodes, merged_params)]
-    return [_Group(nodes=nodes, params=[param_nodes[p] for p in ps], grads=[None] * len(nodes))
+    order = {p: i for i, p in enumerate(param_nodes)}
+    return [_Group(nodes=nodes, params=[param_nodes[p] for p in sorted(ps, key=order.get)],
+                   grads=[None] * len(nodes))
             for nodes, ps in groups]
 
 
@@ -161,8 +167,9 @@ def backward_weight(state: WeightGradState) -> None:
         torch.autograd.backward(output, grad_output)
         state.fallback = None
         return
+    params, grads = [], []
     for group in state.groups:
-        edges, grads = [], []
+        edges, saved_grads = [], []
         for node, saved in zip(group.nodes, group.grads):
             if saved is None:
                 raise RuntimeError("pp backward_weight: a boundary node never ran in the I "
@@ -170,7 +177,7 @@ def backward_weight(state: WeightGradState) -> None:
             for i, g in enumerate(saved):
                 if g is not None:
                     edges.append(GradientEdge(node, i))
-                    grads.append(g)
+                    saved_grads.append(g)
         if not edges:
             continue
         handles = []
@@ -179,8 +186,19 @@ def backward_weight(state: WeightGradState) -> None:
                 handles.append(node.register_prehook(lambda _g, s=saved: s))
         try:
             # retain_graph: several groups may share input-path nodes of one graph.
-            torch.autograd.backward(edges, grads, inputs=group.params, retain_graph=True)
+            got = torch.autograd.grad(edges, group.params, saved_grads, retain_graph=True,
+                                      allow_unused=True)
         finally:
             for h in handles:
                 h.remove()
+        for p, g in zip(group.params, got):
+            if g is not None:
+                params.append(p)
+                grads.append(g)
     state.groups = []
+    if params:
+        # One backward for the whole W (leaves as roots: straight into AccumulateGrad), so a
+        # reducer driven by post-accumulate-grad hooks and an end-of-backward callback sees
+        # W as one backward, like B: one backward per group would make it finish (reduce
+        # every bucket) after the first group, before the other groups' gradients exist.
+        torch.autograd.backward(params, grads)

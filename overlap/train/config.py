@@ -99,12 +99,6 @@ class TrainConfig:
         if self.schedule == "interleaved" and self.micro_batches % self.pp:
             raise ConfigError(f"the interleaved schedule needs --micro-batches "
                               f"({self.micro_batches}) to be a multiple of --pp ({self.pp})")
-        if self.schedule == "zb-h1" and (self.tp > 1 or (self.sharded_optimizer and self.dp > 1)):
-            # Known bugs, tracked in the README's limits: ZB-H1's split backward replays the
-            # fused TP ops' backward (TP ranks fall out of step), and with the sharded optimizer
-            # it gives wrong gradients. ZB-H1 itself is tested alone and with GradReducer.
-            raise ConfigError("--schedule zb-h1 currently needs --tp 1 and, with --dp > 1, "
-                              "--no-sharded-optimizer (known issues with its split backward)")
         if self.bucket_mb < 0:
             raise ConfigError(f"--bucket-mb must be >= 0, got {self.bucket_mb}")
         if self.timeout <= 0:
