@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from bench.runner import Table, Timing, time_fn, parse_config
+from overlap.dist.device import rank_device
 from overlap.dist.launch import launch
 from overlap.models import GPT, GPTConfig, gpt_loss, pipeline_piece_costs
 from overlap.pp import Pipeline, build_schedule, pipeline_stages, simulate
@@ -56,14 +57,6 @@ class BenchConfig:
     iters: int = 5
     device: str = "cpu"
     out: str = "bench/results/pp"
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        dev = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
-        return dev
-    return torch.device("cpu")
 
 
 class _Probe(torch.autograd.Function):
@@ -124,7 +117,7 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
     from torch.distributed import pipelining
 
     g, p = dist.group.WORLD, dist.get_world_size()
-    dev = _device()
+    dev = rank_device()
     sync = (lambda: (torch.cuda.synchronize(), dist.barrier())) if dev.type == "cuda" else (
         lambda: dist.barrier())
     torch.manual_seed(0)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from bench.runner import Table, Timing, parse_config
+from overlap.dist.device import rank_device
 from overlap.dist.launch import launch
 from overlap.models import GPT, GPTConfig
 
@@ -49,14 +50,6 @@ class BenchConfig:
     iters: int = 10
     device: str = "cpu"
     out: str = "bench/results/tp_block"
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        dev = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
-        return dev
-    return torch.device("cpu")
 
 
 def _model(cfg: BenchConfig, device, dtype) -> GPT:
@@ -107,7 +100,7 @@ def _variants(cfg: BenchConfig, device, dtype):
 def _bench_rank(cfg: BenchConfig) -> list[dict]:
     from overlap.tp import close_all_contexts
 
-    device = _device()
+    device = rank_device()
     dtype = getattr(torch, cfg.dtype)
     variants = _variants(cfg, device, dtype)
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from overlap.dist.device import rank_device
 from overlap.models.gpt import GPT, GPTConfig, gpt_loss
 from overlap.profile.timers import comm_wait, exposed_seconds, reset_exposed
 from overlap.train.config import VOCAB_SIZE, TrainConfig
@@ -54,14 +55,6 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
                      n_layer=cfg.n_layer, n_head=cfg.n_head)
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
-
-
 def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     """Train on this rank (the default process group must be initialised with
     tp*pp*dp ranks). Returns the per-step records (identical on every rank) and, with
@@ -75,7 +68,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     from overlap.tp.parallelize import parallelize
     from overlap.tp.plans import gpt_plan
 
-    device = _device()
+    device = rank_device()
     dims = ParallelDims.build(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, device_type=device.type)
     torch.manual_seed(cfg.seed)
     model = GPT(model_config(cfg)).to(device)
