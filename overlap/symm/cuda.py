@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.kernels.cuda import launch_kernel
-from overlap.symm.workspace import PeerDied, SignalTimeout, SymmetricWorkspace, group_name
+from overlap.symm.workspace import PeerDied, SignalTimeout, SymmetricWorkspace
 
 __all__ = ["CudaWorkspace"]
 
@@ -44,15 +44,9 @@ class CudaWorkspace(SymmetricWorkspace):
                  timeout: float, device: torch.device):
         if device.type != "cuda":
             raise ValueError(f"CudaWorkspace: device must be a CUDA device, got {device}")
-        self.group = group
-        self.group_name = group_name(group)
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        self.nbytes = nbytes
-        self.num_signals = num_signals
-        self.timeout = timeout
-        self.device = torch.device("cuda", device.index if device.index is not None
-                                   else torch.cuda.current_device())
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        super().__init__(group, nbytes, num_signals=num_signals, timeout=timeout,
+                         device=torch.device("cuda", index))
         self._flags_off = _HEADER_BYTES
         self._data_off = _align(_HEADER_BYTES + 8 * num_signals, _ALIGN)
         self._total = self._data_off + _align(nbytes, _ALIGN)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from overlap import _C
 from overlap.profile.timers import comm_wait
-from overlap.symm.workspace import PeerDied, SignalTimeout, SymmetricWorkspace, group_name
+from overlap.symm.workspace import PeerDied, SignalTimeout, SymmetricWorkspace
 
 __all__ = ["ShmWorkspace"]
 
@@ -64,14 +64,8 @@ class ShmWorkspace(SymmetricWorkspace):
     """SymmetricWorkspace over POSIX shared memory (all ranks of the group on one host)."""
 
     def __init__(self, group: dist.ProcessGroup, nbytes: int, *, num_signals: int, timeout: float):
-        self.group = group
-        self.group_name = group_name(group)
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        self.nbytes = nbytes
-        self.num_signals = num_signals
-        self.timeout = timeout
-        self.device = torch.device("cpu")
+        super().__init__(group, nbytes, num_signals=num_signals, timeout=timeout,
+                         device=torch.device("cpu"))
         self._flags_off = _HEADER_BYTES
         self._data_off = _align(_HEADER_BYTES + 8 * num_signals, _PAGE)
         self._seg_bytes = self._data_off + _align(nbytes, _PAGE)

@@ -68,6 +68,17 @@ class SymmetricWorkspace(abc.ABC):
     timeout: float
     device: torch.device
 
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, *, num_signals: int,
+                 timeout: float, device: torch.device):
+        self.group = group
+        self.group_name = group_name(group)
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.nbytes = nbytes
+        self.num_signals = num_signals
+        self.timeout = timeout
+        self.device = device
+
     # -- memory ---------------------------------------------------------------------------
     @abc.abstractmethod
     def buffer(self, r: int) -> torch.Tensor:
