@@ -84,6 +84,7 @@ def _check(cfg: TrainConfig, records: list[dict]) -> bool:
 
 def _profile_report(cfg: TrainConfig, results: list[dict]) -> None:
     from overlap.profile.plot import plot_timeline
+    from overlap.train.loop import PROFILED_STEPS
     from overlap.profile.trace import load_events, overlap_metrics
 
     traces = [r["trace"] for r in results if r.get("trace")]
@@ -97,8 +98,9 @@ def _profile_report(cfg: TrainConfig, results: list[dict]) -> None:
     out = os.path.join(cfg.profile, "overlap_metrics.json")
     with open(out, "w") as f:
         json.dump({"ranks": metrics}, f, indent=1)
-    print(f"\nprofile: {len(traces)} traces, {png}, {out}")
-    print(f"{'rank':>4} {'step ms':>8} {'comm ms':>8} {'exposed ms':>10} {'exposed %':>9} "
+    print(f"\nprofile: {len(traces)} traces of the last {PROFILED_STEPS} steps (at most), "
+          f"{png}, {out}")
+    print(f"{'rank':>4} {'span ms':>8} {'comm ms':>8} {'exposed ms':>10} {'exposed %':>9} "
           f"{'hidden %':>9}")
     for m in metrics:
         print(f"{m['rank']:>4} {1e3 * m['step_s']:>8.1f} {1e3 * m['comm_s']:>8.1f} "

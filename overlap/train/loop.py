@@ -20,7 +20,6 @@ exactly what ``reference_losses`` computes on one process.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
@@ -37,6 +36,7 @@ from overlap.train.data import Batches, load_tokens
 
 __all__ = ["train_rank", "reference_losses", "StepRecord", "model_config"]
 
+PROFILED_STEPS = 3
 _SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b",
                    "zb-h1": "zb_h1"}
 
@@ -109,39 +109,44 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     printer = dist.get_rank() == 0 and progress
     records: list[StepRecord] = []
     prof, trace_path = _profiler(cfg, dims)
+    # Trace only the last PROFILED_STEPS steps: step 0 pays for warm-up, and a trace of every
+    # step of a long run is hundreds of MB per rank.
+    first_traced = max(1 if cfg.steps > 1 else 0, cfg.steps - PROFILED_STEPS)
     try:
-        with prof if prof is not None else contextlib.nullcontext():
-            for step in range(cfg.steps):
-                inputs, targets = batches.step(step)
-                # (micro_batches, mbs, seq) -> a list of (mbs, seq) micro-batches
-                x = list(inputs[dims.dp_rank].to(device).unbind(0))
-                y = list(targets[dims.dp_rank].to(device).unbind(0))
-                reset_exposed()
-                t0 = time.perf_counter()
-                with torch.profiler.record_function(f"step:{step}"):
-                    out = pipe.step(x if has_first else None, y if has_last else None)
-                    for opt in optimizers:
-                        opt.step()
-                        opt.zero_grad(set_to_none=False)
-                step_s = time.perf_counter() - t0
-                exposed = exposed_seconds()
-                loss = float(out.loss) if report_loss else 0.0
-                # One small collective gathers what rank 0 reports: loss (from the last stage,
-                # averaged over dp), the mean exposed fraction and the slowest step time.
-                stats = torch.tensor([loss / cfg.dp, exposed / step_s / world, step_s],
-                                     dtype=torch.float64, device=device)
-                sums = stats[:2].clone()
-                with comm_wait("train.stats"):
-                    dist.all_reduce(sums)
-                    slowest = stats[2:].clone()
-                    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                rec = StepRecord(step=step, loss=float(sums[0]), step_s=float(slowest[0]),
-                                 tokens_per_s=tokens_per_step / float(slowest[0]),
-                                 exposed_fraction=min(max(float(sums[1]), 0.0), 1.0))
-                records.append(rec)
-                if printer:
-                    print(_row(rec, cfg.steps), flush=True)
+        for step in range(cfg.steps):
+            if prof is not None and step == first_traced:
+                prof.start()
+            inputs, targets = batches.step(step)
+            # (micro_batches, mbs, seq) -> a list of (mbs, seq) micro-batches
+            x = list(inputs[dims.dp_rank].to(device).unbind(0))
+            y = list(targets[dims.dp_rank].to(device).unbind(0))
+            reset_exposed()
+            t0 = time.perf_counter()
+            with torch.profiler.record_function(f"step:{step}"):
+                out = pipe.step(x if has_first else None, y if has_last else None)
+                for opt in optimizers:
+                    opt.step()
+                    opt.zero_grad(set_to_none=False)
+            step_s = time.perf_counter() - t0
+            exposed = exposed_seconds()
+            loss = float(out.loss) if report_loss else 0.0
+            # One small collective gathers what rank 0 reports: loss (from the last stage,
+            # averaged over dp), the mean exposed fraction and the slowest step time.
+            stats = torch.tensor([loss / cfg.dp, exposed / step_s / world, step_s],
+                                 dtype=torch.float64, device=device)
+            sums = stats[:2].clone()
+            with comm_wait("train.stats"):
+                dist.all_reduce(sums)
+                slowest = stats[2:].clone()
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            rec = StepRecord(step=step, loss=float(sums[0]), step_s=float(slowest[0]),
+                             tokens_per_s=tokens_per_step / float(slowest[0]),
+                             exposed_fraction=min(max(float(sums[1]), 0.0), 1.0))
+            records.append(rec)
+            if printer:
+                print(_row(rec, cfg.steps), flush=True)
         if prof is not None:
+            prof.stop()
             prof.export_chrome_trace(trace_path)
     finally:
         for opt in optimizers:
