@@ -90,7 +90,7 @@ class SymmetricWorkspace(abc.ABC):
     def view(self, r: int, dtype: torch.dtype, shape: Sequence[int], offset: int = 0) -> torch.Tensor:
         """A typed view of rank r's buffer at byte ``offset``; bounds and alignment checked."""
         self._check_rank("view", r)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         numel = 1
         for s in shape:
             numel *= int(s)

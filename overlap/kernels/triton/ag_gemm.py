@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from overlap.kernels.triton.tp_sync import (INTERPRET, align, arrive_last, begin_call,
-                                            check_dtypes, check_workspace, finish_call,
+from overlap.kernels.triton.tp_sync import (INTERPRET, align, arrive_last, begin_call, check_dtypes,
+                                            check_operands, check_workspace, finish_call,
                                             gemm_blocks, half_buffer, new_status, publish,
                                             spin_wait, to_out_dtype, wait_budget)
 
@@ -128,14 +128,10 @@ def _ag_gemm_kernel(w_ptr, y_ptr, g_ptr, data_table, flag_table, counter_ptr, st
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def ag_gemm_workspace_bytes(m: int, k: int, world: int, dtype: torch.dtype) -> int:
     """Bytes per rank ag_gemm needs for shards of [m, k] ``dtype``: two buffers (phase parity).
     (``world`` does not change it: every rank keeps only its own shard.)"""
-    return 2 * align(m * k * _itemsize(dtype))
+    return 2 * align(m * k * dtype.itemsize)
 
 
 def ag_gemm_num_signals(world: int) -> int:
@@ -144,18 +140,7 @@ def ag_gemm_num_signals(world: int) -> int:
 
 
 def _check_args(ws, x_shard: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int]:
-    for name, t in (("x_shard", x_shard), ("w", w)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            raise ValueError(f"{_OP}: {name} must be a 2-D tensor, got "
-                             f"{getattr(t, 'shape', type(t).__name__)} (rank {ws.rank})")
-    m, k = x_shard.shape
-    k_w, n = w.shape
-    if k != k_w:
-        raise ValueError(f"{_OP}: x_shard is [m={m}, K={k}] but w is [{k_w}, {n}]; w must be "
-                         f"[K={k}, N] (rank {ws.rank})")
-    if min(m, k, n) <= 0:
-        raise ValueError(f"{_OP}: empty problem m={m}, K={k}, N={n} (rank {ws.rank})")
-    return m, k, n
+    return check_operands(_OP, ws, "x_shard", x_shard, w, "m")
 
 
 def ag_gemm(ws, x_shard: torch.Tensor, w: torch.Tensor, *, phase: int,
@@ -188,7 +173,7 @@ def ag_gemm(ws, x_shard: torch.Tensor, w: torch.Tensor, *, phase: int,
     max_spins, timeout_ns = wait_budget(timeout)
     status = new_status(device)
     counters = torch.zeros(1 + world, dtype=torch.int32, device=device)  # publish, per source
-    buf_off = buf * half_buffer(ws) // _itemsize(dtype)
+    buf_off = buf * half_buffer(ws) // dtype.itemsize
     on_gpu = device.type == "cuda"
 
     _ag_publish_kernel[(triton.cdiv(m * k, blocks.copy_block),)](

@@ -42,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from overlap.kernels.triton.tp_sync import (INTERPRET, align, arrive_last, begin_call,
-                                            check_dtypes, check_workspace, finish_call,
+from overlap.kernels.triton.tp_sync import (INTERPRET, align, arrive_last, begin_call, check_dtypes,
+                                            check_operands, check_workspace, finish_call,
                                             gemm_blocks, half_buffer, new_status, publish,
                                             spin_wait, to_out_dtype, wait_budget)
 
@@ -125,14 +125,10 @@ def _reduce_kernel(y_ptr, data_table, flag_table, counter_ptr, status_ptr, rank,
         tl.store(y_ptr + offs, to_out_dtype(acc, y_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def gemm_rs_workspace_bytes(m: int, n: int, world: int, dtype: torch.dtype) -> int:
     """Bytes per rank gemm_rs needs for an output shard of [m, n] ``dtype`` (m = M / world):
     two staging buffers (phase parity) of [world, m, n]."""
-    return 2 * align(world * m * n * _itemsize(dtype))
+    return 2 * align(world * m * n * dtype.itemsize)
 
 
 def gemm_rs_num_signals(world: int) -> int:
@@ -141,21 +137,11 @@ def gemm_rs_num_signals(world: int) -> int:
 
 
 def _check_args(ws, x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int]:
-    for name, t in (("x", x), ("w", w)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            raise ValueError(f"{_OP}: {name} must be a 2-D tensor, got "
-                             f"{getattr(t, 'shape', type(t).__name__)} (rank {ws.rank})")
-    rows, k = x.shape
-    k_w, n = w.shape
-    if k != k_w:
-        raise ValueError(f"{_OP}: x is [M={rows}, K={k}] but w is [{k_w}, {n}]; w must be "
-                         f"[K={k}, N] (rank {ws.rank})")
+    rows, k, n = check_operands(_OP, ws, "x", x, w, "M")
     if rows % ws.world:
         raise ValueError(f"{_OP}: x has M={rows} rows, which the group of {ws.world} ranks "
                          f"cannot scatter evenly; M must be a multiple of {ws.world} "
                          f"(rank {ws.rank})")
-    if min(rows, k, n) <= 0:
-        raise ValueError(f"{_OP}: empty problem M={rows}, K={k}, N={n} (rank {ws.rank})")
     return rows // ws.world, k, n
 
 
@@ -185,7 +171,7 @@ def gemm_rs(ws, x: torch.Tensor, w: torch.Tensor, *, phase: int,
     max_spins, timeout_ns = wait_budget(timeout)
     status = new_status(device)
     counters = torch.zeros(world + 1, dtype=torch.int32, device=device)  # per owner, reduce
-    buf_off = buf * half_buffer(ws) // _itemsize(dtype)
+    buf_off = buf * half_buffer(ws) // dtype.itemsize
     on_gpu = device.type == "cuda"
 
     grid = (world * triton.cdiv(m, blocks.bm) * triton.cdiv(n, blocks.bn),)

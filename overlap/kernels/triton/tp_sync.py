@@ -58,6 +58,25 @@ def align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def check_operands(op: str, ws, x_name: str, x: torch.Tensor, w: torch.Tensor,
+                   rows_label: str) -> tuple[int, int, int]:
+    """Both GEMM operands 2-D, inner dims equal, nothing empty; returns (rows, K, N).
+    ``rows_label`` names x's rows in messages ("m" for a shard, "M" for the full input)."""
+    for name, t in ((x_name, x), ("w", w)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{op}: {name} must be a 2-D tensor, got "
+                             f"{getattr(t, 'shape', type(t).__name__)} (rank {ws.rank})")
+    rows, k = x.shape
+    k_w, n = w.shape
+    if k != k_w:
+        raise ValueError(f"{op}: {x_name} is [{rows_label}={rows}, K={k}] but w is [{k_w}, {n}]; "
+                         f"w must be [K={k}, N] (rank {ws.rank})")
+    if min(rows, k, n) <= 0:
+        raise ValueError(f"{op}: empty problem {rows_label}={rows}, K={k}, N={n} "
+                         f"(rank {ws.rank})")
+    return rows, k, n
+
+
 def half_buffer(ws) -> int:
     """Byte offset of buffer 1. It depends only on the workspace, never on the call's shape:
     calls of different shapes on one workspace alternate buffers, and a shape-dependent offset
