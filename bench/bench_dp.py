@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bench.runner import Table, Timing, time_fn, parse_config
+from bench.runner import Table, Timing, time_fn, parse_config, command_line
 from overlap.dist.launch import launch
 from overlap.dp import GradReducer, ShardedOptimizer
 from overlap.models.gpt import GPT, GPTConfig
@@ -212,9 +212,7 @@ def main(cfg: BenchConfig) -> None:
         "On CPU gloo's reduction threads share the 2 cores with the backward, so hiding comm "
         "also slows the compute it hides under; on GPUs NCCL's waits do not block the host, "
         "so exposed_ms is not measured there (use a profile).",
-        "Command: python -m bench.bench_dp" + "".join(
-            f" --{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}"
-            for k, v in dataclasses.asdict(cfg).items() if v != getattr(BenchConfig(), k)),
+        "Command: " + command_line("bench.bench_dp", cfg),
     ]
     table = Table("Data-parallel step: overlap.dp vs torch DDP",
                   ["world", "variant", "step_ms", "spread", "vs_ddp", "comm_ms", "exposed_ms",

@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.runner import Table, Timing, time_fn, parse_config
+from bench.runner import Table, Timing, time_fn, parse_config, command_line
 from overlap.dist.device import rank_device
 from overlap.dist.launch import launch
 from overlap.models import GPT, GPTConfig, gpt_loss, pipeline_piece_costs
@@ -203,9 +203,7 @@ def main(cfg: BenchConfig) -> None:
         f"{load} (on {os.cpu_count()} cores: other jobs shared the machine when above ~0.5).",
         "bubble: 1 - busy/window per rank (compute time on the rank's timeline, excluding "
         "waits for data), mean over ranks; bubble_ideal: simulated with F=1, B=2 (I=W=1).",
-        "Command: python -m bench.bench_pp" + "".join(
-            f" --{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}"
-            for k, v in dataclasses.asdict(cfg).items() if v != getattr(BenchConfig(), k)),
+        "Command: " + command_line("bench.bench_pp", cfg),
     ]
     table = Table("Pipeline schedules: overlap.pp vs torch.distributed.pipelining",
                   ["schedule", "p", "v", "m", "impl", "step_ms", "spread", "bubble",

@@ -31,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.runner import Table, Timing, parse_config
+from bench.runner import Table, Timing, parse_config, command_line
 from overlap.dist.device import rank_device
 from overlap.dist.launch import launch
 from overlap.models import GPT, GPTConfig
@@ -148,9 +148,7 @@ def main(cfg: BenchConfig) -> None:
         "check_inputs=False: the fused ops skip the per-call cross-rank shape check.",
         "vs_unsharded = unsharded median / median (the unsharded block runs on every rank at "
         "once, one core each); vs_dtensor = DTensor TP median / median.",
-        "Command: python -m bench.bench_tp_block" + "".join(
-            f" --{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}"
-            for k, v in dataclasses.asdict(cfg).items() if v != getattr(BenchConfig(), k)),
+        "Command: " + command_line("bench.bench_tp_block", cfg),
     ]
     table = Table("Transformer block forward+backward: overlap TP vs DTensor TP vs unsharded",
                   ["variant", "backend", "sequence_parallel", "check_inputs", "median_ms",

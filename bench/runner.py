@@ -27,7 +27,7 @@ import subprocess
 import time
 from typing import Any, Callable
 
-__all__ = ["Timing", "time_fn", "Table", "machine_info", "parse_config"]
+__all__ = ["Timing", "time_fn", "Table", "machine_info", "parse_config", "command_line"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -178,3 +178,13 @@ def parse_config(cls: type, description: str, argv: list[str] | None = None) -> 
             ap.add_argument(flag, type=type(val), default=val)
     ns = vars(ap.parse_args(argv))
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in ns.items()})
+
+
+def command_line(module: str, cfg: Any) -> str:
+    """The command that reproduces ``cfg`` through ``parse_config``: ``python -m module`` plus
+    a flag for every field that differs from the dataclass default."""
+    defaults = type(cfg)()
+    flags = "".join(
+        f" --{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}"
+        for k, v in dataclasses.asdict(cfg).items() if v != getattr(defaults, k))
+    return f"python -m {module}{flags}"
