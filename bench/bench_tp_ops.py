@@ -97,16 +97,16 @@ def _inputs(op: str, m: int, k: int, n: int, world: int, dtype, device):
 
 def _reference(op: str, x, w, group):
     """(comm alone, gemm alone, collective-then-GEMM) callables: the unfused reference."""
-    from overlap.tp.chunked import all_gather_rows, reduce_scatter_rows
+    from overlap.tp.regions import all_gather_dim, reduce_scatter_dim
 
     if op == "all_gather_matmul":
-        x_full = all_gather_rows(x, group=group)
-        return (lambda: all_gather_rows(x, group=group), lambda: x_full @ w,
-                lambda: all_gather_rows(x, group=group) @ w)
+        x_full = all_gather_dim(x, 0, group=group)
+        return (lambda: all_gather_dim(x, 0, group=group), lambda: x_full @ w,
+                lambda: all_gather_dim(x, 0, group=group) @ w)
     y = x @ w
     if op == "matmul_reduce_scatter":
-        return (lambda: reduce_scatter_rows(y, group=group), lambda: x @ w,
-                lambda: reduce_scatter_rows(x @ w, group=group))
+        return (lambda: reduce_scatter_dim(y, 0, group=group), lambda: x @ w,
+                lambda: reduce_scatter_dim(x @ w, 0, group=group))
     return (lambda: dist.all_reduce(y, group=group), lambda: x @ w,
             lambda: dist.all_reduce(x @ w, group=group))
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from overlap.tp import chunked, symmetric, triton_backend
 from overlap.tp.checks import check_across_ranks, where
 from overlap.tp.context import TPContext, cached_context
+from overlap.tp.regions import all_gather_dim, reduce_scatter_dim
 
 __all__ = ["Call", "resolve", "run_ag", "run_rs", "run_ar", "gather", "scatter",
            "have_triton_tp"]
@@ -164,9 +165,9 @@ def run_ar(call: Call, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def gather(call: Call, x_shard: torch.Tensor) -> torch.Tensor:
     """all_gather along dim 0 with no GEMM (a backward that needs only the gathered tensor)."""
-    return chunked.all_gather_rows(x_shard, group=call.group)
+    return all_gather_dim(x_shard, 0, group=call.group, op="all_gather (tp backward)")
 
 
 def scatter(call: Call, x: torch.Tensor) -> torch.Tensor:
     """reduce_scatter along dim 0 with no GEMM."""
-    return chunked.reduce_scatter_rows(x, group=call.group)
+    return reduce_scatter_dim(x, 0, group=call.group, op="reduce_scatter (tp backward)")

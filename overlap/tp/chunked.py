@@ -34,8 +34,7 @@ import torch.distributed as dist
 from overlap.profile import nvtx
 from overlap.profile.timers import comm_wait
 
-__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "split_bounds",
-           "all_gather_rows", "reduce_scatter_rows"]
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "split_bounds"]
 
 
 def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
@@ -199,27 +198,3 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGr
           comm_wait("tp.chunked")):
         inflight.wait()
     return y
-
-
-def all_gather_rows(x_shard: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
-    """[world * m, ...] = all_gather(x_shard [m, ...], dim 0): the plain collective."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return x_shard
-    x_shard = x_shard.contiguous()
-    out = x_shard.new_empty(world * x_shard.shape[0], *x_shard.shape[1:])
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, x_shard, group=group)
-    return out
-
-
-def reduce_scatter_rows(x: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
-    """[M / world, ...] = reduce_scatter(x [M, ...], dim 0, sum): the plain collective."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return x
-    x = x.contiguous()
-    out = x.new_empty(x.shape[0] // world, *x.shape[1:])
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(out, x, group=group)
-    return out

@@ -29,6 +29,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
 from overlap.profile.timers import comm_wait
 
 __all__ = ["TIMEOUT", "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",

@@ -21,8 +21,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from overlap.tp.chunked import all_gather_rows
 from overlap.tp.context import TPContext
+from overlap.tp.regions import all_gather_dim
 
 __all__ = ["available", "sizes", "all_gather_matmul", "matmul_reduce_scatter",
            "matmul_all_reduce"]
@@ -76,4 +76,4 @@ def matmul_all_reduce(ctx: TPContext, x: torch.Tensor, w: torch.Tensor, *,
     if rows % world:
         x = torch.cat([x, x.new_zeros(world - rows % world, x.shape[1])])
     y_shard = matmul_reduce_scatter(ctx, x, w, op="matmul_all_reduce")
-    return all_gather_rows(y_shard, group=group)[:rows]
+    return all_gather_dim(y_shard, 0, group=group, op="matmul_all_reduce (triton)")[:rows]
