@@ -42,7 +42,8 @@ __all__ = ["launch", "LaunchError", "RankOutcome", "leaked_shm_segments"]
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "overlap_"
-_PRELOAD = ["torch", "torch.distributed", "overlap", "overlap._C", "overlap.dist.launch"]
+_PRELOAD = ["torch", "torch.distributed", "overlap", "overlap._C", "overlap.dist.launch",
+            "overlap.dist.nccl_twin"]
 _preload_set = False
 
 Status = Literal["ok", "error", "died", "hung", "aborted"]
@@ -134,6 +135,10 @@ def _rank_main(
     torch.set_num_threads(num_threads)
     t0 = time.monotonic()
     try:
+        if backend == "nccl_twin":
+            from overlap.dist import nccl_twin
+
+            nccl_twin.register()
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
                               timeout=timedelta(seconds=timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,

@@ -1,0 +1,479 @@
+"""``nccl_twin``: a torch.distributed backend that runs on gloo but orders operations like NCCL.
+
+gloo progresses every send, receive and collective independently, so a program whose order
+deadlocks on NCCL can pass every gloo test. This backend wraps a gloo communicator and enforces
+the three NCCL rules that matter for deadlocks (the worst case NCCL allows):
+
+1. **One op at a time per communicator, in issue order.** Every process group is one
+   communicator: its collectives and its ``batch_isend_irecv`` batches share one FIFO queue,
+   run by one worker thread, and an op starts only when the previous one has completed. Lone
+   ``isend``/``irecv`` (outside a batch) run on a separate communicator per unordered rank
+   pair, as ``ProcessGroupNCCL`` does.
+2. **A batch completes only when all its ops complete.** The ops inside one batch progress
+   together (NCCL's group semantics), so ``[send to 1, recv from 1]`` on both sides works.
+3. **A send completes only once the receiver has started the matching receive** (NCCL's
+   rendezvous protocol for large messages). The receiver's worker sends a clear-to-send token
+   when its queue reaches the receive; the sender posts its payload only after the token.
+
+The host returns at once from every op (as with NCCL); ``work.wait()`` blocks until the op has
+run on its communicator. A wait that times out raises ``NcclOrderTimeout``, naming the op, the
+communicator and the op it is stuck behind, and fails the communicator: like an aborted NCCL
+communicator, every later op on it raises with that first error.
+
+What is not emulated: NCCL's eager delivery of small messages (the twin always takes the
+rendezvous path, the strict case), stream semantics (see ``overlap.dist.streams``), and
+``recv`` from any source (NCCL has none either: it raises). torch internals that call the C++
+backend directly rather than the Python group (DDP's one-time parameter-shape check) run on a
+second, plain gloo communicator of the same ranks.
+
+Use: ``launch(fn, n, backend="nccl_twin")`` (the test harness's default), or call
+:func:`register` and then ``dist.init_process_group("nccl_twin", ...)``; every group created
+later with ``dist.new_group`` inherits it.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+__all__ = ["BACKEND", "register", "NcclOrderTimeout", "CommunicatorFailed", "NcclTwinGroup",
+           "is_twin"]
+
+BACKEND = "nccl_twin"
+
+
+class NcclOrderTimeout(RuntimeError):
+    """An op did not complete within its timeout under NCCL's ordering rules."""
+
+
+class CommunicatorFailed(RuntimeError):
+    """An op on a communicator that failed earlier (the message carries the first error)."""
+
+
+def is_twin(group) -> bool:
+    return isinstance(group, NcclTwinGroup)
+
+
+# ---------------------------------------------------------------------------------- work
+
+
+class _Work(dist._Work):
+    """The handle of one op (one per P2P op of a batch, all completing together)."""
+
+    def __init__(self, op: "_Op", result: list[torch.Tensor]):
+        super().__init__()
+        self._op = op
+        self._result = result
+        self._future: Future | None = None
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        op = self._op
+        seconds = timeout.total_seconds() if timeout else 0.0
+        limit = seconds if seconds > 0 else op.comm.timeout
+        if not op.done.wait(limit):
+            err = NcclOrderTimeout(op.comm.blocked_report(op, limit))
+            op.comm.fail(err)  # as NCCL's watchdog aborts the communicator
+            raise err
+        if op.error is not None:
+            raise op.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._op.done.is_set()
+
+    def is_success(self) -> bool:
+        return self._op.done.is_set() and self._op.error is None
+
+    def exception(self):
+        return self._op.error
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def get_future(self) -> Future:
+        with self._op.lock:
+            if self._future is None:
+                self._future = Future()
+                if self._op.done.is_set():
+                    self._settle(self._future)
+                else:
+                    self._op.futures.append((self, self._future))
+        return self._future
+
+    def _settle(self, fut: Future) -> None:
+        if self._op.error is not None:
+            fut.set_exception(self._op.error)
+        else:
+            fut.set_result(self._result)
+
+
+# ---------------------------------------------------------------------------------- ops
+
+
+class _Op:
+    """One unit of a communicator's queue: a collective, or a P2P batch of ``items``."""
+
+    def __init__(self, comm: "_Comm", desc: str, *, run: Callable[[], Any] | None = None,
+                 items: list[tuple[bool, torch.Tensor, int, int]] | None = None):
+        self.comm, self.desc = comm, desc
+        self.run, self.items = run, items
+        self.done = threading.Event()
+        self.lock = threading.Lock()
+        self.error: BaseException | None = None
+        self.futures: list[tuple[_Work, Future]] = []
+        self.issued = time.monotonic()
+        self.state = "queued"
+        self.seq = 0
+
+    def finish(self, error: BaseException | None = None) -> None:
+        with self.lock:
+            self.error = error
+            self.done.set()
+            futures, self.futures = self.futures, []
+        for work, fut in futures:
+            work._settle(fut)
+
+
+_TOKEN = torch.ones(1, dtype=torch.uint8)
+
+
+class _Comm:
+    """One emulated NCCL communicator: a FIFO of ops run one at a time by a worker thread."""
+
+    def __init__(self, group: "NcclTwinGroup", name: str, tag_base: int):
+        self.group, self.name, self.tag_base = group, name, tag_base
+        self.timeout = group.timeout_s
+        self._queue: collections.deque[_Op] = collections.deque()
+        self._cv = threading.Condition()
+        self._failed: BaseException | None = None
+        self._current: _Op | None = None
+        self._issued = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=f"nccl_twin {name}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- host side
+    def submit(self, op: _Op) -> None:
+        with self._cv:
+            if self._closed:
+                raise CommunicatorFailed(f"nccl_twin: {op.desc} on {self.name}: the process "
+                                         "group was destroyed")
+            self._issued += 1
+            op.seq = self._issued
+            failed = self._failed
+            if failed is None:
+                self._queue.append(op)
+                self._cv.notify()
+        if failed is not None:
+            op.finish(self._failed_error(op, failed))
+
+    def _failed_error(self, op: _Op, first: BaseException) -> CommunicatorFailed:
+        return CommunicatorFailed(f"nccl_twin: {op.desc} on {self.name} (rank "
+                                  f"{self.group.rank()}): the communicator failed earlier: "
+                                  f"{first}")
+
+    def fail(self, error: BaseException) -> None:
+        """Fail the communicator (as NCCL aborts one): queued and later ops raise ``error``."""
+        with self._cv:
+            if self._failed is None:
+                self._failed = error
+            error = self._failed
+            queued, self._queue = list(self._queue), collections.deque()
+        for op in queued:
+            op.finish(self._failed_error(op, error))
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+
+    def blocked_report(self, op: _Op, waited: float) -> str:
+        head = self._current
+        with self._cv:
+            behind = list(self._queue)
+        msg = (f"nccl_twin: {op.desc} (op #{op.seq} on {self.name}, rank "
+               f"{self.group.rank()}) did not complete within {waited:g}s. Under NCCL's "
+               "ordering a communicator runs one op at a time in issue order")
+        if head is None:
+            return msg + "; it is idle, so the op itself failed to start"
+        if head is op:
+            return msg + f"; this op is running and is {head.state}"
+        return (msg + f"; it is stuck at op #{head.seq}: {head.desc}, {head.state}, issued "
+                f"{time.monotonic() - head.issued:.1f}s ago, with {len(behind)} op(s) queued "
+                "behind it")
+
+    # -- worker side
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                op = self._queue.popleft()
+                failed = self._failed
+            if failed is not None:
+                op.finish(self._failed_error(op, failed))
+                continue
+            self._current = op
+            deadline = time.monotonic() + self.timeout
+            try:
+                if op.run is not None:
+                    op.state = "waiting for every rank of the group to join"
+                    self._wait(op.run(), deadline, op)
+                else:
+                    self._run_batch(op, deadline)
+                op.finish()
+            except BaseException as exc:  # noqa: BLE001 - the error belongs to the op
+                err = exc if isinstance(exc, NcclOrderTimeout) else RuntimeError(
+                    f"nccl_twin: {op.desc} on {self.name} (rank {self.group.rank()}) failed: "
+                    f"{exc}")
+                self.fail(err)
+                op.finish(err)
+            self._current = None
+
+    def _wait(self, work, deadline: float, op: _Op, why: str | None = None) -> None:
+        left = deadline - time.monotonic()
+        try:
+            ok = work.wait(timedelta(seconds=max(left, 1e-3)))
+        except RuntimeError as exc:
+            if time.monotonic() >= deadline - 1e-3:
+                raise NcclOrderTimeout(f"nccl_twin: {op.desc} on {self.name} (rank "
+                                       f"{self.group.rank()}): "
+                                       f"{why or f'timed out after {self.timeout:g}s, {op.state}'}"
+                                       ) from exc
+            raise
+        if ok is False:
+            raise RuntimeError("the gloo op reported failure")
+
+    def _tag(self, tag: int, cts: bool) -> int:
+        return (tag * 4 + self.tag_base) * 2 + int(cts)
+
+    def _run_batch(self, op: _Op, deadline: float) -> None:
+        inner = self.group.inner
+        works = []
+        # Receives first: post them, then tell each sender its receive has started.
+        for is_send, t, peer, tag in op.items:
+            if not is_send:
+                works.append(inner.recv([t], peer, self._tag(tag, False)))
+                works.append(inner.send([_TOKEN], peer, self._tag(tag, True)))
+        # Rendezvous: a payload goes out only after its receiver's clear-to-send token. gloo
+        # reports completion only from wait(), so each token is awaited by a thread of its
+        # own when there are several (the sends of one batch progress together, as in NCCL).
+        sends = [(t, peer, tag) for is_send, t, peer, tag in op.items if is_send]
+        if sends:
+            peers = sorted({peer for _, peer, _ in sends})
+            op.state = (f"waiting for rank(s) {peers} to start the matching receive "
+                        "(rendezvous send)")
+            posted: list = [None] * len(sends)
+            errors: list[BaseException] = []
+
+            def release(i: int) -> None:
+                t, peer, tag = sends[i]
+                token = torch.zeros(1, dtype=torch.uint8)
+                try:
+                    self._wait(inner.recv([token], peer, self._tag(tag, True)), deadline, op,
+                               f"rank {peer} did not start the matching receive within "
+                               f"{self.timeout:g}s (a send completes only once its receive "
+                               "has started)")
+                    posted[i] = inner.send([t], peer, self._tag(tag, False))
+                except BaseException as exc:  # noqa: BLE001 - reported by the op
+                    errors.append(exc)
+
+            if len(sends) == 1:
+                release(0)
+            else:
+                helpers = [threading.Thread(target=release, args=(i,), daemon=True)
+                           for i in range(len(sends))]
+                for h in helpers:
+                    h.start()
+                for h in helpers:
+                    h.join()
+            if errors:
+                raise errors[0]
+            works += posted
+        op.state = "transferring"
+        for w in works:
+            self._wait(w, deadline, op)
+
+
+# ---------------------------------------------------------------------------------- group
+
+
+def _shapes(tensors) -> str:
+    flat = []
+    for t in tensors:
+        if isinstance(t, (list, tuple)):
+            flat.extend(t)
+        else:
+            flat.append(t)
+    return ",".join(f"{tuple(t.shape)}" for t in flat[:4]) + ("..." if len(flat) > 4 else "")
+
+
+class NcclTwinGroup(dist.ProcessGroup):
+    """A process group on gloo with NCCL's ordering (see the module docstring)."""
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta, name: str,
+                 global_ranks: list[int] | None):
+        super().__init__(rank, size)
+        self.timeout_s = timeout.total_seconds()
+        self._name = name
+        self.global_ranks = list(global_ranks or range(size))
+        self.inner = dist.ProcessGroupGloo(store, rank, size, timeout)
+        # torch internals that call the C++ backend directly (not this Python group) get a
+        # separate plain gloo communicator, so they never interleave with the ordered one.
+        self._direct = dist.ProcessGroupGloo(dist.PrefixStore("direct", store), rank, size,
+                                             timeout)
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
+                               self._direct)
+        where = f"group {name!r} (global ranks {self.global_ranks})"
+        self.comm = _Comm(self, f"the communicator of {where}", 0)
+        self._pairs: dict[tuple[int, int], _Comm] = {}
+        self._pairs_lock = threading.Lock()
+        self._where = where
+
+    # pybind trampolines ask for these
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def getGroupName(self) -> str:
+        return self._name
+
+    def getGroupDesc(self) -> str:
+        return self._name
+
+    def _pair(self, peer: int) -> _Comm:
+        key = (min(self.rank(), peer), max(self.rank(), peer))
+        with self._pairs_lock:
+            comm = self._pairs.get(key)
+            if comm is None:
+                comm = _Comm(self, f"the point-to-point communicator of group ranks {key} in "
+                                   f"{self._where}", 1)
+                self._pairs[key] = comm
+        return comm
+
+    def _submit(self, comm: _Comm, desc: str, **kw) -> _Op:
+        op = _Op(comm, desc, **kw)
+        comm.submit(op)
+        return op
+
+    def _collective(self, name: str, result: list, args: tuple, kwargs: dict) -> _Work:
+        fn = getattr(self.inner, name)
+        op = self._submit(self.comm, f"{name}[{_shapes(result)}]", run=lambda: fn(*args, **kwargs))
+        return _Work(op, result)
+
+    # -- point to point
+    def _check_peer(self, what: str, peer: int) -> None:
+        if not 0 <= peer < self.size() or peer == self.rank():
+            raise ValueError(f"nccl_twin {what}: peer {peer} is not another rank of "
+                             f"{self._where} (this is rank {self.rank()})")
+
+    def send(self, tensors, dstRank: int, tag: int = 0) -> _Work:  # noqa: N803 - torch's name
+        self._check_peer("send", dstRank)
+        comm = self._pair(dstRank)
+        op = self._submit(comm, f"send{tuple(tensors[0].shape)} to group rank {dstRank}",
+                          items=[(True, tensors[0], dstRank, tag)])
+        return _Work(op, tensors)
+
+    def recv(self, tensors, srcRank: int, tag: int = 0) -> _Work:  # noqa: N803
+        self._check_peer("recv", srcRank)
+        comm = self._pair(srcRank)
+        op = self._submit(comm, f"recv{tuple(tensors[0].shape)} from group rank {srcRank}",
+                          items=[(False, tensors[0], srcRank, tag)])
+        return _Work(op, tensors)
+
+    def recv_anysource(self, tensors, tag: int = 0):
+        raise RuntimeError("nccl_twin: recv from any source is not supported (NCCL has none)")
+
+    def batch(self, p2p_ops: list) -> list[_Work]:
+        """``batch_isend_irecv`` on this group: one op on the group's communicator."""
+        items, parts = [], []
+        for o in p2p_ops:
+            is_send = o.op in (dist.isend, dist.send)
+            peer = o.group_peer
+            self._check_peer("batch_isend_irecv", peer)
+            items.append((is_send, o.tensor, peer, o.tag))
+            parts.append(f"{'send to' if is_send else 'recv from'} {peer}")
+        op = self._submit(self.comm, f"batch_isend_irecv[{', '.join(parts)}]", items=items)
+        return [_Work(op, [o.tensor]) for o in p2p_ops]
+
+    # -- lifetime
+    def shutdown(self) -> None:
+        self.comm.close()
+        for c in list(self._pairs.values()):
+            c.close()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+def _add_collective(name: str, result_of: Callable[[tuple], list]) -> None:
+    def method(self, *args, **kwargs):
+        return self._collective(name, result_of(args), args, kwargs)
+
+    method.__name__ = name
+    setattr(NcclTwinGroup, name, method)
+
+
+for _name, _result in {
+    "allreduce": lambda a: a[0], "allreduce_coalesced": lambda a: a[0],
+    "broadcast": lambda a: a[0], "reduce": lambda a: a[0],
+    "allgather": lambda a: a[0][0] if a[0] else [], "allgather_coalesced": lambda a: a[0][0],
+    "_allgather_base": lambda a: [a[0]], "allgather_into_tensor_coalesced": lambda a: a[0],
+    "reduce_scatter": lambda a: a[0], "_reduce_scatter_base": lambda a: [a[0]],
+    "reduce_scatter_tensor_coalesced": lambda a: a[0],
+    "alltoall_base": lambda a: [a[0]], "alltoall": lambda a: a[0],
+    "gather": lambda a: a[0][0] if a[0] else [], "scatter": lambda a: a[0],
+    "barrier": lambda a: [],
+}.items():
+    _add_collective(_name, _result)
+
+
+# ---------------------------------------------------------------------------------- setup
+
+
+def _create(opts, backend_options) -> NcclTwinGroup:
+    return NcclTwinGroup(opts.store, opts.group_rank, opts.group_size, opts.timeout,
+                         opts.group_id, list(opts.global_ranks_in_group or []))
+
+
+_registered = False
+_batch_isend_irecv = dist.batch_isend_irecv
+
+
+def _batch_isend_irecv_twin(p2p_op_list):
+    group = p2p_op_list[0].group if p2p_op_list else None
+    if group is None and p2p_op_list:
+        group = dist.distributed_c10d._get_default_group()
+    if isinstance(group, NcclTwinGroup):
+        if any((o.group or dist.distributed_c10d._get_default_group()) is not group
+               for o in p2p_op_list):
+            raise ValueError("batch_isend_irecv: every op of a batch must use the same group "
+                             "(one NCCL communicator runs a batch)")
+        return group.batch(p2p_op_list)
+    return _batch_isend_irecv(p2p_op_list)
+
+
+def register() -> None:
+    """Register the ``nccl_twin`` backend with torch.distributed (idempotent, per process).
+
+    torch's ``batch_isend_irecv`` only batches for backends that coalesce on a device, so it is
+    routed to :meth:`NcclTwinGroup.batch` for twin groups (other groups are untouched)."""
+    global _registered
+    if _registered:
+        return
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    dist.batch_isend_irecv = _batch_isend_irecv_twin
+    dist.distributed_c10d.batch_isend_irecv = _batch_isend_irecv_twin
+    _registered = True
