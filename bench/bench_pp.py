@@ -1,6 +1,7 @@
 """Pipeline schedules: step time and bubble fraction, overlap.pp vs torch.distributed.pipelining.
 
-    python -m bench.bench_pp                       # CPU: 2 gloo ranks, writes bench/results/pp.*
+    python -m bench.bench_pp                       # CPU: 2 ranks on the NCCL-ordering twin
+                                                   # of gloo, writes bench/results/pp.*
     python -m bench.bench_pp --pp 4 --device cuda  # GPU: NCCL, one GPU per rank
 
 Both implementations run the same split GPT (same chunks, same micro-batches) in the same
@@ -56,6 +57,7 @@ class BenchConfig:
     warmup: int = 1
     iters: int = 5
     device: str = "cpu"
+    transport: str = "nccl_twin"  # CPU: gloo with NCCL's ordering rules, or plain "gloo"
     out: str = "bench/results/pp"
 
 
@@ -190,7 +192,7 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
 
 
 def main(cfg: BenchConfig) -> None:
-    backend = "nccl" if cfg.device == "cuda" else "gloo"
+    backend = "nccl" if cfg.device == "cuda" else cfg.transport
     load_before = os.getloadavg()[0]
     rows = launch(_bench_rank, cfg.pp, args=(cfg,), backend=backend, timeout=3600,
                   preload=["torch.distributed.pipelining"])[0]

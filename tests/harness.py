@@ -12,6 +12,7 @@ autouse fixture in conftest.py checks it after every test).
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import pytest
@@ -27,22 +28,26 @@ __all__ = ["run_ranks", "run_ranks_outcomes", "requires_gpu", "LaunchError", "Ra
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
                                   reason="needs a CUDA GPU; its CPU twin runs here")
 
+# The transport of every CPU test: gloo with NCCL's ordering rules (overlap.dist.nccl_twin), so
+# an order that would deadlock on NCCL fails here too. OVERLAP_TEST_BACKEND=gloo opts out.
+CPU_BACKEND = os.environ.get("OVERLAP_TEST_BACKEND", "nccl_twin")
+
 WORLD_SIZES = (1, 2, 4)
 # Imported once by the fork server instead of by every rank of every test.
-_PRELOAD = ("pytest", "numpy", "harness", "overlap.kernels.triton.tp_gemm", "overlap.tp",
+_PRELOAD = ("pytest", "numpy", "harness", "overlap.dist.nccl_twin", "overlap.kernels.triton.tp_gemm", "overlap.tp",
             "torch._dynamo", "torch.distributed.tensor.parallel", "transformers.models.gpt2.modeling_gpt2",
             "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2")
 DEFAULT_TIMEOUT = 60.0
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT,
-              env: dict[str, str] | None = None, backend: str = "gloo",
+              env: dict[str, str] | None = None, backend: str | None = None,
               **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results.
-    ``backend="nccl"`` is for GPU-only tests."""
+    ``backend`` defaults to CPU_BACKEND; ``backend="nccl"`` is for GPU-only tests."""
     try:
         return launch(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, env=env,
-                      backend=backend, preload=_PRELOAD)
+                      backend=backend or CPU_BACKEND, preload=_PRELOAD)
     except LaunchError as exc:
         # Re-raise without the launcher's frames: the ranks' tracebacks are in the message.
         raise LaunchError(str(exc), exc.outcomes) from None
@@ -54,4 +59,4 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any,
     """Like run_ranks, but returns every rank's RankOutcome instead of raising, for tests
     that expect failures (a killed peer, a timeout)."""
     return launch(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, grace=grace,
-                  raise_on_error=False, preload=_PRELOAD)
+                  raise_on_error=False, backend=CPU_BACKEND, preload=_PRELOAD)

@@ -45,6 +45,21 @@ def test_check_and_profile_on_8_processes(tmp_path):
         assert 0 <= m["exposed_fraction"] <= 1 and 0 <= m["hidden_fraction"] <= 1
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved", "zb-h1"])
+def test_check_passes_for_every_schedule_under_nccl_order(schedule):
+    # The default transport is the NCCL-ordering twin: an order that would hang on GPUs
+    # fails here. (1F1B, the default, runs in the test above.)
+    args = [*TINY, "--check", "--schedule", schedule]
+    if schedule == "interleaved":
+        args[args.index("--n-layer") + 1] = "4"  # pp x virtual stages = 4 chunks
+    res = _run(args)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    diffs = [float(d) for d in re.findall(r"^ +\d+ +[\d.]+ +[\d.]+ +([\d.e+-]+)$", res.stdout,
+                                          re.M)]
+    assert len(diffs) == 3 and max(diffs) <= 2e-3, res.stdout
+    assert f"schedule {schedule}, 2 micro-batches" in res.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tp", "2", "--pp", "2", "--dp", "2", "--n-head", "3", "--d-model", "48"],
      "--n-head 3 is not divisible by --tp 2"),

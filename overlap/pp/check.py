@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from overlap.pp.schedules import Action, PipelineSchedule, stage_rank
+from overlap.pp.schedules import Action, PipelineSchedule, message_of, stage_rank
 
 __all__ = ["ScheduleError", "validate", "simulate", "SimResult", "render_table",
            "render_timeline", "DEFAULT_COSTS"]
@@ -55,12 +55,6 @@ class SimResult:
     def bubble_fraction(self) -> float:
         fr = self.bubble_fractions
         return sum(fr) / len(fr)
-
-
-def _msg_of_comm(a: Action) -> tuple:
-    return {"SEND_F": ("act", a.stage + 1), "RECV_F": ("act", a.stage),
-            "SEND_B": ("grad", a.stage - 1), "RECV_B": ("grad", a.stage)}[a.kind] + (
-        a.microbatch,)
 
 
 def _run(actions, num_stages: int, costs: dict[str, float], where: str) -> SimResult:
@@ -144,7 +138,7 @@ def validate(actions, *, pp_size: int, num_stages: int, num_microbatches: int,
                 live -= a.kind in ("B", "W")
                 peak = max(peak, live)
             else:
-                msg = _msg_of_comm(a)
+                msg = message_of(a)
                 src, dst = (r, a.peer) if a.kind.startswith("SEND") else (a.peer, r)
                 want = stage_rank(msg[1], p) if a.kind.startswith("SEND") else stage_rank(
                     msg[1] - 1 if msg[0] == "act" else msg[1] + 1, p)

@@ -1,16 +1,17 @@
 """Run a validated PipelineSchedule on this rank's stages: ``Pipeline(...).step(inputs, targets)``.
 
-The executor walks its rank's program in order. Consecutive comm actions are posted as one
-batch (``P2P.post``); a compute action first waits for the received tensor it consumes, then
-runs, and its output is handed to the next SEND action. See ``overlap.pp.schedules`` for why
-this order cannot deadlock.
+The executor interprets its rank's plan (``overlap.pp.plan.rank_plan``): it posts batches on
+per-direction channel communicators, waits for a received tensor right before the compute that
+consumes it, runs the compute, and hands its output to the next send. ``build_schedule`` has
+simulated exactly these plans of every rank under NCCL's ordering rules
+(``overlap.pp.plan.check_nccl_order``), so they cannot deadlock on NCCL.
 
 Shapes. Receive buffers need shapes before data arrives. At the start of every step pp rank 0
 broadcasts a 63-bit digest of its micro-batches' shapes and dtypes (one small broadcast). The
 first step with a new digest runs in *header mode*: each activation is preceded by a shape
 header, and receives are posted when needed (header first). Every rank records the shapes it
 saw under that digest, so later steps with the same digest post all receives early with the
-cached shapes. Variable sequence lengths therefore work, and cost a header round trip only the
+cached shapes (the two modes have separate plans, both checked). Variable sequence lengths therefore work, and cost a header round trip only the
 first time each length appears. A stage whose output shape changes while its input shapes do
 not (data-dependent shapes) gets a clear error.
 
@@ -27,12 +28,14 @@ import collections
 import dataclasses
 import hashlib
 import time
+import uuid
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from overlap.pp.p2p import HEADER_LEN, P2P, P2PError, decode_header, encode_header
+from overlap.pp.plan import channels_of, rank_plan
 from overlap.pp.schedules import Action, PipelineSchedule, stage_rank
 from overlap.pp.stage import PipelineStage
 
@@ -83,8 +86,31 @@ def _split(name: str, value, m: int, rank: int) -> list:
                     f"on pp rank {rank}, got {type(value).__name__}")
 
 
+def _agree(schedule: PipelineSchedule, pp_group, rank: int) -> str:
+    """Every pp rank must run the same schedule (a mismatch would hang, so it fails here);
+    returns pp rank 0's token, which names this pipeline's channel communicators."""
+    mine = {"schedule": schedule.name, "num_microbatches": schedule.num_microbatches,
+            "num_virtual": schedule.num_virtual}
+    if schedule.pp_size == 1:
+        return ""
+    every: list = [None] * schedule.pp_size
+    dist.all_gather_object(every, dict(mine, token=uuid.uuid4().hex), group=pp_group)
+    for key in mine:
+        values = {r: e[key] for r, e in enumerate(every)}
+        if len(set(values.values())) > 1:
+            raise ValueError(f"pp Pipeline: the pp ranks disagree on {key}: "
+                             + ", ".join(f"pp rank {r} has {v!r}" for r, v in values.items())
+                             + f" (seen on pp rank {rank}); every rank must build the same "
+                             "schedule")
+    return every[0]["token"]
+
+
 class Pipeline:
-    """This rank's part of a pipeline: its stages (ordered by stage index) and a schedule."""
+    """This rank's part of a pipeline: its stages (ordered by stage index) and a schedule.
+
+    Construction is collective over ``pp_group``: the ranks check that they agree on the
+    schedule, then create one two-rank communicator per direction of each pipeline link this
+    rank uses (see ``overlap.pp.plan``); ``close()`` releases them."""
 
     def __init__(self, stages: Sequence[PipelineStage], schedule: PipelineSchedule, *,
                  loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
@@ -111,7 +137,12 @@ class Pipeline:
         self.program: tuple[Action, ...] = schedule.actions[rank]
         params = [q for s in stages for q in s.module.parameters()]
         self.device = params[0].device if params else torch.device("cpu")
-        self.p2p = P2P(pp_group, timeout=timeout, device=self.device)
+        token = _agree(schedule, pp_group, rank)
+        # The steps this rank runs, exactly as check_nccl_order proved them deadlock-free.
+        self._plans = {mode: rank_plan(schedule, rank, header_mode=mode) for mode in (False, True)}
+        self._index = {a: i for i, a in enumerate(self.program) if a.is_compute}
+        self.p2p = P2P(pp_group, timeout=timeout, device=self.device,
+                       channels=channels_of(schedule, rank), token=token)
         self._shapes: dict[int, dict[tuple, tuple]] = {}
         # Index of each stage's final gradient-accumulating action (see PipelineStage).
         self._last_grad_action: dict[int, int] = {}
@@ -135,6 +166,10 @@ class Pipeline:
                            f"micro-batch shape digest from {self.p2p.describe(0)} failed: "
                            f"{exc}") from exc
         return int(key.item())
+
+    def close(self) -> None:
+        """Release this rank's channel communicators (no collective; safe to call twice)."""
+        self.p2p.close()
 
     def step(self, inputs=None, targets=None) -> StepResult:
         """Run one schedule: forward and backward of every micro-batch on every stage.
@@ -173,15 +208,15 @@ class Pipeline:
 
 
 class _StepRun:
-    """The mutable state of one step on one rank."""
+    """The mutable state of one step on one rank: interprets ``rank_plan``'s steps."""
 
     def __init__(self, pipe: Pipeline, shapes: dict, header_mode: bool, mbs, tgts):
         self.pipe, self.shapes, self.header_mode = pipe, shapes, header_mode
         self.mbs, self.tgts = mbs, tgts
         self.p2p = pipe.p2p
         self.num_stages = pipe.schedule.num_stages
-        self.recvd: dict[tuple, tuple[torch.Tensor, Any, int]] = {}
-        self.deferred: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        self.posted: dict[tuple, tuple[torch.Tensor, Any, int]] = {}  # (part, msg) -> recv
+        self.inbox: dict[tuple, torch.Tensor] = {}
         self.outbox: dict[tuple, torch.Tensor] = {}
         self.local: dict[tuple, torch.Tensor] = {}
         self.sent: list[tuple[Any, torch.Tensor, str, int]] = []
@@ -189,19 +224,17 @@ class _StepRun:
         self.events: list[tuple[str, int, int, float, float]] = []
 
     def execute(self) -> None:
-        pending: list[Action] = []
-        for i, a in enumerate(self.pipe.program):
-            if not a.is_compute:
-                pending.append(a)
-                continue
-            self.post(pending)
-            pending = []
-            self.compute(i, a)
-        self.post(pending)
+        plan = self.pipe._plans[self.header_mode]
+        for step in plan:
+            if step[0] == "post":
+                self.post(step[1], step[2])
+            elif step[0] == "wait":
+                self.receive(*step[1])
+            elif step[0] == "compute":
+                self.compute(self.pipe._index[step[1]], step[1])
         for work, _, what, peer in self.sent:
             self.p2p.wait(work, what=what, peer=peer)
-        leftovers = [k for k in (*self.recvd, *self.outbox, *self.local)]
-        leftovers += [d for q in self.deferred.values() for d in q]
+        leftovers = [k for k in (*self.posted, *self.inbox, *self.outbox, *self.local)]
         leftovers += [(s.stage_index, s.pending()) for s in self.pipe.stages.values()
                       if s.pending()]
         if leftovers:
@@ -209,31 +242,27 @@ class _StepRun:
                                f"schedule with unconsumed state {leftovers[:4]}")
 
     # ------------------------------------------------------------------ communication
-    def post(self, actions: list[Action]) -> None:
+    def post(self, channel: tuple[int, int], items: tuple) -> None:
+        """Post one batch on ``channel`` (src, dst): sends of this rank's outputs, or receives
+        into fresh buffers whose shapes are known (from the cache or a received header)."""
+        src, dst = channel
         sends, recvs, recv_keys, send_what = [], [], [], []
-        for a in actions:
-            s, mb = a.stage, a.microbatch
-            if a.kind == "SEND_F":
-                t = self.outbox.pop(("act", s + 1, mb))
-                what = f"send of the activation of stage {s} micro-batch {mb}"
-                if self.header_mode:
-                    sends.append((encode_header(t), a.peer))
-                    send_what.append(what.replace("send of the", "send of the shape of the"))
-                sends.append((t, a.peer))
-                send_what.append(what)
-            elif a.kind == "SEND_B":
-                sends.append((self.outbox.pop(("grad", s - 1, mb)), a.peer))
-                send_what.append(f"send of the input gradient of stage {s} micro-batch {mb}")
-            elif self.header_mode:
-                self.deferred[a.peer].append(a)
+        for part, msg, is_send in items:
+            kind, s, mb = msg
+            if is_send:
+                t = self.outbox[msg] if part == "hdr" else self.outbox.pop(msg)
+                sends.append((encode_header(t) if part == "hdr" else t, dst))
+                noun = "shape of the activation" if part == "hdr" else (
+                    "activation" if kind == "act" else "input gradient")
+                send_what.append(f"send of the {noun} for stage {s} micro-batch {mb}")
+                continue
+            if part == "hdr":
+                shape, dtype = (HEADER_LEN,), torch.int64
             else:
-                key = ("act", s, mb) if a.kind == "RECV_F" else ("grad", s, mb)
-                shape, dtype = self.shapes[("in", s, mb) if a.kind == "RECV_F" else
-                                           ("out", s, mb)]
-                recvs.append((torch.empty(shape, dtype=dtype, device=self.pipe.device),
-                              a.peer))
-                recv_keys.append(key)
-        send_works, recv_works = self.p2p.post(sends, recvs)
+                shape, dtype = self.shapes[("in", s, mb) if kind == "act" else ("out", s, mb)]
+            recvs.append((torch.empty(shape, dtype=dtype, device=self.pipe.device), src))
+            recv_keys.append((part, msg))
+        send_works, recv_works = self.p2p.post(channel, sends, recvs)
         # Drop finished sends so their buffers can be freed (1F1B's memory bound must hold);
         # wait() on a completed work only surfaces its error, it does not block.
         still = []
@@ -246,39 +275,25 @@ class _StepRun:
         for (t, peer), work, what in zip(sends, send_works, send_what):
             self.sent.append((work, t, what, peer))
         for key, (buf, peer), work in zip(recv_keys, recvs, recv_works):
-            self.recvd[key] = (buf, work, peer)
+            self.posted[key] = (buf, work, peer)
 
-    def _drain_deferred(self, key: tuple, peer: int) -> None:
-        # Header mode: receive this peer's messages in its send order up to ``key``.
-        while key not in self.recvd:
-            if not self.deferred[peer]:
-                raise RuntimeError(f"pp Pipeline.step: pp rank {self.pipe.pp_rank} needs "
-                                   f"{key} from pp rank {peer} but posted no receive for it")
-            a = self.deferred[peer].popleft()
-            s, mb = a.stage, a.microbatch
-            if a.kind == "RECV_F":
-                hdr = self.p2p.recv_now((HEADER_LEN,), torch.int64, peer,
-                                        what=f"shape header of stage {s} micro-batch {mb}")
-                self.shapes[("in", s, mb)] = decode_header(hdr)
-                shape, dtype = self.shapes[("in", s, mb)]
-                k = ("act", s, mb)
-            else:
-                shape, dtype = self.shapes[("out", s, mb)]
-                k = ("grad", s, mb)
-            buf = torch.empty(shape, dtype=dtype, device=self.pipe.device)
-            _, (work,) = self.p2p.post([], [(buf, peer)])
-            self.recvd[k] = (buf, work, peer)
+    def receive(self, part: str, msg: tuple) -> None:
+        """Wait for a posted receive; a header fills the shape table for the payload's post."""
+        buf, work, peer = self.posted.pop((part, msg))
+        kind, s, mb = msg
+        noun = "shape header" if part == "hdr" else (
+            "activation" if kind == "act" else "gradient")
+        self.p2p.wait(work, what=f"receive of the {noun} of stage {s} micro-batch {mb}",
+                      peer=peer)
+        if part == "hdr":
+            self.shapes[("in", s, mb)] = decode_header(buf)
+        else:
+            self.inbox[msg] = buf
 
     def take(self, key: tuple, peer: int) -> torch.Tensor:
         if peer == self.pipe.pp_rank:
             return self.local.pop(key)
-        if key not in self.recvd:
-            self._drain_deferred(key, peer)
-        buf, work, _ = self.recvd.pop(key)
-        what = (f"{'activation' if key[0] == 'act' else 'gradient'} of stage {key[1]} "
-                f"micro-batch {key[2]}")
-        self.p2p.wait(work, what=f"receive of the {what}", peer=peer)
-        return buf
+        return self.inbox.pop(key)
 
     def give(self, key: tuple, t: torch.Tensor, peer: int) -> None:
         (self.local if peer == self.pipe.pp_rank else self.outbox)[key] = t.detach().contiguous()

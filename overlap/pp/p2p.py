@@ -1,7 +1,8 @@
 """Asynchronous point-to-point transfers between pipeline ranks.
 
-Every transfer is posted with ``dist.batch_isend_irecv`` (one call per group of adjacent comm
-actions of a schedule) and returns at once; the executor waits on a receive only right before
+Every transfer is posted with ``dist.batch_isend_irecv`` on the communicator of its channel
+(one direction of one link; one call per channel and group of adjacent comm actions of a
+schedule, see ``overlap.pp.plan``) and returns at once; the executor waits on a receive only right before
 the compute that consumes it, and on a send only at the end of the step (send buffers are
 fresh tensors that nothing overwrites, so the step end is the first time a buffer could be
 reused). On GPU the transfers are issued from a side stream that first waits on an event
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -78,10 +80,49 @@ class _StreamOrder:
             yield
 
 
-class P2P:
-    """Transfers between the ranks of ``pp_group`` (peers are given as pp ranks)."""
+class _Channel:
+    """A two-rank communicator that carries one direction of one pipeline link.
 
-    def __init__(self, pp_group: dist.ProcessGroup, *, timeout: float, device: torch.device):
+    Built directly as a backend of the pp group's kind (NCCL, the NCCL-ordering twin, or gloo)
+    under a store prefix the pp ranks agreed on, so no world-collective ``new_group`` is
+    needed. Transfers are lone send/recv on it: with one sender and one receiver its FIFO on
+    both ends holds the same messages in the same order."""
+
+    def __init__(self, pp_group, store_prefix: str, global_ranks: list[int], me: int,
+                 timeout: timedelta, device: torch.device):
+        from overlap.dist import nccl_twin
+
+        store = dist.PrefixStore(store_prefix, dist.distributed_c10d._get_default_store())
+        self.me = me
+        if nccl_twin.is_twin(pp_group):
+            self.backend = nccl_twin.NcclTwinGroup(store, me, 2, timeout, store_prefix,
+                                                   global_ranks)
+        elif device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.backend = dist.ProcessGroupNCCL(store, me, 2, opts)
+        else:
+            self.backend = dist.ProcessGroupGloo(store, me, 2, timeout)
+
+    def transfer(self, t: torch.Tensor, is_send: bool):
+        peer = 1 - self.me
+        return (self.backend.send if is_send else self.backend.recv)([t], peer, 0)
+
+    def close(self) -> None:
+        if hasattr(self.backend, "shutdown"):
+            self.backend.shutdown()
+
+
+class P2P:
+    """Transfers between the ranks of ``pp_group`` (peers are given as pp ranks).
+
+    Each ``channel`` (src, dst) in pp ranks is a two-rank communicator of its own, created
+    here (collective over the two ranks of each channel; ``token`` must be the same on every
+    pp rank and unique to this pipeline). Only src sends on it, so NCCL's
+    one-op-at-a-time order per communicator never interleaves the two directions of a link."""
+
+    def __init__(self, pp_group: dist.ProcessGroup, *, timeout: float, device: torch.device,
+                 channels: Sequence[tuple[int, int]] = (), token: str = ""):
         if timeout <= 0:
             raise ValueError(f"pp P2P: timeout must be > 0 seconds, got {timeout}")
         self.group = pp_group
@@ -91,25 +132,37 @@ class P2P:
         self.timeout = timedelta(seconds=timeout)
         self.device = device
         self._order = _StreamOrder(device)
+        self.channels: dict[tuple[int, int], _Channel] = {}
+        for c in channels:
+            if self.pp_rank not in c or c[0] == c[1]:
+                raise ValueError(f"pp P2P: channel {c} must join pp rank {self.pp_rank} and "
+                                 "another pp rank")
+            src, dst = (self.global_ranks[x] for x in c)
+            self.channels[tuple(c)] = _Channel(
+                pp_group, f"overlap_pp/{token}/{src}->{dst}", [src, dst],
+                0 if c[0] == self.pp_rank else 1, self.timeout, device)
+
+    def close(self) -> None:
+        """Release the channel communicators (local: each end releases its own)."""
+        for c in self.channels.values():
+            c.close()
+        self.channels.clear()
 
     def describe(self, peer: int) -> str:
         return f"pp rank {peer} (global rank {self.global_ranks[peer]})"
 
-    def post(self, sends: list[tuple[torch.Tensor, int]],
+    def post(self, channel: tuple[int, int], sends: list[tuple[torch.Tensor, int]],
              recvs: list[tuple[torch.Tensor, int]]) -> tuple[list, list]:
-        """Post all sends and receives in one batch; returns (send works, recv works).
-
-        Order within the batch = order of the lists, sends first; per peer it must match the
-        peer's order (the schedule guarantees it)."""
-        ops = [dist.P2POp(dist.isend, t, peer=self.global_ranks[d], group=self.group)
-               for t, d in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer=self.global_ranks[s], group=self.group)
-                for t, s in recvs]
-        if not ops:
+        """Post the sends or receives of one channel as one batch; returns (send works, recv
+        works). Order within the batch = order of the lists; it must match the other end's
+        (the plan guarantees it)."""
+        chan = self.channels[channel]
+        if not sends and not recvs:
             return [], []
         try:
             with self._order.issue([t for t, _ in sends] + [t for t, _ in recvs]):
-                works = dist.batch_isend_irecv(ops)
+                works = [chan.transfer(t, True) for t, _ in sends]
+                works += [chan.transfer(t, False) for t, _ in recvs]
         except RuntimeError as exc:
             peers = sorted({p for _, p in sends} | {p for _, p in recvs})
             raise P2PError(f"pp p2p post on pp rank {self.pp_rank}: posting to/from pp ranks "
@@ -125,10 +178,3 @@ class P2P:
             raise P2PError(f"pp p2p on pp rank {self.pp_rank}: {what} with "
                            f"{self.describe(peer)} failed or timed out after "
                            f"{self.timeout.total_seconds():g}s: {exc}") from exc
-
-    def recv_now(self, shape, dtype, peer: int, *, what: str) -> torch.Tensor:
-        """Post and wait for one receive (used for shape headers)."""
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        _, (work,) = self.post([], [(buf, peer)])
-        self.wait(work, what=what, peer=peer)
-        return buf

@@ -21,14 +21,15 @@ Communication actions, inserted by :func:`lower` (never written by hand):
 
 ``lower`` places every send right after the compute that produces it and every receive one
 compute action *before* the compute that consumes it, so the transfer runs while that compute
-runs. Why this cannot deadlock: sends and receives are all asynchronous (posting never blocks)
-and the executor blocks only when a compute action needs a received tensor; messages on each
-ordered rank pair (src, dst) are received in exactly the order src sends them (``lower`` posts
-a receive early enough that every receive earlier in that pair's send order is posted before
-it), which is the matching rule of both NCCL and gloo. So a rank waits only for data that some
-compute action on another rank produces, and :func:`overlap.pp.check.validate` simulates the
-per-rank orders to prove that every such wait is eventually satisfied (no cycle), before any
-rank runs the schedule.
+runs. Messages on each ordered rank pair (src, dst) are received in exactly the order src sends
+them (``lower`` posts a receive early enough that every receive earlier in that pair's send
+order is posted before it). Why this cannot deadlock, even under NCCL's rules (one op at a time
+per communicator, in issue order, and rendezvous sends): each direction of each link is a
+communicator of its own (``overlap.pp.plan``), so both of its ends hold the same messages in the
+same order; the executor blocks only when a compute action needs a received tensor; and
+:func:`overlap.pp.check.validate` (compute order) and :func:`overlap.pp.plan.check_nccl_order`
+(the posted batches, exactly as the executor posts them) simulate every rank to prove that every
+wait is eventually satisfied, before any rank runs the schedule.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import dataclasses
 from typing import Callable
 
 __all__ = ["Action", "PipelineSchedule", "build_schedule", "SCHEDULES", "lower", "stage_rank",
+           "messages", "message_of", "msg_src_dst",
            "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "COMPUTE_KINDS", "COMM_KINDS"]
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
@@ -195,7 +197,7 @@ SCHEDULES: dict[str, Callable[..., list[list[Action]]]] = {
 
 # --------------------------------------------------------------------------- lowering
 
-def _messages(a: Action, num_stages: int) -> tuple[tuple | None, tuple | None]:
+def messages(a: Action, num_stages: int) -> tuple[tuple | None, tuple | None]:
     """(message this compute consumes, message it produces) as (kind, stage_of_receiver, mb)."""
     s, mb = a.stage, a.microbatch
     if a.kind == "F":
@@ -209,11 +211,18 @@ def _messages(a: Action, num_stages: int) -> tuple[tuple | None, tuple | None]:
     return consumed, produced
 
 
-def _msg_src_dst(msg: tuple, pp_size: int) -> tuple[int, int]:
+def msg_src_dst(msg: tuple, pp_size: int) -> tuple[int, int]:
     kind, s, _ = msg
     if kind == "act":
         return stage_rank(s - 1, pp_size), stage_rank(s, pp_size)
     return stage_rank(s + 1, pp_size), stage_rank(s, pp_size)
+
+
+def message_of(a: Action) -> tuple:
+    """The message a SEND/RECV action transfers: (kind, stage of the receiver, micro-batch)."""
+    return {"SEND_F": ("act", a.stage + 1), "RECV_F": ("act", a.stage),
+            "SEND_B": ("grad", a.stage - 1), "RECV_B": ("grad", a.stage)}[a.kind] + (
+        a.microbatch,)
 
 
 def lower(compute: list[list[Action]], pp_size: int, num_stages: int) -> list[list[Action]]:
@@ -223,16 +232,16 @@ def lower(compute: list[list[Action]], pp_size: int, num_stages: int) -> list[li
     channel: dict[tuple[int, int], list[tuple]] = {}
     for src in range(p):
         for a in compute[src]:
-            msg = _messages(a, num_stages)[1]
+            msg = messages(a, num_stages)[1]
             if msg is not None:
-                s, d = _msg_src_dst(msg, p)
+                s, d = msg_src_dst(msg, p)
                 if s != d:
                     channel.setdefault((s, d), []).append(msg)
     out = []
     for dst in range(p):
         deadline = {}
         for i, a in enumerate(compute[dst]):
-            msg = _messages(a, num_stages)[0]
+            msg = messages(a, num_stages)[0]
             if msg is not None:
                 deadline[msg] = i
         post_at: dict[int, list[Action]] = {}
@@ -256,9 +265,9 @@ def lower(compute: list[list[Action]], pp_size: int, num_stages: int) -> list[li
         for i, a in enumerate(compute[dst]):
             prog += post_at.get(i, [])
             prog.append(a)
-            msg = _messages(a, num_stages)[1]
+            msg = messages(a, num_stages)[1]
             if msg is not None:
-                src_, d = _msg_src_dst(msg, p)
+                src_, d = msg_src_dst(msg, p)
                 if src_ != d:
                     stage = msg[1] - 1 if msg[0] == "act" else msg[1] + 1
                     kind = "SEND_F" if msg[0] == "act" else "SEND_B"
@@ -295,7 +304,11 @@ def build_schedule(name: str, *, pp_size: int, num_microbatches: int,
     actions = lower(compute, pp_size, num_stages)
     peak = validate(actions, pp_size=pp_size, num_stages=num_stages,
                     num_microbatches=num_microbatches, name=name)
-    return PipelineSchedule(name=name, pp_size=pp_size, num_virtual=num_virtual,
-                            num_microbatches=num_microbatches,
-                            actions=tuple(tuple(a) for a in actions),
-                            peak_live_activations=tuple(peak))
+    schedule = PipelineSchedule(name=name, pp_size=pp_size, num_virtual=num_virtual,
+                                num_microbatches=num_microbatches,
+                                actions=tuple(tuple(a) for a in actions),
+                                peak_live_activations=tuple(peak))
+    from overlap.pp.plan import check_all
+
+    check_all(schedule)  # the executor's plans under NCCL's ordering rules
+    return schedule

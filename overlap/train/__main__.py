@@ -1,6 +1,7 @@
 """``python -m overlap.train`` / ``overlap-train``: 3D-parallel GPT training with every overlap on.
 
-Without torchrun it starts tp*pp*dp local processes itself (gloo, CPU). Under torchrun
+Without torchrun it starts tp*pp*dp local processes itself (CPU; gloo with NCCL's ordering
+rules by default, see ``overlap.dist.nccl_twin``). Under torchrun
 (RANK/WORLD_SIZE set) every process runs one rank: NCCL on GPUs, gloo otherwise.
 """
 
@@ -45,7 +46,7 @@ def _run(cfg: TrainConfig) -> list[dict]:
 
     # train_rank lives in an importable module: ranks unpickle it by reference.
     return launch(train_rank, cfg.world_size, args=(cfg,), timeout=cfg.timeout,
-                  preload=("overlap.train.loop", "overlap.tp", "overlap.pp", "overlap.dp"))
+                  backend=cfg.transport, preload=("overlap.train.loop", "overlap.tp", "overlap.pp", "overlap.dp"))
 
 
 def _summary(cfg: TrainConfig, records: list[dict]) -> str:

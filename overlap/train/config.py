@@ -16,6 +16,7 @@ __all__ = ["TrainConfig", "ConfigError", "parse_args"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 COMM_DTYPES = ("fp32", "bf16", "int8")
 TP_BACKENDS = ("auto", "chunked", "symmetric", "triton")
+TRANSPORTS = ("nccl_twin", "gloo")
 VOCAB_SIZE = 256  # byte-level tokenizer
 
 
@@ -56,6 +57,10 @@ class TrainConfig:
                                        "metrics to this directory")
     data: str | None = _field(None, "text file to train on (default: the bundled corpus)")
     timeout: float = _field(600.0, "seconds before a hung local job is killed")
+    transport: str = _field("nccl_twin", "local CPU processes only: nccl_twin is gloo with "
+                                         "NCCL's ordering rules (an order that would hang on "
+                                         "GPUs hangs here too, and is reported); gloo is looser",
+                            choices=TRANSPORTS)
 
     @property
     def world_size(self) -> int:
