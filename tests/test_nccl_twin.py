@@ -210,3 +210,32 @@ def test_ddp_runs_on_the_twin_and_matches_gloo():
     twin = run_ranks(_ddp_step, 2, backend="nccl_twin")
     plain = run_ranks(_ddp_step, 2, backend="gloo")
     assert torch.equal(twin[0], plain[0]) and torch.equal(twin[1], twin[0])
+
+
+def _threads_after_destroy():
+    import threading
+
+    r, peer = dist.get_rank(), 1 - dist.get_rank()
+    sub = dist.new_group([0, 1])
+    x = torch.ones(3)
+    dist.all_reduce(x, group=sub)
+    buf = torch.empty(3)
+    if r == 0:
+        dist.send(x, peer)
+    else:
+        dist.recv(buf, peer)
+    before = sum(t.name.startswith("nccl_twin") for t in threading.enumerate())
+    dist.destroy_process_group()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        left = [t.name for t in threading.enumerate() if t.name.startswith("nccl_twin")]
+        if not left:
+            break
+        time.sleep(0.01)
+    return before, left
+
+
+def test_destroy_stops_every_communicator_thread():
+    # World and subgroup communicators plus the world's pair communicator: 3 threads per rank.
+    for before, left in run_ranks(_threads_after_destroy, 2, backend="nccl_twin"):
+        assert before == 3 and left == []
