@@ -91,7 +91,7 @@ def _check_linear(c, group):
     y_ref = ref(x).detach()
     seq = 0 if (c.get("seq_first") or not b) else 1
     opts = dict(tp_group=group, sequence_parallel=c["sp"], backend=c["backend"],
-                sequence_dim=0 if c.get("seq_first") else 1)
+                seq_dim=0 if c.get("seq_first") else 1)
 
     def sp_piece(z):
         return z.chunk(tp, seq)[r] if c["sp"] else z
@@ -161,7 +161,7 @@ def _check_embedding(V, sp, seq_first, padding_idx, group):
     dy = torch.randn_like(e_ref)
     e_ref.backward(dy)
     layer = VocabParallelEmbedding.from_embedding(ref, tp_group=group, sequence_parallel=sp,
-                                                  sequence_dim=0 if seq_first else 1)
+                                                  seq_dim=0 if seq_first else 1)
     seq = 0 if seq_first else 1
     piece = (lambda z: z.chunk(tp, seq)[r]) if sp else (lambda z: z)
     e = layer(ids)

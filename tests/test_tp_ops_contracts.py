@@ -25,6 +25,19 @@ def _raises(exc, fn) -> str:
     return str(info.value)
 
 
+def _refused(exc, fn, after=None) -> str:
+    """The refusal's message. A refused call fails the (default) communicator: a good call
+    after it raises 'failed earlier' with the first error, until close_all_contexts()."""
+    from overlap.tp import TPCommFailed, close_all_contexts
+
+    msg = _raises(exc, fn)
+    if after is not None:
+        again = _raises(TPCommFailed, after)
+        assert "communicator failed earlier" in again and msg in again, (msg, again)
+    close_all_contexts()
+    return msg
+
+
 def _bad_inputs(backend):
     from overlap.tp import (all_gather_matmul, close_all_contexts, make_context,
                             matmul_all_reduce, matmul_reduce_scatter)
@@ -32,36 +45,43 @@ def _bad_inputs(backend):
     g, r = dist.group.WORLD, dist.get_rank()
     x, w = torch.randn(12, 72), torch.randn(72, 40)
     kw = dict(group=g, backend=backend)
+
+    def refuse(exc, fn) -> str:
+        return _refused(exc, fn, after=lambda: all_gather_matmul(x, w, **kw))
+
     m = {}
-    m["rs_m"] = _raises(ValueError, lambda: matmul_reduce_scatter(torch.randn(13, 72), w, **kw))
-    m["k"] = _raises(ValueError, lambda: all_gather_matmul(x, torch.randn(71, 40), **kw))
-    m["dtype"] = _raises(TypeError, lambda: matmul_all_reduce(x, w.bfloat16(), **kw))
-    m["int"] = _raises(TypeError, lambda: matmul_all_reduce(x.long(), w.long(), **kw))
-    m["x_dims"] = _raises(ValueError, lambda: all_gather_matmul(torch.randn(72), w, **kw))
-    m["w_dims"] = _raises(ValueError, lambda: matmul_all_reduce(x, w[None], **kw))
-    m["chunks"] = _raises(ValueError, lambda: all_gather_matmul(x, w, chunks=3, **kw))
+    m["rs_m"] = refuse(ValueError, lambda: matmul_reduce_scatter(torch.randn(13, 72), w, **kw))
+    m["k"] = refuse(ValueError, lambda: all_gather_matmul(x, torch.randn(71, 40), **kw))
+    m["dtype"] = refuse(TypeError, lambda: matmul_all_reduce(x, w.bfloat16(), **kw))
+    m["int"] = refuse(TypeError, lambda: matmul_all_reduce(x.long(), w.long(), **kw))
+    m["x_dims"] = refuse(ValueError, lambda: all_gather_matmul(torch.randn(72), w, **kw))
+    m["w_dims"] = refuse(ValueError, lambda: matmul_all_reduce(x, w[None], **kw))
+    m["chunks"] = refuse(ValueError, lambda: all_gather_matmul(x, w, chunks=3, **kw))
     m["group"] = _raises(TypeError, lambda: all_gather_matmul(x, w, group=None))
-    m["seq_dim"] = _raises(ValueError, lambda: all_gather_matmul(x, w, seq_dim=1, **kw))
+    m["seq_dim"] = refuse(ValueError, lambda: all_gather_matmul(x, w, seq_dim=1, **kw))
     # Ranks that disagree: detected by the metadata check on every rank (symmetric: when the
     # context for these shapes is created, i.e. on this first call).
-    m["ranks_x"] = _raises(ValueError, lambda: all_gather_matmul(torch.randn(12 + r, 72), w, **kw))
-    m["ranks_w"] = _raises(ValueError, lambda: matmul_reduce_scatter(
+    m["ranks_x"] = refuse(ValueError, lambda: all_gather_matmul(torch.randn(12 + r, 72), w, **kw))
+    m["ranks_w"] = refuse(ValueError, lambda: matmul_reduce_scatter(
         torch.randn(12, 72), torch.randn(72, 40 + 2 * r), **kw))
     if not HAVE_TRITON_TP:
-        m["triton"] = _raises(ValueError,
+        m["triton"] = refuse(ValueError,
                               lambda: all_gather_matmul(x, w, group=g, backend="triton"))
     ok = []
     if backend == "symmetric":
         ctx = make_context("all_gather_matmul", x[:4], w, group=g, backend=backend)
+        m["small_ws"] = _refused(ValueError, lambda: all_gather_matmul(x, w, context=ctx, **kw))
+        m["ctx_failed"] = str(ctx.closed)  # a refused call fails its context too
+        ctx = make_context("all_gather_matmul", x[:4], w, group=g, backend=backend)
+        m["wrong_op"] = _refused(ValueError, lambda: matmul_reduce_scatter(x, w, context=ctx,
+                                                                           **kw))
+        ctx = make_context("all_gather_matmul", x[:4], w, group=g, backend=backend)
         try:
-            m["small_ws"] = _raises(ValueError, lambda: all_gather_matmul(x, w, context=ctx, **kw))
-            m["wrong_op"] = _raises(ValueError, lambda: matmul_reduce_scatter(x, w, context=ctx,
-                                                                              **kw))
-            y = all_gather_matmul(x[:4], w, context=ctx, **kw)  # a call that fits still works
+            y = all_gather_matmul(x[:4], w, context=ctx, **kw)  # a call that fits works
             ok.append(float((y - torch.cat([t[:4] for t in _all(x)]) @ w).abs().max()))
         finally:
             ctx.close()
-    # Nothing above left the group or the cache in a bad state.
+    # A rebuilt communicator works: nothing above left the group in a bad state.
     y = all_gather_matmul(x, w, **kw)
     ok.append(float((y - torch.cat(_all(x)) @ w).abs().max()))
     close_all_contexts()
@@ -78,7 +98,7 @@ def _all(t):
 def test_bad_inputs_get_clear_errors(backend):
     for r, (m, ok) in enumerate(run_ranks(_bad_inputs, 2, backend)):
         at = f"(rank {r} of group [0, 1])"
-        assert all(at in v for k, v in m.items() if k != "group"), m
+        assert all(at in v for k, v in m.items() if k not in ("group", "ctx_failed")), m
         assert "matmul_reduce_scatter: x.shape[0] = 13 (the scattered dim M) must be divisible " \
                "by the group size 2" in m["rs_m"]
         assert "all_gather_matmul: K mismatch: x_shard.shape[-1] = 72 but w.shape[0] = 71" in m["k"]
@@ -101,6 +121,7 @@ def test_bad_inputs_get_clear_errors(backend):
             assert "nbytes >= 7168" in m["small_ws"]
             assert "context= was made for all_gather_matmul, not matmul_reduce_scatter" in \
                 m["wrong_op"]
+            assert m["ctx_failed"] == "True"
         assert ok == [0.0] * len(ok)
 
 
@@ -138,7 +159,7 @@ def _mapped_segments() -> int:
 def _many_calls(num_calls):
     from overlap.tp import (all_gather_matmul, close_all_contexts, matmul_all_reduce,
                             matmul_reduce_scatter, resolve_backend)
-    from overlap.tp.context import MAX_CACHED, num_cached
+    from overlap.tp.comm import MAX_CONTEXTS, default_comm
 
     g, r, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     threads0, maps0, fds0 = threading.active_count(), _mapped_segments(), len(os.listdir(
@@ -165,7 +186,8 @@ def _many_calls(num_calls):
         if x.requires_grad:
             y.sum().backward()
         worst = max(worst, float((y.detach() - ref).abs().max() / ref.abs().max()))
-        most_cached = max(most_cached, num_cached())
+        most_cached = max(most_cached, max(default_comm(g, backend=b).num_contexts()
+                                           for b in backends))
     # Bursts on the same contexts, ranks skewed by random sleeps: the phase-parity double
     # buffers and acks must keep a fast rank from overwriting what a slow one has not read.
     skew = torch.Generator().manual_seed(r)
@@ -186,7 +208,7 @@ def _many_calls(num_calls):
     gc.collect()
     time.sleep(0.1)  # joined copier threads are gone from threading.enumerate() at once
     leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"overlap_{os.getpid()}_")]
-    return dict(worst=worst, auto=auto, most_cached=most_cached, max_cached=MAX_CACHED,
+    return dict(worst=worst, auto=auto, most_cached=most_cached, max_cached=MAX_CONTEXTS,
                 threads=(threads0, threading.active_count()), maps=(maps0, _mapped_segments()),
                 fds=(fds0, len(os.listdir("/proc/self/fd"))), shm=leftovers)
 

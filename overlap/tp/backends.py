@@ -1,173 +1,196 @@
-"""Backend choice and dispatch for the fused TP ops (the autograd layer is overlap.tp.ops).
+"""The fused TP ops' backends, as classes behind one small protocol (the autograd layer is
+overlap.tp.ops; the settings and state live on overlap.tp.comm.TPComm).
 
-``backend="auto"`` resolves, identically on every rank, to
+A backend says how big a workspace an op needs for a shape (``workspace``; None: no workspace)
+and implements the three ops on 2-D, validated inputs:
 
-1. ``"triton"`` for CUDA tensors when overlap.kernels.triton.tp_gemm is installed (the wait is
-   fused into the GEMM tiles: no copy stream, no chunk-sized GEMM launches);
-2. else ``"symmetric"`` when every rank of the group is on one host (userbuffers: peer copies
-   at memory bandwidth by a copy engine or thread, no collective library in the loop);
-3. else ``"chunked"`` (async torch.distributed collectives / ring P2P; works across hosts).
+- ``ChunkedBackend``: async torch.distributed ring / chunked collectives; any transport;
+- ``SymmetricBackend``: userbuffers over a SymmetricWorkspace on one host (copy thread on CPU,
+  copy-engine side stream on GPU);
+- ``TritonBackend``: Triton kernels that wait on peer signals inside the GEMM (the "auto"
+  choice on CUDA). Never chosen by "auto" on CPU: the interpreter is a correctness twin.
 
-With one rank every backend is a plain matmul; "auto" then says "chunked". The host check is one
-``all_gather_object`` per group, on the first "auto" call; the answer is cached.
-The triton backend is never chosen automatically on CPU: its interpreter is a correctness
-twin, orders of magnitude slower than a CPU GEMM.
-
+Workspace sizes are computed only here, and the phase counter lives only on the context.
 Default ``chunks`` = world for every op: for the two ring/pull ops a rank's shard is the natural
 message (one signal and one transfer per peer); finer pieces add a per-message latency and
-smaller, less efficient GEMMs, and with world pieces only about 1/world of the communication is
-left exposed. For matmul_all_reduce it splits M into world row blocks, so the reduction of all
+smaller GEMMs. For matmul_all_reduce it splits M into world row blocks, so the reduction of all
 but the last block runs under the GEMMs.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import socket
+import importlib.util
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
-from overlap.tp import chunked, symmetric, triton_backend
-from overlap.tp.checks import check_across_ranks, where
-from overlap.tp.context import TPContext, cached_context
+from overlap.tp import chunked, symmetric
+from overlap.tp.context import TPContext
 from overlap.tp.regions import all_gather_dim, reduce_scatter_dim
 
-__all__ = ["Call", "resolve", "run_ag", "run_rs", "run_ar", "gather", "scatter",
-           "have_triton_tp"]
+__all__ = ["Backend", "ChunkedBackend", "SymmetricBackend", "TritonBackend", "backend_for",
+           "have_triton_tp", "gather", "scatter"]
 
-_same_host: dict[int, bool] = {}
-_have_triton: bool | None = None
+_TRITON_MODULE = "overlap.kernels.triton.tp_gemm"
 
 
 def have_triton_tp() -> bool:
-    global _have_triton
-    if _have_triton is None:
-        _have_triton = triton_backend.available()
-    return _have_triton
+    return importlib.util.find_spec(_TRITON_MODULE) is not None
 
 
-@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
-class Call:
-    """One op call's resolved settings; kept on the autograd ctx for the backward."""
+class Backend:
+    """The protocol; ``comm`` is the TPComm the op runs on."""
 
-    op: str
-    group: dist.ProcessGroup
-    backend: str
-    chunks: int
-    context: TPContext | None = None
-    check_sig: list[int] | None = None  # compare across ranks when a context is created
+    name = "?"
 
+    def workspace(self, op: str, rows: int, k: int, n: int, world: int,
+                  dtype: torch.dtype) -> tuple[int, int] | None:
+        """(bytes per rank, signals) for an op whose input has ``rows`` rows (the shard's m for
+        all_gather_matmul, the full M otherwise), or None when it needs no workspace."""
+        return None
 
-def _host_id() -> tuple[str, str]:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return socket.gethostname(), boot
+    def ag(self, comm, ctx, x_shard, w, *, chunks: int, return_gathered: bool):
+        raise NotImplementedError
 
+    def rs(self, comm, ctx, x, w, *, chunks: int, overlap_with: Callable[[], None] | None):
+        raise NotImplementedError
 
-def same_host(group: dist.ProcessGroup) -> bool:
-    if id(group) not in _same_host:
-        ids: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(ids, _host_id(), group=group)
-        _same_host[id(group)] = len(set(ids)) == 1
-    return _same_host[id(group)]
+    def ar(self, comm, ctx, x, w, *, chunks: int):
+        raise NotImplementedError
 
 
-def resolve(op: str, backend: str, *, group: dist.ProcessGroup, device: torch.device,
-            dtype: torch.dtype) -> str:
-    if backend == "triton" and not have_triton_tp():
-        raise ValueError(f"{op}: backend='triton' needs overlap.kernels.triton.tp_gemm, which "
-                         f"this build lacks; use 'auto', 'symmetric' or 'chunked'{where(group)}")
-    if backend != "auto":
-        return backend
-    if dist.get_world_size(group) == 1:
-        return "chunked"
-    if device.type == "cuda" and dtype != torch.float64 and have_triton_tp():
-        return "triton"
-    return "symmetric" if same_host(group) else "chunked"
+class ChunkedBackend(Backend):
+    name = "chunked"
+
+    def ag(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
+        return chunked.all_gather_matmul(x_shard, w, group=comm.group, chunks=chunks,
+                                         return_gathered=return_gathered, timeout=comm.timeout)
+
+    def rs(self, comm, ctx, x, w, *, chunks, overlap_with):
+        return chunked.matmul_reduce_scatter(x, w, group=comm.group, chunks=chunks,
+                                             overlap_with=overlap_with, timeout=comm.timeout)
+
+    def ar(self, comm, ctx, x, w, *, chunks):
+        return chunked.matmul_all_reduce(x, w, group=comm.group, chunks=chunks,
+                                         timeout=comm.timeout)
 
 
-def _context(call: Call, x: torch.Tensor, w: torch.Tensor) -> TPContext:
-    if call.context is not None and call.context.op == call.op:
-        return call.context
-    world = dist.get_world_size(call.group)
+class SymmetricBackend(Backend):
+    name = "symmetric"
+
+    def workspace(self, op, rows, k, n, world, dtype):
+        if world == 1:
+            return None
+        if op == "all_gather_matmul":
+            nbytes = symmetric.ag_bytes(rows, k, dtype)
+        elif op == "matmul_reduce_scatter":
+            nbytes = symmetric.rs_bytes(rows // world, n, world, dtype)
+        else:
+            nbytes = symmetric.ar_bytes(rows, n, world, dtype)
+        return nbytes, symmetric.num_signals(op, world)
+
+    def ag(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
+        if ctx is None:
+            return ChunkedBackend().ag(comm, None, x_shard, w, chunks=chunks,
+                                       return_gathered=return_gathered)
+        return symmetric.all_gather_matmul(ctx, x_shard, w, chunks=chunks,
+                                           return_gathered=return_gathered)
+
+    def rs(self, comm, ctx, x, w, *, chunks, overlap_with):
+        if ctx is None:
+            return ChunkedBackend().rs(comm, None, x, w, chunks=chunks,
+                                       overlap_with=overlap_with)
+        return symmetric.matmul_reduce_scatter(ctx, x, w, chunks=chunks,
+                                               overlap_with=overlap_with)
+
+    def ar(self, comm, ctx, x, w, *, chunks):
+        if ctx is None:
+            return ChunkedBackend().ar(comm, None, x, w, chunks=chunks)
+        return symmetric.matmul_all_reduce(ctx, x, w, chunks=chunks)
+
+
+class TritonBackend(Backend):
+    """The kernels fuse the wait into the GEMM; ``chunks`` does not apply (tiles are the
+    granularity). ``matmul_all_reduce`` = ``gemm_rs`` then a plain all-gather of the reduced
+    shards (M padded to a multiple of world with zero rows). The backward's wgrad GEMM runs
+    after the kernel call (on a GPU both go to the current stream)."""
+
+    name = "triton"
+
+    @staticmethod
+    def _kernels():
+        return importlib.import_module(_TRITON_MODULE)
+
+    def workspace(self, op, rows, k, n, world, dtype):
+        kern = self._kernels()
+        if op == "all_gather_matmul":
+            return (kern.ag_gemm_workspace_bytes(rows, k, world, dtype),
+                    kern.ag_gemm_num_signals(world))
+        m = -(-rows // world)
+        return kern.gemm_rs_workspace_bytes(m, n, world, dtype), kern.gemm_rs_num_signals(world)
+
+    def ag(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
+        m, k = x_shard.shape
+        need, _ = self.workspace("all_gather_matmul", m, k, w.shape[1], ctx.world,
+                                 x_shard.dtype)
+        ctx.require("all_gather_matmul", need, f"a shard of {m} x {k} {x_shard.dtype}")
+        return self._kernels().ag_gemm(ctx.ws, x_shard.contiguous(), w.contiguous(),
+                                       phase=ctx.next_phase(), return_gathered=return_gathered)
+
+    def rs(self, comm, ctx, x, w, *, chunks, overlap_with, op="matmul_reduce_scatter"):
+        need, _ = self.workspace("matmul_reduce_scatter", x.shape[0], x.shape[1], w.shape[1],
+                                 ctx.world, x.dtype)
+        ctx.require(op, need, f"a {x.shape[0]} x {w.shape[1]} {x.dtype} product")
+        y = self._kernels().gemm_rs(ctx.ws, x.contiguous(), w.contiguous(),
+                                    phase=ctx.next_phase())
+        if overlap_with is not None:
+            overlap_with()
+        return y
+
+    def ar(self, comm, ctx, x, w, *, chunks):
+        rows, world = x.shape[0], ctx.world
+        if rows % world:
+            x = torch.cat([x, x.new_zeros(world - rows % world, x.shape[1])])
+        y_shard = self.rs(comm, ctx, x, w, chunks=chunks, overlap_with=None,
+                          op="matmul_all_reduce")
+        return all_gather_dim(y_shard, 0, group=comm.group, op="matmul_all_reduce (triton)",
+                              timeout=comm.timeout)[:rows]
+
+
+_BACKENDS = {b.name: b for b in (ChunkedBackend(), SymmetricBackend(), TritonBackend())}
+
+
+def backend_for(comm, dtype: torch.dtype) -> Backend:
+    """The backend object of ``comm`` for this dtype (triton has no float64 kernels: such a
+    call runs on the symmetric backend)."""
+    if comm.backend == "triton" and dtype == torch.float64:
+        return _BACKENDS["symmetric"]
+    return _BACKENDS[comm.backend]
+
+
+def context_for(comm, backend: Backend, op: str, x: torch.Tensor, w: torch.Tensor,
+                on_create: Callable[[], None]) -> TPContext | None:
+    """The comm's workspace context for this op and shape (None for no-workspace backends)."""
     rows, k, n = x.shape[0], x.shape[1], w.shape[1]
-    if call.backend == "triton":
-        nbytes, nsig = triton_backend.sizes(call.op, rows, k, n, world, x.dtype)
-    elif call.op == "all_gather_matmul":
-        nbytes, nsig = symmetric.ag_bytes(rows, k, x.dtype), symmetric.num_signals(call.op, world)
-    elif call.op == "matmul_reduce_scatter":
-        nbytes = symmetric.rs_bytes(rows // world, n, world, x.dtype)
-        nsig = symmetric.num_signals(call.op, world)
-    else:
-        nbytes = symmetric.ar_bytes(rows, n, world, x.dtype)
-        nsig = symmetric.num_signals(call.op, world)
-    def on_create() -> None:  # ranks compare shapes when (and only when) they create it
-        if call.check_sig is not None:
-            check_across_ranks(call.op, call.check_sig, group=call.group, device=x.device)
+    need = backend.workspace(op, rows, k, n, comm.world, x.dtype)
+    if need is None:
+        return None
 
-    key = (call.op, call.backend, rows, k, n, x.dtype, x.device)
-    return cached_context(key, op=call.op, backend=call.backend, group=call.group,
-                          nbytes=nbytes, num_signals=nsig, device=x.device, on_create=on_create)
+    def create() -> TPContext:
+        on_create()  # ranks compare shapes when (and only when) they create it
+        return TPContext(op=op, backend=backend.name, group=comm.group, nbytes=need[0],
+                         num_signals=need[1], device=x.device, timeout=comm.timeout)
+
+    return comm.context((op, backend.name, rows, k, n, x.dtype, x.device), create)
 
 
-def _guarded(ctx: TPContext, fn: Callable):
-    start = ctx.phase
-    try:
-        return fn()
-    except BaseException as exc:
-        if ctx.phase != start:  # failed mid-protocol (not a refused input): peers must know
-            ctx.fail(exc)
-        raise
-
-
-def run_ag(call: Call, x_shard: torch.Tensor, w: torch.Tensor, *, return_gathered: bool,
-           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if call.backend == "chunked" or (call.backend == "symmetric" and
-                                     dist.get_world_size(call.group) == 1):
-        return chunked.all_gather_matmul(x_shard, w, group=call.group, chunks=call.chunks,
-                                         return_gathered=return_gathered)
-    ctx = _context(call, x_shard, w)
-    if call.backend == "symmetric":
-        return _guarded(ctx, lambda: symmetric.all_gather_matmul(
-            ctx, x_shard, w, chunks=call.chunks, return_gathered=return_gathered))
-    return _guarded(ctx, lambda: triton_backend.all_gather_matmul(
-        ctx, x_shard, w, return_gathered=return_gathered))
-
-
-def run_rs(call: Call, x: torch.Tensor, w: torch.Tensor, *,
-           overlap_with: Callable[[], None] | None = None) -> torch.Tensor:
-    if call.backend == "chunked" or (call.backend == "symmetric" and
-                                     dist.get_world_size(call.group) == 1):
-        return chunked.matmul_reduce_scatter(x, w, group=call.group, chunks=call.chunks,
-                                             overlap_with=overlap_with)
-    ctx = _context(call, x, w)
-    if call.backend == "symmetric":
-        return _guarded(ctx, lambda: symmetric.matmul_reduce_scatter(
-            ctx, x, w, chunks=call.chunks, overlap_with=overlap_with))
-    return _guarded(ctx, lambda: triton_backend.matmul_reduce_scatter(
-        ctx, x, w, overlap_with=overlap_with))
-
-
-def run_ar(call: Call, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    if call.backend == "chunked" or (call.backend == "symmetric" and
-                                     dist.get_world_size(call.group) == 1):
-        return chunked.matmul_all_reduce(x, w, group=call.group, chunks=call.chunks)
-    ctx = _context(call, x, w)
-    if call.backend == "symmetric":
-        return _guarded(ctx, lambda: symmetric.matmul_all_reduce(ctx, x, w, chunks=call.chunks))
-    return _guarded(ctx, lambda: triton_backend.matmul_all_reduce(ctx, x, w, group=call.group))
-
-
-def gather(call: Call, x_shard: torch.Tensor) -> torch.Tensor:
+def gather(comm, x_shard: torch.Tensor) -> torch.Tensor:
     """all_gather along dim 0 with no GEMM (a backward that needs only the gathered tensor)."""
-    return all_gather_dim(x_shard, 0, group=call.group, op="all_gather (tp backward)")
+    return all_gather_dim(x_shard, 0, group=comm.group, op="all_gather (tp backward)",
+                          timeout=comm.timeout)
 
 
-def scatter(call: Call, x: torch.Tensor) -> torch.Tensor:
+def scatter(comm, x: torch.Tensor) -> torch.Tensor:
     """reduce_scatter along dim 0 with no GEMM."""
-    return reduce_scatter_dim(x, 0, group=call.group, op="reduce_scatter (tp backward)")
+    return reduce_scatter_dim(x, 0, group=comm.group, op="reduce_scatter (tp backward)",
+                              timeout=comm.timeout)

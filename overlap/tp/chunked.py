@@ -26,6 +26,7 @@ wait).
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -61,6 +62,22 @@ def _exchange(group: dist.ProcessGroup, send: torch.Tensor | None, to: int,
     return dist.batch_isend_irecv(ops) if ops else []
 
 
+def _wait(works: list, *, op: str, group: dist.ProcessGroup, timeout: float, what: str) -> None:
+    """Wait for ``works`` (each exactly once) within ``timeout`` seconds; a timeout or a peer
+    that died surfaces naming the op, the group, this rank and the step."""
+    try:
+        with comm_wait("tp.chunked"):
+            for work in works:
+                work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        ranks = dist.get_process_group_ranks(group)
+        text = str(exc)
+        kind = ("timed out" if "imeout" in text or "imed out" in text else
+                "failed (a peer died or closed its connection)")
+        raise RuntimeError(f"tp {op} (chunked): {what} {kind} after at most {timeout:g}s on "
+                           f"rank {dist.get_rank(group)} of group {ranks}: {text}") from exc
+
+
 def _neighbours(group: dist.ProcessGroup) -> tuple[int, int, int, int]:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     right = dist.get_global_rank(group, (rank + 1) % world)
@@ -69,7 +86,7 @@ def _neighbours(group: dist.ProcessGroup) -> tuple[int, int, int, int]:
 
 
 def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGroup,
-                      chunks: int, return_gathered: bool,
+                      chunks: int, return_gathered: bool, timeout: float,
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y [M, N] = all_gather(x_shard [m, K], dim 0) @ w [K, N]; also x [M, K] if asked."""
     rank, world, right, left = _neighbours(group)
@@ -98,10 +115,9 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, *, group: dist.Pro
     inflight: dict[int, list] = {}
     for t in range(world * s):
         if t in inflight:
-            with (nvtx.range(f"all_gather_matmul.chunked.comm[{t}].wait"),
-                  comm_wait("tp.chunked")):
-                for work in inflight.pop(t):
-                    work.wait()
+            with nvtx.range(f"all_gather_matmul.chunked.comm[{t}].wait"):
+                _wait(inflight.pop(t), op="all_gather_matmul", group=group, timeout=timeout,
+                      what=f"receive of piece {t} from the left neighbour")
         if t + s < world * s:
             # Forward this piece and receive the one we multiply s steps from now.
             lo, hi = rows(t + s)
@@ -117,8 +133,8 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, *, group: dist.Pro
 
 
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGroup,
-                          chunks: int, overlap_with: Callable[[], None] | None = None,
-                          ) -> torch.Tensor:
+                          chunks: int, timeout: float,
+                          overlap_with: Callable[[], None] | None = None) -> torch.Tensor:
     """y_shard [m, N] = reduce_scatter(x [M, K] @ w [K, N], dim 0), summed over ranks.
 
     ``overlap_with`` (e.g. the weight-gradient GEMM of a backward) runs once every GEMM of this
@@ -148,10 +164,9 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
 
     def add_received(t: int, part: torch.Tensor) -> None:
         works, buf, _sent = inflight.pop(t)
-        with (nvtx.range(f"matmul_reduce_scatter.chunked.comm[{t}].wait"),
-              comm_wait("tp.chunked")):
-            for work in works:
-                work.wait()
+        with nvtx.range(f"matmul_reduce_scatter.chunked.comm[{t}].wait"):
+            _wait(works, op="matmul_reduce_scatter", group=group, timeout=timeout,
+                  what=f"receive of partial sum {t} from the left neighbour")
         part += buf
 
     for t in range((world - 1) * s):
@@ -176,7 +191,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
 
 
 def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGroup,
-                      chunks: int) -> torch.Tensor:
+                      chunks: int, timeout: float) -> torch.Tensor:
     """y [M, N] = all_reduce(x [M, K] @ w [K, N]), row block by row block."""
     y = x.new_empty(x.shape[0], w.shape[1])
     if dist.get_world_size(group) == 1:
@@ -189,12 +204,12 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGr
         # One reduction in flight at a time: block i - 1's ran under GEMM i. (Several
         # outstanding gloo collectives contend for its worker threads and finish later.)
         if inflight is not None:
-            with (nvtx.range(f"matmul_all_reduce.chunked.comm[{i - 1}].wait"),
-                  comm_wait("tp.chunked")):
-                inflight.wait()
+            with nvtx.range(f"matmul_all_reduce.chunked.comm[{i - 1}].wait"):
+                _wait([inflight], op="matmul_all_reduce", group=group, timeout=timeout,
+                      what=f"all-reduce of row block {i - 1}")
         with nvtx.range(f"matmul_all_reduce.chunked.comm[{i}]"):
             inflight = dist.all_reduce(y[lo:hi], group=group, async_op=True)
-    with (nvtx.range("matmul_all_reduce.chunked.comm.wait"),
-          comm_wait("tp.chunked")):
-        inflight.wait()
+    with nvtx.range("matmul_all_reduce.chunked.comm.wait"):
+        _wait([inflight], op="matmul_all_reduce", group=group, timeout=timeout,
+              what="all-reduce of the last row block")
     return y

@@ -10,23 +10,20 @@ buffer is rewritten only after every peer has acknowledged reading it two phases
 
 Two ways to get one:
 
-- implicitly: ``all_gather_matmul(...)`` etc. look up a cached context per ``(op, backend,
-  group, x shape, N, dtype, device)``, sized exactly for that call. The cache keeps the
-  ``MAX_CACHED`` most recently used contexts (least recently used ones are closed), and
-  ``close_all_contexts()`` closes them all (tests, teardown). A context is created collectively,
-  by every rank at the same call; with ``check_inputs`` that is also when the ranks' shapes are
-  compared, so a cached context costs no collective per call.
-- explicitly: ``make_context(op, x, w, group=..., nbytes=...)`` (no cache; pass it as
-  ``context=`` and ``close()`` it yourself). A call whose shapes need more bytes than the
-  context has raises ValueError before touching the workspace.
+- implicitly: a TPComm (overlap.tp.comm) keeps one per ``(op, backend, x shape, N, dtype,
+  device)``, sized exactly for that call, created collectively by every rank at the same call;
+  the comm closes them (least recently used first past ``MAX_CONTEXTS``, all at ``close()``).
+- explicitly: ``make_context(op, x, w, group=..., nbytes=...)`` (pass it as ``context=`` and
+  ``close()`` it yourself). A call whose shapes need more bytes than the context has raises
+  ValueError before touching the workspace.
 
-On any error inside an op the context *fails*: it aborts the workspace (peers waiting on this
-rank raise PeerDied at once instead of timing out), closes, and leaves the cache.
+On any error inside an op the comm fails, and with it every context: ``fail`` aborts the
+workspace (peers waiting on this rank raise PeerDied at once, with this rank's reason, instead
+of timing out) and closes it.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 
 import torch
@@ -35,13 +32,11 @@ import torch.distributed as dist
 from overlap.symm.workspace import PeerDied, SignalTimeout, create_workspace, group_name
 from overlap.tp.copier import make_copier
 
-__all__ = ["TPContext", "cached_context", "close_all_contexts", "MAX_CACHED", "align"]
+__all__ = ["TPContext", "align"]
 
-MAX_CACHED = 16
 DEFAULT_TIMEOUT = 30.0
 _ALIGN = 256
 _ids = itertools.count()
-_cache: collections.OrderedDict[tuple, "TPContext"] = collections.OrderedDict()
 
 
 def align(n: int) -> int:
@@ -62,7 +57,6 @@ class TPContext:
         self.timeout = timeout
         self.phase = 0
         self.closed = False
-        self.key: tuple | None = None
         # slot -> value every peer must reach before our buffers may be released (AG readers).
         self.quiesce: dict[int, int] = {}
         self.ws = create_workspace(group, nbytes, num_signals=num_signals, device=device,
@@ -95,7 +89,8 @@ class TPContext:
                              f"nbytes >= {nbytes}")
 
     def fail(self, exc: BaseException) -> None:
-        """The op raised mid-protocol: wake the peers, release everything, leave the cache."""
+        """The op (or its communicator) failed: wake the peers with the reason, release
+        everything."""
         if not self.closed:
             try:
                 self.ws.abort(f"{self.op} failed on rank {self.rank}: {exc}")
@@ -109,8 +104,6 @@ class TPContext:
         if self.closed:
             return
         self.closed = True
-        if self.key is not None and _cache.get(self.key) is self:
-            del _cache[self.key]
         try:
             if self.copier is not None:
                 self.copier.close()
@@ -136,36 +129,3 @@ def _host_wait(ws, slot: int, value: int, timeout: float) -> None:
         ws.wait(slot, value, timeout, blocking=True)
     else:
         ws.wait(slot, value, timeout)
-
-
-def cached_context(key: tuple, *, op: str, backend: str, group: dist.ProcessGroup,
-                   nbytes: int, num_signals: int, device: torch.device,
-                   on_create=None) -> TPContext:
-    """The cached context for ``key``, created (collectively) on first use. ``on_create`` runs
-    first, on every rank, when it is created (the cross-rank input check)."""
-    full_key = (id(group), *key)
-    ctx = _cache.get(full_key)
-    if ctx is not None and not ctx.closed and ctx.group is group:
-        _cache.move_to_end(full_key)
-        return ctx
-    if on_create is not None:
-        on_create()
-    ctx = TPContext(op=op, backend=backend, group=group, nbytes=nbytes,
-                    num_signals=num_signals, device=device)
-    ctx.key = full_key
-    _cache[full_key] = ctx
-    while len(_cache) > MAX_CACHED:
-        _, old = _cache.popitem(last=False)
-        old.close()
-    return ctx
-
-
-def close_all_contexts() -> None:
-    """Close every cached context (collective-free; call it on every rank at teardown)."""
-    for ctx in list(_cache.values()):
-        ctx.close()
-    _cache.clear()
-
-
-def num_cached() -> int:
-    return len(_cache)

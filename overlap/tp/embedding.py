@@ -40,19 +40,19 @@ class VocabParallelEmbedding(TPModule):
     """``nn.Embedding`` with its rows split over the TP group (see the module docstring)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
-                 *, tp_group=None, dims=None, sequence_parallel: bool = False,
-                 sequence_dim: int = 1, device=None, dtype=None):
+                 *, comm=None, tp_group=None, dims=None, sequence_parallel: bool = False,
+                 seq_dim: int = 1, device=None, dtype=None):
         super().__init__()
-        self._configure(tp_group, dims, sequence_parallel, sequence_dim)
+        self._configure(comm, tp_group, dims, sequence_parallel, seq_dim)
         # Same RNG draws as nn.Embedding(V, d): shards of the same full table on every rank.
         full = nn.Embedding(num_embeddings, embedding_dim, padding_idx, device=device,
                             dtype=dtype)
         self._load(full)
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, *, tp_group=None, dims=None,
+    def from_embedding(cls, embedding: nn.Embedding, *, comm=None, tp_group=None, dims=None,
                        sequence_parallel: bool = False,
-                       sequence_dim: int = 1) -> "VocabParallelEmbedding":
+                       seq_dim: int = 1) -> "VocabParallelEmbedding":
         """Shard an existing ``nn.Embedding`` (its values; the source is left unchanged)."""
         if not isinstance(embedding, nn.Embedding):
             raise TypeError(f"VocabParallelEmbedding.from_embedding: expected nn.Embedding, got "
@@ -62,16 +62,16 @@ class VocabParallelEmbedding(TPModule):
                              "scale_grad_by_freq and sparse are not supported")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._configure(tp_group, dims, sequence_parallel, sequence_dim)
+        self._configure(comm, tp_group, dims, sequence_parallel, seq_dim)
         self._load(embedding)
         return self
 
-    def _configure(self, tp_group, dims, sequence_parallel, sequence_dim) -> None:
-        self._init_group("VocabParallelEmbedding", tp_group, dims)
-        if sequence_dim not in (0, 1):
-            raise ValueError(f"VocabParallelEmbedding: sequence_dim must be 1 (ids (b, t)) or 0 "
-                             f"(ids (t, b)), got {sequence_dim!r}")
-        self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), sequence_dim
+    def _configure(self, comm, tp_group, dims, sequence_parallel, seq_dim) -> None:
+        self._init_comm("VocabParallelEmbedding", comm, tp_group, dims)
+        if seq_dim not in (0, 1):
+            raise ValueError(f"VocabParallelEmbedding: seq_dim must be 1 (ids (b, t)) or 0 "
+                             f"(ids (t, b)), got {seq_dim!r}")
+        self.sequence_parallel, self.seq_dim = bool(sequence_parallel), seq_dim
 
     def _load(self, full: nn.Embedding) -> None:
         vocab, self.embedding_dim = full.weight.shape
@@ -99,13 +99,14 @@ class VocabParallelEmbedding(TPModule):
         # Rows owned by other ranks must contribute zero, value and gradient alike.
         e_partial = e_partial.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            seq = self.sequence_dim if ids.dim() == 2 else 0
+            seq = self.seq_dim if ids.dim() == 2 else 0
             if ids.dim() not in (1, 2) or ids.shape[seq] % self.tp_size:
                 raise ValueError(f"VocabParallelEmbedding: sequence_parallel needs ids (t,) or "
                                  f"2-D with the sequence (dim {seq} of {tuple(ids.shape)}) "
                                  f"divisible by tp={self.tp_size} (tp rank {self.tp_rank})")
-            return reduce_scatter_to_sp(e_partial, seq, group=self.tp_group)
-        return reduce_from_tp(e_partial, group=self.tp_group)
+            return reduce_scatter_to_sp(e_partial, seq, group=self.tp_group,
+                                        timeout=self.comm.timeout)
+        return reduce_from_tp(e_partial, group=self.tp_group, timeout=self.comm.timeout)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, rows=[{self.vocab_start}, "

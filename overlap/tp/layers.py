@@ -4,15 +4,18 @@ Shape legend: ``tp`` size of the TP group, ``K`` in_features, ``N`` out_features
 ``t`` sequence, ``...`` any leading dims. Weights keep the ``nn.Linear`` layout [out, in]; the
 fused ops take ``w`` as [K, N], so the layers pass ``weight.t()``. Suffixes name the sharding:
 ``_shard_n`` split over the output features, ``_shard_k`` over the input features, ``_shard_s``
-over the sequence: dim ``sequence_dim`` of a 3-D input (1: batch-first (b, t, K), the default,
+over the sequence: dim ``seq_dim`` of a 3-D input (1: batch-first (b, t, K), the default,
 as in Hugging Face and overlap's GPT; 0: sequence-first (t, b, K), Megatron's layout), dim 0 of
 a 2-D (M, K) input.
 
 A column layer followed by a row layer is one TP region (attention: q/k/v column, o row; MLP:
 fc1 column, fc2 row). Between regions the activations are replicated (sequence_parallel=False)
 or sharded along the sequence (sequence_parallel=True, so norms and dropout run on 1/tp of the
-tokens). Every layer takes its group explicitly: ``tp_group=`` or ``dims=`` (a built
-ParallelDims); there is no default group.
+tokens). Every layer takes its communicator explicitly: ``comm=`` (a TPComm: group, backend,
+chunks, timeout, check_inputs), or, as thin wrappers over the group's default communicator,
+``tp_group=`` or ``dims=`` (a built ParallelDims) with ``backend=``/``chunks=``; there is no
+default group. Per-layer settings stay on the layer: ``sequence_parallel``, ``seq_dim``,
+``parts``, ``gather_output`` (column), ``input_is_parallel`` (row).
 
 Both layers are built either fresh (``ColumnParallelLinear(K, N, ...)``: a full ``nn.Linear``
 is created with the current RNG, exactly as the unsharded layer would be, then sliced, so the
@@ -29,27 +32,39 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from overlap.tp import sharding
+from overlap.tp.comm import BACKENDS, TPComm, default_comm
 from overlap.tp.ops import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 from overlap.tp.regions import (all_reduce_async, copy_to_tp, gather_from_tp, scatter_to_tp,
                                 wait)
 from overlap.tp.sharding import ShardSpec
 
 __all__ = ["TPModule", "ColumnParallelLinear", "RowParallelLinear", "column_parallel_shared",
-           "resolve_tp_group", "linear_weight", "BACKENDS"]
-
-BACKENDS = ("auto", "chunked", "symmetric", "triton")
+           "resolve_comm", "linear_weight", "BACKENDS"]
 
 
-def resolve_tp_group(op: str, tp_group, dims):
-    """The TP group from exactly one of ``tp_group=`` / ``dims=`` (a built ParallelDims)."""
-    if (tp_group is None) == (dims is None):
-        raise TypeError(f"{op}: pass exactly one of tp_group= or dims= (got "
-                        f"tp_group={tp_group!r}, dims={dims!r}); there is no default group")
+def resolve_comm(op: str, comm, tp_group, dims, *, backend: str = "auto",
+                 chunks: int | None = None) -> TPComm:
+    """The layer's communicator: ``comm=``, or the default one of ``tp_group=`` / ``dims=``
+    (a built ParallelDims) with ``backend``/``chunks``. Exactly one of the three."""
+    given = [name for name, v in (("comm", comm), ("tp_group", tp_group), ("dims", dims))
+             if v is not None]
+    if len(given) != 1:
+        raise TypeError(f"{op}: pass exactly one of comm=, tp_group= or dims= (got "
+                        f"{', '.join(given) or 'none'}); there is no default group")
+    if comm is not None:
+        if not isinstance(comm, TPComm):
+            raise TypeError(f"{op}: comm must be a TPComm, got {type(comm).__name__}")
+        if backend != "auto" or chunks is not None:
+            raise ValueError(f"{op}: backend= and chunks= belong to the TPComm when comm= is "
+                             f"given (got backend={backend!r}, chunks={chunks!r})")
+        return comm
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
     if dims is not None:
         if getattr(dims, "tp_group", None) is None:
             raise ValueError(f"{op}: dims has no tp_group; build it with ParallelDims.build()")
-        return dims.tp_group
-    return tp_group
+        tp_group = dims.tp_group
+    return default_comm(tp_group, backend=backend, op=op)
 
 
 def linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
@@ -63,15 +78,20 @@ def linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None,
 
 
 class TPModule(nn.Module):
-    """Base of every TP layer: owns ``tp_group`` and one ShardSpec per parameter."""
+    """Base of every TP layer: holds its ``comm`` (and ``tp_group`` = ``comm.group``) and one
+    ShardSpec per parameter."""
 
     tp_group = None
+    comm: TPComm
     shard_specs: dict[str, ShardSpec]
 
-    def _init_group(self, op: str, tp_group, dims) -> None:
-        self.tp_group = resolve_tp_group(op, tp_group, dims)
-        self.tp_size = dist.get_world_size(self.tp_group)
-        self.tp_rank = dist.get_rank(self.tp_group)
+    def _init_comm(self, op: str, comm, tp_group, dims, *, backend: str = "auto",
+                   chunks: int | None = None) -> None:
+        self.comm = resolve_comm(op, comm, tp_group, dims, backend=backend, chunks=chunks)
+        self.chunks = chunks  # the tp_group= form's per-layer override (None: the comm's)
+        self.tp_group = self.comm.group
+        self.tp_size = self.comm.world
+        self.tp_rank = self.comm.rank
 
     def full_state_dict(self, prefix: str = "", *, grads: bool = False) -> dict[str, torch.Tensor]:
         """Unsharded parameters (or their gradients, zeros where None) keyed like the source
@@ -96,7 +116,7 @@ class TPModule(nn.Module):
                                                     self.tp_size))
 
     def _seq_dim(self, x: torch.Tensor) -> int:
-        return self.sequence_dim if x.dim() == 3 else 0
+        return self.seq_dim if x.dim() == 3 else 0
 
     def _check_input(self, x: torch.Tensor, want_k: int) -> None:
         if x.dim() < 1 or x.shape[-1] != want_k:
@@ -112,9 +132,9 @@ class _ColumnLinearAllReduceDgrad(torch.autograd.Function):
     asynchronously and computes the weight gradient while it is in flight."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
+    def forward(ctx, x, weight, bias, comm):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.comm, ctx.has_bias = comm, bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -124,7 +144,7 @@ class _ColumnLinearAllReduceDgrad(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = dy.matmul(weight)
             # Launch first: the all-reduce of dgrad runs while wgrad is computed below.
-            work = all_reduce_async(dx, group=ctx.group)
+            work = all_reduce_async(dx, group=ctx.comm.group)
         dw = db = None
         dy2 = dy.reshape(-1, dy.shape[-1])
         if ctx.needs_input_grad[1]:
@@ -132,68 +152,44 @@ class _ColumnLinearAllReduceDgrad(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         if work is not None:
-            wait(work, op="ColumnParallelLinear dgrad all_reduce", group=ctx.group)
+            wait(work, op="ColumnParallelLinear dgrad all_reduce", group=ctx.comm.group,
+                 timeout=ctx.comm.timeout)
         return dx, dw, db, None
 
 
 class _Linear(TPModule):
-    """Shared construction for the two linear layers (``_split`` says which dim is sharded).
-
-    ``check_inputs`` (attribute, default True) is passed to the fused ops: with the "chunked"
-    backend they then compare shapes across ranks with a small all-gather on every call (on
-    NCCL that synchronises the stream); set it to False once the model is known to be sound.
-    """
+    """Shared construction for the two linear layers (``_split`` says which dim is sharded)."""
 
     _split: str  # "out" or "in"
-    check_inputs: bool = True
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 tp_group=None, dims=None, sequence_parallel: bool = False,
-                 sequence_dim: int = 1, backend: str = "auto", chunks: int | None = None,
-                 parts: int = 1, device=None, dtype=None, **options):
-        super().__init__()
-        self._configure(tp_group, dims, sequence_parallel, sequence_dim, backend, chunks, parts,
-                        options)
+    def _configure(self, comm, tp_group, dims, backend, chunks, *, sequence_parallel: bool,
+                   seq_dim: int, parts: int) -> None:
+        name = type(self).__name__
+        self._init_comm(name, comm, tp_group, dims, backend=backend, chunks=chunks)
+        if not isinstance(parts, int) or parts < 1 or (parts > 1 and self._split == "in"):
+            raise ValueError(f"{name}: parts must be a positive int (and 1 for a row layer), "
+                             f"got {parts!r}")
+        if seq_dim not in (0, 1):
+            raise ValueError(f"{name}: seq_dim must be 1 (batch-first (b, t, K)) or 0 "
+                             f"(sequence-first (t, b, K)), got {seq_dim!r}")
+        self.sequence_parallel = bool(sequence_parallel)
+        self.seq_dim = seq_dim
+        self.parts = parts
+
+    def _build(self, in_features: int, out_features: int, bias: bool, device, dtype) -> None:
         # Same RNG draws as nn.Linear(in, out): the shards of the same full weight on every rank.
         full = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._load(full.weight, full.bias, transposed=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, *, tp_group=None, dims=None,
-                    sequence_parallel: bool = False, sequence_dim: int = 1,
-                    backend: str = "auto", chunks: int | None = None, parts: int = 1,
-                    **options):
-        """Shard an existing ``nn.Linear`` or HF ``Conv1D`` (its values; the source module is
-        left unchanged). ``parts``: the output dim is that many equal blocks to shard
-        separately (fused qkv: parts=3; column layers only)."""
+    def _from(cls, linear: nn.Module):
         try:
             weight, bias, transposed = linear_weight(linear)
         except TypeError as exc:
             raise TypeError(f"{cls.__name__}.from_linear: {exc}") from None
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._configure(tp_group, dims, sequence_parallel, sequence_dim, backend, chunks, parts,
-                        options)
-        self._load(weight, bias, transposed=transposed)
-        return self
-
-    def _configure(self, tp_group, dims, sequence_parallel, sequence_dim, backend, chunks, parts,
-                   options):
-        name = type(self).__name__
-        self._init_group(name, tp_group, dims)
-        if backend not in BACKENDS:
-            raise ValueError(f"{name}: backend must be one of {BACKENDS}, got {backend!r}")
-        if not isinstance(parts, int) or parts < 1 or (parts > 1 and self._split == "in"):
-            raise ValueError(f"{name}: parts must be a positive int (and 1 for a row layer), "
-                             f"got {parts!r}")
-        if sequence_dim not in (0, 1):
-            raise ValueError(f"{name}: sequence_dim must be 1 (batch-first (b, t, K)) or 0 "
-                             f"(sequence-first (t, b, K)), got {sequence_dim!r}")
-        self.sequence_parallel, self.backend, self.chunks = bool(sequence_parallel), backend, chunks
-        self.sequence_dim = sequence_dim
-        self.parts = parts
-        for key, value in options.items():
-            setattr(self, key, bool(value))
+        return self, (weight, bias, transposed)
 
     def _load(self, weight: torch.Tensor, bias: torch.Tensor | None, *, transposed: bool):
         name = type(self).__name__
@@ -225,7 +221,7 @@ class _Linear(TPModule):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"local_weight={tuple(self.weight.shape)}, bias={self.bias is not None}, "
                 f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}, "
-                f"backend={self.backend}")
+                f"backend={self.comm.backend}")
 
 
 class ColumnParallelLinear(_Linear):
@@ -249,24 +245,30 @@ class ColumnParallelLinear(_Linear):
     _split = "out"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 tp_group=None, dims=None, gather_output: bool = False,
-                 sequence_parallel: bool = False, sequence_dim: int = 1,
-                 backend: str = "auto", chunks: int | None = None, parts: int = 1,
-                 device=None, dtype=None):
-        super().__init__(in_features, out_features, bias, tp_group=tp_group, dims=dims,
-                         sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
-                         backend=backend, chunks=chunks, parts=parts, device=device,
-                         dtype=dtype, gather_output=gather_output)
+                 comm: TPComm | None = None, tp_group=None, dims=None,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 seq_dim: int = 1, parts: int = 1, backend: str = "auto",
+                 chunks: int | None = None, device=None, dtype=None):
+        super().__init__()
+        self._configure(comm, tp_group, dims, backend, chunks,
+                        sequence_parallel=sequence_parallel, seq_dim=seq_dim, parts=parts)
+        self.gather_output = bool(gather_output)
+        self._build(in_features, out_features, bias, device, dtype)
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, *, tp_group=None, dims=None,
-                    gather_output: bool = False, sequence_parallel: bool = False,
-                    sequence_dim: int = 1, backend: str = "auto", chunks: int | None = None,
-                    parts: int = 1):
-        return super().from_linear(linear, tp_group=tp_group, dims=dims,
-                                   sequence_parallel=sequence_parallel,
-                                   sequence_dim=sequence_dim, backend=backend, chunks=chunks,
-                                   parts=parts, gather_output=gather_output)
+    def from_linear(cls, linear: nn.Module, *, comm: TPComm | None = None, tp_group=None,
+                    dims=None, gather_output: bool = False, sequence_parallel: bool = False,
+                    seq_dim: int = 1, parts: int = 1, backend: str = "auto",
+                    chunks: int | None = None) -> "ColumnParallelLinear":
+        """Shard an existing ``nn.Linear`` or HF ``Conv1D`` (its values; the source module is
+        left unchanged). ``parts``: the output dim is that many equal blocks to shard
+        separately (fused qkv: parts=3)."""
+        self, (weight, bias, transposed) = cls._from(linear)
+        self._configure(comm, tp_group, dims, backend, chunks,
+                        sequence_parallel=sequence_parallel, seq_dim=seq_dim, parts=parts)
+        self.gather_output = bool(gather_output)
+        self._load(weight, bias, transposed=transposed)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x, self.in_features)
@@ -277,18 +279,18 @@ class ColumnParallelLinear(_Linear):
             pad = max(self.local_sizes) - n_local
             if pad:  # uneven vocab: the fused op needs one w shape on every rank
                 w = F.pad(w, (0, pad))
-            y = all_gather_matmul(x, w, group=self.tp_group, backend=self.backend,
-                                  chunks=self.chunks, seq_dim=self._seq_dim(x),
-                                  check_inputs=self.check_inputs)
+            y = all_gather_matmul(x, w, comm=self.comm, chunks=self.chunks,
+                                  seq_dim=self._seq_dim(x))
             if pad:
                 y = y[..., :n_local]
             if self.bias is not None:
                 y = y + self.bias
         else:
-            y = _ColumnLinearAllReduceDgrad.apply(x, self.weight, self.bias, self.tp_group)
+            y = _ColumnLinearAllReduceDgrad.apply(x, self.weight, self.bias, self.comm)
         if self.gather_output:
             sizes = None if len(set(self.local_sizes)) == 1 else self.local_sizes
-            y = gather_from_tp(y, -1, group=self.tp_group, sizes=sizes)
+            y = gather_from_tp(y, -1, group=self.tp_group, sizes=sizes,
+                               timeout=self.comm.timeout)
         return y
 
 
@@ -313,40 +315,45 @@ class RowParallelLinear(_Linear):
     _split = "in"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 tp_group=None, dims=None, input_is_parallel: bool = True,
-                 sequence_parallel: bool = False, sequence_dim: int = 1,
-                 backend: str = "auto", chunks: int | None = None, device=None, dtype=None):
-        super().__init__(in_features, out_features, bias, tp_group=tp_group, dims=dims,
-                         sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
-                         backend=backend, chunks=chunks, device=device, dtype=dtype,
-                         input_is_parallel=input_is_parallel)
+                 comm: TPComm | None = None, tp_group=None, dims=None,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 seq_dim: int = 1, backend: str = "auto", chunks: int | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        self._configure(comm, tp_group, dims, backend, chunks,
+                        sequence_parallel=sequence_parallel, seq_dim=seq_dim, parts=1)
+        self.input_is_parallel = bool(input_is_parallel)
+        self._build(in_features, out_features, bias, device, dtype)
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, *, tp_group=None, dims=None,
-                    input_is_parallel: bool = True, sequence_parallel: bool = False,
-                    sequence_dim: int = 1, backend: str = "auto", chunks: int | None = None):
-        return super().from_linear(linear, tp_group=tp_group, dims=dims,
-                                   sequence_parallel=sequence_parallel,
-                                   sequence_dim=sequence_dim, backend=backend, chunks=chunks,
-                                   input_is_parallel=input_is_parallel)
+    def from_linear(cls, linear: nn.Module, *, comm: TPComm | None = None, tp_group=None,
+                    dims=None, input_is_parallel: bool = True,
+                    sequence_parallel: bool = False, seq_dim: int = 1, backend: str = "auto",
+                    chunks: int | None = None) -> "RowParallelLinear":
+        """Shard an existing ``nn.Linear`` or HF ``Conv1D`` over its input features."""
+        self, (weight, bias, transposed) = cls._from(linear)
+        self._configure(comm, tp_group, dims, backend, chunks,
+                        sequence_parallel=sequence_parallel, seq_dim=seq_dim, parts=1)
+        self.input_is_parallel = bool(input_is_parallel)
+        self._load(weight, bias, transposed=transposed)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sizes = None if len(set(self.local_sizes)) == 1 else self.local_sizes
         if not self.input_is_parallel:
             self._check_input(x, self.in_features)
-            x = scatter_to_tp(x, -1, group=self.tp_group, sizes=sizes)
+            x = scatter_to_tp(x, -1, group=self.tp_group, sizes=sizes,
+                              timeout=self.comm.timeout)
         self._check_input(x, self.weight.shape[1])
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
         if self.sequence_parallel:
-            y = matmul_reduce_scatter(x, self.weight.t(), group=self.tp_group,
-                                      backend=self.backend, chunks=self.chunks,
-                                      seq_dim=self._seq_dim(x), check_inputs=self.check_inputs)
-            bias = None if self.bias is None else copy_to_tp(self.bias, group=self.tp_group)
+            y = matmul_reduce_scatter(x, self.weight.t(), comm=self.comm, chunks=self.chunks,
+                                      seq_dim=self._seq_dim(x))
+            bias = None if self.bias is None else copy_to_tp(self.bias, group=self.tp_group,
+                                                             timeout=self.comm.timeout)
         else:
-            y = matmul_all_reduce(x, self.weight.t(), group=self.tp_group,
-                                  backend=self.backend, chunks=self.chunks,
-                                  check_inputs=self.check_inputs)
+            y = matmul_all_reduce(x, self.weight.t(), comm=self.comm, chunks=self.chunks)
             bias = self.bias
         return y if bias is None else y + bias
 
@@ -358,14 +365,12 @@ def column_parallel_shared(x: torch.Tensor, layers) -> list[torch.Tensor]:
 
     so the input is all-gathered once (sequence parallel) or its gradient all-reduced once
     (not) instead of n times. Equal to ``[layer(x) for layer in layers]``, which is what runs
-    when the layers disagree on group, sequence parallelism, backend, chunks or sequence_dim,
-    gather their output, or mix bias and no bias.
+    when the layers disagree on communicator, sequence parallelism or seq_dim, gather their
+    output, or mix bias and no bias.
     """
     first = layers[0]
-    key = (first.tp_group, first.sequence_parallel, first.backend, first.chunks,
-           first.sequence_dim, first.bias is None)
-    if any((m.tp_group, m.sequence_parallel, m.backend, m.chunks, m.sequence_dim,
-            m.bias is None) != key or m.gather_output or not isinstance(m, ColumnParallelLinear)
+    key = (first.comm, first.chunks, first.sequence_parallel, first.seq_dim, first.bias is None)
+    if any((m.comm, m.chunks, m.sequence_parallel, m.seq_dim, m.bias is None) != key or m.gather_output or not isinstance(m, ColumnParallelLinear)
            or len(set(m.local_sizes)) > 1 for m in layers):
         return [m(x) for m in layers]
     first._check_input(x, first.in_features)
@@ -374,10 +379,9 @@ def column_parallel_shared(x: torch.Tensor, layers) -> list[torch.Tensor]:
     if first.tp_size == 1:
         y = F.linear(x, weight, bias)
     elif first.sequence_parallel:
-        y = all_gather_matmul(x, weight.t(), group=first.tp_group, backend=first.backend,
-                              chunks=first.chunks, seq_dim=first._seq_dim(x),
-                              check_inputs=first.check_inputs)
+        y = all_gather_matmul(x, weight.t(), comm=first.comm, chunks=first.chunks,
+                              seq_dim=first._seq_dim(x))
         y = y if bias is None else y + bias
     else:
-        y = _ColumnLinearAllReduceDgrad.apply(x, weight, bias, first.tp_group)
+        y = _ColumnLinearAllReduceDgrad.apply(x, weight, bias, first.comm)
     return list(y.split([m.weight.shape[0] for m in layers], -1))

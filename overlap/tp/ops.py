@@ -14,23 +14,28 @@ Shape legend (``world`` = size of ``group``; every rank passes the same shapes):
     transposes to [S, B, H] around the op (one copy each way; autograd follows).
     ``w`` is [K, N]: an nn.Linear keeps weight as [N, K], so layers pass ``weight.t()``.
 
-Backends (``backend=``): "chunked" (async torch.distributed, any transport), "symmetric"
-(userbuffers over a SymmetricWorkspace, one host), "triton" (fused kernels over the same
-workspace), "auto" (see overlap.tp.backends for the rule and the default ``chunks``).
+Every op runs on a TP communicator (overlap.tp.comm.TPComm): ``comm=`` passes one; the
+``group=`` form (with ``backend=``, ``chunks=``, ``check_inputs=``) is a thin wrapper that uses
+the default communicator of that group and settings. Backends: "chunked" (async
+torch.distributed, any transport), "symmetric" (userbuffers over a SymmetricWorkspace, one
+host), "triton" (fused kernels over the same workspace), "auto" (resolved once by the comm; see
+overlap.tp.comm and overlap.tp.backends for the rule and the default ``chunks``).
 Accuracy: the result equals the unfused reference up to summation order: fp32 within 1e-5
 relative; bf16/fp16 reduce-scatter sums are rounded to the input dtype at every ring hop
 (chunked, like NCCL) or summed in fp32 then rounded once (symmetric, triton).
 
 ``check_inputs`` (default True): local checks always run before any communication (shapes,
 K, dtypes, divisibility; overlap.tp.checks). On top, ranks compare their shapes with one small
-all_gather of int64 metadata: on every call for "chunked"; for "symmetric"/"triton" only when a
-cached context is created (so steady-state calls cost no collective). A disagreement raises
-ValueError on every rank naming the ranks. After a context exists, a rank that diverges
-surfaces as a SignalTimeout within the context's timeout instead. Pass False to skip the
-collective (it synchronises the stream on NCCL).
+all_gather of int64 metadata, once per shape signature per communicator (so steady-state calls
+cost no collective and no host sync). A disagreement raises ValueError on every rank naming the
+ranks. A rank that diverges later surfaces as a timeout within the comm's timeout. Pass False
+to skip the collective.
+
+Failures stay failures: any error inside an op (a refused input, a timeout, a dead peer) fails
+its communicator, and every later call on it raises TPCommFailed with the first error.
 
 ``context=``: an explicit TPContext from :func:`make_context` (see overlap.tp.context);
-otherwise contexts are cached per (op, backend, group, shapes, dtype, device).
+otherwise the communicator keeps one per (op, backend, shapes, dtype, device).
 """
 
 from __future__ import annotations
@@ -40,67 +45,118 @@ import torch.distributed as dist
 
 from overlap.symm.workspace import group_name
 from overlap.tp import backends
-from overlap.tp.backends import Call
-from overlap.tp.checks import check_across_ranks, signature, validate, where
-from overlap.tp.context import TPContext, close_all_contexts
+from overlap.tp.checks import check_across_ranks, signature, validate
+from overlap.tp.comm import TPComm, TPCommFailed, close_default_comms, default_comm
+from overlap.tp.context import TPContext
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "make_context",
            "close_all_contexts", "resolve_backend"]
 
 
-def _prepare(op: str, x: torch.Tensor, w: torch.Tensor, *, group, backend: str, chunks,
-             check_inputs: bool, context: TPContext | None, flags: int = 0) -> Call:
-    validate(op, x, w, group=group, backend=backend, chunks=chunks)
+class _Run:
+    """One call's communicator, backend, chunks and (explicit) context; kept on the autograd
+    ctx for the backward."""
+
+    __slots__ = ("comm", "backend", "chunks", "context")
+
+    def __init__(self, comm: TPComm, backend, chunks: int, context: TPContext | None):
+        self.comm, self.backend, self.chunks, self.context = comm, backend, chunks, context
+
+    def ctx_for(self, op: str, x: torch.Tensor, w: torch.Tensor, on_create=lambda: None):
+        if self.context is not None and self.context.op == op:
+            return self.context
+        return backends.context_for(self.comm, self.backend, op, x, w, on_create)
+
+    def guarded(self, op: str, fn):
+        """Run ``fn``; any error fails the communicator (peers blocked on us raise now)."""
+        self.comm.ensure_usable(op)
+        try:
+            return fn()
+        except TPCommFailed:
+            raise
+        except BaseException as exc:
+            self.comm.fail(exc)
+            if self.context is not None:  # an explicit context fails with its op too
+                self.context.fail(exc)
+            raise
+
+
+def _comm_for(op: str, comm, group, backend: str, chunks, check_inputs: bool,
+              context) -> TPComm:
+    if comm is not None:
+        if not isinstance(comm, TPComm):
+            raise TypeError(f"{op}: comm must be a TPComm, got {type(comm).__name__}")
+        if group is not None and group is not comm.group:
+            raise ValueError(f"{op}: pass comm= or group=, not both (comm is on group "
+                             f"{group_name(comm.group)}, group= is {group_name(group)})")
+        return comm
     if context is not None:
         if not isinstance(context, TPContext):
             raise TypeError(f"{op}: context must be a TPContext from make_context, got "
-                            f"{type(context).__name__}{where(group)}")
-        if context.op != op:
-            raise ValueError(f"{op}: context= was made for {context.op}, not {op}{where(group)}")
-        if context.group is not group or backend not in ("auto", context.backend):
-            raise ValueError(f"{op}: context= belongs to group {group_name(context.group)} "
-                             f"and backend {context.backend!r}, but the call passes group "
-                             f"{group_name(group)} and backend {backend!r}{where(group)}")
-        backend = context.backend
-    resolved = backends.resolve(op, backend, group=group, device=x.device, dtype=x.dtype)
-    world = dist.get_world_size(group)
-    sig = signature(op, resolved, x, w, chunks, flags) if check_inputs else None
-    if sig is not None and (resolved == "chunked" or world == 1):
-        check_across_ranks(op, sig, group=group, device=x.device)
-        sig = None
-    if sig is not None and context is not None:
-        check_across_ranks(op, sig, group=group, device=x.device)
-        sig = None
-    return Call(op=op, group=group, backend=resolved, chunks=chunks or world, context=context,
-                check_sig=sig)
+                            f"{type(context).__name__}")
+        if group is not None and context.group is not group:
+            raise ValueError(f"{op}: context= belongs to group {group_name(context.group)}, "
+                             f"but the call passes group {group_name(group)}")
+        if backend not in ("auto", context.backend):
+            raise ValueError(f"{op}: context= belongs to backend {context.backend!r}, but the "
+                             f"call passes backend {backend!r}")
+        backend, group = context.backend, context.group
+    return default_comm(group, backend=backend, op=op)
 
 
-def _check_seq_dim(op: str, x, seq_dim: int, group) -> None:
+def _prepare(op: str, x, w, *, comm, group, backend: str, chunks, check_inputs: bool,
+             context, flags: int = 0, seq_dim: int = 0) -> _Run:
+    c = _comm_for(op, comm, group, backend, chunks, check_inputs, context)
+    c.ensure_usable(op)
+    if context is not None and context.op != op:
+        err = ValueError(f"{op}: context= was made for {context.op}, not {op}{c.where()}")
+        c.fail(err)
+        raise err
+    run = _Run(c, None, 0, context)
+    # comm= carries the settings; the group= form's per-call knobs apply to this call.
+    check = c.check_inputs if comm is not None else check_inputs
+
+    def setup() -> _Run:
+        _check_seq_dim(op, x, seq_dim, c.where())
+        xs = x.transpose(0, 1) if seq_dim == 1 else x
+        validate(op, xs, w, group=c.group, backend=c.backend, chunks=chunks)
+        run.backend = backends.backend_for(c, x.dtype)
+        run.chunks = chunks or c.chunks or c.world
+        if check and c.world > 1:
+            sig = signature(op, c.backend, xs, w, chunks, flags)
+            if not c.agreed(tuple(sig)):
+                check_across_ranks(op, sig, group=c.group, device=x.device)
+                c.mark_agreed(tuple(sig))
+        return run
+
+    return run.guarded(op, setup)
+
+
+def _check_seq_dim(op: str, x, seq_dim: int, at: str) -> None:
     if seq_dim not in (0, 1) or (seq_dim == 1 and getattr(x, "dim", lambda: 0)() != 3):
         raise ValueError(f"{op}: seq_dim must be 0, or 1 for a batch-first 3-D [B, S, K] input, "
-                         f"got seq_dim={seq_dim!r} for shape "
-                         f"{tuple(getattr(x, 'shape', ()))}{where(group)}")
-
-
-def _backward_call(call: Call, op: str) -> Call:
-    return Call(op=op, group=call.group, backend=call.backend, chunks=call.chunks)
+                         f"got seq_dim={seq_dim!r} for shape {tuple(getattr(x, 'shape', ()))}{at}")
 
 
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_shard, w, call: Call):
+    def forward(ctx, x_shard, w, run: _Run):
         ctx.set_materialize_grads(False)
-        y, gathered = backends.run_ag(call, x_shard, w, return_gathered=True)
+        op = "all_gather_matmul"
+        y, gathered = run.guarded(op, lambda: run.backend.ag(
+            run.comm, run.ctx_for(op, x_shard, w), x_shard, w, chunks=run.chunks,
+            return_gathered=True))
         if gathered is x_shard:  # one rank: an output must not alias an input
             gathered = gathered.clone()
-        ctx.call = call
+        ctx.run = run
         ctx.save_for_backward(gathered if ctx.needs_input_grad[1] else None, w)
         return y, gathered
 
     @staticmethod
     def backward(ctx, dy, dgathered):
         gathered, w = ctx.saved_tensors
-        call = _backward_call(ctx.call, "matmul_reduce_scatter")
+        run = _Run(ctx.run.comm, ctx.run.backend, ctx.run.chunks, None)
+        op = "matmul_reduce_scatter"
         dx_shard = dw = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if dy is not None:
@@ -113,31 +169,40 @@ class _AllGatherMatmul(torch.autograd.Function):
                     dw = gathered.t() @ dy
                 # dgrad's reduce-scatter is launched first; the wgrad GEMM runs while its last
                 # transfers are in flight, then the op waits for them.
-                dx_shard = backends.run_rs(call, dy, w.t(), overlap_with=wgrad if need_dw else None)
+                wt = w.t()
+                dx_shard = run.guarded(op, lambda: run.backend.rs(
+                    run.comm, run.ctx_for(op, dy, wt), dy, wt, chunks=run.chunks,
+                    overlap_with=wgrad if need_dw else None))
         if need_dx and dgathered is not None:
-            extra = backends.scatter(call, dgathered)
+            extra = run.guarded(op, lambda: backends.scatter(run.comm, dgathered))
             dx_shard = extra if dx_shard is None else dx_shard + extra
         return dx_shard, dw, None
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, call: Call):
-        ctx.call = call
+    def forward(ctx, x, w, run: _Run):
+        ctx.run = run
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w)
-        return backends.run_rs(call, x, w)
+        op = "matmul_reduce_scatter"
+        return run.guarded(op, lambda: run.backend.rs(
+            run.comm, run.ctx_for(op, x, w), x, w, chunks=run.chunks, overlap_with=None))
 
     @staticmethod
     def backward(ctx, dy_shard):
         x, w = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        call = _backward_call(ctx.call, "all_gather_matmul")
+        run = _Run(ctx.run.comm, ctx.run.backend, ctx.run.chunks, None)
+        op = "all_gather_matmul"
         dy_shard = dy_shard.contiguous()
         dx = dw = None
         if need_dx:
-            dx, dy = backends.run_ag(call, dy_shard, w.t(), return_gathered=need_dw)
+            wt = w.t()
+            dx, dy = run.guarded(op, lambda: run.backend.ag(
+                run.comm, run.ctx_for(op, dy_shard, wt), dy_shard, wt, chunks=run.chunks,
+                return_gathered=need_dw))
         else:
-            dy = backends.gather(call, dy_shard)
+            dy = run.guarded(op, lambda: backends.gather(run.comm, dy_shard))
         if need_dw:
             dw = x.t() @ dy
         return dx, dw, None
@@ -145,9 +210,11 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, call: Call):
+    def forward(ctx, x, w, run: _Run):
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w)
-        return backends.run_ar(call, x, w)
+        op = "matmul_all_reduce"
+        return run.guarded(op, lambda: run.backend.ar(
+            run.comm, run.ctx_for(op, x, w), x, w, chunks=run.chunks))
 
     @staticmethod
     def backward(ctx, dy):
@@ -157,10 +224,11 @@ class _MatmulAllReduce(torch.autograd.Function):
         return dx, dw, None
 
 
-def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGroup,
-                      backend: str = "auto", chunks: int | None = None,
-                      return_gathered: bool = False, check_inputs: bool = True,
-                      context: TPContext | None = None, seq_dim: int = 0):
+def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, *, comm: TPComm | None = None,
+                      group: dist.ProcessGroup | None = None, backend: str = "auto",
+                      chunks: int | None = None, return_gathered: bool = False,
+                      check_inputs: bool = True, context: TPContext | None = None,
+                      seq_dim: int = 0):
     """Sequence-parallel column-parallel GEMM with the all-gather hidden under it.
 
     Shapes: x_shard [m, K] or [s, B, K] (this rank's rows), w [K, N] -> y [M, N] or
@@ -176,34 +244,31 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, *, group: dist.Pro
 
     ``chunks``: pieces along M, a multiple of world (default world: one per rank's shard).
     ``seq_dim=1``: x_shard is batch-first [B, s, K], gathered along dim 1 (outputs likewise).
-    ``check_inputs`` and ``context``: see the module docstring.
+    ``comm``, ``group``/``backend``/``check_inputs`` and ``context``: see the module docstring.
     Returns y, or (y, gathered) when ``return_gathered``.
     """
     op = "all_gather_matmul"
-    _check_seq_dim(op, x_shard, seq_dim, group)
+    run = _prepare(op, x_shard, w, comm=comm, group=group, backend=backend, chunks=chunks,
+                   check_inputs=check_inputs, context=context, flags=int(return_gathered),
+                   seq_dim=seq_dim)
     if seq_dim == 1:  # batch-first [B, s, K]: gather along s via the sequence-first layout
-        out = all_gather_matmul(x_shard.transpose(0, 1), w, group=group, backend=backend,
-                                chunks=chunks, return_gathered=return_gathered,
-                                check_inputs=check_inputs, context=context)
-        if return_gathered:
-            return out[0].transpose(0, 1), out[1].transpose(0, 1)
-        return out.transpose(0, 1)
-    call = _prepare(op, x_shard, w, group=group, backend=backend, chunks=chunks,
-                    check_inputs=check_inputs, context=context, flags=int(return_gathered))
-    world = dist.get_world_size(group)
+        x_shard = x_shard.transpose(0, 1)
+    world = run.comm.world
     x2 = x_shard.reshape(-1, x_shard.shape[-1])
-    y2, g2 = _AllGatherMatmul.apply(x2, w, call)
+    y2, g2 = _AllGatherMatmul.apply(x2, w, run)
     lead = (world * x_shard.shape[0], *x_shard.shape[1:-1])
     y = y2.view(*lead, w.shape[1])
-    if return_gathered:
-        return y, g2.view(*lead, x_shard.shape[-1])
-    return y
+    g = g2.view(*lead, x_shard.shape[-1]) if return_gathered else None
+    if seq_dim == 1:
+        y = y.transpose(0, 1)
+        g = None if g is None else g.transpose(0, 1)
+    return (y, g) if return_gathered else y
 
 
-def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGroup,
-                          backend: str = "auto", chunks: int | None = None,
-                          check_inputs: bool = True, context: TPContext | None = None,
-                          seq_dim: int = 0) -> torch.Tensor:
+def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, comm: TPComm | None = None,
+                          group: dist.ProcessGroup | None = None, backend: str = "auto",
+                          chunks: int | None = None, check_inputs: bool = True,
+                          context: TPContext | None = None, seq_dim: int = 0) -> torch.Tensor:
     """Row-parallel GEMM with sequence parallelism: the reduce-scatter hidden under the GEMM.
 
     Shapes: x [M, K] or [S, B, K] (M = S*B; S divisible by world), w [K, N] ->
@@ -215,25 +280,23 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
 
     ``chunks``: pieces along M, a multiple of world (default world: one per destination rank).
     ``seq_dim=1``: x is batch-first [B, S, K], scattered along dim 1 -> [B, S/world, N].
-    ``check_inputs`` and ``context``: see the module docstring.
+    ``comm``, ``group``/``backend``/``check_inputs`` and ``context``: see the module docstring.
     """
     op = "matmul_reduce_scatter"
-    _check_seq_dim(op, x, seq_dim, group)
+    run = _prepare(op, x, w, comm=comm, group=group, backend=backend, chunks=chunks,
+                   check_inputs=check_inputs, context=context, seq_dim=seq_dim)
     if seq_dim == 1:  # batch-first [B, S, K]: scatter along S via the sequence-first layout
-        return matmul_reduce_scatter(x.transpose(0, 1), w, group=group, backend=backend,
-                                     chunks=chunks, check_inputs=check_inputs,
-                                     context=context).transpose(0, 1)
-    call = _prepare(op, x, w, group=group, backend=backend, chunks=chunks,
-                    check_inputs=check_inputs, context=context)
-    world = dist.get_world_size(group)
-    y2 = _MatmulReduceScatter.apply(x.reshape(-1, x.shape[-1]), w, call)
-    return y2.view(x.shape[0] // world, *x.shape[1:-1], w.shape[1])
+        x = x.transpose(0, 1)
+    world = run.comm.world
+    y2 = _MatmulReduceScatter.apply(x.reshape(-1, x.shape[-1]), w, run)
+    y = y2.view(x.shape[0] // world, *x.shape[1:-1], w.shape[1])
+    return y.transpose(0, 1) if seq_dim == 1 else y
 
 
-def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGroup,
-                      backend: str = "auto", chunks: int | None = None,
-                      check_inputs: bool = True, context: TPContext | None = None,
-                      ) -> torch.Tensor:
+def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, comm: TPComm | None = None,
+                      group: dist.ProcessGroup | None = None, backend: str = "auto",
+                      chunks: int | None = None, check_inputs: bool = True,
+                      context: TPContext | None = None) -> torch.Tensor:
     """Row-parallel GEMM without sequence parallelism: the all-reduce hidden under the GEMM.
 
     Shapes: x [M, K] or [S, B, K] (K = this rank's input features), w [K, N] -> y [M, N] or
@@ -244,43 +307,44 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGr
         wgrad    dw = x.T @ dy            it is when everything after y is replicated)
 
     ``chunks``: row blocks of M (default world). Any M works (symmetric/triton pad M to a
-    multiple of world internally). ``check_inputs`` and ``context``: see the module docstring.
+    multiple of world internally). ``comm``, ``group``/``backend``/``check_inputs`` and ``context``:
+    see the module docstring.
     """
     op = "matmul_all_reduce"
-    call = _prepare(op, x, w, group=group, backend=backend, chunks=chunks,
-                    check_inputs=check_inputs, context=context)
-    y2 = _MatmulAllReduce.apply(x.reshape(-1, x.shape[-1]), w, call)
+    run = _prepare(op, x, w, comm=comm, group=group, backend=backend, chunks=chunks,
+                   check_inputs=check_inputs, context=context)
+    y2 = _MatmulAllReduce.apply(x.reshape(-1, x.shape[-1]), w, run)
     return y2.view(*x.shape[:-1], w.shape[1])
 
 
-def resolve_backend(x: torch.Tensor, *, group: dist.ProcessGroup, backend: str = "auto",
-                    op: str = "all_gather_matmul") -> str:
-    """What ``backend`` means for tensors like ``x`` on ``group`` (collective on first use)."""
-    return backends.resolve(op, backend, group=group, device=x.device, dtype=x.dtype)
+def resolve_backend(x: torch.Tensor | None = None, *, group: dist.ProcessGroup,
+                    backend: str = "auto", op: str = "all_gather_matmul") -> str:
+    """What ``backend`` resolves to on ``group`` (the default communicator's choice; collective
+    on first use). ``TPComm(group, backend=...).backend`` is the same answer."""
+    return default_comm(group, backend=backend, op=op).backend
 
 
 def make_context(op: str, x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGroup,
                  backend: str = "auto", nbytes: int | None = None,
                  timeout: float = 30.0) -> TPContext:
-    """An uncached context for ``op`` (collective over ``group``), sized for ``x`` and ``w``
+    """An explicit context for ``op`` (collective over ``group``), sized for ``x`` and ``w``
     (shapes as the op takes them) or ``nbytes`` per rank. Pass it as ``context=``; close() it.
     """
-    validate(op, x, w, group=group, backend=backend, chunks=None)
-    resolved = backends.resolve(op, backend, group=group, device=x.device, dtype=x.dtype)
-    if resolved == "chunked":
-        raise ValueError(f"{op}: make_context needs a workspace backend ('symmetric' or "
-                         f"'triton'), got {backend!r} -> 'chunked'{where(group)}")
-    world = dist.get_world_size(group)
+    comm = default_comm(group, backend=backend, op=op)
+    validate(op, x, w, group=group, backend=comm.backend, chunks=None)
+    be = backends.backend_for(comm, x.dtype)
     x2 = x.reshape(-1, x.shape[-1])
-    rows, k, n = x2.shape[0], x2.shape[1], w.shape[1]
-    if resolved == "triton":
-        need, nsig = backends.triton_backend.sizes(op, rows, k, n, world, x.dtype)
-    else:
-        from overlap.tp import symmetric as sym
+    need = be.workspace(op, x2.shape[0], x2.shape[1], w.shape[1], comm.world, x.dtype)
+    if need is None:
+        raise ValueError(f"{op}: make_context needs a workspace backend ('symmetric' or "
+                         f"'triton') on more than one rank, got {backend!r} -> "
+                         f"{comm.backend!r}{comm.where()}")
+    return TPContext(op=op, backend=be.name, group=group, nbytes=nbytes or need[0],
+                     num_signals=need[1], device=x.device, timeout=timeout)
 
-        need = {"all_gather_matmul": lambda: sym.ag_bytes(rows, k, x.dtype),
-                "matmul_reduce_scatter": lambda: sym.rs_bytes(rows // world, n, world, x.dtype),
-                "matmul_all_reduce": lambda: sym.ar_bytes(rows, n, world, x.dtype)}[op]()
-        nsig = sym.num_signals(op, world)
-    return TPContext(op=op, backend=resolved, group=group, nbytes=nbytes or need,
-                     num_signals=nsig, device=x.device, timeout=timeout)
+
+def close_all_contexts() -> None:
+    """Close and forget every default communicator (the ``group=`` form's workspaces) of this
+    process; call it on every rank at teardown. Explicit TPComm objects are closed by their
+    owners."""
+    close_default_comms()

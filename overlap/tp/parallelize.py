@@ -40,8 +40,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from overlap.tp.embedding import VocabParallelEmbedding
-from overlap.tp.layers import (BACKENDS, ColumnParallelLinear, RowParallelLinear, TPModule,
-                               linear_weight, resolve_tp_group)
+from overlap.tp.comm import TPComm, owned_comm
+from overlap.tp.layers import (ColumnParallelLinear, RowParallelLinear, TPModule, linear_weight,
+                               resolve_comm)
 from overlap.tp.sequence import SequenceShardedPositions, sequence_parallel_norm
 
 __all__ = ["Style", "TPPlan", "STYLES", "parallelize", "gather_state_dict", "gather_grads"]
@@ -50,7 +51,7 @@ __all__ = ["Style", "TPPlan", "STYLES", "parallelize", "gather_state_dict", "gat
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class Style:
     """How one module is parallelized. ``kind``: column, row, embedding, sp_norm,
-    sp_positions, or custom (``build(module, tp_group=, sequence_parallel=) -> module``, a
+    sp_positions, or custom (``build(module, comm=, sequence_parallel=) -> module``, a
     model-specific replacement of a module whose exact type is in ``accepts``). ``uneven``:
     the sharded size need not be divisible by tp (vocabularies). ``sp_only``: applied only
     with sequence_parallel=True."""
@@ -211,39 +212,49 @@ def _check_ties(model, chosen, problems) -> list[list[tuple[str, str]]]:
     return ties
 
 
-def _build(module, style: Style, group, sequence_parallel, backend, chunks) -> nn.Module:
+def _build(module, style: Style, comm: TPComm, sequence_parallel) -> nn.Module:
     kind = style.kind
     if kind == "column":
         return ColumnParallelLinear.from_linear(
-            module, tp_group=group, gather_output=style.gather_output, parts=style.parts,
-            sequence_parallel=sequence_parallel, backend=backend, chunks=chunks)
+            module, comm=comm, gather_output=style.gather_output, parts=style.parts,
+            sequence_parallel=sequence_parallel)
     if kind == "row":
-        return RowParallelLinear.from_linear(module, tp_group=group,
-                                             sequence_parallel=sequence_parallel,
-                                             backend=backend, chunks=chunks)
+        return RowParallelLinear.from_linear(module, comm=comm,
+                                             sequence_parallel=sequence_parallel)
     if kind == "embedding":
-        return VocabParallelEmbedding.from_embedding(module, tp_group=group,
+        return VocabParallelEmbedding.from_embedding(module, comm=comm,
                                                      sequence_parallel=sequence_parallel)
     if kind == "custom":
-        return style.build(module, tp_group=group, sequence_parallel=sequence_parallel)
+        return style.build(module, comm=comm, sequence_parallel=sequence_parallel)
     if kind == "sp_norm":
-        return sequence_parallel_norm(module, tp_group=group)
-    return SequenceShardedPositions.from_embedding(module, tp_group=group)
+        return sequence_parallel_norm(module, comm=comm)
+    return SequenceShardedPositions.from_embedding(module, comm=comm)
 
 
-def parallelize(model: nn.Module, *, dims=None, tp_group=None, plan: TPPlan | None = None,
-                sequence_parallel: bool = False, backend: str = "auto",
-                chunks: int | None = None, check_inputs: bool = True) -> nn.Module:
+def parallelize(model: nn.Module, *, dims=None, tp_group=None, comm: TPComm | None = None,
+                plan: TPPlan | None = None, sequence_parallel: bool = False,
+                backend: str = "auto", chunks: int | None = None,
+                check_inputs: bool = True) -> nn.Module:
     """Replace ``model``'s modules by TP ones per ``plan`` (default: ``plans.plan_for(model)``)
-    over ``dims.tp_group`` or ``tp_group``; returns ``model`` (changed in place).
-    ``backend``, ``chunks`` and ``check_inputs`` go to every linear layer's fused ops.
+    on one TP communicator; returns ``model`` (changed in place).
 
-    Every rank of the group must call it on the same (same-seed) model. The sharded modules
-    copy their shard of the current values, so the parallel model computes the same function.
+    The communicator: ``comm=`` (a TPComm), or the default one of ``dims.tp_group`` /
+    ``tp_group`` with ``backend``, ``chunks`` and ``check_inputs`` (closed by
+    ``close_all_contexts()``). Every rank of the group must call it on the same (same-seed)
+    model. The sharded modules copy their shard of the current values, so the parallel model
+    computes the same function.
     """
-    group = resolve_tp_group("parallelize", tp_group, dims)
-    if backend not in BACKENDS:
-        raise ValueError(f"parallelize: backend must be one of {BACKENDS}, got {backend!r}")
+    if comm is not None and (backend != "auto" or chunks is not None or not check_inputs):
+        raise ValueError("parallelize: backend=, chunks= and check_inputs= belong to the TPComm "
+                         "when comm= is given")
+    if comm is None:
+        # The group= form: a communicator of its own with these settings (not the group's
+        # default one, whose per-call knobs differ); close_all_contexts() closes it.
+        group = resolve_comm("parallelize", None, tp_group, dims, backend=backend).group
+        comm = owned_comm(group, backend=backend, chunks=chunks, check_inputs=check_inputs)
+    else:
+        comm = resolve_comm("parallelize", comm, tp_group, dims)
+    group = comm.group
     if plan is None:
         from overlap.tp.plans import plan_for
 
@@ -268,10 +279,7 @@ def parallelize(model: nn.Module, *, dims=None, tp_group=None, plan: TPPlan | No
     for name, style in chosen.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        new = _build(getattr(parent, child), style, group, sequence_parallel, backend, chunks)
-        if isinstance(new, (ColumnParallelLinear, RowParallelLinear)):
-            new.check_inputs = check_inputs
-        setattr(parent, child, new)
+        setattr(parent, child, _build(getattr(parent, child), style, comm, sequence_parallel))
     for group_members in ties:
         (first, attr), *rest = group_members
         shared = getattr(model.get_submodule(first), attr)

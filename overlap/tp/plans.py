@@ -49,7 +49,7 @@ class ParallelCausalSelfAttention(CausalSelfAttention):
         return self.attend(*column_parallel_shared(x, [self.q_proj, self.k_proj, self.v_proj]))
 
 
-def _parallel_attention(module: nn.Module, *, tp_group, sequence_parallel: bool) -> nn.Module:
+def _parallel_attention(module: nn.Module, *, comm, sequence_parallel: bool) -> nn.Module:
     new = ParallelCausalSelfAttention.__new__(ParallelCausalSelfAttention)
     new.__dict__.update(module.__dict__)  # same submodules and parameters, new forward
     return new

@@ -18,9 +18,10 @@ gather_from_sp(dim)         all_gather(x, dim)          reduce_scatter(dy, dim)
 e.g. a vocabulary that tp does not divide. ``copy_to_tp`` is also how a replicated parameter
 used on a sequence shard gets its full gradient (the sum of every rank's partial gradient).
 
-Every collective is posted async and waited with a timeout (``TIMEOUT``), so a dead peer turns
-into a RuntimeError naming the op and the group instead of a hang. With a group of size 1 every
-function is the identity and issues no collective.
+Every collective is posted async and waited with a timeout (``timeout=`` seconds, default
+``TIMEOUT``; layers pass their TPComm's), so a dead or stalled peer turns into a RuntimeError
+naming the op and the group instead of a hang. With a group of size 1 every function is the
+identity and issues no collective.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ __all__ = ["TIMEOUT", "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_f
            "reduce_scatter_to_sp", "gather_from_sp", "all_reduce_async", "wait",
            "all_gather_dim", "reduce_scatter_dim", "split_dim"]
 
-TIMEOUT = timedelta(seconds=300)
+TIMEOUT = 300.0
 
 # torch >= 2.12 renamed the tensor collectives; older torch only has the *_tensor names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -44,16 +45,15 @@ _reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
                           or dist.reduce_scatter_tensor)
 
 
-def wait(work, *, op: str, group) -> None:
-    """Wait for an async collective, at most ``TIMEOUT``; name the op and group on failure."""
+def wait(work, *, op: str, group, timeout: float = TIMEOUT) -> None:
+    """Wait for an async collective, at most ``timeout`` s; name the op and group on failure."""
     try:
         with comm_wait(f"tp.{op}"):
-            work.wait(timeout=TIMEOUT)
+            work.wait(timeout=timedelta(seconds=timeout))
     except Exception as exc:  # gloo raises RuntimeError, NCCL DistBackendError
         ranks = dist.get_process_group_ranks(group)
         raise RuntimeError(f"tp {op}: collective on group {ranks} failed or timed out after "
-                           f"{TIMEOUT.total_seconds():.0f}s (rank {dist.get_rank()}): {exc}"
-                           ) from exc
+                           f"at most {timeout:g}s (rank {dist.get_rank()}): {exc}") from exc
 
 
 def all_reduce_async(t: torch.Tensor, *, group):
@@ -63,10 +63,10 @@ def all_reduce_async(t: torch.Tensor, *, group):
     return dist.all_reduce(t, group=group, async_op=True)
 
 
-def _all_reduce(t: torch.Tensor, *, group, op: str) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, *, group, op: str, timeout: float = TIMEOUT) -> torch.Tensor:
     work = all_reduce_async(t, group=group)
     if work is not None:
-        wait(work, op=op, group=group)
+        wait(work, op=op, group=group, timeout=timeout)
     return t
 
 
@@ -83,7 +83,7 @@ def split_dim(x: torch.Tensor, dim: int, *, group, sizes: list[int] | None = Non
 
 
 def all_gather_dim(x: torch.Tensor, dim: int, *, group, sizes: list[int] | None = None,
-                   op: str = "all_gather") -> torch.Tensor:
+                   op: str = "all_gather", timeout: float = TIMEOUT) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``; uneven ``sizes`` are padded for the wire."""
     tp = dist.get_world_size(group)
     if tp == 1:
@@ -95,15 +95,16 @@ def all_gather_dim(x: torch.Tensor, dim: int, *, group, sizes: list[int] | None 
         x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
     x = x.contiguous()
     out = x.new_empty((tp * x.shape[0], *x.shape[1:]))
-    wait(_all_gather_single(out, x, group=group, async_op=True), op=op, group=group)
+    wait(_all_gather_single(out, x, group=group, async_op=True), op=op, group=group,
+         timeout=timeout)
     if sizes is not None:
         rows = out.shape[0] // tp
         out = torch.cat([out[r * rows: r * rows + s] for r, s in enumerate(sizes)])
     return out.movedim(0, dim)
 
 
-def reduce_scatter_dim(x: torch.Tensor, dim: int, *, group, op: str = "reduce_scatter"
-                       ) -> torch.Tensor:
+def reduce_scatter_dim(x: torch.Tensor, dim: int, *, group, op: str = "reduce_scatter",
+                       timeout: float = TIMEOUT) -> torch.Tensor:
     """Sum ``x`` over the group and keep this rank's 1/tp piece along ``dim``."""
     tp = dist.get_world_size(group)
     if tp == 1:
@@ -111,106 +112,118 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, *, group, op: str = "reduce_sc
     dim = dim % x.dim()
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // tp, *x.shape[1:]))
-    wait(_reduce_scatter_single(out, x, group=group, async_op=True), op=op, group=group)
+    wait(_reduce_scatter_single(out, x, group=group, async_op=True), op=op, group=group,
+         timeout=timeout)
     return out.movedim(0, dim)
 
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, timeout):
+        ctx.group, ctx.timeout = group, timeout
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, dy):
-        return _all_reduce(dy.contiguous(), group=ctx.group, op="copy_to_tp backward"), None
+        return (_all_reduce(dy.contiguous(), group=ctx.group, op="copy_to_tp backward",
+                            timeout=ctx.timeout), None, None)
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, timeout):
         return _all_reduce(x.clone(memory_format=torch.contiguous_format), group=group,
-                           op="reduce_from_tp")
+                           op="reduce_from_tp", timeout=timeout)
 
     @staticmethod
     def backward(ctx, dy):
-        return dy, None
+        return dy, None, None
 
 
 class _ScatterToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group, sizes):
-        ctx.dim, ctx.group, ctx.sizes = dim, group, sizes
+    def forward(ctx, x, dim, group, sizes, timeout):
+        ctx.dim, ctx.group, ctx.sizes, ctx.timeout = dim, group, sizes, timeout
         return split_dim(x, dim, group=group, sizes=sizes)
 
     @staticmethod
     def backward(ctx, dy):
         return (all_gather_dim(dy, ctx.dim, group=ctx.group, sizes=ctx.sizes,
-                               op="scatter_to_tp backward"), None, None, None)
+                               op="scatter_to_tp backward", timeout=ctx.timeout),
+                None, None, None, None)
 
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group, sizes):
+    def forward(ctx, x, dim, group, sizes, timeout):
         ctx.dim, ctx.group, ctx.sizes = dim, group, sizes
-        return all_gather_dim(x, dim, group=group, sizes=sizes, op="gather_from_tp")
+        return all_gather_dim(x, dim, group=group, sizes=sizes, op="gather_from_tp",
+                              timeout=timeout)
 
     @staticmethod
     def backward(ctx, dy):
-        return split_dim(dy, ctx.dim, group=ctx.group, sizes=ctx.sizes), None, None, None
+        return split_dim(dy, ctx.dim, group=ctx.group, sizes=ctx.sizes), None, None, None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return reduce_scatter_dim(x, dim, group=group, op="reduce_scatter_to_sp")
+    def forward(ctx, x, dim, group, timeout):
+        ctx.dim, ctx.group, ctx.timeout = dim, group, timeout
+        return reduce_scatter_dim(x, dim, group=group, op="reduce_scatter_to_sp",
+                                  timeout=timeout)
 
     @staticmethod
     def backward(ctx, dy):
-        return (all_gather_dim(dy, ctx.dim, group=ctx.group, op="reduce_scatter_to_sp backward"),
-                None, None)
+        return (all_gather_dim(dy, ctx.dim, group=ctx.group, op="reduce_scatter_to_sp backward",
+                               timeout=ctx.timeout), None, None, None)
 
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather_dim(x, dim, group=group, op="gather_from_sp")
+    def forward(ctx, x, dim, group, timeout):
+        ctx.dim, ctx.group, ctx.timeout = dim, group, timeout
+        return all_gather_dim(x, dim, group=group, op="gather_from_sp", timeout=timeout)
 
     @staticmethod
     def backward(ctx, dy):
-        return (reduce_scatter_dim(dy, ctx.dim, group=ctx.group, op="gather_from_sp backward"),
-                None, None)
+        return (reduce_scatter_dim(dy, ctx.dim, group=ctx.group, op="gather_from_sp backward",
+                                   timeout=ctx.timeout), None, None, None)
 
 
-def copy_to_tp(x: torch.Tensor, *, group) -> torch.Tensor:
+def copy_to_tp(x: torch.Tensor, *, group, timeout: float = TIMEOUT) -> torch.Tensor:
     """Identity forward; backward sums the gradient over ``group``."""
-    return x if dist.get_world_size(group) == 1 else _CopyToTP.apply(x, group)
+    return x if dist.get_world_size(group) == 1 else _CopyToTP.apply(x, group, timeout)
 
 
-def reduce_from_tp(x: torch.Tensor, *, group) -> torch.Tensor:
+def reduce_from_tp(x: torch.Tensor, *, group, timeout: float = TIMEOUT) -> torch.Tensor:
     """Forward sums ``x`` over ``group``; backward passes the (replicated) gradient through."""
-    return x if dist.get_world_size(group) == 1 else _ReduceFromTP.apply(x, group)
+    return x if dist.get_world_size(group) == 1 else _ReduceFromTP.apply(x, group, timeout)
 
 
-def scatter_to_tp(x: torch.Tensor, dim: int, *, group, sizes: list[int] | None = None
-                  ) -> torch.Tensor:
+def scatter_to_tp(x: torch.Tensor, dim: int, *, group, sizes: list[int] | None = None,
+                  timeout: float = TIMEOUT) -> torch.Tensor:
     """Keep this rank's piece along ``dim``; backward all-gathers the gradient."""
-    return x if dist.get_world_size(group) == 1 else _ScatterToTP.apply(x, dim, group, sizes)
+    if dist.get_world_size(group) == 1:
+        return x
+    return _ScatterToTP.apply(x, dim, group, sizes, timeout)
 
 
-def gather_from_tp(x: torch.Tensor, dim: int, *, group, sizes: list[int] | None = None
-                   ) -> torch.Tensor:
+def gather_from_tp(x: torch.Tensor, dim: int, *, group, sizes: list[int] | None = None,
+                   timeout: float = TIMEOUT) -> torch.Tensor:
     """All-gather along ``dim``; backward keeps this rank's piece of the gradient."""
-    return x if dist.get_world_size(group) == 1 else _GatherFromTP.apply(x, dim, group, sizes)
+    if dist.get_world_size(group) == 1:
+        return x
+    return _GatherFromTP.apply(x, dim, group, sizes, timeout)
 
 
-def reduce_scatter_to_sp(x: torch.Tensor, dim: int, *, group) -> torch.Tensor:
+def reduce_scatter_to_sp(x: torch.Tensor, dim: int, *, group,
+                         timeout: float = TIMEOUT) -> torch.Tensor:
     """Sum partial activations and keep this rank's sequence shard; backward all-gathers."""
-    return x if dist.get_world_size(group) == 1 else _ReduceScatterToSP.apply(x, dim, group)
+    if dist.get_world_size(group) == 1:
+        return x
+    return _ReduceScatterToSP.apply(x, dim, group, timeout)
 
 
-def gather_from_sp(x: torch.Tensor, dim: int, *, group) -> torch.Tensor:
+def gather_from_sp(x: torch.Tensor, dim: int, *, group, timeout: float = TIMEOUT) -> torch.Tensor:
     """All-gather sequence shards; backward reduce-scatters the gradient."""
-    return x if dist.get_world_size(group) == 1 else _GatherFromSP.apply(x, dim, group)
+    return x if dist.get_world_size(group) == 1 else _GatherFromSP.apply(x, dim, group, timeout)

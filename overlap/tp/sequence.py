@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from overlap.tp.layers import resolve_tp_group
+from overlap.tp.layers import resolve_comm
 from overlap.tp.regions import copy_to_tp, scatter_to_tp
 
 __all__ = ["SequenceParallelLayerNorm", "SequenceParallelRMSNorm", "SequenceShardedPositions",
@@ -35,11 +35,12 @@ def _adopt(new: nn.Module, old: nn.Module) -> None:
 
 class _FromNorm:
     @classmethod
-    def from_norm(cls, norm: nn.Module, *, tp_group=None, dims=None):
+    def from_norm(cls, norm: nn.Module, *, comm=None, tp_group=None, dims=None):
         """The sequence-parallel twin of ``norm``, sharing its parameters."""
         self = cls.__new__(cls)
         _adopt(self, norm)
-        self.tp_group = resolve_tp_group(cls.__name__, tp_group, dims)
+        self.comm = resolve_comm(cls.__name__, comm, tp_group, dims)
+        self.tp_group = self.comm.group
         return self
 
 
@@ -47,8 +48,9 @@ class SequenceParallelLayerNorm(_FromNorm, nn.LayerNorm):
     """``nn.LayerNorm`` on a sequence shard; parameter gradients summed over ``tp_group``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = None if self.weight is None else copy_to_tp(self.weight, group=self.tp_group)
-        b = None if self.bias is None else copy_to_tp(self.bias, group=self.tp_group)
+        t = self.comm.timeout
+        w = None if self.weight is None else copy_to_tp(self.weight, group=self.tp_group, timeout=t)
+        b = None if self.bias is None else copy_to_tp(self.bias, group=self.tp_group, timeout=t)
         return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
 
 
@@ -56,16 +58,18 @@ class SequenceParallelRMSNorm(_FromNorm, nn.RMSNorm):
     """``nn.RMSNorm`` on a sequence shard; weight gradient summed over ``tp_group``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = None if self.weight is None else copy_to_tp(self.weight, group=self.tp_group)
+        w = None if self.weight is None else copy_to_tp(self.weight, group=self.tp_group,
+                                                        timeout=self.comm.timeout)
         return F.rms_norm(x, self.normalized_shape, w, self.eps)
 
 
-def sequence_parallel_norm(norm: nn.Module, *, tp_group=None, dims=None) -> nn.Module:
+def sequence_parallel_norm(norm: nn.Module, *, comm=None, tp_group=None,
+                           dims=None) -> nn.Module:
     """The sequence-parallel twin of an ``nn.LayerNorm`` or ``nn.RMSNorm``."""
     if isinstance(norm, nn.LayerNorm):
-        return SequenceParallelLayerNorm.from_norm(norm, tp_group=tp_group, dims=dims)
+        return SequenceParallelLayerNorm.from_norm(norm, comm=comm, tp_group=tp_group, dims=dims)
     if isinstance(norm, nn.RMSNorm):
-        return SequenceParallelRMSNorm.from_norm(norm, tp_group=tp_group, dims=dims)
+        return SequenceParallelRMSNorm.from_norm(norm, comm=comm, tp_group=tp_group, dims=dims)
     raise TypeError(f"sequence_parallel_norm: expected nn.LayerNorm or nn.RMSNorm, got "
                     f"{type(norm).__name__}")
 
@@ -75,15 +79,17 @@ class SequenceShardedPositions(nn.Embedding):
     added to a sequence-parallel token embedding (the sequence is the last dim of the ids)."""
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, *, tp_group=None, dims=None):
+    def from_embedding(cls, embedding: nn.Embedding, *, comm=None, tp_group=None, dims=None):
         if not isinstance(embedding, nn.Embedding):
             raise TypeError(f"{cls.__name__}.from_embedding: expected nn.Embedding, got "
                             f"{type(embedding).__name__}")
         self = cls.__new__(cls)
         _adopt(self, embedding)
-        self.tp_group = resolve_tp_group(cls.__name__, tp_group, dims)
+        self.comm = resolve_comm(cls.__name__, comm, tp_group, dims)
+        self.tp_group = self.comm.group
         return self
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         p = super().forward(positions)
-        return scatter_to_tp(p, positions.dim() - 1, group=self.tp_group)
+        return scatter_to_tp(p, positions.dim() - 1, group=self.tp_group,
+                             timeout=self.comm.timeout)

@@ -63,7 +63,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     from overlap.dp.grad_reducer import GradReducer
     from overlap.dp.sharded_optimizer import ShardedOptimizer
     from overlap.pp import Pipeline, build_schedule, pipeline_stages
-    from overlap.tp import close_all_contexts
+    from overlap.tp import TPComm, close_all_contexts
     from overlap.tp.embedding import vocab_parallel_cross_entropy
     from overlap.tp.parallelize import parallelize
     from overlap.tp.plans import gpt_plan
@@ -72,8 +72,11 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     dims = ParallelDims.build(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, device_type=device.type)
     torch.manual_seed(cfg.seed)
     model = GPT(model_config(cfg)).to(device)
-    parallelize(model, dims=dims, plan=gpt_plan(loss_parallel=True),
-                sequence_parallel=cfg.sequence_parallel, backend=cfg.tp_backend)
+    # One TP communicator carries the backend and the job's timeout to every TP wait.
+    tp_comm = TPComm(dims.tp_group, backend=cfg.tp_backend, timeout=cfg.timeout,
+                     device=device)
+    parallelize(model, comm=tp_comm, plan=gpt_plan(loss_parallel=True),
+                sequence_parallel=cfg.sequence_parallel)
     num_virtual = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
     stages = pipeline_stages(model, pp_group=dims.pp_group, num_virtual=num_virtual)
     schedule = build_schedule(_SCHEDULE_NAMES[cfg.schedule], pp_size=cfg.pp,
@@ -154,6 +157,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
                 opt.close()
         for red in reducers:
             red.close()
+        tp_comm.close()
         close_all_contexts()
     return {"records": [dataclasses.asdict(r) for r in records],
             "trace": trace_path if prof is not None else None}

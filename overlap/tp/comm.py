@@ -1,0 +1,248 @@
+"""TPComm: the one object that carries a TP group's settings and owns its fused-op state.
+
+    comm = TPComm(dims.tp_group, backend="auto", timeout=60)   # collective: every TP rank
+    y = all_gather_matmul(x_shard, w, comm=comm)
+    layer = ColumnParallelLinear(1024, 4096, comm=comm, sequence_parallel=True)
+    comm.close()                                               # collective; or `with TPComm(...)`
+
+What it owns, so nothing of it lives in module-level state:
+
+- the **backend**, resolved once here (``"auto"``: triton for CUDA when the kernels are
+  installed, else symmetric when every rank is on one host, else chunked). The host check is an
+  ``all_gather_object`` in this constructor, never in a forward;
+- ``chunks``, ``check_inputs`` and ``timeout`` (seconds) for every op, TP region collective and
+  signal wait run through it;
+- the workspaces of the symmetric/triton backends (one ``TPContext`` per op and shape, at most
+  ``MAX_CONTEXTS``, least recently used closed first) with their phase counters and copiers;
+- the shape signatures already agreed across ranks (the cross-rank check runs once per
+  signature, so steady-state calls make no collective for it);
+- its **failure state**. Any error inside an op, local or remote, fails the communicator: it
+  aborts its workspaces (peers waiting on this rank raise at once, with this rank's reason) and
+  every later call on it, on every rank, raises ``TPCommFailed`` carrying the first error, as
+  torch does with an aborted NCCL communicator. Build a new one to go on.
+
+Concurrency contract: one op in flight per communicator; every rank of the group issues the
+same ops in the same order. Two communicators on one group are independent (own workspaces,
+own phases), but their ops are still ordered by the group's process-group communicator.
+
+The functional ops also take ``group=`` (the README's form): that uses a default communicator
+per (group object, backend), held weakly by the group object, so it goes away with the group
+and never outlives it (the call's ``chunks`` and ``check_inputs`` apply to that call);
+``close_all_contexts()`` closes and forgets every default communicator of this process.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from overlap.symm.workspace import group_name
+
+__all__ = ["TPComm", "TPCommFailed", "BACKENDS", "DEFAULT_TIMEOUT", "MAX_CONTEXTS",
+           "default_comm", "owned_comm", "close_default_comms"]
+
+BACKENDS = ("auto", "chunked", "symmetric", "triton")
+DEFAULT_TIMEOUT = 300.0
+MAX_CONTEXTS = 16
+
+
+class TPCommFailed(RuntimeError):
+    """A call on a TP communicator that failed earlier; the message carries the first error."""
+
+
+def _host_id() -> tuple[str, str]:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return socket.gethostname(), boot
+
+
+def _default_device(group: dist.ProcessGroup) -> torch.device:
+    if torch.cuda.is_available() and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class TPComm:
+    """A TP group's fused-op communicator (see the module docstring)."""
+
+    def __init__(self, group: dist.ProcessGroup, *, backend: str = "auto",
+                 chunks: int | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 check_inputs: bool = True, device: torch.device | str | None = None):
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"TPComm: group must be a torch.distributed ProcessGroup (e.g. "
+                            f"dims.tp_group), got {type(group).__name__}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        at = f" (rank {self.rank} of group {group_name(group)})"
+        if backend not in BACKENDS:
+            raise ValueError(f"TPComm: backend must be one of {BACKENDS}, got {backend!r}{at}")
+        if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int)
+                                   or chunks <= 0):
+            raise ValueError(f"TPComm: chunks must be a positive int or None, got "
+                             f"{chunks!r}{at}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"TPComm: timeout must be a positive number of seconds, got "
+                             f"{timeout!r}{at}")
+        self.chunks = chunks
+        self.timeout = float(timeout)
+        self.check_inputs = bool(check_inputs)
+        self.device = torch.device(device) if device is not None else _default_device(group)
+        self.requested_backend = backend
+        self.backend = self._resolve(backend, at)
+        self.closed = False
+        self._failed: BaseException | None = None
+        self._contexts: collections.OrderedDict[tuple, object] = collections.OrderedDict()
+        self._agreed: set[tuple] = set()
+
+    def _resolve(self, backend: str, at: str) -> str:
+        from overlap.tp.backends import have_triton_tp
+
+        if backend == "triton" and not have_triton_tp():
+            raise ValueError(f"TPComm: backend='triton' needs overlap.kernels.triton.tp_gemm, "
+                             f"which this build lacks; use 'auto', 'symmetric' or "
+                             f"'chunked'{at}")
+        if backend != "auto":
+            return backend
+        if self.world == 1:
+            return "chunked"
+        if self.device.type == "cuda" and have_triton_tp():
+            return "triton"
+        hosts: list = [None] * self.world
+        dist.all_gather_object(hosts, _host_id(), group=self.group)
+        return "symmetric" if len(set(hosts)) == 1 else "chunked"
+
+    def __repr__(self) -> str:
+        state = ("closed" if self.closed else f"failed: {self._failed}" if self._failed
+                 else f"{len(self._contexts)} workspaces")
+        return (f"TPComm(group {group_name(self.group)}, rank {self.rank}/{self.world}, "
+                f"backend={self.backend!r}, chunks={self.chunks}, timeout={self.timeout:g}s, "
+                f"{state})")
+
+    def where(self) -> str:
+        return f" (rank {self.rank} of group {group_name(self.group)})"
+
+    # ------------------------------------------------------------------ failure state
+    @property
+    def failed(self) -> BaseException | None:
+        return self._failed
+
+    def ensure_usable(self, op: str) -> None:
+        if self.closed:
+            raise TPCommFailed(f"{op}: the TP communicator was closed{self.where()}; build a "
+                               "new TPComm")
+        if self._failed is not None:
+            raise TPCommFailed(f"{op}: communicator failed earlier{self.where()}: "
+                               f"{self._failed}") from self._failed
+
+    def fail(self, exc: BaseException) -> None:
+        """Record the first error and abort every workspace, so peers blocked on this rank
+        raise now (with this reason) instead of at their timeout."""
+        if self._failed is not None:
+            return
+        self._failed = exc
+        for ctx in list(self._contexts.values()):
+            ctx.fail(exc)
+        self._contexts.clear()
+
+    # ------------------------------------------------------------------ per-op state
+    def agreed(self, key: tuple) -> bool:
+        return key in self._agreed
+
+    def mark_agreed(self, key: tuple) -> None:
+        self._agreed.add(key)
+
+    def context(self, key: tuple, create):
+        """The workspace context for ``key``, created (collectively) by ``create()`` once."""
+        ctx = self._contexts.get(key)
+        if ctx is not None and not ctx.closed:
+            self._contexts.move_to_end(key)
+            return ctx
+        ctx = create()
+        self._contexts[key] = ctx
+        while len(self._contexts) > MAX_CONTEXTS:
+            # Every rank evicts the same one (same call sequence), and close() waits until
+            # the peers have finished reading this rank's buffers.
+            _, old = self._contexts.popitem(last=False)
+            old.close()
+        return ctx
+
+    def num_contexts(self) -> int:
+        return len(self._contexts)
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Free every workspace and stop every copier. Collective: each rank waits (at most
+        the timeout, capped at 5 s) until its peers have finished reading its buffers."""
+        if self.closed:
+            return
+        self.closed = True
+        for ctx in list(self._contexts.values()):
+            ctx.close(wait_for_peers=self._failed is None)
+        self._contexts.clear()
+
+    def __enter__(self) -> "TPComm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            for ctx in list(self._contexts.values()):
+                ctx.close(wait_for_peers=False)
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------------- the group= form
+
+_defaults: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, TPComm]]" = (
+    weakref.WeakKeyDictionary())
+
+
+def default_comm(group, *, backend: str = "auto", op: str = "tp") -> TPComm:
+    """The communicator behind ``op(..., group=group, backend=...)``: one per (group object,
+    backend), created on first use (collective, like any TPComm). A failed one is replaced
+    only by ``close_all_contexts()``, so a failure stays a failure."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{op}: group must be a torch.distributed ProcessGroup (pass it "
+                        f"explicitly, e.g. dims.tp_group) or pass comm=, got "
+                        f"{type(group).__name__}")
+    per_group = _defaults.get(group)
+    if per_group is None:
+        per_group = _defaults[group] = {}
+    comm = per_group.get(backend)
+    if comm is None or comm.closed:
+        comm = per_group[backend] = TPComm(group, backend=backend)
+    return comm
+
+
+def owned_comm(group, *, backend: str, chunks: int | None, check_inputs: bool) -> TPComm:
+    """A new communicator with these settings, registered with the group's default ones so
+    that ``close_all_contexts()`` closes it too (``parallelize(tp_group=...)``'s form)."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"parallelize: group must be a torch.distributed ProcessGroup, got "
+                        f"{type(group).__name__}")
+    comm = TPComm(group, backend=backend, chunks=chunks, check_inputs=check_inputs)
+    per_group = _defaults.get(group)
+    if per_group is None:
+        per_group = _defaults[group] = {}
+    per_group[("owned", id(comm))] = comm
+    return comm
+
+
+def close_default_comms() -> None:
+    """Close and forget every default communicator of this process (collective-free: each
+    waits at most briefly for its peers)."""
+    for per_group in list(_defaults.values()):
+        for comm in list(per_group.values()):
+            comm.close()
+    _defaults.clear()
