@@ -194,3 +194,30 @@ def test_cuda_workspace_ring_exchange_gpu():
     with stream-ordered signal kernels, on every visible GPU under NCCL."""
     world = max(2, torch.cuda.device_count())
     assert run_ranks(_ring_exchange, world, 20, 1000, "cuda", backend="nccl") == [0.0] * world
+
+
+def _abort_with_reason():
+    rank = dist.get_rank()
+    ws = create_workspace(dist.group.WORLD, 64, timeout=30)
+    try:
+        if rank == 2:
+            time.sleep(0.2)  # the others are waiting by now
+            ws.abort("rank 2 saw a bad batch: step 17")
+            return "aborted"
+        try:
+            ws.wait(slot=0, value=1)
+        except PeerDied as exc:
+            return (exc.peer, str(exc))
+        return "no error"
+    finally:
+        dist.barrier()
+        ws.close()
+
+
+def test_abort_reason_reaches_every_peer():
+    for rank, res in enumerate(run_ranks(_abort_with_reason, 4)):
+        if rank == 2:
+            assert res == "aborted"
+        else:
+            peer, msg = res
+            assert peer == 2 and "rank 2 aborted: rank 2 saw a bad batch: step 17" in msg, msg

@@ -30,8 +30,11 @@ from overlap.symm.workspace import PeerDied, SignalTimeout, SymmetricWorkspace
 __all__ = ["ShmWorkspace"]
 
 _MAGIC = 0x4F564C5053484D31  # "OVLPSHM1"
-# Header words (int64): magic, pid, abort (0, or 1 + aborting rank), barrier counter.
-_W_MAGIC, _W_PID, _W_ABORT, _W_BARRIER = 0, 1, 2, 3
+# Header words (int64): magic, pid, abort (0, or 1 + aborting rank), barrier counter, closed
+# (1 once the rank closed its workspace cleanly: gone, but not dead), then the rank's own abort
+# reason (UTF-8, NUL-padded) that peers read when it aborts them.
+_W_MAGIC, _W_PID, _W_ABORT, _W_BARRIER, _W_CLOSED = 0, 1, 2, 3, 4
+_REASON_OFF, _REASON_BYTES = 40, 88
 _HEADER_BYTES = 128
 _PAGE = 4096
 _SLICE_S = 0.05
@@ -216,17 +219,35 @@ class ShmWorkspace(SymmetricWorkspace):
                     group=self.group_name, slot=slot, expected=value, seen=seen)
 
     def _check_peers(self, what: str) -> None:
+        problem = self.peer_problem(what)
+        if problem is not None:
+            raise problem
+
+    def peer_problem(self, what: str = "watchdog") -> PeerDied | None:
+        if self._closed:
+            return None
         aborted = _C.signal_load(self._word(self.rank, _W_ABORT))
         if aborted:
             peer = aborted - 1
-            raise PeerDied(f"SymmetricWorkspace.wait ({what}, rank {self.rank}, group "
-                           f"{self.group_name}): rank {peer} aborted", group=self.group_name,
-                           peer=peer)
-        for r, pid in enumerate(self._pids):
-            if r != self.rank and not _pid_alive(pid):
-                raise PeerDied(f"SymmetricWorkspace.wait ({what}, rank {self.rank}, group "
-                               f"{self.group_name}): peer rank {r} (pid {pid}) has exited",
-                               group=self.group_name, peer=r)
+            reason = self._reason(peer)
+            return PeerDied(f"SymmetricWorkspace.wait ({what}, rank {self.rank}, group "
+                            f"{self.group_name}): rank {peer} aborted"
+                            + (f": {reason}" if reason else ""), group=self.group_name,
+                            peer=peer)
+        # A peer that died is the cause; one that closed cleanly and left comes second (it
+        # may have finished after seeing the death itself).
+        gone = [r for r, pid in enumerate(self._pids) if r != self.rank and not _pid_alive(pid)]
+        dead = [r for r in gone if not _C.signal_load(self._word(r, _W_CLOSED))]
+        for r in dead or gone:
+            how = "has exited" if r in dead else "closed its workspace and exited"
+            return PeerDied(f"SymmetricWorkspace.wait ({what}, rank {self.rank}, group "
+                            f"{self.group_name}): peer rank {r} (pid {self._pids[r]}) {how}",
+                            group=self.group_name, peer=r)
+        return None
+
+    def _reason(self, r: int) -> str:
+        raw = bytes(self._whole[r][_REASON_OFF:_REASON_OFF + _REASON_BYTES].tolist())
+        return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
     def barrier(self, timeout: float | None = None) -> None:
         self._check_open("barrier")
@@ -240,6 +261,11 @@ class ShmWorkspace(SymmetricWorkspace):
     def abort(self, reason: str = "") -> None:
         if self._closed:
             return
+        # The reason first (peers read it after they see the abort word's release store).
+        text = reason.encode("utf-8")[:_REASON_BYTES - 1]
+        own = self._whole[self.rank]
+        own[_REASON_OFF:_REASON_OFF + _REASON_BYTES] = torch.tensor(
+            list(text) + [0] * (_REASON_BYTES - len(text)), dtype=torch.uint8)
         for r in range(self.world):
             _C.signal_store(self._word(r, _W_ABORT), self.rank + 1)
 
@@ -247,6 +273,8 @@ class ShmWorkspace(SymmetricWorkspace):
     def close(self) -> None:
         if self._closed:
             return
+        if self._whole:  # peers that still map us see a clean exit, not a death
+            _C.signal_store(self._word(self.rank, _W_CLOSED), 1)
         self._closed = True
         self._unlink_own()
         self._data, self._whole, self._base = [], [], []

@@ -151,6 +151,11 @@ class SymmetricWorkspace(abc.ABC):
     def close(self) -> None:
         """Unmap everything. Idempotent; no collective, so it is safe on an error path."""
 
+    def peer_problem(self) -> PeerDied | None:
+        """A PeerDied (not raised) if a peer aborted or its process is gone, else None. Cheap
+        and host-only: a watchdog polls it while device-side waits spin."""
+        return None
+
     def __enter__(self) -> "SymmetricWorkspace":
         return self
 

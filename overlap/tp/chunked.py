@@ -72,8 +72,8 @@ def _wait(works: list, *, op: str, group: dist.ProcessGroup, timeout: float, wha
     except RuntimeError as exc:
         ranks = dist.get_process_group_ranks(group)
         text = str(exc)
-        kind = ("timed out" if "imeout" in text or "imed out" in text else
-                "failed (a peer died or closed its connection)")
+        timed_out = any(k in text for k in ("imeout", "imed out", "did not complete within"))
+        kind = "timed out" if timed_out else "failed (a peer died or closed its connection)"
         raise RuntimeError(f"tp {op} (chunked): {what} {kind} after at most {timeout:g}s on "
                            f"rank {dist.get_rank(group)} of group {ranks}: {text}") from exc
 
@@ -117,7 +117,8 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, *, group: dist.Pro
         if t in inflight:
             with nvtx.range(f"all_gather_matmul.chunked.comm[{t}].wait"):
                 _wait(inflight.pop(t), op="all_gather_matmul", group=group, timeout=timeout,
-                      what=f"receive of piece {t} from the left neighbour")
+                      what=f"receive of piece {t} from the left neighbour (rank "
+                           f"{(rank - 1) % world})")
         if t + s < world * s:
             # Forward this piece and receive the one we multiply s steps from now.
             lo, hi = rows(t + s)
@@ -166,7 +167,8 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
         works, buf, _sent = inflight.pop(t)
         with nvtx.range(f"matmul_reduce_scatter.chunked.comm[{t}].wait"):
             _wait(works, op="matmul_reduce_scatter", group=group, timeout=timeout,
-                  what=f"receive of partial sum {t} from the left neighbour")
+                  what=f"receive of partial sum {t} from the left neighbour (rank "
+                       f"{(rank - 1) % world})")
         part += buf
 
     for t in range((world - 1) * s):

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from overlap.symm.workspace import group_name
+from overlap.symm.workspace import PeerDied, group_name
 from overlap.tp import backends
 from overlap.tp.checks import check_across_ranks, signature, validate
 from overlap.tp.comm import TPComm, TPCommFailed, close_default_comms, default_comm
@@ -75,10 +75,23 @@ class _Run:
         except TPCommFailed:
             raise
         except BaseException as exc:
+            _name_the_op(exc, op, self.comm)
             self.comm.fail(exc)
             if self.context is not None:  # an explicit context fails with its op too
                 self.context.fail(exc)
             raise
+
+
+def _name_the_op(exc: BaseException, op: str, comm: TPComm) -> None:
+    """Prefix a transport error (same type, so callers' handlers still match) with the op,
+    the backend, this rank, the group and what kind of failure it was."""
+    text = str(exc)
+    if not exc.args or not isinstance(exc.args[0], str) or op in text:
+        return
+    kind = ("peer aborted" if "aborted" in text else
+            "peer died" if isinstance(exc, PeerDied) or "exited" in text else
+            "timed out" if isinstance(exc, TimeoutError) else "failed")
+    exc.args = (f"{op} ({comm.backend}){comm.where()} {kind}: {text}", *exc.args[1:])
 
 
 def _comm_for(op: str, comm, group, backend: str, chunks, check_inputs: bool,

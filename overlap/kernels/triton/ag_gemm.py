@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from overlap.kernels.triton.tp_sync import (INTERPRET, align, arrive_last, begin_call, check_dtypes,
-                                            check_operands, check_workspace, finish_call,
+from overlap.kernels.triton.tp_sync import (INTERPRET, Watchdog, align, arrive_last, begin_call,
+                                            check_dtypes, check_operands, check_workspace, finish_call,
                                             gemm_blocks, half_buffer, new_status, publish,
                                             spin_wait, to_out_dtype, wait_budget)
 
@@ -176,21 +176,25 @@ def ag_gemm(ws, x_shard: torch.Tensor, w: torch.Tensor, *, phase: int,
     buf_off = buf * half_buffer(ws) // dtype.itemsize
     on_gpu = device.type == "cuda"
 
-    _ag_publish_kernel[(triton.cdiv(m * k, blocks.copy_block),)](
-        x, state.data_table, state.flag_table, counters, status, rank, world, m * k, buf_off,
-        phase, ack_phase, max_spins, timeout_ns, BLOCK=blocks.copy_block, USE_CLOCK=on_gpu,
-        num_warps=4)
+    # The watchdog stops the kernels' waits when a peer dies or the wall-clock timeout
+    # passes (interpreter; see tp_sync.Watchdog).
+    with Watchdog(ws, status, timeout) as dog:
+        _ag_publish_kernel[(triton.cdiv(m * k, blocks.copy_block),)](
+            x, state.data_table, state.flag_table, counters, status, rank, world, m * k, buf_off,
+            phase, ack_phase, max_spins, timeout_ns, BLOCK=blocks.copy_block, USE_CLOCK=on_gpu,
+            num_warps=4)
 
-    y = torch.empty(world * m, n, dtype=dtype, device=device)
-    gathered = torch.empty(world * m, k, dtype=dtype, device=device) if return_gathered else None
-    grid = (world * triton.cdiv(m, blocks.bm) * triton.cdiv(n, blocks.bn),)
-    _ag_gemm_kernel[grid](
-        w, y, gathered if return_gathered else y, state.data_table, state.flag_table,
-        counters[1:], status, rank, world, m, n, k, w.stride(0), w.stride(1), buf_off, phase,
-        max_spins, timeout_ns, BM=blocks.bm, BN=blocks.bn, BK=blocks.bk,
-        RETURN_GATHERED=return_gathered, CAST_F32=INTERPRET and dtype != torch.float32,
-        SOFT_BF16=INTERPRET and dtype == torch.bfloat16, USE_CLOCK=on_gpu,
-        num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+        y = torch.empty(world * m, n, dtype=dtype, device=device)
+        gathered = (torch.empty(world * m, k, dtype=dtype, device=device) if return_gathered
+                    else None)
+        grid = (world * triton.cdiv(m, blocks.bm) * triton.cdiv(n, blocks.bn),)
+        _ag_gemm_kernel[grid](
+            w, y, gathered if return_gathered else y, state.data_table, state.flag_table,
+            counters[1:], status, rank, world, m, n, k, w.stride(0), w.stride(1), buf_off, phase,
+            max_spins, timeout_ns, BM=blocks.bm, BN=blocks.bn, BK=blocks.bk,
+            RETURN_GATHERED=return_gathered, CAST_F32=INTERPRET and dtype != torch.float32,
+            SOFT_BF16=INTERPRET and dtype == torch.bfloat16, USE_CLOCK=on_gpu,
+            num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
     def describe(slot: int) -> str:
         if slot < world:
@@ -199,5 +203,5 @@ def ag_gemm(ws, x_shard: torch.Tensor, w: torch.Tensor, *, phase: int,
                 f"buffer {buf} from phase {ack_phase}")
 
     finish_call(state, status, ws=ws, phase=phase, timeout=timeout, describe=describe,
-                sync=sync)
+                sync=sync, problem=dog.problem)
     return y, gathered

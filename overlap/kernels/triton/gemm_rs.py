@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from overlap.kernels.triton.tp_sync import (INTERPRET, align, arrive_last, begin_call, check_dtypes,
+from overlap.kernels.triton.tp_sync import (INTERPRET, Watchdog, align, arrive_last, begin_call, check_dtypes,
                                             check_operands, check_workspace, finish_call,
                                             gemm_blocks, half_buffer, new_status, publish,
                                             spin_wait, to_out_dtype, wait_budget)
@@ -174,20 +174,23 @@ def gemm_rs(ws, x: torch.Tensor, w: torch.Tensor, *, phase: int,
     buf_off = buf * half_buffer(ws) // dtype.itemsize
     on_gpu = device.type == "cuda"
 
-    grid = (world * triton.cdiv(m, blocks.bm) * triton.cdiv(n, blocks.bn),)
-    _gemm_rs_kernel[grid](
-        x, w, state.data_table, state.flag_table, counters, status, rank, world, m, n, k,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), buf_off, phase, ack_phase,
-        max_spins, timeout_ns, BM=blocks.bm, BN=blocks.bn, BK=blocks.bk,
-        CAST_F32=INTERPRET and dtype != torch.float32,
-        SOFT_BF16=INTERPRET and dtype == torch.bfloat16, USE_CLOCK=on_gpu,
-        num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    # The watchdog stops the kernels' waits when a peer dies or the wall-clock timeout
+    # passes (interpreter; see tp_sync.Watchdog).
+    with Watchdog(ws, status, timeout) as dog:
+        grid = (world * triton.cdiv(m, blocks.bm) * triton.cdiv(n, blocks.bn),)
+        _gemm_rs_kernel[grid](
+            x, w, state.data_table, state.flag_table, counters, status, rank, world, m, n, k,
+            x.stride(0), x.stride(1), w.stride(0), w.stride(1), buf_off, phase, ack_phase,
+            max_spins, timeout_ns, BM=blocks.bm, BN=blocks.bn, BK=blocks.bk,
+            CAST_F32=INTERPRET and dtype != torch.float32,
+            SOFT_BF16=INTERPRET and dtype == torch.bfloat16, USE_CLOCK=on_gpu,
+            num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
-    y_shard = torch.empty(m, n, dtype=dtype, device=device)
-    _reduce_kernel[(triton.cdiv(m * n, blocks.copy_block),)](
-        y_shard, state.data_table, state.flag_table, counters[world:], status, rank, world,
-        m * n, buf_off, phase, max_spins, timeout_ns, BLOCK=blocks.copy_block,
-        SOFT_BF16=INTERPRET and dtype == torch.bfloat16, USE_CLOCK=on_gpu, num_warps=4)
+        y_shard = torch.empty(m, n, dtype=dtype, device=device)
+        _reduce_kernel[(triton.cdiv(m * n, blocks.copy_block),)](
+            y_shard, state.data_table, state.flag_table, counters[world:], status, rank, world,
+            m * n, buf_off, phase, max_spins, timeout_ns, BLOCK=blocks.copy_block,
+            SOFT_BF16=INTERPRET and dtype == torch.bfloat16, USE_CLOCK=on_gpu, num_warps=4)
 
     def describe(slot: int) -> str:
         if slot < world:
@@ -196,5 +199,5 @@ def gemm_rs(ws, x: torch.Tensor, w: torch.Tensor, *, phase: int,
                 f"from phase {ack_phase}")
 
     finish_call(state, status, ws=ws, phase=phase, timeout=timeout, describe=describe,
-                sync=sync)
+                sync=sync, problem=dog.problem)
     return y_shard

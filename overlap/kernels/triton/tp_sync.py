@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
+import time
 import weakref
 from typing import Callable
 
@@ -48,7 +50,7 @@ from overlap.kernels.triton import INTERPRET
 __all__ = ["INTERPRET", "INTERP_SPINS_PER_S", "spin_wait", "publish", "arrive_last",
            "to_out_dtype", "align", "half_buffer", "GemmBlocks", "gemm_blocks", "begin_call",
            "OpState", "wait_budget", "raise_on_status", "new_status", "finish_call",
-           "check_pending", "check_dtypes", "check_workspace"]
+           "check_pending", "check_dtypes", "check_workspace", "Watchdog"]
 
 INTERP_SPINS_PER_S = 3000
 _ALIGN = 256  # byte alignment of every region in a workspace (vector loads, cache lines)
@@ -93,31 +95,39 @@ def _now_ns():
 
 @triton.jit
 def spin_wait(flag_ptr, want, slot, status_ptr, max_spins, timeout_ns, USE_CLOCK: tl.constexpr):
-    """Wait until *flag_ptr >= want; 1 if it got there, 0 on timeout or an earlier failure."""
+    """Wait until *flag_ptr >= want; 1 if it got there, 0 if it gave up: on its own timeout, on
+    an earlier failed wait of the call (status word 0), or on the host watchdog's verdict
+    (status word 3, re-read on every spin: a dead peer or the wall-clock timeout). A wait whose
+    flag is already there never fails, so a peer that exits after its part is no error."""
     want = tl.cast(want, tl.int64)
-    earlier_failure = tl.atomic_load(status_ptr, sem="relaxed", scope="sys")
+    failure = tl.atomic_load(status_ptr, sem="relaxed", scope="sys")
+    verdict = tl.atomic_load(status_ptr + 3, sem="relaxed", scope="sys")
     seen = tl.atomic_load(flag_ptr, sem="acquire", scope="sys")
-    live = (seen < want) & (earlier_failure == 0)
+    live = (seen < want) & (failure == 0) & (verdict == 0)
     spins = 0
     if USE_CLOCK:
         t0 = _now_ns()
     while live:
         seen = tl.atomic_load(flag_ptr, sem="acquire", scope="sys")
+        failure = tl.atomic_load(status_ptr, sem="relaxed", scope="sys")
+        verdict = tl.atomic_load(status_ptr + 3, sem="relaxed", scope="sys")
         spins += 1
         if USE_CLOCK:
             live = (seen < want) & ((_now_ns() - t0) <= timeout_ns)
         else:
             live = (seen < want) & (spins < max_spins)
-    if (seen < want) & (earlier_failure == 0):
+        live = live & (failure == 0) & (verdict == 0)
+    if (seen < want) & (failure == 0):
         # First failure wins the word; the host reports it. Losers' details are dropped.
-        old = tl.atomic_cas(status_ptr, tl.cast(0, tl.int64), tl.cast(slot, tl.int64) + 1,
-                            sem="relaxed", scope="sys")
+        # A wall-clock timeout is this slot's timeout; a dead peer keeps the watchdog's code.
+        code = tl.where(verdict < -1, verdict, tl.cast(slot, tl.int64) + 1)
+        old = tl.atomic_cas(status_ptr, tl.cast(0, tl.int64), code, sem="relaxed", scope="sys")
         if old == 0:
             tl.store(status_ptr + 1, seen)
             tl.store(status_ptr + 2, want)
     # The whole program waits for the one thread that acquired (CUTLASS wait_eq + syncthreads).
     tl.debug_barrier()
-    return (seen >= want) & (earlier_failure == 0)
+    return (seen >= want) & (failure == 0)
 
 
 @triton.jit
@@ -177,23 +187,81 @@ def gemm_blocks(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
 
 
 def wait_budget(timeout: float) -> tuple[int, int]:
-    """(max_spins for the interpreter, timeout_ns for the GPU clock) of one bounded wait."""
-    return max(1, math.ceil(timeout * INTERP_SPINS_PER_S)), max(1, int(timeout * 1e9))
+    """(max_spins for the interpreter, timeout_ns for the GPU clock) of one bounded wait.
+    Under the interpreter the Watchdog bounds waits by wall time; the spin count is only a
+    backstop, at 4x the timeout."""
+    return max(1, math.ceil(4 * timeout * INTERP_SPINS_PER_S)), max(1, int(timeout * 1e9))
+
+
+WATCHDOG_POLL_S = 0.02
+_TIMED_OUT = -1  # status codes the watchdog writes; <= -2: -(2 + peer) for a dead peer
+
+
+class Watchdog:
+    """While one call's kernels run under the interpreter (synchronously, in this thread), a
+    host thread checks every ``WATCHDOG_POLL_S`` the wall time against ``timeout`` and the
+    peers' liveness and abort flags (``ws.peer_problem()``), and writes a verdict into the
+    call's status word 3; ``spin_wait`` re-reads it on every spin, so a wait stuck on a dead or
+    aborted peer stops within a poll period and a stall at the timeout in wall time.
+    On a GPU the kernels bound their waits with %globaltimer instead (a dead peer is then seen
+    at the timeout); no watchdog runs there."""
+
+    def __init__(self, ws, status: torch.Tensor, timeout: float):
+        self.ws, self.status, self.timeout = ws, status, timeout
+        self.problem = None
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self) -> "Watchdog":
+        if self.status.device.type == "cpu":
+            self._deadline = time.monotonic() + self.timeout
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name="overlap-triton-watchdog")
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(WATCHDOG_POLL_S):
+            if int(self.status[0]) != 0:
+                return  # a kernel-side wait already failed
+            problem = self.ws.peer_problem()
+            if problem is not None:
+                self.problem = problem
+                self.status[3] = -(2 + problem.peer)
+                return
+            if time.monotonic() > self._deadline:
+                self.status[3] = _TIMED_OUT
+                return
 
 
 def new_status(device: torch.device) -> torch.Tensor:
-    """The status word of one call: [failed slot + 1 (0 = ok), last seen, wanted]."""
-    return torch.zeros(3, dtype=torch.int64, device=device)
+    """The status words of one call: [failure (0 = ok; slot + 1 of a wait that timed out, or
+    the watchdog's code), last seen, wanted, watchdog verdict (0 = none)]."""
+    return torch.zeros(4, dtype=torch.int64, device=device)
 
 
 def raise_on_status(status: torch.Tensor, *, op: str, ws, phase: int, timeout: float,
-                    describe) -> None:
-    """Raise TimeoutError naming op, rank, slot and phase if a wait of this call failed.
-    Reading the word synchronises the host with the device on a GPU: the kernels of one call
-    overlap their communication with their compute, but the host does not run ahead of them."""
-    code, seen, want = (int(v) for v in status.tolist())
+                    describe, problem=None) -> None:
+    """Raise TimeoutError naming op, rank, slot and phase if a wait of this call failed, or
+    PeerDied if the watchdog saw a peer die or abort. Reading the word synchronises the host
+    with the device on a GPU: the kernels of one call overlap their communication with their
+    compute, but the host does not run ahead of them."""
+    code, seen, want, _ = (int(v) for v in status.tolist())
     if code == 0:
         return
+    if code <= -2:
+        from overlap.symm.workspace import PeerDied
+
+        peer = -code - 2
+        detail = f": {problem}" if problem is not None else ""
+        raise PeerDied(f"{op}: rank {ws.rank} of group {ws.group_name} stopped at phase {phase}: "
+                       f"peer rank {peer} exited or aborted{detail}", group=ws.group_name,
+                       peer=peer)
     slot = code - 1
     raise TimeoutError(
         f"{op}: rank {ws.rank} of group {ws.group_name} timed out after ~{timeout:g}s at phase "
@@ -288,12 +356,13 @@ def begin_call(op: str, ws, phase: int) -> tuple[OpState, int, int]:
 
 
 def finish_call(state: OpState, status: torch.Tensor, *, ws, phase: int, timeout: float,
-                describe: Callable[[int], str], sync: bool) -> None:
+                describe: Callable[[int], str], sync: bool, problem=None) -> None:
     """Check the call's status word now (sync) or leave it for check_pending (not sync: on a
     GPU the host then runs ahead of the kernels instead of waiting for them)."""
-    if sync:
+    # The watchdog's verdict (CPU only, where reading the word costs no device sync).
+    if sync or (status.device.type == "cpu" and int(status[0]) != 0):
         raise_on_status(status, op=state.op, ws=ws, phase=phase, timeout=timeout,
-                        describe=describe)
+                        describe=describe, problem=problem)
         return
     event = None
     if status.device.type == "cuda":
