@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 
-from overlap.pp import ScheduleError, build_schedule, simulate, validate
+from overlap.pp import ScheduleError, build_schedule, diagram, render_table, simulate, validate
 from overlap.pp.schedules import Action, lower, one_f_one_b
 
 CASES = [(name, p, m, 1) for name in ("gpipe", "1f1b", "zb_h1")
@@ -141,13 +141,12 @@ def test_validation_rejects_broken_programs():
 
 def test_table_and_diagram():
     sched = build_schedule("1f1b", pp_size=2, num_microbatches=3)
-    table = sched.table()
+    table = render_table(sched)
     assert table.splitlines()[1] == "r0 (peak live 2): F0s0 F1s0 B0s0 F2s0 B1s0 B2s0"
     assert table.splitlines()[2] == "r1 (peak live 1): F0s1 B0s1 F1s1 B1s1 F2s1 B2s1"
-    assert "SEND_F0s0->1" in sched.table(with_comm=True)
-    assert "RECV_F0s1<-0" in sched.table(with_comm=True)
-    diagram = sched.diagram()
-    rows = diagram.splitlines()
+    assert "SEND_F0s0->1" in render_table(sched, with_comm=True)
+    assert "RECV_F0s1<-0" in render_table(sched, with_comm=True)
+    rows = diagram(sched).splitlines()
     assert rows[0] == "r0 |F0 F1 .  .  B0 B0 F2 B1 B1 .  B2 B2|"
     assert rows[1] == "r1 |.  F0 B0 B0 F1 B1 B1 F2 B2 B2 .  . |"
     assert "makespan 12" in rows[-1] and "0.250, 0.250" in rows[-1]

@@ -3,7 +3,8 @@ per-rank programs and its simulated timeline (unit costs F=1, B=2, I=W=1)."""
 
 import sys
 
-from overlap.pp.schedules import build_schedule
+from overlap.pp.build import build_schedule
+from overlap.pp.check import diagram, render_table
 
 
 def main(argv: list[str]) -> None:
@@ -11,8 +12,8 @@ def main(argv: list[str]) -> None:
         raise SystemExit(__doc__.split(":")[0].strip("`"))
     sched = build_schedule(argv[0], pp_size=int(argv[1]), num_microbatches=int(argv[2]),
                            num_virtual=int(argv[3]) if len(argv) == 4 else 1)
-    print(sched.table())
-    print(sched.diagram())
+    print(render_table(sched))
+    print(diagram(sched))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from collections import Counter
 from overlap.pp.schedules import Action, PipelineSchedule, message_of, stage_rank
 
 __all__ = ["ScheduleError", "validate", "simulate", "SimResult", "render_table",
-           "render_timeline", "DEFAULT_COSTS"]
+           "render_timeline", "diagram", "DEFAULT_COSTS"]
 
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
@@ -173,7 +173,13 @@ def simulate(schedule: PipelineSchedule, costs: dict[str, float] | None = None) 
     return res
 
 
+def diagram(schedule: PipelineSchedule, costs: dict[str, float] | None = None) -> str:
+    """ASCII timeline of the simulated run (unit costs by default), idle shown as ``.``."""
+    return render_timeline(simulate(schedule, costs))
+
+
 def render_table(schedule: PipelineSchedule, *, with_comm: bool = False) -> str:
+    """One line per rank listing its program, e.g. ``r0: F0s0 F1s0 B0s0 ...``."""
     sc = schedule
     head = (f"{sc.name}: pp_size={sc.pp_size} num_virtual={sc.num_virtual} "
             f"num_microbatches={sc.num_microbatches}; label = kind, micro-batch, 's' stage")

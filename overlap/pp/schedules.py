@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-__all__ = ["Action", "PipelineSchedule", "build_schedule", "SCHEDULES", "lower", "stage_rank",
+__all__ = ["Action", "PipelineSchedule", "SCHEDULES", "lower", "stage_rank",
            "messages", "message_of", "msg_src_dst",
            "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "COMPUTE_KINDS", "COMM_KINDS"]
 
@@ -95,17 +95,6 @@ class PipelineSchedule:
     def compute_actions(self, rank: int) -> list[Action]:
         return [a for a in self.actions[rank] if a.is_compute]
 
-    def table(self, *, with_comm: bool = False) -> str:
-        """One line per rank listing its program, e.g. ``r0: F0s0 F1s0 B0s0 ...``."""
-        from overlap.pp.check import render_table
-
-        return render_table(self, with_comm=with_comm)
-
-    def diagram(self, costs: dict[str, float] | None = None) -> str:
-        """ASCII timeline of the simulated run (unit costs by default), idle shown as ``.``."""
-        from overlap.pp.check import render_timeline, simulate
-
-        return render_timeline(simulate(self, costs))
 
 
 # --------------------------------------------------------------------------- builders
@@ -274,41 +263,3 @@ def lower(compute: list[list[Action]], pp_size: int, num_stages: int) -> list[li
                     prog.append(Action(kind, stage, msg[2], peer=d))
         out.append(prog)
     return out
-
-
-def build_schedule(name: str, *, pp_size: int, num_microbatches: int,
-                   num_virtual: int = 1) -> PipelineSchedule:
-    """Build, lower and validate a schedule; raises ValueError naming the bad argument."""
-    if name not in SCHEDULES:
-        raise ValueError(f"pp build_schedule: unknown schedule {name!r}; expected one of "
-                         f"{sorted(SCHEDULES)}")
-    for arg, val in (("pp_size", pp_size), ("num_microbatches", num_microbatches),
-                     ("num_virtual", num_virtual)):
-        if not isinstance(val, int) or val < 1:
-            raise ValueError(f"pp build_schedule({name}): {arg} must be a positive int, "
-                             f"got {val!r}")
-    if num_virtual > 1 and name != "interleaved_1f1b":
-        raise ValueError(f"pp build_schedule({name}): num_virtual={num_virtual} needs "
-                         "'interleaved_1f1b'; the other schedules run one chunk per rank")
-    if num_microbatches < pp_size:
-        raise ValueError(f"pp build_schedule({name}): num_microbatches={num_microbatches} must "
-                         f"be >= pp_size={pp_size}, else some stages idle the whole step")
-    if name == "interleaved_1f1b" and num_microbatches % pp_size:
-        raise ValueError(f"pp build_schedule({name}): num_microbatches={num_microbatches} must "
-                         f"be a multiple of pp_size={pp_size} (micro-batches sweep the chunks "
-                         f"in groups of pp_size)")
-    from overlap.pp.check import validate
-
-    compute = SCHEDULES[name](pp_size, num_microbatches, num_virtual)
-    num_stages = pp_size * num_virtual
-    actions = lower(compute, pp_size, num_stages)
-    peak = validate(actions, pp_size=pp_size, num_stages=num_stages,
-                    num_microbatches=num_microbatches, name=name)
-    schedule = PipelineSchedule(name=name, pp_size=pp_size, num_virtual=num_virtual,
-                                num_microbatches=num_microbatches,
-                                actions=tuple(tuple(a) for a in actions),
-                                peak_live_activations=tuple(peak))
-    from overlap.pp.plan import check_all
-
-    check_all(schedule)  # the executor's plans under NCCL's ordering rules
-    return schedule

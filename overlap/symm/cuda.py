@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.kernels.cuda import launch_kernel
-from overlap.symm.workspace import PeerDied, SignalTimeout, SymmetricWorkspace
+from overlap.symm.base import PeerDied, SignalTimeout, SymmetricWorkspace
 
 __all__ = ["CudaWorkspace"]
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from overlap import _C
 from overlap.profile.timers import comm_wait
-from overlap.symm.workspace import PeerDied, SignalTimeout, SymmetricWorkspace
+from overlap.symm.base import PeerDied, SignalTimeout, SymmetricWorkspace
 
 __all__ = ["ShmWorkspace"]
 

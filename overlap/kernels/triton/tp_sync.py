@@ -255,7 +255,7 @@ def raise_on_status(status: torch.Tensor, *, op: str, ws, phase: int, timeout: f
     if code == 0:
         return
     if code <= -2:
-        from overlap.symm.workspace import PeerDied
+        from overlap.symm.base import PeerDied
 
         peer = -code - 2
         detail = f": {problem}" if problem is not None else ""
