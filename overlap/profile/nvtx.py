@@ -10,7 +10,12 @@ A range measures the *host* time spent inside it. For work the host only enqueue
 async collectives) that is the launch cost, not the device time: read device spans from the
 kernel rows of the trace, and use the ranges to attribute them to chunks.
 
-Set ``OVERLAP_NVTX=0`` to turn ranges into no-ops (they cost about a microsecond each).
+Names follow the one scheme in ``overlap/profile/names.py`` (build them with its helpers:
+``names.chunk(...)``, ``names.pp_action(...)``), which is what ``overlap-analyze`` reads back.
+
+Set ``OVERLAP_NVTX=0`` to turn ranges into no-ops (they cost about a microsecond each). The
+ranges the analyzer cannot do without (``step`` and ``comm_wait``) pass ``required=True`` and
+stay on.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["range", "enabled"]
+from overlap.profile import names
+
+__all__ = ["range", "step", "enabled"]
 
 _ENABLED = os.environ.get("OVERLAP_NVTX", "1") != "0"
 _CUDA: bool | None = None
@@ -39,9 +46,10 @@ def _cuda() -> bool:
 
 
 @contextlib.contextmanager
-def range(name: str) -> Iterator[None]:  # noqa: A001 - mirrors torch.cuda.nvtx.range
-    """Mark the enclosed host code as ``name`` in torch.profiler traces and, on CUDA, in NVTX."""
-    if not _ENABLED:
+def range(name: str, *, required: bool = False) -> Iterator[None]:  # noqa: A001
+    """Mark the enclosed host code as ``name`` in torch.profiler traces and, on CUDA, in NVTX
+    (the name mirrors torch.cuda.nvtx.range)."""
+    if not (_ENABLED or required):
         yield
         return
     with torch.profiler.record_function(name):
@@ -53,3 +61,8 @@ def range(name: str) -> Iterator[None]:  # noqa: A001 - mirrors torch.cuda.nvtx.
                 torch.cuda.nvtx.range_pop()
         else:
             yield
+
+
+def step(n: int) -> contextlib.AbstractContextManager[None]:
+    """The range of training step ``n`` (``step:<n>``), the analyzer's unit of report."""
+    return range(names.step(n), required=True)

@@ -3,7 +3,8 @@ communication, measured where it blocks.
 
 Every blocking wait in the runtime (a P2P receive, a gradient bucket, a fused op's signal wait)
 runs inside ``comm_wait(name)``. It adds the elapsed time to a per-thread counter and opens a
-``comm_wait:<name>`` profiler range, so the same waits show in torch.profiler / Nsight traces.
+``comm_wait:<name>`` range (``names.comm_wait``) through ``nvtx.range``, so the same waits show in
+torch.profiler traces and, on CUDA, as NVTX ranges in Nsight Systems.
 The training loop reads ``exposed_seconds()`` before and after a step; exposed / step time is
 the fraction of the step that communication was *not* hidden behind compute.
 """
@@ -15,7 +16,7 @@ import threading
 import time
 from typing import Iterator
 
-from torch.profiler import record_function
+from overlap.profile import names, nvtx
 
 __all__ = ["comm_wait", "exposed_seconds", "reset_exposed"]
 
@@ -38,7 +39,7 @@ def comm_wait(name: str) -> Iterator[None]:
     _local.depth = depth + 1
     t0 = time.perf_counter()
     try:
-        with record_function(f"comm_wait:{name}"):
+        with nvtx.range(names.comm_wait(name), required=True):
             yield
     finally:
         _local.depth = depth

@@ -1,0 +1,198 @@
+"""The one naming scheme for overlap's profiler ranges, shared by the writer and the reader.
+
+The runtime names its ranges through the builders below (``overlap.profile.nvtx`` and
+``overlap.profile.timers`` write them as NVTX ranges on CUDA and torch.profiler
+``record_function`` ranges everywhere); the analyzer (``overlap-analyze``, ``trace.classify``)
+reads them back with ``classify_range``. A range is only useful if its reader knows what it
+means, so both sides use this module and nothing else.
+
+Range names
+    step:<n>                          one training step: the analyzer's unit of report
+    comm_wait:<what>                  the host blocked on communication (a wait)
+    comm:<what> / compute:<what>      communication / compute work without a finer name
+    <path>.<role>[<index>].<suffix>   a piece of an op; ``[<index>]`` and ``.<suffix>`` optional
+        path    dotted identifiers saying whose piece it is: ``<op>.<backend>`` for the fused
+                TP ops (``all_gather_matmul.chunked``), ``pp.stage<s>``, ``dp.grads``,
+                ``dp.params``, ``quant.<op>``
+        role    ``comm`` communication; ``gemm``, ``compute``, ``F``/``B``/``I``/``W`` (pipeline
+                actions), ``quantize``, ``dequantize`` compute; ``fused`` one fused comm+GEMM
+                kernel (compute with its communication hidden)
+        index   free text without ``]``: chunk, ``<peer>.<piece>``, micro-batch, bucket
+        suffix  ``wait`` marks a blocking wait on that piece (communication, and a wait); any
+                other suffix (``reduce``, ``launch``) keeps the role's kind
+    Examples: ``all_gather_matmul.chunked.comm[3].wait``, ``matmul_reduce_scatter.symmetric
+    .gemm[2.0]``, ``pp.stage1.F[3]``, ``dp.grads.comm[0]``, ``quant.all_reduce.quantize[1]``.
+    A comm range on the training thread must hold only the launch or the wait, never compute:
+    the analyzer counts its whole time as communication.
+
+Names that PyTorch and its backends write: ``gloo:*``, ``nccl:*``, ``c10d::*`` and
+``record_param_comms`` are communication, ``aten::*`` compute, ``ProfilerStep#<n>`` a step.
+
+Device rows (kernels and copies, from CUDA traces)
+    kernels   overlap's own by ``overlap.kernels.registry`` (comm, compute or fused; signal-wait
+              kernels are waits); any other kernel whose name contains ``nccl`` is comm; the
+              rest compute
+    memcpy    peer-to-peer copies are comm; device-to-device copies are comm on a comm stream
+              (one that runs a comm kernel, or no compute kernel: the copy engine's side
+              stream) and compute elsewhere; host<->device copies are not counted
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from overlap.kernels import registry
+
+__all__ = ["COMM", "COMPUTE", "FUSED", "STEP", "Kind", "Piece", "parse", "classify_range",
+           "classify_kernel", "classify_memcpy", "is_project_range", "step_number", "step",
+           "comm_wait", "comm", "compute", "chunk", "pp_action", "dp_bucket", "quant"]
+
+COMM, COMPUTE, FUSED, STEP = "comm", "compute", "fused", "step"
+
+STEP_PREFIX, COMM_WAIT_PREFIX = "step:", "comm_wait:"
+COMM_PREFIX, COMPUTE_PREFIX = "comm:", "compute:"
+ROLES = {"comm": COMM, "gemm": COMPUTE, "compute": COMPUTE, "fused": FUSED, "F": COMPUTE,
+         "B": COMPUTE, "I": COMPUTE, "W": COMPUTE, "quantize": COMPUTE, "dequantize": COMPUTE}
+PP_ACTIONS = ("F", "B", "I", "W")
+_THIRD_PARTY_COMM = ("gloo:", "nccl:", "c10d::", "record_param_comms")
+
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+_PIECE = re.compile(rf"^(?P<path>{_IDENT}(?:\.{_IDENT})*)\.(?P<role>{'|'.join(ROLES)})"
+                    rf"(?:\[(?P<index>[^\]]*)\])?(?:\.(?P<suffix>{_IDENT}))?$")
+_STEP = re.compile(r"^(?:step:|ProfilerStep#)\s*(-?\d+)")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Kind:
+    """What a range or row is: ``kind`` is COMM, COMPUTE, FUSED or STEP; ``wait`` marks time
+    spent blocked on a peer (a ``comm_wait:`` or ``.wait`` range, a signal-wait kernel)."""
+    kind: str
+    wait: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Piece:
+    path: str
+    role: str
+    index: str | None
+    suffix: str | None
+
+
+def parse(name: str) -> Piece | None:
+    """The parts of a ``<path>.<role>[<index>].<suffix>`` name, or None."""
+    m = _PIECE.match(name)
+    if m is None:
+        return None
+    return Piece(m["path"], m["role"], m["index"], m["suffix"])
+
+
+def step_number(name: str) -> int | None:
+    m = _STEP.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_project_range(name: str) -> bool:
+    """True for names this scheme defines (not PyTorch's own), used to label device rows."""
+    return (name.startswith((COMM_WAIT_PREFIX, COMM_PREFIX, COMPUTE_PREFIX))
+            or parse(name) is not None)
+
+
+def classify_range(name: str) -> Kind | None:
+    """The kind of a host range (NVTX or record_function) by name, or None if it is neither
+    communication, compute nor a step (bookkeeping, Python frames, unknown names)."""
+    if name.startswith(STEP_PREFIX) or name.startswith("ProfilerStep#"):
+        return Kind(STEP)
+    if name.startswith(COMM_WAIT_PREFIX):
+        return Kind(COMM, wait=True)
+    if name.startswith(COMM_PREFIX) or name.startswith(_THIRD_PARTY_COMM):
+        return Kind(COMM)
+    if name.startswith(COMPUTE_PREFIX) or name.startswith("aten::"):
+        return Kind(COMPUTE)
+    piece = parse(name)
+    if piece is None:
+        return None
+    wait = piece.suffix == "wait"
+    return Kind(COMM, wait=True) if wait else Kind(ROLES[piece.role])
+
+
+def is_nccl_kernel(name: str) -> bool:
+    return "nccl" in name.lower()
+
+
+def classify_kernel(name: str) -> Kind:
+    """The kind of a device kernel: the registry first, then NCCL by name, else compute."""
+    info = registry.lookup(name)
+    if info is not None:
+        return Kind(info.kind, wait=info.waits)
+    return Kind(COMM) if is_nccl_kernel(name) else Kind(COMPUTE)
+
+
+# CUPTI's CUpti_ActivityMemcpyKind, which nsys exports as copyKind (ENUM_CUDA_MEMCPY_OPER).
+MEMCPY_KINDS = {0: "Unknown", 1: "HtoD", 2: "DtoH", 3: "HtoA", 4: "AtoH", 5: "AtoA", 6: "AtoD",
+                7: "DtoA", 8: "DtoD", 9: "HtoH", 10: "PtoP", 11: "HtoD", 12: "DtoH", 13: "DtoD"}
+
+
+def classify_memcpy(copy_kind: str, *, peer: bool, comm_stream: bool) -> Kind | None:
+    """A copy row: ``copy_kind`` is "PtoP", "DtoD", "HtoD", ...; ``peer`` is True when source
+    and destination devices differ. None means "not counted" (host<->device traffic)."""
+    if copy_kind == "PtoP" or peer:
+        return Kind(COMM)
+    if copy_kind == "DtoD":
+        return Kind(COMM) if comm_stream else Kind(COMPUTE)
+    return None
+
+
+# -- builders: the writer's side. Use these instead of formatting names by hand. ----------------
+
+def step(n: int) -> str:
+    return f"{STEP_PREFIX}{n}"
+
+
+def comm_wait(what: str) -> str:
+    return f"{COMM_WAIT_PREFIX}{what}"
+
+
+def comm(what: str) -> str:
+    return f"{COMM_PREFIX}{what}"
+
+
+def compute(what: str) -> str:
+    return f"{COMPUTE_PREFIX}{what}"
+
+
+def chunk(op: str, backend: str, role: str, index: object = None, suffix: str | None = None) -> str:
+    """``<op>.<backend>.<role>[<index>].<suffix>``, e.g. ``chunk("all_gather_matmul",
+    "chunked", "comm", 3, "wait")``."""
+    return _piece(f"{op}.{backend}", role, index, suffix)
+
+
+def pp_action(action: str, *, stage: int, micro_batch: int) -> str:
+    """A pipeline action: ``pp.stage<stage>.<F|B|I|W>[<micro_batch>]``."""
+    if action not in PP_ACTIONS:
+        raise ValueError(f"pp_action: action must be one of {PP_ACTIONS}, got {action!r}")
+    return _piece(f"pp.stage{stage}", action, micro_batch, None)
+
+
+def dp_bucket(what: str, bucket: int, *, wait: bool = False) -> str:
+    """A data-parallel bucket's collective (``what``: "grads" or "params"):
+    ``dp.<what>.comm[<bucket>]`` for the launch, ``....wait`` for the wait."""
+    return _piece(f"dp.{what}", "comm", bucket, "wait" if wait else None)
+
+
+def quant(kind: str, op: str, index: object = None) -> str:
+    """``quant.<op>.<quantize|dequantize>[<index>]``."""
+    if kind not in ("quantize", "dequantize"):
+        raise ValueError(f"quant: kind must be 'quantize' or 'dequantize', got {kind!r}")
+    return _piece(f"quant.{op}", kind, index, None)
+
+
+def _piece(path: str, role: str, index: object, suffix: str | None) -> str:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {tuple(ROLES)}, got {role!r}")
+    name = f"{path}.{role}" + ("" if index is None else f"[{index}]")
+    name += "" if suffix is None else f".{suffix}"
+    if parse(name) is None:
+        raise ValueError(f"{name!r} does not follow the naming scheme (overlap/profile/names.py): "
+                         "path parts must be identifiers and the index must not contain ']'")
+    return name
