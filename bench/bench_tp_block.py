@@ -74,7 +74,7 @@ def _dtensor_block(block, tp: int, device):
 
 def _variants(cfg: BenchConfig, device, dtype):
     """[(name, backend, sp, check_inputs, block, x, dy)]: x, dy as the block sees them here."""
-    from overlap.tp.parallelize import parallelize
+    from overlap.nn.parallelize import parallelize
 
     group, tp, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     g = torch.Generator(device="cpu").manual_seed(1)

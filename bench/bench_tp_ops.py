@@ -97,7 +97,7 @@ def _inputs(op: str, m: int, k: int, n: int, world: int, dtype, device):
 
 def _reference(op: str, x, w, group):
     """(comm alone, gemm alone, collective-then-GEMM) callables: the unfused reference."""
-    from overlap.tp.regions import all_gather_dim, reduce_scatter_dim
+    from overlap.nn.regions import all_gather_dim, reduce_scatter_dim
 
     if op == "all_gather_matmul":
         x_full = all_gather_dim(x, 0, group=group)

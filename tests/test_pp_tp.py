@@ -30,9 +30,9 @@ def _gpt() -> GPT:
 def _pp_tp(name: str, m: int, backend: str):
     from overlap.dist.dims import ParallelDims
     from overlap.tp import close_all_contexts
-    from overlap.tp.embedding import vocab_parallel_cross_entropy
-    from overlap.tp.parallelize import gather_grads, parallelize
-    from overlap.tp.plans import gpt_plan
+    from overlap.nn.embedding import vocab_parallel_cross_entropy
+    from overlap.nn.parallelize import gather_grads, parallelize
+    from overlap.models.plans import gpt_plan
 
     dims = ParallelDims.build(tp=2, pp=2, dp=1)
     ref, model = _gpt(), _gpt()

@@ -77,7 +77,7 @@ def _rel(got, want):
 
 
 def _check_linear(c, group):
-    from overlap.tp.layers import ColumnParallelLinear, RowParallelLinear
+    from overlap.nn.layers import ColumnParallelLinear, RowParallelLinear
 
     tp, r = dist.get_world_size(group), dist.get_rank(group)
     torch.manual_seed(0)
@@ -125,7 +125,7 @@ def _check_linear(c, group):
 
 def _check_shared(sp, backend, group):
     """column_parallel_shared (q, k, v as one GEMM) equals three unsharded linears."""
-    from overlap.tp.layers import ColumnParallelLinear, column_parallel_shared
+    from overlap.nn.layers import ColumnParallelLinear, column_parallel_shared
 
     tp, r = dist.get_world_size(group), dist.get_rank(group)
     torch.manual_seed(3)
@@ -150,7 +150,7 @@ def _check_shared(sp, backend, group):
 
 
 def _check_embedding(V, sp, seq_first, padding_idx, group):
-    from overlap.tp.embedding import VocabParallelEmbedding
+    from overlap.nn.embedding import VocabParallelEmbedding
 
     tp, r = dist.get_world_size(group), dist.get_rank(group)
     torch.manual_seed(1)
@@ -171,8 +171,8 @@ def _check_embedding(V, sp, seq_first, padding_idx, group):
 
 
 def _check_cross_entropy(V, dtype, reduction, ignore_index, group):
-    from overlap.tp.embedding import vocab_parallel_cross_entropy
-    from overlap.tp.sharding import shard_sizes
+    from overlap.nn.embedding import vocab_parallel_cross_entropy
+    from overlap.nn.sharding import shard_sizes
 
     tp, r = dist.get_world_size(group), dist.get_rank(group)
     torch.manual_seed(2)
@@ -263,8 +263,8 @@ def test_layer_matches_unsharded(world, name, tol):
 
 
 def _init_and_errors():
-    from overlap.tp.embedding import VocabParallelEmbedding
-    from overlap.tp.layers import ColumnParallelLinear, RowParallelLinear
+    from overlap.nn.embedding import VocabParallelEmbedding
+    from overlap.nn.layers import ColumnParallelLinear, RowParallelLinear
 
     group, out = dist.group.WORLD, {}
     # Same seed -> the shards of the weight the unsharded layer would have drawn.

@@ -65,7 +65,7 @@ def _loss_fn(kind):
             return out.logits, out.loss
         return run
     if kind == "gpt-vocab-parallel":
-        from overlap.tp.embedding import vocab_parallel_cross_entropy
+        from overlap.nn.embedding import vocab_parallel_cross_entropy
 
         def run(model, ids):
             logits = model(ids)  # sharded over the vocabulary when parallelized
@@ -79,7 +79,7 @@ def _loss_fn(kind):
 
 
 def _compare(ref, model, run, world, out, prefix):
-    from overlap.tp.parallelize import gather_grads, gather_state_dict
+    from overlap.nn.parallelize import gather_grads, gather_state_dict
 
     ids = _batch(0, world)
     logits_ref, loss_ref = run(ref, ids)
@@ -119,7 +119,7 @@ def _compare(ref, model, run, world, out, prefix):
 def _dtensor_compare(ref, run, world, out, prefix, names, heads_attr, **parallelize_kw):
     """The same (fresh) model under ours and under torch DTensor TP (ColwiseParallel /
     RowwiseParallel on the same linears, embedding and head replicated): same outputs."""
-    from overlap.tp.parallelize import parallelize
+    from overlap.nn.parallelize import parallelize
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
@@ -147,8 +147,8 @@ def _dtensor_compare(ref, run, world, out, prefix, names, heads_attr, **parallel
 
 
 def _gpt_cases(world, out):
-    from overlap.tp.parallelize import parallelize
-    from overlap.tp.plans import gpt_plan
+    from overlap.nn.parallelize import parallelize
+    from overlap.models.plans import gpt_plan
 
     group = dist.group.WORLD
     for sp, backend, loss_parallel in ((False, "chunked", False), (True, "chunked", False),
@@ -167,7 +167,7 @@ def _gpt_cases(world, out):
 
 
 def _hf_cases(world, out):
-    from overlap.tp.parallelize import parallelize
+    from overlap.nn.parallelize import parallelize
 
     group = dist.group.WORLD
     run = _loss_fn("hf")
@@ -247,9 +247,9 @@ def test_hf_errors(world):
 def _plan_errors():
     import torch.nn as nn
 
-    from overlap.tp.layers import TPModule
-    from overlap.tp.parallelize import TPPlan, parallelize
-    from overlap.tp.plans import gpt_plan, plan_for
+    from overlap.nn.layers import TPModule
+    from overlap.nn.parallelize import TPPlan, parallelize
+    from overlap.models.plans import gpt_plan, plan_for
 
     group, out = dist.group.WORLD, {}
     # 6 heads over 4 ranks, a LayerNorm asked to be a column, a pattern that matches nothing.

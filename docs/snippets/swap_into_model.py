@@ -6,7 +6,7 @@ import torch.nn as nn
 from overlap.dist import ParallelDims
 from overlap.dist.launch import launch
 from overlap.tp import close_all_contexts
-from overlap.tp.parallelize import TPPlan, gather_grads, gather_state_dict, parallelize
+from overlap.nn import TPPlan, gather_grads, gather_state_dict, parallelize
 
 
 class MyMLP(nn.Module):                       # a model you already have: nothing to change

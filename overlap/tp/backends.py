@@ -26,7 +26,7 @@ import torch
 
 from overlap.tp import chunked, symmetric
 from overlap.tp.context import TPContext
-from overlap.tp.regions import all_gather_dim, reduce_scatter_dim
+from overlap.tp.collectives import all_gather_dim, reduce_scatter_dim
 
 __all__ = ["Backend", "ChunkedBackend", "SymmetricBackend", "TritonBackend", "backend_for",
            "have_triton_tp", "gather", "scatter"]

@@ -64,9 +64,9 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     from overlap.dp.sharded_optimizer import ShardedOptimizer
     from overlap.pp import Pipeline, build_schedule, pipeline_stages
     from overlap.tp import TPComm, close_all_contexts
-    from overlap.tp.embedding import vocab_parallel_cross_entropy
-    from overlap.tp.parallelize import parallelize
-    from overlap.tp.plans import gpt_plan
+    from overlap.nn.embedding import vocab_parallel_cross_entropy
+    from overlap.nn.parallelize import parallelize
+    from overlap.models.plans import gpt_plan
 
     device = rank_device()
     dims = ParallelDims.build(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, device_type=device.type)

@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from overlap.tp.layers import resolve_comm
-from overlap.tp.regions import copy_to_tp, scatter_to_tp
+from overlap.nn.layers import resolve_comm
+from overlap.nn.regions import copy_to_tp, scatter_to_tp
 
 __all__ = ["SequenceParallelLayerNorm", "SequenceParallelRMSNorm", "SequenceShardedPositions",
            "sequence_parallel_norm"]

@@ -32,8 +32,8 @@ import torch.nn as nn
 
 
 from overlap.models.gpt import GPT, CausalSelfAttention
-from overlap.tp.layers import column_parallel_shared
-from overlap.tp.parallelize import Style, TPPlan
+from overlap.nn.layers import column_parallel_shared
+from overlap.nn.plan import Style, TPPlan
 
 __all__ = ["gpt_plan", "gpt2_plan", "llama_plan", "plan_for", "ParallelCausalSelfAttention"]
 

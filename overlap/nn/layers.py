@@ -31,12 +31,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from overlap.tp import sharding
+from overlap.nn import sharding
 from overlap.tp.comm import BACKENDS, TPComm, default_comm
 from overlap.tp.ops import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
-from overlap.tp.regions import (all_reduce_async, copy_to_tp, gather_from_tp, scatter_to_tp,
+from overlap.nn.regions import (all_reduce_async, copy_to_tp, gather_from_tp, scatter_to_tp,
                                 wait)
-from overlap.tp.sharding import ShardSpec
+from overlap.nn.sharding import ShardSpec
 
 __all__ = ["TPModule", "ColumnParallelLinear", "RowParallelLinear", "column_parallel_shared",
            "resolve_comm", "linear_weight", "BACKENDS"]

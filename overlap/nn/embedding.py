@@ -28,10 +28,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from overlap.tp import sharding
-from overlap.tp.layers import TPModule
-from overlap.tp.regions import all_gather_dim, reduce_from_tp, reduce_scatter_to_sp, wait
-from overlap.tp.sharding import ShardSpec
+from overlap.nn import sharding
+from overlap.nn.layers import TPModule
+from overlap.nn.regions import all_gather_dim, reduce_from_tp, reduce_scatter_to_sp, wait
+from overlap.nn.sharding import ShardSpec
 
 __all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
 

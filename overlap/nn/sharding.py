@@ -25,7 +25,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from overlap.tp.regions import all_gather_dim
+from overlap.tp.collectives import all_gather_dim
 
 __all__ = ["ShardSpec", "shard_sizes", "shard", "gather"]
 

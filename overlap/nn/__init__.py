@@ -1,0 +1,19 @@
+"""Tensor-parallel nn layers on the fused-op engine (``overlap.tp``): drop-in linear layers and
+embedding, sequence-parallel norms, autograd region collectives, sharding helpers, and
+``parallelize(model, ...)`` that swaps them into a model by a plan (``TPPlan``).
+
+    from overlap.nn import ColumnParallelLinear, RowParallelLinear, parallelize, TPPlan
+"""
+
+from overlap.nn.embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from overlap.nn.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_shared
+from overlap.nn.parallelize import gather_grads, gather_state_dict, parallelize
+from overlap.nn.plan import STYLES, Style, TPPlan
+from overlap.nn.sequence import (SequenceParallelLayerNorm, SequenceParallelRMSNorm,
+                                 SequenceShardedPositions, sequence_parallel_norm)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_parallel_shared",
+           "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "parallelize",
+           "gather_state_dict", "gather_grads", "Style", "STYLES", "TPPlan",
+           "SequenceParallelLayerNorm", "SequenceParallelRMSNorm", "SequenceShardedPositions",
+           "sequence_parallel_norm"]

@@ -1,0 +1,272 @@
+"""parallelize(model, ...): swap a model's modules for tensor-parallel ones, in place, by a plan.
+
+A plan (``TPPlan``) maps module-name glob patterns (``fnmatch``, ``*`` also matches dots) to a
+style; the first pattern that matches a module wins. Styles (strings or ``Style`` objects):
+
+=================  =========================================================================
+``column``         ColumnParallelLinear, output sharded over features (tp must divide N)
+``qkv``            column over a fused [q; k; v] output: each third sharded separately
+``row``            RowParallelLinear, input sharded over features (tp must divide K)
+``embedding``      VocabParallelEmbedding (any vocabulary size)
+``vocab_head``     column over the vocabulary, logits stay sharded (for
+                   vocab_parallel_cross_entropy); any vocabulary size
+``head``           like vocab_head, then gathers full logits (for a loss that wants them)
+``sp_norm``        LayerNorm/RMSNorm on sequence shards (only with sequence_parallel=True)
+``sp_positions``   position table cut to the local sequence shard (only with SP)
+=================  =========================================================================
+
+``divide`` in the plan names integer attributes (head counts, split sizes) of matched modules
+that hold *per-rank* sizes at run time; they are divided by tp. Every check (unknown pattern,
+wrong module type, sizes or head counts that tp does not divide, weights tied across modules
+that would be sharded differently, arch-specific checks) runs before anything is changed, and
+all failures are reported together in one ValueError.
+
+Weights tied across modules (GPT-2 ties ``lm_head`` to ``wte``) stay tied when every module of
+the tie is sharded the same way (embedding rows and head output rows are): the shards are
+shared.
+
+``gather_state_dict(model)`` / ``gather_grads(model)``: the unsharded state dict / parameter
+gradients, keyed and shaped like the original model's (collective over the TP group).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from overlap.nn.embedding import VocabParallelEmbedding
+from overlap.nn.layers import (ColumnParallelLinear, RowParallelLinear, TPModule, linear_weight,
+                               resolve_comm)
+from overlap.nn.plan import STYLES, Style, TPPlan
+from overlap.nn.sequence import SequenceShardedPositions, sequence_parallel_norm
+from overlap.tp.comm import TPComm, owned_comm
+
+__all__ = ["Style", "TPPlan", "STYLES", "parallelize", "gather_state_dict", "gather_grads"]
+
+
+def _style(value) -> Style | None:
+    if isinstance(value, Style):
+        return value
+    return STYLES.get(value)
+
+
+def _check_module(name: str, module: nn.Module, style: Style, tp: int) -> list[str]:
+    """Problems with applying ``style`` to ``module`` at this tp (empty: fine)."""
+    kind = style.kind
+    if kind in ("column", "row"):
+        try:
+            weight, _, transposed = linear_weight(module)
+        except TypeError:
+            return [f"{name}: style {kind!r} needs nn.Linear or Conv1D, got "
+                    f"{type(module).__name__}"]
+        out_f, in_f = (weight.shape[1], weight.shape[0]) if transposed else weight.shape
+        n, what = (out_f, "out_features") if kind == "column" else (in_f, "in_features")
+        if style.uneven:
+            return [] if n >= tp else [f"{name}: {what}={n} is smaller than tp={tp}"]
+        if n % (style.parts * tp):
+            split = f"{style.parts} parts x tp={tp}" if style.parts > 1 else f"tp={tp}"
+            return [f"{name}: {what}={n} is not divisible by {split}"]
+        return []
+    if kind in ("embedding", "sp_positions"):
+        if not isinstance(module, nn.Embedding):
+            return [f"{name}: style {kind!r} needs nn.Embedding, got {type(module).__name__}"]
+        if kind == "embedding" and module.num_embeddings < tp:
+            return [f"{name}: num_embeddings={module.num_embeddings} is smaller than tp={tp}"]
+        return []
+    if kind == "custom":
+        if not callable(style.build):
+            return [f"{name}: custom style needs build=callable"]
+        if type(module) not in style.accepts:
+            return [f"{name}: custom style accepts {[t.__name__ for t in style.accepts]}, got "
+                    f"{type(module).__name__}"]
+        return []
+    if kind == "sp_norm":
+        if not isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            return [f"{name}: style 'sp_norm' needs nn.LayerNorm or nn.RMSNorm, got "
+                    f"{type(module).__name__}"]
+        return []
+    return [f"{name}: unknown style kind {kind!r}"]
+
+
+def _tie_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Parameters held by more than one (module, attribute): [[(module name, attr), ...]]."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((mname, pname))
+    return [sorted(set(h)) for h in holders.values() if len(set(h)) > 1]
+
+
+def _plan_matches(model, plan, sequence_parallel, tp, problems):
+    """{module name: Style} for the modules this call will replace."""
+    modules = dict(model.named_modules())
+    chosen: dict[str, Style] = {}
+    for pattern, value in plan.layers.items():
+        style = _style(value)
+        if style is None:
+            problems.append(f"pattern {pattern!r}: unknown style {value!r} (known: "
+                            f"{sorted(STYLES)} or a Style)")
+            continue
+        names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
+        if not names:
+            problems.append(f"pattern {pattern!r} ({value}) matched no module")
+        if style.sp_only and not sequence_parallel:
+            continue
+        for n in names:
+            if n not in chosen:
+                chosen[n] = style
+                problems.extend(_check_module(n, modules[n], style, tp))
+    return chosen
+
+
+def _check_divide(model, plan, tp, problems) -> list[tuple[str, str]]:
+    todo = []
+    for pattern, attrs in plan.divide.items():
+        names = [n for n, _ in model.named_modules() if n and fnmatch.fnmatchcase(n, pattern)]
+        if not names:
+            problems.append(f"divide pattern {pattern!r} matched no module")
+        for n in names:
+            module = model.get_submodule(n)
+            for attr in attrs:
+                value = getattr(module, attr, None)
+                if not isinstance(value, int) or isinstance(value, bool):
+                    problems.append(f"{n}.{attr}: expected an int attribute (a head count or "
+                                    f"split size), got {value!r}; transformers version mismatch?")
+                elif value % tp:
+                    problems.append(f"{n}.{attr}={value} is not divisible by tp={tp}")
+                else:
+                    todo.append((n, attr))
+    return todo
+
+
+def _is_transposed(module: nn.Module) -> bool:
+    try:
+        return linear_weight(module)[2]
+    except TypeError:
+        return False  # reported as a wrong module type already
+
+
+def _check_ties(model, chosen, problems) -> list[list[tuple[str, str]]]:
+    ties = []
+    for group in _tie_groups(model):
+        members = [m for m, _ in group]
+        if not any(m in chosen for m in members):
+            continue
+        same_rows = all(m in chosen and p == "weight" and chosen[m].parts == 1
+                        and chosen[m].kind in ("embedding", "column") for m, p in group)
+        transposed = any(m in chosen and chosen[m].kind == "column"
+                         and _is_transposed(model.get_submodule(m)) for m in members)
+        if not same_rows or transposed:
+            problems.append(f"tied parameter {['.'.join(h) for h in group]}: every module of a "
+                            "tie must be parallelized as 'embedding' or a one-part column "
+                            "over nn.Linear (same rows sharded)")
+        else:
+            ties.append(group)
+    return ties
+
+
+def _build(module, style: Style, comm: TPComm, sequence_parallel) -> nn.Module:
+    kind = style.kind
+    if kind == "column":
+        return ColumnParallelLinear.from_linear(
+            module, comm=comm, gather_output=style.gather_output, parts=style.parts,
+            sequence_parallel=sequence_parallel)
+    if kind == "row":
+        return RowParallelLinear.from_linear(module, comm=comm,
+                                             sequence_parallel=sequence_parallel)
+    if kind == "embedding":
+        return VocabParallelEmbedding.from_embedding(module, comm=comm,
+                                                     sequence_parallel=sequence_parallel)
+    if kind == "custom":
+        return style.build(module, comm=comm, sequence_parallel=sequence_parallel)
+    if kind == "sp_norm":
+        return sequence_parallel_norm(module, comm=comm)
+    return SequenceShardedPositions.from_embedding(module, comm=comm)
+
+
+def parallelize(model: nn.Module, *, dims=None, tp_group=None, comm: TPComm | None = None,
+                plan: TPPlan | None = None, sequence_parallel: bool = False,
+                backend: str = "auto", chunks: int | None = None,
+                check_inputs: bool = True) -> nn.Module:
+    """Replace ``model``'s modules by TP ones per ``plan`` (default: ``plans.plan_for(model)``)
+    on one TP communicator; returns ``model`` (changed in place).
+
+    The communicator: ``comm=`` (a TPComm), or the default one of ``dims.tp_group`` /
+    ``tp_group`` with ``backend``, ``chunks`` and ``check_inputs`` (closed by
+    ``close_all_contexts()``). Every rank of the group must call it on the same (same-seed)
+    model. The sharded modules copy their shard of the current values, so the parallel model
+    computes the same function.
+    """
+    if comm is not None and (backend != "auto" or chunks is not None or not check_inputs):
+        raise ValueError("parallelize: backend=, chunks= and check_inputs= belong to the TPComm "
+                         "when comm= is given")
+    if comm is None:
+        # The group= form: a communicator of its own with these settings (not the group's
+        # default one, whose per-call knobs differ); close_all_contexts() closes it.
+        group = resolve_comm("parallelize", None, tp_group, dims, backend=backend).group
+        comm = owned_comm(group, backend=backend, chunks=chunks, check_inputs=check_inputs)
+    else:
+        comm = resolve_comm("parallelize", comm, tp_group, dims)
+    group = comm.group
+    if plan is None:
+        from overlap.models.plans import plan_for
+
+        plan = plan_for(model)
+    if sequence_parallel and not plan.sequence_parallel:
+        raise NotImplementedError(
+            f"parallelize: plan {plan.name!r} does not support sequence_parallel=True: its "
+            "model keeps the residual stream replicated between TP regions (norms would need "
+            "sequence-sharded activations). Use sequence_parallel=False.")
+    tp, rank = dist.get_world_size(group), dist.get_rank()
+    problems: list[str] = []
+    chosen = _plan_matches(model, plan, sequence_parallel, tp, problems)
+    divide = _check_divide(model, plan, tp, problems)
+    if plan.check is not None:
+        problems.extend(plan.check(model, tp))
+    ties = _check_ties(model, chosen, problems)
+    if problems:
+        listed = "\n  - ".join(problems)
+        raise ValueError(f"parallelize(plan={plan.name!r}, tp={tp}) on rank {rank}: "
+                         f"{len(problems)} problem(s), nothing was changed:\n  - {listed}")
+
+    for name, style in chosen.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, _build(getattr(parent, child), style, comm, sequence_parallel))
+    for group_members in ties:
+        (first, attr), *rest = group_members
+        shared = getattr(model.get_submodule(first), attr)
+        for mname, pname in rest:
+            setattr(model.get_submodule(mname), pname, shared)
+    # By name: the module may have been replaced above.
+    for name, attr in divide:
+        module = model.get_submodule(name)
+        setattr(module, attr, getattr(module, attr) // tp)
+    return model
+
+
+def _gathered(model: nn.Module, *, grads: bool) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, TPModule):
+            out.update(module.full_state_dict(f"{name}." if name else "", grads=grads))
+    return out
+
+
+def gather_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state dict (same keys and shapes as before ``parallelize``), on every
+    rank. Collective over the TP group(s) of the model's TP modules."""
+    full = _gathered(model, grads=False)
+    return {k: full[k] if k in full else v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def gather_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded parameter gradients keyed like ``named_parameters()`` of the original model
+    (None where a parameter has no gradient). Collective over the TP group(s)."""
+    full = _gathered(model, grads=True)
+    return {n: full[n] if n in full else (None if p.grad is None else p.grad.detach().clone())
+            for n, p in model.named_parameters()}
