@@ -209,3 +209,34 @@ def test_stalled_peer_is_reported_at_the_timeout(backend):
     took, msg = run_ranks(_stalled_peer, 2, backend, timeout, timeout=60)[0]
     assert timeout * 0.9 <= took <= timeout * 2 + 1, (took, msg)
     assert "all_gather_matmul" in msg and "timed out" in msg, msg
+
+
+def _train_timeout_reaches_tp(backend):
+    from overlap.dist import ParallelDims
+    from overlap.nn import ColumnParallelLinear
+    from overlap.train.config import TrainConfig
+    from overlap.train.loop import tp_comm_for
+
+    cfg = TrainConfig(tp=2, pp=1, dp=1, tp_backend=backend, timeout=2.5)
+    dims = ParallelDims.build(tp=2, pp=1, dp=1)
+    comm = tp_comm_for(cfg, dims, torch.device("cpu"))
+    layer = ColumnParallelLinear(8, 8, comm=comm, sequence_parallel=True)
+    x = torch.randn(2, 4, 8)  # (b, t/tp, K): this rank's sequence shard
+    layer(x)
+    if dist.get_rank() == 1:
+        time.sleep(8)  # stalls: alive, but never joins the next forward
+        return None
+    t0 = time.monotonic()
+    try:
+        layer(x)
+    except Exception as exc:  # noqa: BLE001
+        return comm.timeout, time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
+    return comm.timeout, time.monotonic() - t0, "returned"
+
+
+@pytest.mark.parametrize("backend", ["chunked", "symmetric"])
+def test_train_config_timeout_reaches_a_tp_wait(backend):
+    timeout, took, msg = run_ranks(_train_timeout_reaches_tp, 2, backend, timeout=60)[0]
+    assert timeout == 2.5
+    assert 2.5 * 0.9 <= took < 2.5 * 2 + 1, (took, msg)
+    assert "all_gather_matmul" in msg and "timed out" in msg, msg

@@ -34,7 +34,7 @@ from overlap.profile.timers import comm_wait, exposed_seconds, reset_exposed
 from overlap.train.config import VOCAB_SIZE, TrainConfig
 from overlap.train.data import Batches, load_tokens
 
-__all__ = ["train_rank", "reference_losses", "StepRecord", "model_config"]
+__all__ = ["train_rank", "tp_comm_for", "reference_losses", "StepRecord", "model_config"]
 
 PROFILED_STEPS = 3
 _SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b",
@@ -55,6 +55,14 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
                      n_layer=cfg.n_layer, n_head=cfg.n_head)
 
 
+def tp_comm_for(cfg: TrainConfig, dims, device: torch.device):
+    """The job's one TP communicator: it carries the TP backend and ``cfg.timeout`` to every
+    TP wait (fused-op signals and collectives, region collectives). Collective over TP."""
+    from overlap.tp import TPComm
+
+    return TPComm(dims.tp_group, backend=cfg.tp_backend, timeout=cfg.timeout, device=device)
+
+
 def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     """Train on this rank (the default process group must be initialised with
     tp*pp*dp ranks). Returns the per-step records (identical on every rank) and, with
@@ -63,7 +71,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     from overlap.dp.grad_reducer import GradReducer
     from overlap.dp.sharded_optimizer import ShardedOptimizer
     from overlap.pp import Pipeline, build_schedule, pipeline_stages
-    from overlap.tp import TPComm, close_all_contexts
+    from overlap.tp import close_all_contexts
     from overlap.nn.embedding import vocab_parallel_cross_entropy
     from overlap.nn.parallelize import parallelize
     from overlap.models.plans import gpt_plan
@@ -72,9 +80,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     dims = ParallelDims.build(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, device_type=device.type)
     torch.manual_seed(cfg.seed)
     model = GPT(model_config(cfg)).to(device)
-    # One TP communicator carries the backend and the job's timeout to every TP wait.
-    tp_comm = TPComm(dims.tp_group, backend=cfg.tp_backend, timeout=cfg.timeout,
-                     device=device)
+    tp_comm = tp_comm_for(cfg, dims, device)
     parallelize(model, comm=tp_comm, plan=gpt_plan(loss_parallel=True),
                 sequence_parallel=cfg.sequence_parallel)
     num_virtual = cfg.virtual_stages if cfg.schedule == "interleaved" else 1

@@ -38,7 +38,6 @@ import dataclasses
 import math
 import threading
 import time
-import weakref
 from typing import Callable
 
 import torch
@@ -320,7 +319,9 @@ class OpState:
     pending: list[_Pending] = dataclasses.field(default_factory=list)
 
 
-_STATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# The host bookkeeping of the op a workspace serves is kept on the workspace object itself
+# (attribute ``_triton_op_state``): it lives and dies with the workspace, never in a global.
+_STATE_ATTR = "_triton_op_state"
 
 
 def begin_call(op: str, ws, phase: int) -> tuple[OpState, int, int]:
@@ -334,10 +335,10 @@ def begin_call(op: str, ws, phase: int) -> tuple[OpState, int, int]:
     """
     if isinstance(phase, bool) or not isinstance(phase, int) or phase <= 0:
         raise ValueError(f"{op}: phase must be a positive int, got {phase!r} (rank {ws.rank})")
-    state = _STATES.get(ws)
+    state = getattr(ws, _STATE_ATTR, None)
     if state is None:
         state = OpState(op=op)
-        _STATES[ws] = state
+        setattr(ws, _STATE_ATTR, state)
     if state.op != op:
         raise ValueError(f"{op}: this workspace of group {ws.group_name} already serves "
                          f"{state.op}; give each op kind its own workspace (rank {ws.rank})")
@@ -376,7 +377,7 @@ def check_pending(ws, *, block: bool = True) -> None:
     """Raise the TimeoutError of the oldest call made with ``sync=False`` on ``ws`` whose wait
     failed. ``block=False`` looks only at calls the device has finished (every call does that
     first, so a failure surfaces at the latest one call later); ``block=True`` waits for all."""
-    state = _STATES.get(ws)
+    state = getattr(ws, _STATE_ATTR, None)
     if state is None:
         return
     while state.pending:
