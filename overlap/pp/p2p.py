@@ -20,6 +20,7 @@ pp rank, the peer (pp and global rank) and what was being transferred.
 from __future__ import annotations
 
 import contextlib
+import time
 from datetime import timedelta
 from typing import Sequence
 
@@ -170,11 +171,15 @@ class P2P:
         return works[:len(sends)], works[len(sends):]
 
     def wait(self, work, *, what: str, peer: int) -> None:
-        """Wait for one transfer with the timeout; errors name the transfer and the peer."""
+        """Wait for one transfer with the timeout; errors name the transfer and the peer, and
+        say whether it failed (at once: a dead peer, a broken connection) or timed out."""
+        t0 = time.monotonic()
         try:
             with comm_wait("pp.p2p"):
                 work.wait(timeout=self.timeout)
         except RuntimeError as exc:
+            took, limit = time.monotonic() - t0, self.timeout.total_seconds()
+            how = (f"timed out after {limit:g}s" if took >= 0.9 * limit else
+                   f"failed after {took:.2f}s (the peer died, aborted or closed its connection)")
             raise P2PError(f"pp p2p on pp rank {self.pp_rank}: {what} with "
-                           f"{self.describe(peer)} failed or timed out after "
-                           f"{self.timeout.total_seconds():g}s: {exc}") from exc
+                           f"{self.describe(peer)} {how}: {exc}") from exc
