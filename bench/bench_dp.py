@@ -42,7 +42,7 @@ from overlap.dist.launch import launch
 from overlap.dp import GradReducer, ShardedOptimizer
 from overlap.models.gpt import GPT, GPTConfig
 
-COMM_DTYPES = (None, "bf16", "int8")
+COMM_DTYPES = ("fp32", "bf16", "int8")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -80,13 +80,13 @@ def _variants(base: GPT, world_group, cap_mb: float) -> dict[str, dict]:
         model = copy.deepcopy(base)
         red = GradReducer(model, dp_group=world_group, comm_dtype=comm_dtype,
                           bucket_cap_mb=cap_mb)
-        out[f"reducer/{comm_dtype or 'fp32'}"] = dict(
+        out[f"reducer/{comm_dtype}"] = dict(
             model=model, red=red, opt=torch.optim.AdamW(model.parameters(), **adamw))
     for comm_dtype in COMM_DTYPES:
         model = copy.deepcopy(base)
         red = GradReducer(model, dp_group=world_group, comm_dtype=comm_dtype, shard=True,
                           bucket_cap_mb=cap_mb)
-        out[f"sharded/{comm_dtype or 'fp32'}"] = dict(
+        out[f"sharded/{comm_dtype}"] = dict(
             model=model, red=red, opt=ShardedOptimizer(red, torch.optim.AdamW, **adamw))
     model = copy.deepcopy(base)
     red = GradReducer(model, dp_group=world_group)  # torch DDP's bucket sizes

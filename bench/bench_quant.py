@@ -76,7 +76,7 @@ def _call(op: str, x: torch.Tensor, wire: str, group, block: int):
         if op == "all_reduce":
             dist.all_reduce(x, group=group)
             return x
-        return getattr(quant, op)(x, group=group, check_ranks=False)  # comm_dtype None
+        return getattr(quant, op)(x, group=group, comm_dtype="fp32", check_ranks=False)
     return getattr(quant, op)(x, group=group, comm_dtype=wire, block_size=block,
                               check_ranks=False)
 

@@ -11,7 +11,7 @@ import warnings  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from overlap.comm import quant_kernels as qk  # noqa: E402
+from overlap.comm.quant import kernels as qk  # noqa: E402
 
 BACKENDS = ("torch", "cpp", "triton")
 FMAX = torch.finfo(torch.float32).max

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.comm import quant
+from overlap.comm.quant.checks import comm_dtype_arg
 
 __all__ = ["ReducerConfig", "Bucket", "Layout", "build_layout", "COMM_DTYPES", "BucketWork",
            "all_reduce_async", "reduce_scatter_async", "all_gather_async", "check_same_params",
@@ -46,8 +47,10 @@ MiB = 1 << 20
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ReducerConfig:
     """``bucket_cap_mb`` / ``first_bucket_cap_mb``: bucket byte caps in MiB (torch DDP's
-    defaults; 0 gives one parameter per bucket). ``comm_dtype``: None (the gradient dtype),
-    "bf16" or "int8" (through ``overlap.comm.quant``). ``op``: "avg" or "sum" over the DP group.
+    defaults; 0 gives one parameter per bucket). ``comm_dtype``: "fp32" (no quantization: the
+    gradient dtype), "bf16" or "int8" (through ``overlap.comm.quant``); None is a deprecated
+    alias of "fp32", validated once by ``overlap.comm.quant.checks.comm_dtype_arg``. ``op``:
+    "avg" or "sum" over the DP group.
     ``shard``: reduce-scatter for ``ShardedOptimizer``. ``rebuild_buckets``: re-order buckets
     after the first iteration. ``broadcast_params``: copy DP rank 0's parameters at
     construction (as DDP). ``error_feedback``: with a lossy ``comm_dtype``, carry each
@@ -56,7 +59,7 @@ class ReducerConfig:
 
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
-    comm_dtype: str | None = None
+    comm_dtype: str = "fp32"
     op: str = "avg"
     shard: bool = False
     rebuild_buckets: bool = True
@@ -69,12 +72,11 @@ class ReducerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ValueError(f"GradReducer: {name} must be a number >= 0, got {v!r}")
-        if self.comm_dtype not in COMM_DTYPES:
-            raise ValueError(f"GradReducer: comm_dtype must be one of {COMM_DTYPES}, "
-                             f"got {self.comm_dtype!r}")
+        # stacklevel 4: a deprecation warning points at the GradReducer(...) call.
+        self.comm_dtype = comm_dtype_arg(self.comm_dtype, where="GradReducer", stacklevel=4)
         if self.op not in ("avg", "sum"):
             raise ValueError(f"GradReducer: op must be 'avg' or 'sum', got {self.op!r}")
-        if self.error_feedback and self.comm_dtype is None:
+        if self.error_feedback and self.comm_dtype == "fp32":
             raise ValueError("GradReducer: error_feedback=True needs comm_dtype 'bf16' or 'int8'")
         if not self.timeout_s > 0:
             raise ValueError(f"GradReducer: timeout_s must be > 0, got {self.timeout_s!r}")
@@ -176,7 +178,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 class BucketWork:
     """Handle of one bucket collective: ``wait(timeout_s)`` returns once the result is in
-    place. Wraps a ``torch.distributed`` Work (comm_dtype None) or an ``overlap.comm.quant``
+    place. Wraps a ``torch.distributed`` Work (comm_dtype "fp32") or an ``overlap.comm.quant``
     QuantWork, whose reduce-scatter returns a new tensor that is copied into ``out`` here."""
 
     __slots__ = ("_work", "_out", "_quant")
@@ -193,11 +195,11 @@ class BucketWork:
             self._work.wait(timedelta(seconds=timeout_s))
 
 
-def all_reduce_async(buf: torch.Tensor, *, group: dist.ProcessGroup, comm_dtype: str | None,
+def all_reduce_async(buf: torch.Tensor, *, group: dist.ProcessGroup, comm_dtype: str,
                      error_feedback=None, check_ranks: bool = False) -> BucketWork:
     """In place ``buf = sum over group of buf``; "bf16"/"int8" go through overlap.comm.quant
     (whose error bound is documented there)."""
-    if comm_dtype is None:
+    if comm_dtype == "fp32":
         return BucketWork(dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True))
     work = quant.all_reduce(buf, group=group, comm_dtype=comm_dtype, op="sum",
                             error_feedback=error_feedback, check_ranks=check_ranks,
@@ -206,10 +208,10 @@ def all_reduce_async(buf: torch.Tensor, *, group: dist.ProcessGroup, comm_dtype:
 
 
 def reduce_scatter_async(out: torch.Tensor, buf: torch.Tensor, *, group: dist.ProcessGroup,
-                         comm_dtype: str | None, error_feedback=None,
+                         comm_dtype: str, error_feedback=None,
                          check_ranks: bool = False) -> BucketWork:
     """``out (n/dp,) = sum over group of buf[r*n/dp : (r+1)*n/dp]`` for group rank ``r``."""
-    if comm_dtype is None:
+    if comm_dtype == "fp32":
         return BucketWork(_reduce_scatter(out, buf, op=dist.ReduceOp.SUM, group=group,
                                           async_op=True))
     work = quant.reduce_scatter(buf, group=group, comm_dtype=comm_dtype, op="sum",

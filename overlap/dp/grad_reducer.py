@@ -314,7 +314,7 @@ class GradReducer:
             buf.div_(self.dp_size)
         cfg = self.config
         # Lossy comm: the first iteration also compares sizes and options across the ranks.
-        extra = {} if cfg.comm_dtype is None else dict(
+        extra = {} if cfg.comm_dtype == "fp32" else dict(
             error_feedback=self._feedback(b, buf.numel()), check_ranks=not self._checked)
         if cfg.shard and self._final:
             self._works[b] = dp_comm.reduce_scatter_async(

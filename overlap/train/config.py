@@ -11,10 +11,11 @@ import dataclasses
 import typing
 from typing import Any
 
+from overlap.comm.quant.checks import COMM_DTYPES  # the one vocabulary: "fp32", "bf16", "int8"
+
 __all__ = ["TrainConfig", "ConfigError", "parse_args"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-COMM_DTYPES = ("fp32", "bf16", "int8")
 TP_BACKENDS = ("auto", "chunked", "symmetric", "triton")
 TRANSPORTS = ("nccl_twin", "gloo")
 VOCAB_SIZE = 256  # byte-level tokenizer

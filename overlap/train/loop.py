@@ -93,10 +93,9 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
 
     pipe = Pipeline(stages, schedule, loss_fn=loss_fn, pp_group=dims.pp_group,
                     timeout=cfg.timeout)
-    comm_dtype = None if cfg.comm_dtype == "fp32" else cfg.comm_dtype
     reducers, optimizers = [], []
     for stage in stages:
-        red = GradReducer(stage.module, dp_group=dims.dp_group, comm_dtype=comm_dtype,
+        red = GradReducer(stage.module, dp_group=dims.dp_group, comm_dtype=cfg.comm_dtype,
                           bucket_cap_mb=cfg.bucket_mb, first_bucket_cap_mb=cfg.bucket_mb,
                           shard=cfg.sharded_optimizer, timeout_s=cfg.timeout)
         red.sync_if(lambda s=stage: s.last_backward)

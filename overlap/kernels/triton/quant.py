@@ -1,7 +1,7 @@
 """Blockwise INT8 quantize, dequantize and fused dequantize-reduce(-requantize) in Triton.
 
 The arithmetic is the one csrc/quant.cuh pins down, step for step, so these kernels write the
-same bytes as the C++ and CUDA kernels and the torch reference (overlap/comm/quant_kernels.py):
+same bytes as the C++ and CUDA kernels and the torch reference (overlap/comm/quant/kernels.py):
 
     absmax_b = max |x_i| over finite x_i of block b       scale_b = absmax_b / 127  (div_rn)
     q_i = -128 (non-finite) | 0 (scale 0) | clamp(rne(x_i / scale_b), -127, 127)

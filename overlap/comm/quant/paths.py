@@ -1,9 +1,10 @@
 """The bodies of the quantized collectives, one per (op, comm dtype), and their wire sizes.
 
-Called by ``overlap.comm.quant`` after validation; each runs inline or on a worker thread.
-Notation: n = group size, N = elements of the input, B = block size, m = elements per shard,
-L = ceil(m / B) * B (a shard padded to whole blocks), C = L + 4 L / B (bytes of one quantized
-shard on the wire: L int8 codes then L / B fp32 scales).
+Called by ``overlap.comm.quant`` after validation, inline or on a worker thread, with an
+``OpRun`` (``work``) that issues every collective with a bounded wait and hands out the group's
+scratch. Notation: n = group size, N = elements of the input, B = block size, m = elements per
+shard, L = ceil(m / B) * B (a shard padded to whole blocks), C = L + 4 L / B (bytes of one
+quantized shard on the wire: L int8 codes then L / B fp32 scales).
 
 INT8 all-reduce (two-shot; reduction in fp32, never in int8), m = ceil(N / n):
     1. quantize x into n rows, row j = x[j*m : (j+1)*m]          send [n, C] bytes
@@ -14,49 +15,25 @@ INT8 all-reduce (two-shot; reduction in fp32, never in int8), m = ceil(N / n):
 INT8 reduce-scatter: steps 1-3 with m = N / n, and y (cast) is the result.
 INT8 all-gather: quantize the local tensor (one row, m = N), all_gather, dequantize.
 BF16 (comm_dtype="bf16"): the same shapes with a bf16 cast (RNE) instead of quantize; sums in
-fp32 in rank order. None: the plain torch.distributed collective in the input dtype.
+fp32 in rank order. "fp32": the plain torch.distributed collective in the input's own dtype.
 
-Wire buffers come from a per-(group, device) scratch cache: a fresh multi-MB allocation costs a
-page fault per 4 KB on every call, as much as the quantization itself on a CPU. That is safe
-because the ops of this module on one group never overlap (quant_work keeps them in order);
-results handed back to the caller are always fresh tensors. ``clear_scratch()`` frees it.
+Wire buffers are the group's scratch (``state.GroupState.buffer``), reused across calls. That
+is safe because the ops of this package on one group never overlap (``work`` keeps them in
+order) and a failed group drops its scratch; results handed back to the caller are always fresh
+tensors.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
-from overlap.comm import quant_kernels as qk
+from overlap.comm.quant import kernels as qk
+from overlap.comm.quant.checks import comm_dtype_arg
 
-__all__ = ["int8_geometry", "wire_bytes", "stochastic_key", "clear_scratch", "int8_all_reduce",
+__all__ = ["int8_geometry", "wire_bytes", "stochastic_key", "int8_all_reduce",
            "int8_reduce_scatter", "int8_all_gather", "bf16_all_reduce", "bf16_reduce_scatter",
-           "bf16_all_gather"]
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-_scratch: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-
-
-def clear_scratch() -> None:
-    """Free the cached wire buffers of every group."""
-    _scratch.clear()
-
-
-def _buffer(group, slot: str, shape: tuple[int, ...], dtype: torch.dtype,
-            device: torch.device) -> torch.Tensor:
-    """An uninitialised tensor for ``slot`` of this group's scratch, grown when too small."""
-    slots = _scratch.setdefault((id(group), str(device)), {})
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    buf = slots.get(slot)
-    if buf is None or buf.numel() < nbytes:
-        buf = slots[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return buf[:nbytes].view(dtype).view(shape)
-
+           "bf16_all_gather", "plain_all_reduce", "plain_reduce_scatter", "plain_all_gather"]
 
 def int8_geometry(m: int, block: int) -> tuple[int, int]:
     """(L, C) for a shard of m elements: padded length and bytes on the wire."""
@@ -64,16 +41,18 @@ def int8_geometry(m: int, block: int) -> tuple[int, int]:
     return L, L + 4 * (L // block)
 
 
-def wire_bytes(op: str, numel: int, element_size: int, comm_dtype: str | None, world_size: int,
+def wire_bytes(op: str, numel: int, element_size: int, comm_dtype: str, world_size: int,
                block_size: int) -> int:
     """Bytes one rank sends to its peers for ``op`` on a tensor of ``numel`` elements.
 
     INT8 and BF16 count what this module hands to all_to_all / all_gather (each peer's share);
-    ``None`` counts what a ring algorithm sends (nccl-tests' convention): 2(n-1)/n * bytes for
+    "fp32" counts what a ring algorithm sends (nccl-tests' convention): 2(n-1)/n * bytes for
     all-reduce, (n-1)/n * bytes of the full tensor for reduce-scatter and all-gather."""
     n = world_size
     if op not in ("all_reduce", "reduce_scatter", "all_gather"):
-        raise ValueError(f"wire_bytes: unknown op {op!r}")
+        raise ValueError(f"quant.wire_bytes: argument 'op' must be 'all_reduce', "
+                         f"'reduce_scatter' or 'all_gather', got {op!r}")
+    comm_dtype = comm_dtype_arg(comm_dtype, where="quant.wire_bytes")
     m = {"all_reduce": -(-numel // n), "reduce_scatter": numel // n, "all_gather": numel}[op]
     phases = 2 if op == "all_reduce" else 1
     if comm_dtype == "int8":
@@ -97,9 +76,9 @@ def _views(buf: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
     return buf[:, :L].view(torch.int8), buf[:, L:].view(torch.float32)
 
 
-def _quantize_rows(p, group, n, m, block, stochastic, key, backend):
+def _quantize_rows(p, run, n, m, block, stochastic, key, backend):
     L, C = int8_geometry(m, block)
-    send = _buffer(group, "send", (n, C), torch.uint8, p.device)
+    send = run.buffer("send", (n, C), torch.uint8)
     q, s = _views(send, L)
     qk.quantize_into(p, q, s, block=block, flat_row=m, stochastic=stochastic, key=key,
                      backend=backend)
@@ -118,25 +97,25 @@ def _compensated(x, ef):
     return x.to(torch.float32) if ef is None else x.to(torch.float32) + ef.residual
 
 
-def _exchange_int8(x, group, rank, n, m, block, stochastic, seed, ef, backend):
+def _exchange_int8(x, run, rank, n, m, block, stochastic, seed, ef, backend):
     p = x if ef is None else _compensated(x, ef)
-    send = _quantize_rows(p, group, n, m, block, stochastic, stochastic_key(seed, rank, 0),
+    send = _quantize_rows(p, run, n, m, block, stochastic, stochastic_key(seed, rank, 0),
                           backend)
     if ef is not None:
         _local_residual(ef, p, send, m, block, backend)
-    recv = _buffer(group, "recv", tuple(send.shape), torch.uint8, x.device)
-    dist.all_to_all_single(recv, send, group=group)
+    recv = run.buffer("recv", tuple(send.shape), torch.uint8)
+    run.all_to_all(recv, send)
     return recv
 
 
-def int8_all_reduce(x, group, rank, n, divisor, block, stochastic, seed, ef, backend):
+def int8_all_reduce(x, run, rank, n, divisor, block, stochastic, seed, ef, backend):
     """In place on the flat contiguous ``x``; see the module docstring for the phases."""
     N = x.numel()
     m = -(-N // n)
     L, C = int8_geometry(m, block)
-    recv = _exchange_int8(x, group, rank, n, m, block, stochastic, seed, ef, backend)
+    recv = _exchange_int8(x, run, rank, n, m, block, stochastic, seed, ef, backend)
     q, s = _views(recv, L)
-    mine = _buffer(group, "mine", (1, C), torch.uint8, x.device)
+    mine = run.buffer("mine", (1, C), torch.uint8)
     q_out, s_out = _views(mine, L)
     key = stochastic_key(seed, rank, 1)
     if ef is None:
@@ -153,8 +132,8 @@ def int8_all_reduce(x, group, rank, n, divisor, block, stochastic, seed, ef, bac
         deq = torch.empty(L, dtype=torch.float32, device=x.device)
         qk.dequantize_into(q_out, s_out, deq, block=block, backend=backend)
         torch.sub(y, deq, out=ef.shard_residual)
-    gathered = _buffer(group, "gathered", (n, C), torch.uint8, x.device)
-    _all_gather(gathered.view(-1), mine.view(-1), group=group)
+    gathered = run.buffer("gathered", (n, C), torch.uint8)
+    run.all_gather(gathered.view(-1), mine.view(-1))
     q, s = _views(gathered, L)
     out = x if x.dtype == torch.float32 else torch.empty(N, dtype=torch.float32, device=x.device)
     qk.dequantize_into(q, s, out, block=block, flat_row=m, backend=backend)
@@ -162,40 +141,40 @@ def int8_all_reduce(x, group, rank, n, divisor, block, stochastic, seed, ef, bac
         x.copy_(out)
 
 
-def int8_reduce_scatter(x, group, rank, n, divisor, block, stochastic, seed, ef, backend):
+def int8_reduce_scatter(x, run, rank, n, divisor, block, stochastic, seed, ef, backend):
     """Flat ``x`` of n*m elements -> this rank's reduced shard, fp32 [m]."""
     m = x.numel() // n
     L, _ = int8_geometry(m, block)
-    recv = _exchange_int8(x, group, rank, n, m, block, stochastic, seed, ef, backend)
+    recv = _exchange_int8(x, run, rank, n, m, block, stochastic, seed, ef, backend)
     q, s = _views(recv, L)
     y = torch.empty(L, dtype=torch.float32, device=x.device)
     qk.dequant_reduce_into(q, s, block=block, divisor=divisor, out=y, backend=backend)
     return y[:m]
 
 
-def int8_all_gather(x, group, rank, n, block, stochastic, seed, backend):
+def int8_all_gather(x, run, rank, n, block, stochastic, seed, backend):
     """Flat ``x`` of m elements -> every rank's x, dequantized, fp32 [n * m]."""
     m = x.numel()
     L, _ = int8_geometry(m, block)
-    send = _quantize_rows(x, group, 1, m, block, stochastic, stochastic_key(seed, rank, 0),
+    send = _quantize_rows(x, run, 1, m, block, stochastic, stochastic_key(seed, rank, 0),
                           backend)
-    gathered = _buffer(group, "gathered", (n, send.shape[1]), torch.uint8, x.device)
-    _all_gather(gathered.view(-1), send.view(-1), group=group)
+    gathered = run.buffer("gathered", (n, send.shape[1]), torch.uint8)
+    run.all_gather(gathered.view(-1), send.view(-1))
     q, s = _views(gathered, L)
     out = torch.empty(n * m, dtype=torch.float32, device=x.device)
     qk.dequantize_into(q, s, out, block=block, flat_row=m, backend=backend)
     return out
 
 
-def _bf16_exchange(x, group, n, m, ef):
+def _bf16_exchange(x, run, n, m, ef):
     p = x if ef is None else _compensated(x, ef)
-    send = _buffer(group, "send", (n * m,), torch.bfloat16, x.device)
+    send = run.buffer("send", (n * m,), torch.bfloat16)
     send[: x.numel()] = p
     send[x.numel():] = 0
     if ef is not None:
         torch.sub(p, send[: x.numel()].to(torch.float32), out=ef.residual)
-    recv = _buffer(group, "recv", (n * m,), torch.bfloat16, x.device)
-    dist.all_to_all_single(recv, send, group=group)
+    recv = run.buffer("recv", (n * m,), torch.bfloat16)
+    run.all_to_all(recv, send)
     return recv.view(n, m)
 
 
@@ -208,38 +187,42 @@ def _sum_rows_fp32(rows: torch.Tensor, divisor: float) -> torch.Tensor:
     return acc
 
 
-def bf16_all_reduce(x, group, rank, n, divisor, ef):
+def bf16_all_reduce(x, run, rank, n, divisor, ef):
     """In place on the flat contiguous ``x``: bf16 on the wire, fp32 sums."""
     N = x.numel()
     m = -(-N // n)
-    acc = _sum_rows_fp32(_bf16_exchange(x, group, n, m, ef), divisor)
+    acc = _sum_rows_fp32(_bf16_exchange(x, run, n, m, ef), divisor)
     if ef is not None:
         acc += ef.shard_residual_for(m)
     mine = acc.to(torch.bfloat16)
     if ef is not None:
         torch.sub(acc, mine.to(torch.float32), out=ef.shard_residual)
-    gathered = _buffer(group, "gathered", (n * m,), torch.bfloat16, x.device)
-    _all_gather(gathered, mine, group=group)
+    gathered = run.buffer("gathered", (n * m,), torch.bfloat16)
+    run.all_gather(gathered, mine)
     x.copy_(gathered[:N])
 
 
-def bf16_reduce_scatter(x, group, rank, n, divisor, ef):
-    return _sum_rows_fp32(_bf16_exchange(x, group, n, x.numel() // n, ef), divisor)
+def bf16_reduce_scatter(x, run, rank, n, divisor, ef):
+    return _sum_rows_fp32(_bf16_exchange(x, run, n, x.numel() // n, ef), divisor)
 
 
-def bf16_all_gather(x, group, n):
+def bf16_all_gather(x, run, n):
     gathered = torch.empty(n * x.numel(), dtype=torch.bfloat16, device=x.device)
-    _all_gather(gathered, x.to(torch.bfloat16), group=group)
+    run.all_gather(gathered, x.to(torch.bfloat16))
     return gathered
 
 
-def plain_reduce_scatter(x, group, n, avg):
+def plain_reduce_scatter(x, run, n, avg):
     out = torch.empty(x.numel() // n, dtype=x.dtype, device=x.device)
-    _reduce_scatter(out, x, op=dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM, group=group)
+    run.reduce_scatter(out, x, dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM)
     return out
 
 
-def plain_all_gather(x, group, n):
+def plain_all_gather(x, run, n):
     out = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
-    _all_gather(out, x, group=group)
+    run.all_gather(out, x)
     return out
+
+
+def plain_all_reduce(x, run, avg):
+    run.all_reduce(x, dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM)

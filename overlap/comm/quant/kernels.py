@@ -1,7 +1,7 @@
 """Blockwise INT8 quantization kernels behind one interface: the torch reference, the C++ CPU
 kernels (``overlap._C``, arithmetic in csrc/quant.cuh) and the Triton kernels
 (``overlap.kernels.triton.quant``). All three write the same bytes; tests/test_quant_kernels.py
-checks it. The collectives in ``overlap.comm.quant`` call only this module.
+checks it. The collectives of ``overlap.comm.quant`` (``paths``) call only this module.
 
 Quantization of block b (``block`` consecutive elements of the flat tensor, zero-padded)::
 

@@ -1,0 +1,209 @@
+"""Quantized collectives: all-reduce, reduce-scatter and all-gather with INT8 (blockwise) or BF16
+on the wire, each taking an explicit ``group``.
+
+    all_reduce(t, *, group, comm_dtype="fp32", op="sum", block_size=128, ...) -> t (in place)
+    reduce_scatter(t, *, group, ...)   t [n*m0, *rest] -> this rank's reduced [m0, *rest]
+    all_gather(t, *, group, ...)       t [m0, *rest]   -> [n*m0, *rest], rank-major
+
+``comm_dtype``: "fp32" (no quantization: the plain collective in t's own dtype), "bf16" (cast
+for the wire, sum in fp32) or "int8" (symmetric per-block scales in fp32, round-to-nearest-even
+or stochastic; dequantize and sum in fp32, never in int8); ``None`` is a deprecated alias of
+"fp32" (``checks``). Inputs fp32/bf16/fp16 (any dtype for "fp32"); the result has the input's
+dtype and is identical on every rank. A group of one rank returns the input exactly (nothing
+to send, so nothing is quantized). ``op``: "sum" or "avg" (or dist.ReduceOp.SUM / AVG). With
+``async_op=True`` each returns a ``QuantWork`` whose ``wait()`` returns the result; ops on one
+group run in call order, and a plain ``torch.distributed`` call on that group must wait for
+them (``wait()`` or ``drain(group)``; see ``work``). Do not modify ``t`` before ``wait()``.
+The phases and wire sizes are in ``paths``, the kernels in ``kernels``.
+
+Failures (``state``): ``timeout`` (seconds, default 300) bounds every wait of an op. Any error
+in an op, on any rank, fails the group: every later call on it raises ``QuantCommFailed``
+("communicator failed earlier: <first error>"); peers waiting on the failed rank raise
+``QuantCommError`` naming it, a stall raises ``QuantTimeout``. Rebuild the group to continue.
+
+INT8 accuracy (derived in the README's "Quantized collectives" section). With M_r the absmax of
+block b of rank r's input (as fp32), S = sum_r M_r, and Q(M) = M/254 + M*2^-21 + 2^-143 the
+error of one quantization of a block with absmax M, every element i of block b satisfies
+
+    all_gather:      |out_i - x_i|          <= Q(M_r)
+    reduce_scatter:  |out_i - sum_r x_r,i|  <= sum_r Q(M_r) + n*2^-23*S
+    all_reduce:      |out_i - sum_r x_r,i|  <= sum_r Q(M_r) + n*2^-23*S
+                                                + Q(S*(1 + 2^-7) + n*2^-142)
+                                             ~= S/127   (two quantizations of ~S/254 each)
+
+divided by n for "avg" (plus 2^-23*S/n + 2^-142), plus the rounding of the result to t's dtype
+(2^-8 relative for bf16, 2^-11 for fp16). Stochastic rounding: 2Q in place of Q. Non-finite
+inputs come back as NaN for those elements only (code -128); a sum that overflows fp32 comes
+back NaN (all-reduce) or Inf (reduce-scatter). An all-zero block is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from overlap.comm.quant import checks, paths
+from overlap.comm.quant.checks import COMM_DTYPES
+from overlap.comm.quant.feedback import ErrorFeedback
+from overlap.comm.quant.state import (GroupState, QuantCommError, QuantCommFailed, QuantTimeout,
+                                      failing, state_for)
+from overlap.comm.quant.work import DEFAULT_TIMEOUT, OpRun, QuantWork, drain, submit
+
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "ErrorFeedback", "QuantWork", "drain",
+           "DEFAULT_BLOCK_SIZE", "DEFAULT_TIMEOUT", "COMM_DTYPES", "wire_bytes",
+           "QuantCommError", "QuantCommFailed", "QuantTimeout"]
+
+# 128: relative RMS error of a 4-rank INT8 all-reduce of N(0,1) data 0.9e-2 (64: 0.8e-2,
+# 256: 1.0e-2) for 1 + 4/128 = 1.031 bytes per element (64: 1.062 -> 0.266x fp32, too close to
+# the 0.27x budget once shards are padded; 256: 1.016). bench/results/quant.md has the sweep.
+DEFAULT_BLOCK_SIZE = 128
+wire_bytes = paths.wire_bytes
+
+
+def _state(opname: str, group) -> GroupState:
+    if group is None:
+        raise TypeError(f"{opname}: group must be a ProcessGroup (pass dist.group.WORLD for "
+                        "the default group explicitly), got None")
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"{opname}: this process (global rank {dist.get_rank()}) is not a "
+                         "member of the group")
+    return state_for(group)
+
+
+def _launch(opname, state, group, t, body, *, async_op, check_ranks, comm_dtype, op, block_size,
+            timeout):
+    device = t.device
+
+    def checked_body():
+        run = OpRun(state, group, opname, timeout, device)
+        if check_ranks:
+            checks.check_across_ranks(opname, run, state.rank, state.size, t, comm_dtype, op,
+                                      block_size)
+        return body(run)
+
+    return submit(opname, state, checked_body, async_op=async_op, device=device, timeout=timeout)
+
+
+def all_reduce(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "sum",
+               block_size: int = DEFAULT_BLOCK_SIZE, stochastic: bool = False, seed: int = 0,
+               error_feedback: ErrorFeedback | None = None, check_ranks: bool = True,
+               async_op: bool = False, backend: str = "auto",
+               timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor | QuantWork:
+    """All-reduce ``t`` (contiguous, any shape) in place: t = sum_r t_r (or the mean).
+
+    ``stochastic``/``seed``: stochastic rounding for INT8, with noise keyed by (seed, rank,
+    phase): pass a new seed each step. ``error_feedback``: carries the quantization residual to
+    the next call. ``check_ranks``: first compare shape, dtype and options across the ranks
+    (one small all-gather; the hot path may turn it off once a configuration is known good).
+    ``backend``: kernel backend for INT8 ("auto": C++ on CPU, Triton on GPU; "torch", "triton").
+    ``timeout``: seconds each wait may take. Returns ``t``, or with ``async_op`` a QuantWork
+    whose ``wait()`` returns ``t``."""
+    opname = "quant.all_reduce"
+    state = _state(opname, group)
+    with failing(state):
+        state.check_usable(opname)
+        comm_dtype, op, timeout = _common(opname, state, comm_dtype, op, timeout)
+        checks.validate(opname, state.rank, t, comm_dtype, op, block_size, error_feedback,
+                        needs_contiguous=True, backend=backend)
+        n = state.size
+        divisor = float(n) if op == "avg" else 1.0
+
+        def body(run):
+            x = t.view(-1)
+            if x.numel() == 0 or n == 1:
+                return t
+            if comm_dtype == "int8":
+                paths.int8_all_reduce(x, run, state.rank, n, divisor, block_size, stochastic,
+                                      seed, error_feedback, backend)
+            elif comm_dtype == "bf16":
+                paths.bf16_all_reduce(x, run, state.rank, n, divisor, error_feedback)
+            else:
+                paths.plain_all_reduce(t, run, op == "avg")
+            return t
+
+        return _launch(opname, state, group, t, body, async_op=async_op,
+                       check_ranks=check_ranks, comm_dtype=comm_dtype, op=op,
+                       block_size=block_size, timeout=timeout)
+
+
+def reduce_scatter(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "sum",
+                   block_size: int = DEFAULT_BLOCK_SIZE, stochastic: bool = False, seed: int = 0,
+                   error_feedback: ErrorFeedback | None = None, check_ranks: bool = True,
+                   async_op: bool = False, backend: str = "auto",
+                   timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor | QuantWork:
+    """Reduce ``t`` [n*m0, *rest] over the group and return this rank's slice [m0, *rest] of
+    the sum (or mean): out_shard_r = sum_k t_k[r*m0 : (r+1)*m0]. Options as in ``all_reduce``."""
+    opname = "quant.reduce_scatter"
+    state = _state(opname, group)
+    with failing(state):
+        state.check_usable(opname)
+        comm_dtype, op, timeout = _common(opname, state, comm_dtype, op, timeout)
+        checks.validate(opname, state.rank, t, comm_dtype, op, block_size, error_feedback,
+                        needs_contiguous=False, backend=backend)
+        n = state.size
+        if t.dim() == 0 or t.shape[0] % n:
+            raise ValueError(f"{opname}: rank {state.rank}: t.shape[0] must be divisible by "
+                             f"the group size {n}, got shape {tuple(t.shape)}")
+        divisor = float(n) if op == "avg" else 1.0
+        out_shape = (t.shape[0] // n, *t.shape[1:])
+
+        def body(run):
+            x = t.reshape(-1).contiguous()
+            if x.numel() == 0 or n == 1:
+                return t.clone().view(out_shape)
+            if comm_dtype == "int8":
+                out = paths.int8_reduce_scatter(x, run, state.rank, n, divisor, block_size,
+                                                stochastic, seed, error_feedback, backend)
+            elif comm_dtype == "bf16":
+                out = paths.bf16_reduce_scatter(x, run, state.rank, n, divisor, error_feedback)
+            else:
+                out = paths.plain_reduce_scatter(x, run, n, op == "avg")
+            return out.to(t.dtype).view(out_shape)
+
+        return _launch(opname, state, group, t, body, async_op=async_op,
+                       check_ranks=check_ranks, comm_dtype=comm_dtype, op=op,
+                       block_size=block_size, timeout=timeout)
+
+
+def all_gather(t: torch.Tensor, *, group, comm_dtype: str = "fp32",
+               block_size: int = DEFAULT_BLOCK_SIZE, stochastic: bool = False, seed: int = 0,
+               check_ranks: bool = True, async_op: bool = False, backend: str = "auto",
+               timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor | QuantWork:
+    """Gather ``t`` [m0, *rest] from every rank into [n*m0, *rest] (rank r's at rows
+    r*m0 : (r+1)*m0). With a lossy ``comm_dtype`` every rank's part, its own included, is the
+    dequantized one, so all ranks hold the same result. Options as in ``all_reduce``."""
+    opname = "quant.all_gather"
+    state = _state(opname, group)
+    with failing(state):
+        state.check_usable(opname)
+        comm_dtype, _, timeout = _common(opname, state, comm_dtype, "sum", timeout)
+        checks.validate(opname, state.rank, t, comm_dtype, "sum", block_size, None,
+                        needs_contiguous=False, backend=backend)
+        if t.dim() == 0:
+            raise ValueError(f"{opname}: rank {state.rank}: t must have at least one dim "
+                             "(gathered along dim 0)")
+        n = state.size
+        out_shape = (n * t.shape[0], *t.shape[1:])
+
+        def body(run):
+            x = t.reshape(-1).contiguous()
+            if x.numel() == 0 or n == 1:
+                return t.clone().view(out_shape)
+            if comm_dtype == "int8":
+                out = paths.int8_all_gather(x, run, state.rank, n, block_size, stochastic, seed,
+                                            backend)
+            elif comm_dtype == "bf16":
+                out = paths.bf16_all_gather(x, run, n)
+            else:
+                out = paths.plain_all_gather(x, run, n)
+            return out.to(t.dtype).view(out_shape)
+
+        return _launch(opname, state, group, t, body, async_op=async_op,
+                       check_ranks=check_ranks, comm_dtype=comm_dtype, op="sum",
+                       block_size=block_size, timeout=timeout)
+
+
+def _common(opname: str, state: GroupState, comm_dtype, op, timeout) -> tuple[str, str, float]:
+    # stacklevel 3: a deprecation warning points at the caller of all_reduce & co.
+    return (checks.comm_dtype_arg(comm_dtype, where=opname, rank=state.rank, stacklevel=3),
+            checks.op_name(op), checks.timeout_arg(timeout, where=opname, rank=state.rank))

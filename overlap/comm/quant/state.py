@@ -1,0 +1,236 @@
+"""What the quantized collectives keep per process group, and the rule that a failure stays one.
+
+A ``GroupState`` holds, for one ``ProcessGroup`` object, the wire scratch buffers, the last
+async op (so ops keep their issue order, see ``work``) and the first error seen on the group.
+It lives in a ``WeakKeyDictionary`` keyed by the group object itself, so it dies with the
+group: a group that is destroyed and created again is a new object with a fresh state. (A dict
+keyed by ``id(group)`` would hand a dead group's buffers, queue and failure to whichever group
+is next allocated at the same address.)
+
+**Failure rule.** Any error inside a quantized op on a group, on any rank, local (bad input,
+a kernel error) or remote (a peer died, stalled or failed), fails that group's state: every
+later quantized call on it raises ``QuantCommFailed`` ("communicator failed earlier: <first
+error>") and never returns numbers, as a NCCL communicator does once aborted. Build a new group
+to continue. Without this, a rank that retries after a local refusal would pair its retry with
+a peer's previous call and both would return wrong numbers.
+
+**Telling the peers.** A rank whose op fails writes the error to the job's TCPStore under
+``overlap.comm.quant/<group name>/failed/<group rank>``; it also records its pid and host when
+the state is created. A rank waiting in a collective checks, every 50 ms of waiting (never on
+the fast path), whether a peer has published a failure or a same-host peer process has exited,
+and raises at once naming that peer, instead of waiting out its timeout. Failures that merely
+echo a peer's published one are not published again, so peers see the root cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import weakref
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["QuantCommError", "QuantTimeout", "QuantCommFailed", "GroupState", "state_for",
+           "existing_state", "failing"]
+
+_PREFIX = "overlap.comm.quant"
+
+
+class QuantCommError(RuntimeError):
+    """A quantized collective failed. ``op``, ``group`` (name), ``rank`` (group rank),
+    ``peer`` (group rank of the peer at fault, when known) and ``kind``: "died" (a peer
+    exited), "timeout", "peer_failed" (a peer published an error), "transport" (the backend
+    raised) or "failed" (the group had failed earlier)."""
+
+    def __init__(self, message: str, *, op: str, group: str, rank: int, peer: int | None = None,
+                 kind: str = "transport"):
+        super().__init__(message)
+        self.op, self.group, self.rank, self.peer, self.kind = op, group, rank, peer, kind
+
+
+class QuantTimeout(QuantCommError, TimeoutError):
+    """A wait of a quantized collective did not complete within its ``timeout``."""
+
+
+class QuantCommFailed(QuantCommError):
+    """A call on a group whose quantized collectives failed earlier (message carries the first
+    error)."""
+
+
+def _host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _pid_alive(pid: int) -> bool:
+    # os.kill(pid, 0) succeeds for zombies, so read the state from /proc instead.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _group_name(group: Any) -> str | None:
+    try:
+        return str(group.group_name)
+    except Exception:  # noqa: BLE001 - a backend object outside torch's registry has none
+        return None
+
+
+def _default_store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no default group: failures are not shared, only local
+        return None
+
+
+class GroupState:
+    """Scratch buffers, issue order and failure of the quantized collectives on one group.
+
+    Concurrency: the ops of one group run one at a time (``work`` orders them), so the scratch
+    is never shared by two ops; ``lock`` guards ``tail`` and ``failed``, which the caller's
+    thread and async workers both touch."""
+
+    def __init__(self, group: Any):
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.global_ranks = dist.get_process_group_ranks(group)
+        self.name = _group_name(group) or f"<unnamed, global ranks {self.global_ranks}>"
+        self.where = f"rank {self.rank} of group {self.name!r} (global ranks {self.global_ranks})"
+        self.lock = threading.Lock()
+        self.tail: Any = None  # the last async op submitted, until it completes
+        # The first error as text: an exception object would keep its traceback's frames, and
+        # with them this group (the dictionary's key) and its tensors, alive for good.
+        self.failed: str | None = None
+        self._scratch: dict[tuple[str, str], torch.Tensor] = {}
+        self._pids: dict[int, int] = {}
+        self._store = _default_store() if _group_name(group) is not None else None
+        self._key = f"{_PREFIX}/{self.name}"
+        self._host = _host_id()
+        self._store_call(lambda s: s.set(f"{self._key}/pid/{self.rank}",
+                                          f"{self._host}|{os.getpid()}"))
+
+    # -- failure
+
+    def check_usable(self, op: str) -> None:
+        """Raise ``QuantCommFailed`` if the group failed earlier."""
+        first = self.failed
+        if first is not None:
+            raise QuantCommFailed(f"{op}: {self.where}: communicator failed earlier: {first}",
+                                  op=op, group=self.name, rank=self.rank, kind="failed")
+
+    def fail(self, error: BaseException) -> None:
+        """Record ``error`` as the group's failure (the first one wins) and tell the peers."""
+        text = f"{type(error).__name__}: {error}"
+        with self.lock:
+            if self.failed is not None:
+                return
+            self.failed = text
+            # An abandoned collective may still write into these; later ops must never see them.
+            self._scratch = {}
+        kind = error.kind if isinstance(error, QuantCommError) else "error"
+        if kind in ("peer_failed", "failed"):
+            return
+        self._store_call(lambda s: s.set(f"{self._key}/failed/{self.rank}", f"{kind}|{text}"))
+
+    def peer_failures(self) -> list[tuple[int, str, str]]:
+        """(group rank, kind, error) of every peer that published a failure. Kind "error" is a
+        failure of that peer's own (bad input, a kernel error); "died", "timeout" and
+        "transport" mean that peer saw someone else fail: it is not the culprit."""
+        found = []
+        for r in range(self.size):
+            key = f"{self._key}/failed/{r}"
+            if r != self.rank and self._store_call(lambda s: s.check([key])):
+                raw = self._store_call(lambda s: s.get(key))
+                if raw is not None:
+                    kind, _, msg = raw.decode(errors="replace").partition("|")
+                    found.append((r, kind, msg))
+        return found
+
+    def absent_peers(self) -> list[int]:
+        """Group ranks that have never called a quantized op on this group (no pid yet)."""
+        return [r for r in range(self.size) if r != self.rank and self._store_call(
+            lambda s, r=r: s.check([f"{self._key}/pid/{r}"])) is False]
+
+    def dead_peers(self) -> list[tuple[int, int]]:
+        """(group rank, pid) of every peer on this host whose process has exited."""
+        dead = []
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            if r not in self._pids:
+                key = f"{self._key}/pid/{r}"
+                if not self._store_call(lambda s: s.check([key])):
+                    continue
+                raw = self._store_call(lambda s: s.get(key))
+                host, _, pid = (raw or b"").decode(errors="replace").rpartition("|")
+                # Another host's pid says nothing here: mark it unknown (0) for good.
+                self._pids[r] = int(pid) if host == self._host and pid.isdigit() else 0
+            pid = self._pids[r]
+            if pid and not _pid_alive(pid):
+                dead.append((r, pid))
+        return dead
+
+    def _store_call(self, fn):
+        if self._store is None:
+            return None
+        try:
+            return fn(self._store)
+        except Exception:  # noqa: BLE001 - diagnosis is best effort; the op's own error stands
+            return None
+
+    # -- scratch
+
+    def buffer(self, slot: str, shape: tuple[int, ...], dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+        """An uninitialised tensor for ``slot`` of this group's scratch, grown when too small.
+
+        Reused across calls: a fresh multi-MB allocation costs a page fault per 4 KB on every
+        call, as much as the quantization itself on a CPU."""
+        nbytes = 1
+        for d in shape:
+            nbytes *= d
+        nbytes *= torch.empty(0, dtype=dtype).element_size()
+        key = (str(device), slot)
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._scratch[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf[:nbytes].view(dtype).view(shape)
+
+
+_states: "weakref.WeakKeyDictionary[Any, GroupState]" = weakref.WeakKeyDictionary()
+_states_lock = threading.Lock()
+
+
+def state_for(group: Any) -> GroupState:
+    """The state of ``group``, created on first use (no collective: one store write)."""
+    with _states_lock:
+        state = _states.get(group)
+        if state is None:
+            state = _states[group] = GroupState(group)
+        return state
+
+
+def existing_state(group: Any) -> GroupState | None:
+    with _states_lock:
+        return _states.get(group)
+
+
+@contextlib.contextmanager
+def failing(state: GroupState) -> Iterator[None]:
+    """Any exception leaving this block fails the group (see the module docstring)."""
+    try:
+        yield
+    except BaseException as exc:
+        state.fail(exc)
+        raise

@@ -1,0 +1,286 @@
+"""How the quantized collectives run: issue order per group, async handles, bounded waits.
+
+An INT8 all-reduce is two collectives with compute in between (quantize, all-to-all, dequantize
+and reduce, requantize, all-gather, dequantize), so no single ``torch.distributed`` Work can
+stand for it. An async op therefore runs on its own short-lived worker thread (the CPU twin of
+a communication stream; torch and the C++ kernels release the GIL) and returns a ``QuantWork``.
+
+Collectives are matched between ranks by the order in which each rank issues them, so the ops
+of this package on one group run strictly in call order: each worker starts only when the
+previous async op on that group has finished, and a synchronous call first waits for the
+pending ones. Contract: while an async op of this package is in flight on a group, issue no
+other collective on that group except through this package; call ``wait()`` on it, or
+``drain(group)``, before a plain ``torch.distributed`` call on that group.
+
+Every collective an op issues goes through ``OpRun``: on CPU tensors it is issued async and
+waited for at most ``timeout`` seconds, in 50 ms slices between which the group state checks
+for a failed or exited peer (``state``). On CUDA tensors the wait is stream-ordered
+(``work.wait()`` with no host block: a bounded wait would be a host sync per collective), and
+the bound is the NCCL watchdog's, i.e. the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from overlap.comm.quant.state import (GroupState, QuantCommError, QuantTimeout, existing_state)
+
+__all__ = ["QuantWork", "OpRun", "submit", "drain", "DEFAULT_TIMEOUT"]
+
+DEFAULT_TIMEOUT = 300.0
+_SLICE_S = 0.05
+_DIAGNOSE_S = 0.5  # after a transport error, how long to look for the peer that caused it
+
+# torch >= 2.9 renamed the *_tensor collectives; both names reach the same backend op.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _completion(work) -> tuple[threading.Event, Callable[[], None]]:
+    """An event set when ``work`` completes, and a call that then raises its error, if any.
+
+    Most works have a future to hook; some have none (gloo's reduce-scatter), and for those a
+    helper thread makes the blocking ``wait()`` (it ends when the op completes or the backend
+    gives up at the process group's timeout)."""
+    done = threading.Event()
+    try:
+        work.get_future().add_done_callback(lambda _: done.set())
+        return done, work.wait
+    except RuntimeError:
+        pass
+    error: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            work.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the op by finish()
+            error.append(exc)
+        finally:
+            done.set()
+
+    def finish() -> None:
+        if error:
+            raise error[0]
+
+    threading.Thread(target=wait, name="overlap-quant-wait", daemon=True).start()
+    return done, finish
+
+
+class OpRun:
+    """One call of a quantized op on one group: its scratch and its collectives, each wait
+    bounded by ``timeout`` and each failure named (op, group, this rank, the peer if known)."""
+
+    def __init__(self, state: GroupState, group: Any, op: str, timeout: float,
+                 device: torch.device):
+        self.state, self.group, self.op = state, group, op
+        self.timeout, self.device = timeout, device
+
+    def buffer(self, slot: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self.state.buffer(slot, shape, dtype, self.device)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self._run("all_to_all", lambda: dist.all_to_all_single(out, inp, group=self.group,
+                                                               async_op=True))
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, what: str = "all_gather") -> None:
+        self._run(what, lambda: _all_gather(out, inp, group=self.group, async_op=True))
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op) -> None:
+        self._run("reduce_scatter", lambda: _reduce_scatter(out, inp, op=op, group=self.group,
+                                                            async_op=True))
+
+    def all_reduce(self, t: torch.Tensor, op) -> None:
+        self._run("all_reduce", lambda: dist.all_reduce(t, op=op, group=self.group,
+                                                        async_op=True))
+
+    # -- waiting and naming failures
+
+    def _run(self, what: str, issue: Callable[[], Any]) -> None:
+        try:
+            work = issue()
+        except Exception as exc:  # noqa: BLE001 - e.g. a communicator that failed earlier
+            raise self._transport_error(what, exc) from exc
+        if self.device.type == "cuda":
+            try:
+                work.wait()
+            except Exception as exc:  # noqa: BLE001
+                raise self._transport_error(what, exc) from exc
+            return
+        done, finish = _completion(work)
+        deadline = time.monotonic() + self.timeout
+        while not done.wait(max(0.0, min(_SLICE_S, deadline - time.monotonic()))):
+            self._raise_if_peer_failed(what)
+            if time.monotonic() >= deadline:
+                raise self._timeout(what)
+        try:
+            finish()
+        except Exception as exc:  # noqa: BLE001
+            raise self._transport_error(what, exc) from exc
+
+    def _raise_if_peer_failed(self, what: str) -> None:
+        """Raise naming the culprit: a peer's own published error first (it may have exited
+        since), then a peer process that exited without reporting anything, then a peer that
+        gave up on the group. Deaths are read before failures: a rank publishes its failure
+        before it exits, so a dead rank missing from the later read never reported one."""
+        st = self.state
+        dead = st.dead_peers()
+        failures = st.peer_failures()
+        for peer, kind, msg in failures:
+            if kind == "error":
+                raise QuantCommError(f"{self.op}: {st.where}: {what} cannot complete: peer rank "
+                                     f"{peer} failed: {msg}", op=self.op, group=st.name,
+                                     rank=st.rank, peer=peer, kind="peer_failed")
+        reported = {peer for peer, _, _ in failures}
+        for peer, pid in dead:
+            if peer not in reported:
+                raise QuantCommError(f"{self.op}: {st.where}: {what} cannot complete: peer "
+                                     f"rank {peer} (pid {pid}) has exited", op=self.op,
+                                     group=st.name, rank=st.rank, peer=peer, kind="died")
+        for peer, _, msg in failures:
+            raise QuantCommError(f"{self.op}: {st.where}: {what} cannot complete: peer rank "
+                                 f"{peer} gave up waiting on the group: {msg}", op=self.op,
+                                 group=st.name, rank=st.rank, kind="peer_failed")
+
+    def _timeout(self, what: str) -> QuantTimeout:
+        st = self.state
+        absent = st.absent_peers()
+        who = (f"rank(s) {absent} never called a quantized op on this group" if absent else
+               "no peer reported an error and none on this host exited: a peer is stalled "
+               "or did not make the same call")
+        return QuantTimeout(f"{self.op}: {st.where}: {what} did not complete within "
+                            f"{self.timeout:g}s; {who}", op=self.op, group=st.name,
+                            rank=st.rank, peer=absent[0] if len(absent) == 1 else None,
+                            kind="timeout")
+
+    def _transport_error(self, what: str, exc: BaseException) -> QuantCommError:
+        """The backend raised (e.g. gloo's "Connection closed by peer"): look briefly for the
+        peer behind it, then name op, group and rank around the backend's message."""
+        deadline = time.monotonic() + _DIAGNOSE_S
+        while True:
+            try:
+                self._raise_if_peer_failed(what)
+            except QuantCommError as named:
+                named.args = (f"{named} (backend error: {exc})",)
+                return named
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(_SLICE_S)
+        st = self.state
+        return QuantCommError(f"{self.op}: {st.where}: {what} failed (peer not identified): "
+                              f"{exc}", op=self.op, group=st.name, rank=st.rank)
+
+
+class QuantWork:
+    """Handle of an async quantized collective. ``wait(timeout=None)`` returns its result or
+    raises the op's error; a wait that times out (default: the op's ``timeout``) raises
+    ``QuantTimeout`` and fails the group. ``is_completed()`` polls."""
+
+    def __init__(self, op: str, state: GroupState, timeout: float):
+        self.op, self.state, self.timeout = op, state, timeout
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._cuda_done: Any = None
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        limit = self.timeout if timeout is None else timeout
+        if not self._done.wait(limit):
+            err = QuantTimeout(f"{self.op}: {self.state.where}: wait(): not complete after "
+                               f"{limit:g}s", op=self.op, group=self.state.name,
+                               rank=self.state.rank, kind="timeout")
+            self.state.fail(err)
+            raise err
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise self._error
+        if self._cuda_done is not None:
+            # The caller's stream must not read the result before the comm stream wrote it.
+            torch.cuda.current_stream().wait_event(self._cuda_done)
+        return self._result
+
+
+def _await_previous(op: str, state: GroupState, prev: QuantWork | None, timeout: float) -> None:
+    if prev is not None and not prev._done.wait(timeout):
+        raise QuantTimeout(f"{op}: {state.where}: the earlier {prev.op} on this group did not "
+                           f"finish within {timeout:g}s", op=op, group=state.name,
+                           rank=state.rank, kind="timeout")
+    state.check_usable(op)  # the earlier op's failure, if any, is the group's
+
+
+def submit(op: str, state: GroupState, body: Callable[[], Any], *, async_op: bool,
+           device: torch.device, timeout: float) -> Any:
+    """Run ``body`` after every earlier async op of this package on the group: inline when not
+    ``async_op`` (returns its result; the caller fails the group on error), else on a worker
+    thread (returns a QuantWork; an error fails the group and is raised by ``wait()``)."""
+    with state.lock:
+        prev = state.tail
+        if prev is not None and prev.is_completed():
+            prev = None
+        if async_op:
+            work = QuantWork(op, state, timeout)
+            state.tail = work
+    if not async_op:
+        _await_previous(op, state, prev, timeout)
+        return body()
+
+    ready = None
+    if device.type == "cuda":
+        ready = torch.cuda.Event()
+        ready.record()  # the inputs are complete on the caller's stream at this point
+
+    def run() -> None:
+        try:
+            _await_previous(op, state, prev, timeout)
+            if ready is None:
+                work._result = body()
+            else:
+                stream = torch.cuda.Stream(device=device)
+                with torch.cuda.stream(stream):
+                    stream.wait_event(ready)
+                    work._result = body()
+                    work._cuda_done = torch.cuda.Event()
+                    work._cuda_done.record(stream)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+            work._error = exc
+            state.fail(exc)
+        finally:
+            work._done.set()
+            with state.lock:
+                if state.tail is work:
+                    state.tail = None
+
+    work._thread = threading.Thread(target=run, name=f"overlap-{op}", daemon=True)
+    work._thread.start()
+    return work
+
+
+def drain(group: Any, timeout: float | None = None) -> None:
+    """Wait until every async op of this package submitted on ``group`` has finished (their
+    errors stay with their own ``wait()``), so plain collectives on the group are safe again.
+    ``timeout`` defaults to the last op's; running out raises ``QuantTimeout`` and fails the
+    group."""
+    state = existing_state(group)
+    if state is None:
+        return
+    with state.lock:
+        last = state.tail
+    if last is None:
+        return
+    limit = last.timeout if timeout is None else timeout
+    if not last._done.wait(limit):
+        err = QuantTimeout(f"quant.drain: {state.where}: {last.op} still running after "
+                           f"{limit:g}s", op="quant.drain", group=state.name, rank=state.rank,
+                           kind="timeout")
+        state.fail(err)
+        raise err
