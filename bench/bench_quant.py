@@ -50,7 +50,7 @@ class BenchConfig:
     block_sweep: tuple[int, ...] = (32, 64, 128, 256, 512)
     block_sweep_size: int = 4 << 20
     device: str = "cpu"
-    timeout_s: float = 3600.0
+    timeout: float = 3600.0
     out: str = "bench/results/quant"
 
     def sizes(self, world_size: int) -> list[int]:
@@ -157,7 +157,7 @@ def run(cfg: BenchConfig) -> Table:
     sweep_notes = []
     for n in cfg.world_sizes:
         per_rank = launch(_rank_sweep, n, args=(cfg.sizes(n), cfg.block_size, cfg.device),
-                          timeout=cfg.timeout_s, backend=backend)
+                          timeout=cfg.timeout, backend=backend)
         fp32_sent = {}
         for i, row in enumerate(per_rank[0]):
             slowest = max(per_rank, key=lambda r: r[i]["median_s"])  # it sets the pace
@@ -173,7 +173,7 @@ def run(cfg: BenchConfig) -> Table:
                       spread=spread, algbw_GBps=algbw, busbw_GBps=algbw * BUS_FACTOR[op](n), sent_B=sent,
                       vs_fp32=sent / fp32_sent[(op, size)], err=row["err"])
         blocks = launch(_rank_block_sweep, n, args=(cfg.block_sweep_size, cfg.block_sweep,
-                                                    cfg.device), timeout=cfg.timeout_s,
+                                                    cfg.device), timeout=cfg.timeout,
                         backend=backend)[0]
         N = cfg.block_sweep_size // 4
         fp32 = quant.wire_bytes("all_reduce", N, 4, None, n, 128)

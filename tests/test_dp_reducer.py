@@ -410,7 +410,7 @@ def test_layout_tiling_and_padding():
 
 def _peer_fails(mode: str):
     model = mlp()
-    red = GradReducer(model, dp_group=dist.group.WORLD, timeout_s=2.0)
+    red = GradReducer(model, dp_group=dist.group.WORLD, timeout=2.0)
     if dist.get_rank() == 1:
         if mode == "dies":
             os._exit(3)
@@ -430,5 +430,10 @@ def test_dead_or_silent_peer_raises_within_the_timeout(mode):
     msg = outcomes[0].value
     assert outcomes[0].status == "ok" and msg is not None, outcomes[0]
     seconds = float(msg.split("s ", 1)[0])
-    assert "GradReducer: rank 0: bucket" in msg and "DP group [0, 1] (peers [1])" in msg, msg
+    assert "GradReducer: rank 0: bucket" in msg and "DP group [0, 1] (rank 0, peers [1])" in msg
     assert seconds < 5.0, msg
+    # It says what happened: a death fails at once, a silent peer runs out the timeout.
+    if mode == "dies":
+        assert "failed after" in msg and "did not finish" not in msg, msg
+    else:
+        assert "did not finish within 2 s" in msg, msg

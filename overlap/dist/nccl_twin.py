@@ -152,7 +152,7 @@ class _Comm:
 
     def __init__(self, group: "NcclTwinGroup", name: str, tag_base: int):
         self.group, self.name, self.tag_base = group, name, tag_base
-        self.timeout = group.timeout_s
+        self.timeout = group.timeout
         self._queue: collections.deque[_Op] = collections.deque()
         self._cv = threading.Condition()
         self._failed: BaseException | None = None
@@ -327,7 +327,7 @@ class NcclTwinGroup(dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout: timedelta, name: str,
                  global_ranks: list[int] | None):
         super().__init__(rank, size)
-        self.timeout_s = timeout.total_seconds()
+        self.timeout = timeout.total_seconds()
         self._name = name
         self.global_ranks = list(global_ranks or range(size))
         self.inner = dist.ProcessGroupGloo(store, rank, size, timeout)

@@ -26,6 +26,7 @@ to ``torch.distributed``; every one is asynchronous and returns a handle with
 from __future__ import annotations
 
 import dataclasses
+import time
 import zlib
 from datetime import timedelta
 from typing import Sequence
@@ -55,7 +56,7 @@ class ReducerConfig:
     after the first iteration. ``broadcast_params``: copy DP rank 0's parameters at
     construction (as DDP). ``error_feedback``: with a lossy ``comm_dtype``, carry each
     bucket's quantization residual into the next step (``overlap.comm.quant.ErrorFeedback``).
-    ``timeout_s``: bound on every wait."""
+    ``timeout``: seconds, the bound on every wait (``timeout_s`` is its deprecated name)."""
 
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
@@ -65,7 +66,7 @@ class ReducerConfig:
     rebuild_buckets: bool = True
     broadcast_params: bool = True
     error_feedback: bool = False
-    timeout_s: float = 300.0
+    timeout: float = 300.0
 
     def __post_init__(self) -> None:
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
@@ -78,8 +79,10 @@ class ReducerConfig:
             raise ValueError(f"GradReducer: op must be 'avg' or 'sum', got {self.op!r}")
         if self.error_feedback and self.comm_dtype == "fp32":
             raise ValueError("GradReducer: error_feedback=True needs comm_dtype 'bf16' or 'int8'")
-        if not self.timeout_s > 0:
-            raise ValueError(f"GradReducer: timeout_s must be > 0, got {self.timeout_s!r}")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) \
+                or not self.timeout > 0:
+            raise ValueError(f"GradReducer: timeout must be a positive number of seconds, got "
+                             f"{self.timeout!r}")
 
 
 @dataclasses.dataclass(slots=True)
@@ -177,46 +180,61 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class BucketWork:
-    """Handle of one bucket collective: ``wait(timeout_s)`` returns once the result is in
-    place. Wraps a ``torch.distributed`` Work (comm_dtype "fp32") or an ``overlap.comm.quant``
-    QuantWork, whose reduce-scatter returns a new tensor that is copied into ``out`` here."""
+    """Handle of one bucket collective: ``wait(timeout, what=, group=)`` returns once the
+    result is in place, or raises naming ``what``, the group, this rank, its peers and whether
+    the collective failed at once (a peer died or aborted) or ran out of time. Wraps a
+    ``torch.distributed`` Work (comm_dtype "fp32") or an ``overlap.comm.quant`` QuantWork, whose
+    reduce-scatter returns a new tensor that is copied into ``out`` here."""
 
     __slots__ = ("_work", "_out", "_quant")
 
     def __init__(self, work, *, out: torch.Tensor | None = None, quant: bool = False):
         self._work, self._out, self._quant = work, out, quant
 
-    def wait(self, timeout_s: float) -> None:
-        if self._quant:
-            result = self._work.wait(timeout_s)
-            if self._out is not None:
-                self._out.copy_(result.view(-1))
-        else:
-            self._work.wait(timedelta(seconds=timeout_s))
+    def wait(self, timeout: float, *, what: str = "", group=None) -> None:
+        t0 = time.monotonic()
+        try:
+            if self._quant:
+                result = self._work.wait(timeout)
+                if self._out is not None:
+                    self._out.copy_(result.view(-1))
+            else:
+                self._work.wait(timedelta(seconds=timeout))
+        except (RuntimeError, TimeoutError) as exc:
+            if not what:
+                raise
+            took = time.monotonic() - t0
+            ranks = dist.get_process_group_ranks(group)
+            rank = dist.get_rank()
+            how = (f"did not finish within {timeout:g} s" if took >= 0.9 * timeout else
+                   f"failed after {took:.2f} s (a peer died, aborted or closed its connection)")
+            raise RuntimeError(f"{what} on DP group {ranks} (rank {rank}, peers "
+                               f"{[r for r in ranks if r != rank]}) {how}: {exc}") from exc
 
 
 def all_reduce_async(buf: torch.Tensor, *, group: dist.ProcessGroup, comm_dtype: str,
-                     error_feedback=None, check_ranks: bool = False) -> BucketWork:
+                     error_feedback=None, check_ranks: bool = False,
+                     timeout: float = 300.0) -> BucketWork:
     """In place ``buf = sum over group of buf``; "bf16"/"int8" go through overlap.comm.quant
     (whose error bound is documented there)."""
     if comm_dtype == "fp32":
         return BucketWork(dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True))
     work = quant.all_reduce(buf, group=group, comm_dtype=comm_dtype, op="sum",
                             error_feedback=error_feedback, check_ranks=check_ranks,
-                            async_op=True)
+                            async_op=True, timeout=timeout)
     return BucketWork(work, quant=True)
 
 
 def reduce_scatter_async(out: torch.Tensor, buf: torch.Tensor, *, group: dist.ProcessGroup,
-                         comm_dtype: str, error_feedback=None,
-                         check_ranks: bool = False) -> BucketWork:
+                         comm_dtype: str, error_feedback=None, check_ranks: bool = False,
+                         timeout: float = 300.0) -> BucketWork:
     """``out (n/dp,) = sum over group of buf[r*n/dp : (r+1)*n/dp]`` for group rank ``r``."""
     if comm_dtype == "fp32":
         return BucketWork(_reduce_scatter(out, buf, op=dist.ReduceOp.SUM, group=group,
                                           async_op=True))
     work = quant.reduce_scatter(buf, group=group, comm_dtype=comm_dtype, op="sum",
                                 error_feedback=error_feedback, check_ranks=check_ranks,
-                                async_op=True)
+                                async_op=True, timeout=timeout)
     return BucketWork(work, out=out, quant=True)
 
 
@@ -230,7 +248,7 @@ def all_gather_async(out: torch.Tensor, shard: torch.Tensor, *,
 # ---- replica checks at construction ------------------------------------------------------------
 
 def check_same_params(params: Sequence[torch.Tensor], *, group: dist.ProcessGroup, where: str,
-                      timeout_s: float) -> None:
+                      timeout: float) -> None:
     """Raise ValueError on every rank unless every rank of ``group`` holds parameters of the same
     count, shapes and dtypes (one small all-gather)."""
     sig = ";".join(f"{tuple(p.shape)}:{p.dtype}:{p.device.type}" for p in params)
@@ -239,7 +257,8 @@ def check_same_params(params: Sequence[torch.Tensor], *, group: dist.ProcessGrou
                         dtype=torch.int64, device=device)
     size = dist.get_world_size(group)
     every = torch.zeros(size * 3, dtype=torch.int64, device=device)
-    all_gather_async(every, mine, group=group).wait(timeout_s)
+    all_gather_async(every, mine, group=group).wait(timeout, what=f"{where}: parameter check",
+                                                    group=group)
     every = every.view(size, 3)
     if not bool((every == mine).all()):
         ranks = dist.get_process_group_ranks(group)

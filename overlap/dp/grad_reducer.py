@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 import time
 from typing import Callable, Iterator
 
@@ -101,6 +102,10 @@ class GradReducer:
             rank = dist.get_rank() if dist.is_initialized() else "?"
             raise ValueError(f"GradReducer: rank {rank}: dp_group is required (pass "
                              "ParallelDims.dp_group or dist.group.WORLD explicitly)")
+        if "timeout_s" in config:  # the old name of timeout
+            warnings.warn("GradReducer: timeout_s is deprecated; pass timeout (seconds)",
+                          DeprecationWarning, stacklevel=2)
+            config["timeout"] = config.pop("timeout_s")
         try:
             self.config = ReducerConfig(**config)
         except (TypeError, ValueError) as exc:
@@ -119,7 +124,7 @@ class GradReducer:
             raise TypeError(f"GradReducer: rank {self.rank}: only dense (strided) parameters "
                             "are supported")
         check_same_params(self.params, group=self.dp_group, where=f"GradReducer: rank {self.rank}",
-                          timeout_s=self.config.timeout_s)
+                          timeout=self.config.timeout)
         if self.config.broadcast_params and self.dp_size > 1:
             broadcast_params(self.params, src=self._src, group=self.dp_group)
 
@@ -315,7 +320,8 @@ class GradReducer:
         cfg = self.config
         # Lossy comm: the first iteration also compares sizes and options across the ranks.
         extra = {} if cfg.comm_dtype == "fp32" else dict(
-            error_feedback=self._feedback(b, buf.numel()), check_ranks=not self._checked)
+            error_feedback=self._feedback(b, buf.numel()), check_ranks=not self._checked,
+            timeout=cfg.timeout)
         if cfg.shard and self._final:
             self._works[b] = dp_comm.reduce_scatter_async(
                 self.grad_shard(bucket), buf, group=self.dp_group, comm_dtype=cfg.comm_dtype,
@@ -339,16 +345,10 @@ class GradReducer:
         for b, work in enumerate(self._works):
             if work is None:
                 continue
-            try:
-                with comm_wait("dp.grads"):
-                    work.wait(self.config.timeout_s)
-            except (RuntimeError, TimeoutError) as exc:
-                ranks = dist.get_process_group_ranks(self.dp_group)
-                peers = [r for r in ranks if r != self.rank]
-                raise RuntimeError(
-                    f"GradReducer: rank {self.rank}: bucket {b} of {len(self._works)} on DP "
-                    f"group {ranks} (peers {peers}) failed or did not finish within "
-                    f"{self.config.timeout_s} s: {exc}") from exc
+            with comm_wait("dp.grads"):
+                work.wait(self.config.timeout, group=self.dp_group,
+                          what=f"GradReducer: rank {self.rank}: bucket {b} of "
+                               f"{len(self._works)}")
             self._works[b] = None
 
     def _reset_iteration(self) -> None:

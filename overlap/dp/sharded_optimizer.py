@@ -75,7 +75,7 @@ class ShardedOptimizer:
                             f"subclass, got {optimizer_cls!r}")
         self.reducer = reducer
         self.dp_size, self.dp_rank = reducer.dp_size, reducer.dp_rank
-        self._timeout = reducer.config.timeout_s
+        self._timeout = reducer.config.timeout
         self._gathers: list = []
         # seconds the forward pre-hooks waited for parameter gathers since the last step():
         # the part of the all-gather the forward did not hide
@@ -174,16 +174,10 @@ class ShardedOptimizer:
             work = self._gathers[b]
             if work is None:
                 continue
-            try:
-                with comm_wait("dp.params"):
-                    work.wait(self._timeout)
-            except (RuntimeError, TimeoutError) as exc:
-                ranks = dist.get_process_group_ranks(self.reducer.dp_group)
-                peers = [r for r in ranks if r != self.reducer.rank]
-                raise RuntimeError(
-                    f"ShardedOptimizer: rank {self.reducer.rank}: parameter all-gather of bucket "
-                    f"{b} on DP group {ranks} (peers {peers}) failed or did not finish within "
-                    f"{self._timeout} s: {exc}") from exc
+            with comm_wait("dp.params"):
+                work.wait(self._timeout, group=self.reducer.dp_group,
+                          what=f"ShardedOptimizer: rank {self.reducer.rank}: parameter "
+                               f"all-gather of bucket {b}")
             self._gathers[b] = None
 
     @torch.no_grad()

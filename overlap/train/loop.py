@@ -97,7 +97,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     for stage in stages:
         red = GradReducer(stage.module, dp_group=dims.dp_group, comm_dtype=cfg.comm_dtype,
                           bucket_cap_mb=cfg.bucket_mb, first_bucket_cap_mb=cfg.bucket_mb,
-                          shard=cfg.sharded_optimizer, timeout_s=cfg.timeout)
+                          shard=cfg.sharded_optimizer, timeout=cfg.timeout)
         red.sync_if(lambda s=stage: s.last_backward)
         reducers.append(red)
         kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
