@@ -4,8 +4,8 @@ A ``GroupState`` holds, for one ``ProcessGroup`` object, the wire scratch buffer
 async op (so ops keep their issue order, see ``work``) and the first error seen on the group.
 It lives in a ``WeakKeyDictionary`` keyed by the group object itself, so it dies with the
 group: a group that is destroyed and created again is a new object with a fresh state. (A dict
-keyed by ``id(group)`` would hand a dead group's buffers, queue and failure to whichever group
-is next allocated at the same address.)
+keyed by the group's address would hand a dead group's buffers, queue and failure to whichever
+group is next allocated at the same address.)
 
 **Failure rule.** Any error inside a quantized op on a group, on any rank, local (bad input,
 a kernel error) or remote (a peer died, stalled or failed), fails that group's state: every
