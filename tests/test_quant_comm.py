@@ -151,31 +151,31 @@ def _simulate_int8(opname, xs, n, block, divisor):
     for x in xs:
         buf = torch.empty(rows, C, dtype=torch.uint8)
         q, s = paths._views(buf, L)
-        qk.quantize_into(x, q, s, block=block, flat_row=m, backend="torch")
+        qk.quantize_into(x, q, s, block=block, flat_row=m, impl="torch")
         sends.append(buf)
     if opname == "all_gather":
         out = torch.empty(n * m)
         q, s = paths._views(torch.cat(sends), L)
-        qk.dequantize_into(q, s, out, block=block, flat_row=m, backend="torch")
+        qk.dequantize_into(q, s, out, block=block, flat_row=m, impl="torch")
         return [out] * n
     shards = []
     for j in range(n):
         q, s = paths._views(torch.stack([b[j] for b in sends]), L)
         if opname == "reduce_scatter":
             y = torch.empty(L)
-            qk.dequant_reduce_into(q, s, block=block, divisor=divisor, out=y, backend="torch")
+            qk.dequant_reduce_into(q, s, block=block, divisor=divisor, out=y, impl="torch")
             shards.append(y[:m])
         else:
             mine = torch.empty(1, C, dtype=torch.uint8)
             qo, so = paths._views(mine, L)
             qk.dequant_reduce_into(q, s, block=block, divisor=divisor, q_out=qo.view(-1),
-                                   s_out=so.view(-1), backend="torch")
+                                   s_out=so.view(-1), impl="torch")
             shards.append(mine)
     if opname == "reduce_scatter":
         return shards
     out = torch.empty(N)
     q, s = paths._views(torch.cat(shards), L)
-    qk.dequantize_into(q, s, out, block=block, flat_row=m, backend="torch")
+    qk.dequantize_into(q, s, out, block=block, flat_row=m, impl="torch")
     return [out] * n
 
 
@@ -186,7 +186,7 @@ def _rank_bitwise(numel, backend):
         for avg in (False, True):
             N = numel * n if opname == "reduce_scatter" else numel
             xs = _inputs(n, N, torch.float32, seed=100 + i)
-            kw = dict(group=group, comm_dtype="int8", block_size=64, backend=backend)
+            kw = dict(group=group, comm_dtype="int8", block_size=64, impl=backend)
             if opname != "all_gather":
                 kw["op"] = "avg" if avg else "sum"
             out = getattr(quant, opname)(xs[rank].clone(), **kw)

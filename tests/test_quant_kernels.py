@@ -52,8 +52,8 @@ def _quantize_all(x, block, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # interpreter: NaN/overflow in numpy
         for be in BACKENDS:
-            q, s = qk.quantize(x, block=block, backend=be, **kw)
-            d = qk.dequantize(q, s, x.numel(), block=block, backend=be)
+            q, s = qk.quantize(x, block=block, impl=be, **kw)
+            d = qk.dequantize(q, s, x.numel(), block=block, impl=be)
             out[be] = (q, s, d)
     return out
 
@@ -98,9 +98,9 @@ def test_wire_layout_rows_bit_identical():
         buf = torch.full((rows, L + 4 * (L // block)), 0xAB, dtype=torch.uint8)
         q, s = buf[:, :L].view(torch.int8), buf[:, L:].view(torch.float32)
         qk.quantize_into(x, q, s, block=block, flat_row=m, stochastic=be != "torch", key=9,
-                         backend=be)
+                         impl=be)
         back = torch.empty(x.numel())
-        qk.dequantize_into(q, s, back, block=block, flat_row=m, backend=be)
+        qk.dequantize_into(q, s, back, block=block, flat_row=m, impl=be)
         outs[be] = (buf, back)
     for be in ("cpp", "triton"):
         assert torch.equal(outs[be][0], outs["cpp"][0])
@@ -128,13 +128,13 @@ def test_dequant_reduce_bit_identical(requant, divisor):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 qk.dequant_reduce_into(q, s, block=block, divisor=divisor, q_out=q_out,
-                                       s_out=s_out, backend=be)
+                                       s_out=s_out, impl=be)
             res[be] = (q_out, s_out.view(torch.int32))
         else:
             out = torch.empty(L)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                qk.dequant_reduce_into(q, s, block=block, divisor=divisor, out=out, backend=be)
+                qk.dequant_reduce_into(q, s, block=block, divisor=divisor, out=out, impl=be)
             res[be] = (_bits(out),)
     for be in ("cpp", "triton"):
         for a, b in zip(res[be], res["torch"]):
@@ -147,21 +147,21 @@ def test_round_half_even_and_special_values():
     # absmax 127 -> scale exactly 1, so x / scale hits the ties exactly.
     x = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -3.5])
     for be in BACKENDS:
-        q, s = qk.quantize(x, block=8, backend=be)
+        q, s = qk.quantize(x, block=8, impl=be)
         assert s.item() == 1.0
         assert q.tolist() == [127, 0, 2, 2, 0, -2, 126, -4], be
     z = torch.zeros(40)
     z[33] = float("nan")
     for be in BACKENDS:
-        q, s = qk.quantize(z, block=32, backend=be)
-        d = qk.dequantize(q, s, 40, block=32, backend=be)
+        q, s = qk.quantize(z, block=32, impl=be)
+        d = qk.dequantize(q, s, 40, block=32, impl=be)
         assert s.tolist() == [0.0, 0.0] and (d[:32] == 0).all()  # all-zero block: exact
         assert torch.isnan(d[33]) and (d[32] == 0) and (d[34:] == 0).all()  # NaN stays local
     big = torch.tensor([FMAX, -FMAX, 1.0, float("inf")])
     for be in BACKENDS:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            d = qk.dequantize(*qk.quantize(big, block=4, backend=be), 4, block=4, backend=be)
+            d = qk.dequantize(*qk.quantize(big, block=4, impl=be), 4, block=4, impl=be)
         assert d[0] == FMAX and d[1] == -FMAX, "127 * (FLT_MAX/127) must clamp, not overflow"
         assert torch.isnan(d[3])
 
@@ -183,8 +183,8 @@ def test_bad_arguments():
         qk.quantize(x, block=48)
     with pytest.raises(TypeError, match="fp32/bf16/fp16"):
         qk.quantize(x.double(), block=8)
-    with pytest.raises(ValueError, match="backend"):
-        qk.quantize(x, block=8, backend="cuda")
+    with pytest.raises(ValueError, match="impl"):
+        qk.quantize(x, block=8, impl="cuda")
     q = torch.empty(2, 16, dtype=torch.int8)
     s = torch.empty(2, 2)
     with pytest.raises(ValueError, match="do not fit"):

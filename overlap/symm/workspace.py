@@ -18,10 +18,11 @@ waiter cannot miss a signal and back-to-back ops only need a growing phase.
 
 Nothing waits forever: ``wait`` raises :class:`SignalTimeout` naming the group, slot, expected
 and last seen value after ``timeout`` seconds, and raises :class:`PeerDied` as soon as a peer
-process of the group has exited (CPU backend) or a peer called ``abort()``.
+process of the group has exited (shm kind) or a peer called ``abort()``.
 
-Backends: ``shm`` (POSIX shared memory, CPU, ranks on one host; overlap.symm.shm) and ``cuda``
-(torch symmetric memory or CUDA IPC; overlap.symm.cuda). ``create_workspace`` picks one.
+Kinds (``kind=``): ``shm`` (POSIX shared memory, CPU, ranks on one host; overlap.symm.shm) and
+``cuda`` (torch symmetric memory or CUDA IPC; overlap.symm.cuda). ``create_workspace`` picks
+one. ("backend" is reserved for the TP op backends and torch.distributed's.)
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ __all__ = ["SymmetricWorkspace", "SignalTimeout", "PeerDied", "create_workspace"
 
 def create_workspace(group: dist.ProcessGroup, nbytes: int, *, num_signals: int = 64,
                      device: torch.device | str | None = None, timeout: float = 30.0,
-                     backend: str = "auto") -> SymmetricWorkspace:
+                     kind: str = "auto") -> SymmetricWorkspace:
     """Create a workspace of ``nbytes`` per rank over ``group`` (collective over the group).
 
-    ``backend``: "shm" (CPU shared memory), "cuda" (GPU userbuffers) or "auto" (cuda when
+    ``kind``: "shm" (CPU shared memory), "cuda" (GPU userbuffers) or "auto" (cuda when
     ``device`` is a CUDA device, else shm). Every rank must pass the same nbytes and num_signals;
     a mismatch raises ValueError on every rank naming the ranks that differ.
     """
@@ -53,16 +54,16 @@ def create_workspace(group: dist.ProcessGroup, nbytes: int, *, num_signals: int 
     if timeout <= 0:
         raise ValueError(f"create_workspace: timeout must be > 0 seconds, got {timeout}")
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    if backend == "auto":
-        backend = "cuda" if dev.type == "cuda" else "shm"
-    if backend == "shm":
+    if kind == "auto":
+        kind = "cuda" if dev.type == "cuda" else "shm"
+    if kind == "shm":
         if dev.type != "cpu":
-            raise ValueError(f"create_workspace: the shm backend holds CPU memory, got device {dev}")
+            raise ValueError(f"create_workspace: kind 'shm' holds CPU memory, got device {dev}")
         from overlap.symm.shm import ShmWorkspace
 
         return ShmWorkspace(group, nbytes, num_signals=num_signals, timeout=timeout)
-    if backend == "cuda":
+    if kind == "cuda":
         from overlap.symm.cuda import CudaWorkspace
 
         return CudaWorkspace(group, nbytes, num_signals=num_signals, timeout=timeout, device=dev)
-    raise ValueError(f"create_workspace: backend must be 'auto', 'shm' or 'cuda', got {backend!r}")
+    raise ValueError(f"create_workspace: kind must be 'auto', 'shm' or 'cuda', got {kind!r}")

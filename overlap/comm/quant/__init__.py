@@ -87,7 +87,7 @@ def _launch(opname, state, group, t, body, *, async_op, check_ranks, comm_dtype,
 def all_reduce(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "sum",
                block_size: int = DEFAULT_BLOCK_SIZE, stochastic: bool = False, seed: int = 0,
                error_feedback: ErrorFeedback | None = None, check_ranks: bool = True,
-               async_op: bool = False, backend: str = "auto",
+               async_op: bool = False, impl: str = "auto",
                timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor | QuantWork:
     """All-reduce ``t`` (contiguous, any shape) in place: t = sum_r t_r (or the mean).
 
@@ -95,7 +95,7 @@ def all_reduce(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "s
     phase): pass a new seed each step. ``error_feedback``: carries the quantization residual to
     the next call. ``check_ranks``: first compare shape, dtype and options across the ranks
     (one small all-gather; the hot path may turn it off once a configuration is known good).
-    ``backend``: kernel backend for INT8 ("auto": C++ on CPU, Triton on GPU; "torch", "triton").
+    ``impl``: which INT8 kernels ("auto": C++ on CPU, Triton on GPU; "torch", "triton").
     ``timeout``: seconds each wait may take. Returns ``t``, or with ``async_op`` a QuantWork
     whose ``wait()`` returns ``t``."""
     opname = "quant.all_reduce"
@@ -104,7 +104,7 @@ def all_reduce(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "s
         state.check_usable(opname)
         comm_dtype, op, timeout = _common(opname, state, comm_dtype, op, timeout)
         checks.validate(opname, state.rank, t, comm_dtype, op, block_size, error_feedback,
-                        needs_contiguous=True, backend=backend)
+                        needs_contiguous=True, impl=impl)
         n = state.size
         divisor = float(n) if op == "avg" else 1.0
 
@@ -114,7 +114,7 @@ def all_reduce(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "s
                 return t
             if comm_dtype == "int8":
                 paths.int8_all_reduce(x, run, state.rank, n, divisor, block_size, stochastic,
-                                      seed, error_feedback, backend)
+                                      seed, error_feedback, impl)
             elif comm_dtype == "bf16":
                 paths.bf16_all_reduce(x, run, state.rank, n, divisor, error_feedback)
             else:
@@ -129,7 +129,7 @@ def all_reduce(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "s
 def reduce_scatter(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "sum",
                    block_size: int = DEFAULT_BLOCK_SIZE, stochastic: bool = False, seed: int = 0,
                    error_feedback: ErrorFeedback | None = None, check_ranks: bool = True,
-                   async_op: bool = False, backend: str = "auto",
+                   async_op: bool = False, impl: str = "auto",
                    timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor | QuantWork:
     """Reduce ``t`` [n*m0, *rest] over the group and return this rank's slice [m0, *rest] of
     the sum (or mean): out_shard_r = sum_k t_k[r*m0 : (r+1)*m0]. Options as in ``all_reduce``."""
@@ -139,7 +139,7 @@ def reduce_scatter(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str 
         state.check_usable(opname)
         comm_dtype, op, timeout = _common(opname, state, comm_dtype, op, timeout)
         checks.validate(opname, state.rank, t, comm_dtype, op, block_size, error_feedback,
-                        needs_contiguous=False, backend=backend)
+                        needs_contiguous=False, impl=impl)
         n = state.size
         if t.dim() == 0 or t.shape[0] % n:
             raise ValueError(f"{opname}: rank {state.rank}: t.shape[0] must be divisible by "
@@ -153,7 +153,7 @@ def reduce_scatter(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str 
                 return t.clone().view(out_shape)
             if comm_dtype == "int8":
                 out = paths.int8_reduce_scatter(x, run, state.rank, n, divisor, block_size,
-                                                stochastic, seed, error_feedback, backend)
+                                                stochastic, seed, error_feedback, impl)
             elif comm_dtype == "bf16":
                 out = paths.bf16_reduce_scatter(x, run, state.rank, n, divisor, error_feedback)
             else:
@@ -167,7 +167,7 @@ def reduce_scatter(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str 
 
 def all_gather(t: torch.Tensor, *, group, comm_dtype: str = "fp32",
                block_size: int = DEFAULT_BLOCK_SIZE, stochastic: bool = False, seed: int = 0,
-               check_ranks: bool = True, async_op: bool = False, backend: str = "auto",
+               check_ranks: bool = True, async_op: bool = False, impl: str = "auto",
                timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor | QuantWork:
     """Gather ``t`` [m0, *rest] from every rank into [n*m0, *rest] (rank r's at rows
     r*m0 : (r+1)*m0). With a lossy ``comm_dtype`` every rank's part, its own included, is the
@@ -178,7 +178,7 @@ def all_gather(t: torch.Tensor, *, group, comm_dtype: str = "fp32",
         state.check_usable(opname)
         comm_dtype, _, timeout = _common(opname, state, comm_dtype, "sum", timeout)
         checks.validate(opname, state.rank, t, comm_dtype, "sum", block_size, None,
-                        needs_contiguous=False, backend=backend)
+                        needs_contiguous=False, impl=impl)
         if t.dim() == 0:
             raise ValueError(f"{opname}: rank {state.rank}: t must have at least one dim "
                              "(gathered along dim 0)")
@@ -191,7 +191,7 @@ def all_gather(t: torch.Tensor, *, group, comm_dtype: str = "fp32",
                 return t.clone().view(out_shape)
             if comm_dtype == "int8":
                 out = paths.int8_all_gather(x, run, state.rank, n, block_size, stochastic, seed,
-                                            backend)
+                                            impl)
             elif comm_dtype == "bf16":
                 out = paths.bf16_all_gather(x, run, n)
             else:

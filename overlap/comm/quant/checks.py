@@ -66,12 +66,11 @@ def op_name(op) -> str:
 
 
 def validate(opname: str, rank: int, t, comm_dtype: str, op: str, block_size: int,
-             error_feedback, needs_contiguous: bool, backend: str) -> None:
+             error_feedback, needs_contiguous: bool, impl: str) -> None:
     """The local checks of one call (``comm_dtype`` already normalised)."""
     where = _at(opname, rank)
-    if backend not in qk.BACKENDS:
-        raise ValueError(f"{where} argument 'backend' must be one of {qk.BACKENDS}, got "
-                         f"{backend!r}")
+    if impl not in qk.IMPLS:
+        raise ValueError(f"{where} argument 'impl' must be one of {qk.IMPLS}, got {impl!r}")
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where} argument 't' must be a torch.Tensor, got {type(t).__name__}")
     if op not in OPS:

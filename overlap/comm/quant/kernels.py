@@ -24,24 +24,24 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DTYPE_CODES", "BACKENDS", "resolve_backend", "noise_u01", "quantize_into",
+__all__ = ["DTYPE_CODES", "IMPLS", "resolve_impl", "noise_u01", "quantize_into",
            "dequantize_into", "dequant_reduce_into", "quantize", "dequantize"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-BACKENDS = ("auto", "torch", "cpp", "triton")
+IMPLS = ("auto", "torch", "cpp", "triton")
 FLOAT_MAX = torch.finfo(torch.float32).max
 _KEY_MASK = 0x7FFFFFFF  # keys stay int32-sized so Triton never retypes (and recompiles) them
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
+def resolve_impl(impl: str, device: torch.device) -> str:
     """``auto`` is the C++ kernels on CPU tensors and Triton on GPU tensors."""
-    if backend not in BACKENDS:
-        raise ValueError(f"quant kernels: backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
+    if impl not in IMPLS:
+        raise ValueError(f"quant kernels: impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
         return "triton" if device.type == "cuda" else "cpp"
-    if backend == "cpp" and device.type != "cpu":
-        raise ValueError(f"quant kernels: backend 'cpp' needs CPU tensors, got {device}")
-    return backend
+    if impl == "cpp" and device.type != "cpu":
+        raise ValueError(f"quant kernels: impl 'cpp' needs CPU tensors, got {device}")
+    return impl
 
 
 # ---- torch reference -------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def _check_flat(op: str, numel: int, flat_row: int | None, q: torch.Tensor) -> i
 
 def quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, block: int,
                   flat_row: int | None = None, stochastic: bool = False, key: int = 0,
-                  index_base: int = 0, backend: str = "auto") -> None:
+                  index_base: int = 0, impl: str = "auto") -> None:
     """Quantize flat contiguous ``x`` (fp32/bf16/fp16) into ``q`` [rows, row_len] int8 and ``s``
     [rows, row_len // block] fp32; row r holds x[r*flat_row : (r+1)*flat_row] (default
     flat_row = row_len), zero-padded."""
@@ -157,10 +157,10 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, block: i
                         f"{x.dtype}, contiguous={x.is_contiguous()}")
     flat_row = _check_flat("quantize_into", x.numel(), flat_row, q)
     key &= _KEY_MASK
-    backend = resolve_backend(backend, x.device)
-    if backend == "torch":
+    impl = resolve_impl(impl, x.device)
+    if impl == "torch":
         _quantize_torch(x, q, s, block, flat_row, stochastic, key, index_base)
-    elif backend == "cpp":
+    elif impl == "cpp":
         from overlap import _C
         _C.quantize_blocks(x.data_ptr(), DTYPE_CODES[x.dtype], x.numel(), flat_row, q.shape[0],
                            q.shape[1], block, q.data_ptr(), q.stride(0), s.data_ptr(),
@@ -172,17 +172,17 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, block: i
 
 
 def dequantize_into(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, *, block: int,
-                    flat_row: int | None = None, backend: str = "auto") -> None:
+                    flat_row: int | None = None, impl: str = "auto") -> None:
     """The inverse layout of ``quantize_into``: row r of ``q``/``s`` dequantizes into the flat
     contiguous fp32 ``out[r*flat_row : (r+1)*flat_row]``, cut at ``out.numel()``."""
     _check("dequantize_into", block, q, s)
     if out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"dequantize_into: out must be contiguous fp32, got {out.dtype}")
     flat_row = _check_flat("dequantize_into", out.numel(), flat_row, q)
-    backend = resolve_backend(backend, q.device)
-    if backend == "torch":
+    impl = resolve_impl(impl, q.device)
+    if impl == "torch":
         _dequantize_torch(q, s, out, block, flat_row)
-    elif backend == "cpp":
+    elif impl == "cpp":
         from overlap import _C
         _C.dequantize_blocks(q.data_ptr(), q.stride(0), s.data_ptr(), s.stride(0), q.shape[0],
                              q.shape[1], block, out.data_ptr(), out.numel(), flat_row,
@@ -195,7 +195,7 @@ def dequantize_into(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, *, bloc
 def dequant_reduce_into(q: torch.Tensor, s: torch.Tensor, *, block: int, divisor: float = 1.0,
                         out: torch.Tensor | None = None, q_out: torch.Tensor | None = None,
                         s_out: torch.Tensor | None = None, stochastic: bool = False,
-                        key: int = 0, index_base: int = 0, backend: str = "auto") -> None:
+                        key: int = 0, index_base: int = 0, impl: str = "auto") -> None:
     """The reduce phase: ``acc = sum_r deq(q[r], s[r])`` in fp32, in row order, then
     ``acc / divisor`` unless divisor is 1; written as fp32 ``out`` [row_len] or requantized into
     ``q_out`` [row_len] int8 / ``s_out`` [row_len // block] fp32 (all contiguous)."""
@@ -211,10 +211,10 @@ def dequant_reduce_into(q: torch.Tensor, s: torch.Tensor, *, block: int, divisor
             raise ValueError(f"dequant_reduce_into: {name} must be contiguous {dt} with {n} "
                              f"elements, got {t.dtype} {tuple(t.shape)}")
     key &= _KEY_MASK
-    backend = resolve_backend(backend, q.device)
-    if backend == "torch":
+    impl = resolve_impl(impl, q.device)
+    if impl == "torch":
         _dequant_reduce_torch(q, s, block, divisor, out, q_out, s_out, stochastic, key, index_base)
-    elif backend == "cpp":
+    elif impl == "cpp":
         from overlap import _C
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         _C.dequant_reduce_blocks(q.data_ptr(), q.stride(0), s.data_ptr(), s.stride(0), q.shape[0],
@@ -227,20 +227,20 @@ def dequant_reduce_into(q: torch.Tensor, s: torch.Tensor, *, block: int, divisor
 
 
 def quantize(x: torch.Tensor, *, block: int, stochastic: bool = False, key: int = 0,
-             backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+             impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize flat ``x``: returns int8 codes [ceil(numel / block) * block] (zero-padded) and
     fp32 scales [ceil(numel / block)]."""
     x = x.reshape(-1).contiguous()
     nb = -(-x.numel() // block)
     q = torch.empty(1, nb * block, dtype=torch.int8, device=x.device)
     s = torch.empty(1, nb, dtype=torch.float32, device=x.device)
-    quantize_into(x, q, s, block=block, stochastic=stochastic, key=key, backend=backend)
+    quantize_into(x, q, s, block=block, stochastic=stochastic, key=key, impl=impl)
     return q.view(-1), s.view(-1)
 
 
 def dequantize(q: torch.Tensor, s: torch.Tensor, numel: int, *, block: int,
-               dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
+               dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
     """The first ``numel`` values of ``quantize``'s output, dequantized, as ``dtype``."""
     out = torch.empty(numel, dtype=torch.float32, device=q.device)
-    dequantize_into(q.view(1, -1), s.view(1, -1), out, block=block, backend=backend)
+    dequantize_into(q.view(1, -1), s.view(1, -1), out, block=block, impl=impl)
     return out.to(dtype)

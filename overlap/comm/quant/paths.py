@@ -76,20 +76,20 @@ def _views(buf: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
     return buf[:, :L].view(torch.int8), buf[:, L:].view(torch.float32)
 
 
-def _quantize_rows(p, run, n, m, block, stochastic, key, backend):
+def _quantize_rows(p, run, n, m, block, stochastic, key, impl):
     L, C = int8_geometry(m, block)
     send = run.buffer("send", (n, C), torch.uint8)
     q, s = _views(send, L)
     qk.quantize_into(p, q, s, block=block, flat_row=m, stochastic=stochastic, key=key,
-                     backend=backend)
+                     impl=impl)
     return send
 
 
-def _local_residual(ef, p, send, m, block, backend):
+def _local_residual(ef, p, send, m, block, impl):
     # e' = p - deq(q(p)): what this rank's quantization dropped.
     q, s = _views(send, int8_geometry(m, block)[0])
     deq = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
-    qk.dequantize_into(q, s, deq, block=block, flat_row=m, backend=backend)
+    qk.dequantize_into(q, s, deq, block=block, flat_row=m, impl=impl)
     torch.sub(p, deq, out=ef.residual)
 
 
@@ -97,23 +97,23 @@ def _compensated(x, ef):
     return x.to(torch.float32) if ef is None else x.to(torch.float32) + ef.residual
 
 
-def _exchange_int8(x, run, rank, n, m, block, stochastic, seed, ef, backend):
+def _exchange_int8(x, run, rank, n, m, block, stochastic, seed, ef, impl):
     p = x if ef is None else _compensated(x, ef)
     send = _quantize_rows(p, run, n, m, block, stochastic, stochastic_key(seed, rank, 0),
-                          backend)
+                          impl)
     if ef is not None:
-        _local_residual(ef, p, send, m, block, backend)
+        _local_residual(ef, p, send, m, block, impl)
     recv = run.buffer("recv", tuple(send.shape), torch.uint8)
     run.all_to_all(recv, send)
     return recv
 
 
-def int8_all_reduce(x, run, rank, n, divisor, block, stochastic, seed, ef, backend):
+def int8_all_reduce(x, run, rank, n, divisor, block, stochastic, seed, ef, impl):
     """In place on the flat contiguous ``x``; see the module docstring for the phases."""
     N = x.numel()
     m = -(-N // n)
     L, C = int8_geometry(m, block)
-    recv = _exchange_int8(x, run, rank, n, m, block, stochastic, seed, ef, backend)
+    recv = _exchange_int8(x, run, rank, n, m, block, stochastic, seed, ef, impl)
     q, s = _views(recv, L)
     mine = run.buffer("mine", (1, C), torch.uint8)
     q_out, s_out = _views(mine, L)
@@ -121,48 +121,48 @@ def int8_all_reduce(x, run, rank, n, divisor, block, stochastic, seed, ef, backe
     if ef is None:
         qk.dequant_reduce_into(q, s, block=block, divisor=divisor, q_out=q_out.view(-1),
                                s_out=s_out.view(-1), stochastic=stochastic, key=key,
-                               index_base=rank * m, backend=backend)
+                               index_base=rank * m, impl=impl)
     else:
         # The owner of a shard also carries the error of requantizing the reduced shard.
         y = torch.empty(L, dtype=torch.float32, device=x.device)
-        qk.dequant_reduce_into(q, s, block=block, divisor=divisor, out=y, backend=backend)
+        qk.dequant_reduce_into(q, s, block=block, divisor=divisor, out=y, impl=impl)
         y += ef.shard_residual_for(L)
         qk.quantize_into(y, q_out, s_out, block=block, stochastic=stochastic, key=key,
-                         index_base=rank * m, backend=backend)
+                         index_base=rank * m, impl=impl)
         deq = torch.empty(L, dtype=torch.float32, device=x.device)
-        qk.dequantize_into(q_out, s_out, deq, block=block, backend=backend)
+        qk.dequantize_into(q_out, s_out, deq, block=block, impl=impl)
         torch.sub(y, deq, out=ef.shard_residual)
     gathered = run.buffer("gathered", (n, C), torch.uint8)
     run.all_gather(gathered.view(-1), mine.view(-1))
     q, s = _views(gathered, L)
     out = x if x.dtype == torch.float32 else torch.empty(N, dtype=torch.float32, device=x.device)
-    qk.dequantize_into(q, s, out, block=block, flat_row=m, backend=backend)
+    qk.dequantize_into(q, s, out, block=block, flat_row=m, impl=impl)
     if out is not x:
         x.copy_(out)
 
 
-def int8_reduce_scatter(x, run, rank, n, divisor, block, stochastic, seed, ef, backend):
+def int8_reduce_scatter(x, run, rank, n, divisor, block, stochastic, seed, ef, impl):
     """Flat ``x`` of n*m elements -> this rank's reduced shard, fp32 [m]."""
     m = x.numel() // n
     L, _ = int8_geometry(m, block)
-    recv = _exchange_int8(x, run, rank, n, m, block, stochastic, seed, ef, backend)
+    recv = _exchange_int8(x, run, rank, n, m, block, stochastic, seed, ef, impl)
     q, s = _views(recv, L)
     y = torch.empty(L, dtype=torch.float32, device=x.device)
-    qk.dequant_reduce_into(q, s, block=block, divisor=divisor, out=y, backend=backend)
+    qk.dequant_reduce_into(q, s, block=block, divisor=divisor, out=y, impl=impl)
     return y[:m]
 
 
-def int8_all_gather(x, run, rank, n, block, stochastic, seed, backend):
+def int8_all_gather(x, run, rank, n, block, stochastic, seed, impl):
     """Flat ``x`` of m elements -> every rank's x, dequantized, fp32 [n * m]."""
     m = x.numel()
     L, _ = int8_geometry(m, block)
     send = _quantize_rows(x, run, 1, m, block, stochastic, stochastic_key(seed, rank, 0),
-                          backend)
+                          impl)
     gathered = run.buffer("gathered", (n, send.shape[1]), torch.uint8)
     run.all_gather(gathered.view(-1), send.view(-1))
     q, s = _views(gathered, L)
     out = torch.empty(n * m, dtype=torch.float32, device=x.device)
-    qk.dequantize_into(q, s, out, block=block, flat_row=m, backend=backend)
+    qk.dequantize_into(q, s, out, block=block, flat_row=m, impl=impl)
     return out
 
 
