@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from overlap.dp.buckets import Layout, all_gather_async
+from overlap.profile.syncs import not_a_device_sync
 from overlap.dp.grad_reducer import GradReducer
 from overlap.profile.timers import comm_wait
 
@@ -111,7 +112,10 @@ class ShardedOptimizer:
         for bucket, master in zip(self.reducer.buckets, self.masters):
             g = self.reducer.grad_shard(bucket)
             master.grad = g if g.dtype == torch.float32 else g.float()
-        self.inner.step()
+        # torch's optimizers keep their step count in a host tensor even on a GPU, so the
+        # .item() they make on it reads host memory, not the device.
+        with not_a_device_sync("torch optimizer step counters live on the host"):
+            self.inner.step()
         self.forward_wait_s = 0.0
         for b in self._gather_order:
             bucket = self.reducer.buckets[b]

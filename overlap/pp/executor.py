@@ -7,7 +7,8 @@ simulated exactly these plans of every rank under NCCL's ordering rules
 (``overlap.pp.plan.check_nccl_order``), so they cannot deadlock on NCCL.
 
 Shapes. Receive buffers need shapes before data arrives. At the start of every step pp rank 0
-broadcasts a 63-bit digest of its micro-batches' shapes and dtypes (one small broadcast). The
+publishes a 63-bit digest of its micro-batches' shapes and dtypes through the job's store (host
+to host: no device collective, no host-device sync). The
 first step with a new digest runs in *header mode*: each activation is preceded by a shape
 header, and receives are posted when needed (header first). Every rank records the shapes it
 saw under that digest, so later steps with the same digest post all receives early with the
@@ -143,6 +144,7 @@ class Pipeline:
         self._index = {a: i for i, a in enumerate(self.program) if a.is_compute}
         self.p2p = P2P(pp_group, timeout=timeout, device=self.device,
                        channels=channels_of(schedule, rank), token=token)
+        self._token, self._steps = token, 0
         self._shapes: dict[int, dict[tuple, tuple]] = {}
         # Index of each stage's final gradient-accumulating action (see PipelineStage).
         self._last_grad_action: dict[int, int] = {}
@@ -152,20 +154,35 @@ class Pipeline:
                 self._last_grad_action[a.stage] = i
 
     def _digest(self, mbs: list | None) -> int:
-        key = torch.zeros(1, dtype=torch.int64, device=self.device)
+        """pp rank 0's 63-bit digest of this step's micro-batch shapes, on every pp rank.
+
+        It travels host to host through the job's store (rank 0 sets a key per step, the
+        others read it, the last reader deletes it), not as a device collective: reading a
+        broadcast tensor on the host would stall it until the device caught up, every step."""
+        digest = 0
         if mbs is not None:
             desc = repr([(tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor)
                          else type(x).__name__ for x in mbs]).encode()
-            key[0] = int.from_bytes(hashlib.blake2b(desc, digest_size=8).digest(), "little") >> 1
+            digest = int.from_bytes(hashlib.blake2b(desc, digest_size=8).digest(), "little") >> 1
         if self.pp_size == 1:
-            return int(key.item())
+            return digest
+        self._steps += 1
+        key = f"overlap_pp/{self._token}/digest/{self._steps}"
+        store = dist.distributed_c10d._get_default_store()
         try:
-            dist.broadcast(key, src=self.p2p.global_ranks[0], group=self.pp_group)
-        except RuntimeError as exc:
-            raise P2PError(f"pp Pipeline.step on pp rank {self.pp_rank}: broadcast of the "
-                           f"micro-batch shape digest from {self.p2p.describe(0)} failed: "
-                           f"{exc}") from exc
-        return int(key.item())
+            if self.pp_rank == 0:
+                store.set(key, str(digest))
+                return digest
+            store.wait([key], self.p2p.timeout)
+            digest = int(store.get(key))
+            if store.add(f"{key}/read", 1) == self.pp_size - 1:
+                store.delete_key(key)
+                store.delete_key(f"{key}/read")
+        except (RuntimeError, ValueError) as exc:
+            raise P2PError(f"pp Pipeline.step on pp rank {self.pp_rank}: the micro-batch shape "
+                           f"digest of step {self._steps} from {self.p2p.describe(0)} did not "
+                           f"arrive within {self.p2p.timeout.total_seconds():g}s: {exc}") from exc
+        return digest
 
     def close(self) -> None:
         """Release this rank's channel communicators (no collective; safe to call twice)."""

@@ -134,15 +134,17 @@ class TritonBackend(Backend):
         need, _ = self.workspace("all_gather_matmul", m, k, w.shape[1], ctx.world,
                                  x_shard.dtype)
         ctx.require("all_gather_matmul", need, f"a shard of {m} x {k} {x_shard.dtype}")
+        # sync=False: no host read of the status word per call (see tp_sync.finish_call).
         return self._kernels().ag_gemm(ctx.ws, x_shard.contiguous(), w.contiguous(),
-                                       phase=ctx.next_phase(), return_gathered=return_gathered)
+                                       phase=ctx.next_phase(), return_gathered=return_gathered,
+                                       sync=False)
 
     def rs(self, comm, ctx, x, w, *, chunks, overlap_with, op="matmul_reduce_scatter"):
         need, _ = self.workspace("matmul_reduce_scatter", x.shape[0], x.shape[1], w.shape[1],
                                  ctx.world, x.dtype)
         ctx.require(op, need, f"a {x.shape[0]} x {w.shape[1]} {x.dtype} product")
         y = self._kernels().gemm_rs(ctx.ws, x.contiguous(), w.contiguous(),
-                                    phase=ctx.next_phase())
+                                    phase=ctx.next_phase(), sync=False)
         if overlap_with is not None:
             overlap_with()
         return y

@@ -74,11 +74,17 @@ def _launch(opname, state, group, t, body, *, async_op, check_ranks, comm_dtype,
             timeout):
     device = t.device
 
+    # The cross-rank check runs once per shape signature of the group; afterwards a call
+    # costs no extra collective and no host sync (it reads the gathered table on the host).
+    signature = (opname, t.numel(), t.dim(), tuple(t.shape[:1]), t.dtype, comm_dtype, op,
+                 block_size)
+
     def checked_body():
         run = OpRun(state, group, opname, timeout, device)
-        if check_ranks:
+        if check_ranks and signature not in state.agreed:
             checks.check_across_ranks(opname, run, state.rank, state.size, t, comm_dtype, op,
                                       block_size)
+            state.agreed.add(signature)
         return body(run)
 
     return submit(opname, state, checked_body, async_op=async_op, device=device, timeout=timeout)
@@ -93,8 +99,8 @@ def all_reduce(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "s
 
     ``stochastic``/``seed``: stochastic rounding for INT8, with noise keyed by (seed, rank,
     phase): pass a new seed each step. ``error_feedback``: carries the quantization residual to
-    the next call. ``check_ranks``: first compare shape, dtype and options across the ranks
-    (one small all-gather; the hot path may turn it off once a configuration is known good).
+    the next call. ``check_ranks``: compare shape, dtype and options across the ranks (one small
+    all-gather) the first time the group sees this signature; later calls skip it.
     ``impl``: which INT8 kernels ("auto": C++ on CPU, Triton on GPU; "torch", "triton").
     ``timeout``: seconds each wait may take. Returns ``t``, or with ``async_op`` a QuantWork
     whose ``wait()`` returns ``t``."""

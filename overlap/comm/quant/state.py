@@ -108,6 +108,7 @@ class GroupState:
         self.name = _group_name(group) or f"<unnamed, global ranks {self.global_ranks}>"
         self.where = f"rank {self.rank} of group {self.name!r} (global ranks {self.global_ranks})"
         self.lock = threading.Lock()
+        self.agreed: set[tuple] = set()  # shape signatures the ranks have compared
         self.tail: Any = None  # the last async op submitted, until it completes
         # The first error as text: an exception object would keep its traceback's frames, and
         # with them this group (the dictionary's key) and its tensors, alive for good.

@@ -203,5 +203,5 @@ def ag_gemm(ws, x_shard: torch.Tensor, w: torch.Tensor, *, phase: int,
                 f"buffer {buf} from phase {ack_phase}")
 
     finish_call(state, status, ws=ws, phase=phase, timeout=timeout, describe=describe,
-                sync=sync, problem=dog.problem)
+                sync=sync, dog=dog)
     return y, gathered

@@ -199,5 +199,5 @@ def gemm_rs(ws, x: torch.Tensor, w: torch.Tensor, *, phase: int,
                 f"from phase {ack_phase}")
 
     finish_call(state, status, ws=ws, phase=phase, timeout=timeout, describe=describe,
-                sync=sync, problem=dog.problem)
+                sync=sync, dog=dog)
     return y_shard

@@ -3,9 +3,11 @@
 The arithmetic is the one csrc/quant.cuh pins down, step for step, so these kernels write the
 same bytes as the C++ and CUDA kernels and the torch reference (overlap/comm/quant/kernels.py):
 
-    absmax_b = max |x_i| over finite x_i of block b       scale_b = absmax_b / 127  (div_rn)
-    q_i = -128 (non-finite) | 0 (scale 0) | clamp(rne(x_i / scale_b), -127, 127)
-    deq_i = NaN (q_i = -128) | clamp(q_i * scale_b, -FLT_MAX, FLT_MAX)
+    tz(v) = 0 if |v| < 2^-125 else v   (so FTZ and IEEE hardware agree; see quant.cuh)
+    absmax_b = max |x_i| over finite x_i of block b       scale_b = tz(absmax_b / 127)  (div_rn)
+    q_i = -128 (non-finite) | 0 (scale 0) | clamp(rne(tz(tz(x_i) / scale_b)), -127, 127)
+    deq_i = NaN (q_i = -128) | clamp(q_i * tz(scale_b), -FLT_MAX, FLT_MAX)
+    reduce: acc = tz(acc + deq_r) per source, tz(acc / divisor)
 
 rne(v) is (v + 1.5 * 2^23) - 1.5 * 2^23 (libdevice.rint has no interpreter twin). Kernels are
 launched with ``enable_fp_fusion=False`` so ``acc + q * scale`` is never contracted into an FMA.
@@ -29,8 +31,10 @@ from overlap.kernels.triton import INTERPRET
 
 __all__ = ["quantize_into", "dequantize_into", "dequant_reduce_into"]
 
-_FLOAT_MAX = 3.4028234663852886e38
-_MAGIC = 12582912.0  # 1.5 * 2^23: (v + M) - M rounds v to nearest-even for |v| < 2^22
+# constexpr: compiled kernels may read module globals only when they are tl.constexpr.
+_FLOAT_MAX = tl.constexpr(3.4028234663852886e38)
+_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (v + M) - M rounds v to nearest-even, |v| < 2^22
+_TINY = tl.constexpr(2.350988701644575e-38)  # 2^-125, the tiny-to-zero cut of csrc/quant.cuh
 _TILE = 4096  # elements per program (GROUP * BLOCK)
 # Compiled, Triton's fp32 '/' is an approximate division, so the GPU path uses div_rn. Under the
 # interpreter '/' is numpy's IEEE division (the same correctly rounded result), and
@@ -45,6 +49,11 @@ def _div_rn(a, b):
         return a / b
     else:
         return tl.math.div_rn(a, b)
+
+
+@triton.jit
+def _tz(v):
+    return tl.where(tl.abs(v) < _TINY, 0.0, v)
 
 
 @triton.jit
@@ -64,7 +73,7 @@ def _quantize_tile(x, scale, idx, key, STOCHASTIC: tl.constexpr):
     # x [G, BLOCK] fp32, scale [G] fp32 -> int8 codes [G, BLOCK].
     fin = tl.abs(x) <= _FLOAT_MAX
     safe_scale = tl.where(scale > 0.0, scale, 1.0)
-    v = _div_rn(tl.where(fin, x, 0.0), safe_scale[:, None])
+    v = _tz(_div_rn(_tz(tl.where(fin, x, 0.0)), safe_scale[:, None]))
     if STOCHASTIC:
         r = tl.floor(v + _noise_u01(key, idx))
     else:
@@ -79,12 +88,12 @@ def _quantize_tile(x, scale, idx, key, STOCHASTIC: tl.constexpr):
 def _absmax_scale(x):
     fin = tl.abs(x) <= _FLOAT_MAX
     absmax = tl.max(tl.where(fin, tl.abs(x), 0.0), axis=1)
-    return _div_rn(absmax, 127.0)
+    return _tz(_div_rn(absmax, 127.0))
 
 
 @triton.jit
 def _dequant_tile(q, scale):
-    d = q.to(tl.float32) * scale[:, None]
+    d = q.to(tl.float32) * _tz(scale)[:, None]
     d = tl.minimum(tl.maximum(d, -_FLOAT_MAX), _FLOAT_MAX)
     return tl.where(q == -128, float("nan"), d)
 
@@ -143,9 +152,9 @@ def _dequant_reduce_kernel(q_ptr, q_stride, s_ptr, s_stride, num_src, num_blocks
     for r in range(num_src):
         q = tl.load(q_ptr + r * q_stride + j, mask=bmask[:, None], other=0)
         scale = tl.load(s_ptr + r * s_stride + b, mask=bmask, other=0.0)
-        acc = acc + _dequant_tile(q, scale)
+        acc = _tz(acc + _dequant_tile(q, scale))
     if HAS_DIV:
-        acc = _div_rn(acc, divisor)
+        acc = _tz(_div_rn(acc, divisor))
     if REQUANT:
         scale = _absmax_scale(acc)
         tl.store(s_out_ptr + b, scale, mask=bmask)

@@ -208,6 +208,7 @@ class Watchdog:
     def __init__(self, ws, status: torch.Tensor, timeout: float):
         self.ws, self.status, self.timeout = ws, status, timeout
         self.problem = None
+        self.words: list[int] | None = None  # the status words after the call (CPU)
         self._stop = threading.Event()
         self._thread = None
 
@@ -225,17 +226,21 @@ class Watchdog:
             self._thread.join()
 
     def _run(self) -> None:
+        decided = False
         while not self._stop.wait(WATCHDOG_POLL_S):
-            if int(self.status[0]) != 0:
-                return  # a kernel-side wait already failed
+            if decided or int(self.status[0]) != 0:
+                decided = True  # a verdict is out, or a kernel-side wait already failed
+                continue
             problem = self.ws.peer_problem()
             if problem is not None:
                 self.problem = problem
                 self.status[3] = -(2 + problem.peer)
-                return
-            if time.monotonic() > self._deadline:
+                decided = True
+            elif time.monotonic() > self._deadline:
                 self.status[3] = _TIMED_OUT
-                return
+                decided = True
+        # The kernels have returned: read the words here, so the host thread never does.
+        self.words = [int(v) for v in self.status.tolist()]
 
 
 def new_status(device: torch.device) -> torch.Tensor:
@@ -244,13 +249,14 @@ def new_status(device: torch.device) -> torch.Tensor:
     return torch.zeros(4, dtype=torch.int64, device=device)
 
 
-def raise_on_status(status: torch.Tensor, *, op: str, ws, phase: int, timeout: float,
-                    describe, problem=None) -> None:
+def raise_on_status(status: torch.Tensor | list[int], *, op: str, ws, phase: int,
+                    timeout: float, describe, problem=None) -> None:
     """Raise TimeoutError naming op, rank, slot and phase if a wait of this call failed, or
     PeerDied if the watchdog saw a peer die or abort. Reading the word synchronises the host
     with the device on a GPU: the kernels of one call overlap their communication with their
     compute, but the host does not run ahead of them."""
-    code, seen, want, _ = (int(v) for v in status.tolist())
+    words = status if isinstance(status, list) else status.tolist()
+    code, seen, want, _ = (int(v) for v in words)
     if code == 0:
         return
     if code <= -2:
@@ -316,7 +322,12 @@ class OpState:
     last_by_buffer: list[int] = dataclasses.field(default_factory=lambda: [0, 0])
     data_table: torch.Tensor | None = None
     flag_table: torch.Tensor | None = None
-    pending: list[_Pending] = dataclasses.field(default_factory=list)
+    checker_: "_Checker | None" = None
+
+    def checker(self) -> "_Checker":
+        if self.checker_ is None:
+            self.checker_ = _Checker(self.op)
+        return self.checker_
 
 
 # The host bookkeeping of the op a workspace serves is kept on the workspace object itself
@@ -357,33 +368,88 @@ def begin_call(op: str, ws, phase: int) -> tuple[OpState, int, int]:
 
 
 def finish_call(state: OpState, status: torch.Tensor, *, ws, phase: int, timeout: float,
-                describe: Callable[[int], str], sync: bool, problem=None) -> None:
-    """Check the call's status word now (sync) or leave it for check_pending (not sync: on a
-    GPU the host then runs ahead of the kernels instead of waiting for them)."""
-    # The watchdog's verdict (CPU only, where reading the word costs no device sync).
-    if sync or (status.device.type == "cpu" and int(status[0]) != 0):
+                describe: Callable[[int], str], sync: bool, dog: "Watchdog | None" = None,
+                ) -> None:
+    """Raise now if a wait of this call failed, or leave the check to a checker thread.
+
+    Neither way reads the status word on the host thread in steady state: on CPU the
+    watchdog thread has read it once the kernels returned (``dog.words``); on a GPU with
+    ``sync=False`` the checker thread reads it once the call's event completes, and a failure
+    is raised by the next call on the workspace or by ``check_pending``. ``sync=True`` reads
+    it here (a host sync on a GPU: for tests and debugging)."""
+    if dog is not None and dog.words is not None:
+        if dog.words[0] != 0:
+            raise_on_status(dog.words, op=state.op, ws=ws, phase=phase, timeout=timeout,
+                            describe=describe, problem=dog.problem)
+        return
+    if sync:
         raise_on_status(status, op=state.op, ws=ws, phase=phase, timeout=timeout,
-                        describe=describe, problem=problem)
+                        describe=describe)
         return
     event = None
     if status.device.type == "cuda":
         event = torch.cuda.Event()
         event.record()
-    state.pending.append(_Pending(status=status, event=event, phase=phase, timeout=timeout,
-                                  describe=describe))
+    state.checker().add(_Pending(status=status, event=event, phase=phase, timeout=timeout,
+                                 describe=describe), ws)
+
+
+class _Checker:
+    """A thread that reads the status words of ``sync=False`` calls once their kernels are
+    done (it blocks on their events, never the host thread) and keeps the first failure for
+    ``check_pending`` to raise."""
+
+    def __init__(self, op: str):
+        self.op = op
+        self.failure: BaseException | None = None
+        self._queue: list[tuple[_Pending, object]] = []
+        self._cv = threading.Condition()
+        self._busy = False
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"overlap-triton-check-{op}")
+        self._thread.start()
+
+    def add(self, pending: _Pending, ws) -> None:
+        with self._cv:
+            self._queue.append((pending, ws))
+            self._cv.notify_all()
+
+    def drain(self) -> None:
+        with self._cv:
+            while self._queue or self._busy:
+                self._cv.wait()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                p, ws = self._queue.pop(0)
+                self._busy = True
+            try:
+                if p.event is not None:
+                    p.event.synchronize()
+                if self.failure is None:
+                    raise_on_status(p.status.tolist(), op=self.op, ws=ws, phase=p.phase,
+                                    timeout=p.timeout, describe=p.describe)
+            except BaseException as exc:  # noqa: BLE001 - raised by check_pending
+                if self.failure is None:
+                    self.failure = exc
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
 
 
 def check_pending(ws, *, block: bool = True) -> None:
-    """Raise the TimeoutError of the oldest call made with ``sync=False`` on ``ws`` whose wait
-    failed. ``block=False`` looks only at calls the device has finished (every call does that
-    first, so a failure surfaces at the latest one call later); ``block=True`` waits for all."""
+    """Raise the error of the first call made with ``sync=False`` on ``ws`` whose wait failed.
+    ``block=False`` (every call does it first) raises only what the checker thread has found
+    so far, without touching the device; ``block=True`` first waits until every earlier call
+    has been checked."""
     state = getattr(ws, _STATE_ATTR, None)
-    if state is None:
+    if state is None or state.checker_ is None:
         return
-    while state.pending:
-        p = state.pending[0]
-        if not block and p.event is not None and not p.event.query():
-            return
-        state.pending.pop(0)
-        raise_on_status(p.status, op=state.op, ws=ws, phase=p.phase, timeout=p.timeout,
-                        describe=p.describe)
+    if block:
+        state.checker_.drain()
+    if state.checker_.failure is not None:
+        raise state.checker_.failure
