@@ -110,6 +110,7 @@ class GroupState:
         self.lock = threading.Lock()
         self.agreed: set[tuple] = set()  # shape signatures the ranks have compared
         self.tail: Any = None  # the last async op submitted, until it completes
+        self.stream_: Any = None  # the group's communication stream (overlap.dist.streams)
         # The first error as text: an exception object would keep its traceback's frames, and
         # with them this group (the dictionary's key) and its tensors, alive for good.
         self.failed: str | None = None
@@ -120,6 +121,22 @@ class GroupState:
         self._host = _host_id()
         self._store_call(lambda s: s.set(f"{self._key}/pid/{self.rank}",
                                           f"{self._host}|{os.getpid()}"))
+
+    def stream(self, device: torch.device):
+        """The group's one communication stream for async ops, created on first use."""
+        if self.stream_ is None:
+            from overlap.dist.streams import Stream
+
+            self.stream_ = Stream(device, name=f"quant {self.name}")
+        return self.stream_
+
+    def __del__(self) -> None:
+        stream = getattr(self, "stream_", None)
+        if stream is not None:
+            try:
+                stream.close()
+            except Exception:  # noqa: BLE001 - interpreter teardown
+                pass
 
     # -- failure
 

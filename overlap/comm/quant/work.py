@@ -2,8 +2,9 @@
 
 An INT8 all-reduce is two collectives with compute in between (quantize, all-to-all, dequantize
 and reduce, requantize, all-gather, dequantize), so no single ``torch.distributed`` Work can
-stand for it. An async op therefore runs on its own short-lived worker thread (the CPU twin of
-a communication stream; torch and the C++ kernels release the GIL) and returns a ``QuantWork``.
+stand for it. An async op therefore runs on the group's communication stream
+(``overlap.dist.streams``: a CUDA stream, or its CPU twin, a worker that runs the op later
+than the host call) and returns a ``QuantWork``.
 
 Collectives are matched between ranks by the order in which each rank issues them, so the ops
 of this package on one group run strictly in call order: each worker starts only when the
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.comm.quant.state import (GroupState, QuantCommError, QuantTimeout, existing_state)
+from overlap.dist import streams
 
 __all__ = ["QuantWork", "OpRun", "submit", "drain", "DEFAULT_TIMEOUT"]
 
@@ -221,8 +223,15 @@ def _await_previous(op: str, state: GroupState, prev: QuantWork | None, timeout:
 def submit(op: str, state: GroupState, body: Callable[[], Any], *, async_op: bool,
            device: torch.device, timeout: float) -> Any:
     """Run ``body`` after every earlier async op of this package on the group: inline when not
-    ``async_op`` (returns its result; the caller fails the group on error), else on a worker
-    thread (returns a QuantWork; an error fails the group and is raised by ``wait()``)."""
+    ``async_op`` (returns its result; the caller fails the group on error), else on the group's
+    communication stream (returns a QuantWork; an error fails the group and is raised by
+    ``wait()``).
+
+    Every async op of a group runs on that group's one stream (``overlap.dist.streams``), so
+    the ops that share the group's scratch buffers are ordered on the device, not only on the
+    host: an op's kernels cannot overwrite scratch that an earlier op's kernels still read. (A
+    fresh stream per op, ordered only by the host seeing the previous op issued, lets two
+    reductions' kernels interleave on a GPU and return wrong gradients.)"""
     with state.lock:
         prev = state.tail
         if prev is not None and prev.is_completed():
@@ -232,25 +241,23 @@ def submit(op: str, state: GroupState, body: Callable[[], Any], *, async_op: boo
             state.tail = work
     if not async_op:
         _await_previous(op, state, prev, timeout)
+        if device.type == "cuda" and state.stream_ is not None:
+            # Device order too: this call's kernels follow the async ops' on the comm stream.
+            torch.cuda.current_stream().wait_event(state.stream_.record_event()._cuda)
         return body()
 
-    ready = None
+    stream = state.stream(device)
     if device.type == "cuda":
-        ready = torch.cuda.Event()
-        ready.record()  # the inputs are complete on the caller's stream at this point
+        ready = streams.Event(device)
+        ready._cuda.record()  # the inputs are complete on the caller's stream at this point
+        stream.wait_event(ready)
 
     def run() -> None:
         try:
-            _await_previous(op, state, prev, timeout)
-            if ready is None:
-                work._result = body()
-            else:
-                stream = torch.cuda.Stream(device=device)
-                with torch.cuda.stream(stream):
-                    stream.wait_event(ready)
-                    work._result = body()
-                    work._cuda_done = torch.cuda.Event()
-                    work._cuda_done.record(stream)
+            state.check_usable(op)  # an earlier op on the stream may have failed the group
+            work._result = body()
+            if device.type == "cuda":
+                work._cuda_done = stream.record_event()._cuda
         except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
             work._error = exc
             state.fail(exc)
@@ -260,8 +267,7 @@ def submit(op: str, state: GroupState, body: Callable[[], Any], *, async_op: boo
                 if state.tail is work:
                     state.tail = None
 
-    work._thread = threading.Thread(target=run, name=f"overlap-{op}", daemon=True)
-    work._thread.start()
+    stream.enqueue(run)
     return work
 
 

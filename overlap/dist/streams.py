@@ -1,0 +1,163 @@
+"""Device-neutral streams and events: CUDA streams on a GPU, a faithful twin on CPU.
+
+On a GPU, work runs on streams asynchronously to the host: a buffer is safe to reuse only once
+the work that reads it is ordered before the write *on the device* (events, ``wait_event``),
+not once the host has issued it. The CPU twin keeps exactly that rule:
+
+- each ``Stream`` is a worker thread that runs enqueued work in order, later than the host
+  call (``enqueue`` returns at once);
+- ``Event.record(stream)`` marks a point in a stream; ``stream.wait_event(event)`` makes later
+  work on that stream wait until the event's point has run; ``event.query()`` says whether it
+  has; ``event.synchronize()`` blocks the host (counted by ``overlap.profile.syncs``);
+- with ``OVERLAP_STREAM_DELAY_MS=D`` every work item first sleeps a random 0..D ms (seeded by
+  ``OVERLAP_STREAM_SEED``), so an order that holds only because the host happened to be slow
+  fails in tests instead of on a cluster.
+
+On CUDA, ``enqueue(fn)`` runs ``fn`` on the host at once with the stream current, so its
+kernels go to the stream asynchronously; events are ``torch.cuda.Event``.
+
+Errors raised by twin work are kept and re-raised by the next ``synchronize``/event wait on the
+host, as a CUDA error surfaces at the next sync.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from overlap.profile import syncs
+
+__all__ = ["Stream", "Event", "delay_ms"]
+
+
+def delay_ms() -> float:
+    """The injected maximum delay per twin work item, in ms (0: none)."""
+    try:
+        return float(os.environ.get("OVERLAP_STREAM_DELAY_MS", "0") or 0)
+    except ValueError:
+        return 0.0
+
+
+class Event:
+    """A point in a stream (see the module docstring)."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self._cuda = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._done = threading.Event()
+        self._done.set()  # an event never recorded is complete, as in CUDA
+        self._stream: Stream | None = None
+
+    def record(self, stream: "Stream") -> "Event":
+        if self._cuda is not None:
+            self._cuda.record(stream.cuda)
+            return self
+        self._done = threading.Event()
+        self._stream = stream
+        stream._put(("record", self._done))
+        return self
+
+    def query(self) -> bool:
+        return self._cuda.query() if self._cuda is not None else self._done.is_set()
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        syncs.record("Event.synchronize")
+        if self._cuda is not None:
+            self._cuda.synchronize()
+            return
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"streams: event not reached within {timeout:g}s")
+        if self._stream is not None:
+            self._stream._raise_error()
+
+
+class Stream:
+    """One in-order queue of device work (see the module docstring)."""
+
+    def __init__(self, device: torch.device | str = "cpu", name: str = "stream"):
+        self.device = torch.device(device)
+        self.name = name
+        self.cuda = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._error: BaseException | None = None
+        if self.cuda is None:
+            self._queue: collections.deque = collections.deque()
+            self._cv = threading.Condition()
+            self._closed = False
+            seed = int(os.environ.get("OVERLAP_STREAM_SEED", "0") or 0)
+            self._rng = random.Random(hash((seed, name, os.getpid())))
+            self._thread = threading.Thread(target=self._loop, daemon=True,
+                                            name=f"overlap-stream-{name}")
+            self._thread.start()
+
+    # -- issuing
+    def enqueue(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on this stream after everything enqueued before it."""
+        if self.cuda is not None:
+            with torch.cuda.stream(self.cuda):
+                fn()
+            return
+        self._put(("run", fn))
+
+    def wait_event(self, event: Event) -> None:
+        """Later work on this stream waits until ``event``'s point has run."""
+        if self.cuda is not None:
+            if event._cuda is not None:
+                self.cuda.wait_event(event._cuda)
+            return
+        self._put(("wait", event._done))
+
+    def record_event(self) -> Event:
+        return Event(self.device).record(self)
+
+    def synchronize(self) -> None:
+        """Block the host until everything enqueued so far has run (a counted host sync)."""
+        self.record_event().synchronize()
+
+    def close(self) -> None:
+        """Stop the twin's worker once its queue is empty (no-op on CUDA)."""
+        if self.cuda is None:
+            with self._cv:
+                self._closed = True
+                self._cv.notify()
+            if threading.current_thread() is not self._thread:
+                self._thread.join()
+
+    # -- twin internals
+    def _put(self, item: tuple) -> None:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"streams: stream {self.name!r} is closed")
+            self._queue.append(item)
+            self._cv.notify()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _loop(self) -> None:
+        limit = delay_ms()
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                kind, arg = self._queue.popleft()
+            if kind == "record":
+                arg.set()
+            elif kind == "wait":
+                arg.wait()
+            else:
+                if limit > 0:
+                    time.sleep(self._rng.uniform(0, limit) / 1e3)
+                if self._error is None:  # after an error the stream's later work is void
+                    try:
+                        arg()
+                    except BaseException as exc:  # noqa: BLE001 - surfaces at the next sync
+                        self._error = exc

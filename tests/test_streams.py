@@ -1,0 +1,108 @@
+"""The stream twin (overlap.dist.streams): work runs later than the host call and in order,
+events order streams, errors surface at the next sync, injected delays shake out orders that
+hold only by luck; the quantized collectives' async path stays exact under those delays."""
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+from overlap.dist.streams import Event, Stream
+from overlap.profile.syncs import count_host_syncs
+
+
+def test_host_returns_at_once_and_work_runs_in_order():
+    s = Stream(name="t1")
+    seen = []
+    t0 = time.monotonic()
+    s.enqueue(lambda: (time.sleep(0.2), seen.append(1)))
+    s.enqueue(lambda: seen.append(2))
+    issued = time.monotonic() - t0
+    ev = s.record_event()
+    assert issued < 0.1 and not ev.query() and seen == []  # nothing has run yet
+    with count_host_syncs() as c:
+        ev.synchronize()
+    assert seen == [1, 2] and ev.query() and c.count == 1  # the wait is a counted host sync
+    s.close()
+
+
+def test_wait_event_orders_two_streams():
+    a, b = Stream(name="a"), Stream(name="b")
+    box = torch.zeros(1)
+    a.enqueue(lambda: (time.sleep(0.1), box.fill_(7.0)))
+    done_a = a.record_event()
+    b.wait_event(done_a)
+    out = []
+    b.enqueue(lambda: out.append(float(box)))
+    b.synchronize()
+    assert out == [7.0]
+    a.close(), b.close()
+
+
+def _two_ops_sharing_scratch(order_on_device: bool) -> list[float]:
+    """Two 'reductions' on fresh streams that share one scratch buffer. Op A stages its value in
+    scratch, its kernel runs a while, then reads scratch back; op B stages its own value. The
+    host issues B after A, as the quantized collectives used to."""
+    scratch = torch.zeros(1)
+    out = torch.zeros(2)
+    a, b = Stream(name="opA"), Stream(name="opB")
+    a.enqueue(lambda: scratch.fill_(1.0))
+    a.enqueue(lambda: time.sleep(0.05))  # A's kernels still running
+    a.enqueue(lambda: out[0].copy_(scratch[0]))
+    if order_on_device:
+        b.wait_event(a.record_event())  # the fix: B's stream waits for A's, on the device
+    b.enqueue(lambda: scratch.fill_(2.0))
+    b.enqueue(lambda: out[1].copy_(scratch[0]))
+    a.synchronize(), b.synchronize()
+    a.close(), b.close()
+    return out.tolist()
+
+
+def test_scratch_reuse_needs_device_order():
+    # Ordered only by the host having issued A first, B overwrites A's scratch mid-flight.
+    assert _two_ops_sharing_scratch(order_on_device=False) == [2.0, 2.0]
+    assert _two_ops_sharing_scratch(order_on_device=True) == [1.0, 2.0]
+
+
+def test_an_error_surfaces_at_the_next_sync_and_voids_later_work():
+    s = Stream(name="err")
+    ran = []
+    s.enqueue(lambda: 1 / 0)
+    s.enqueue(lambda: ran.append(1))
+    with pytest.raises(ZeroDivisionError):
+        s.synchronize()
+    assert ran == []
+    s.close()
+
+
+def test_closed_stream_refuses_work_and_its_thread_ends():
+    s = Stream(name="closing")
+    s.enqueue(lambda: None)
+    s.close()
+    assert not any(t.name == "overlap-stream-closing" for t in threading.enumerate())
+    with pytest.raises(RuntimeError, match="closed"):
+        s.enqueue(lambda: None)
+
+
+def _async_quant_under_delays(n_ops):
+    from overlap.comm import quant
+
+    g, r = dist.group.WORLD, dist.get_rank()
+    xs = [torch.randn(2048, generator=torch.Generator().manual_seed(10 * i + r))
+          for i in range(n_ops)]
+    sync = [quant.all_reduce(x.clone(), group=g, comm_dtype="int8") for x in xs]
+    bufs = [x.clone() for x in xs]
+    works = [quant.all_reduce(b, group=g, comm_dtype="int8", async_op=True) for b in bufs]
+    for w in works:  # waited only at the end: all ops queued back to back on one group
+        w.wait()
+    return [int((a != b).sum()) for a, b in zip(sync, bufs)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_async_quantized_ops_are_exact_under_stream_delays(world):
+    env = {"OVERLAP_STREAM_DELAY_MS": "8", "OVERLAP_STREAM_SEED": "3"}
+    for mismatches in run_ranks(_async_quant_under_delays, world, 6, env=env, timeout=120):
+        assert mismatches == [0] * 6
