@@ -221,3 +221,25 @@ def test_abort_reason_reaches_every_peer():
         else:
             peer, msg = res
             assert peer == 2 and "rank 2 aborted: rank 2 saw a bad batch: step 17" in msg, msg
+
+
+def _early_close():
+    rank = dist.get_rank()
+    ws = create_workspace(dist.group.WORLD, 4096, timeout=10)
+    if rank == 1:
+        ws.view(1, torch.uint8, (4096,)).fill_(7)
+        ws.signal(0, slot=0, value=1)
+        ws.close()  # early: rank 0 is still reading this rank's buffer
+        return "closed"
+    ws.wait(slot=0, value=1)
+    changed = []
+    for _ in range(20):
+        time.sleep(0.01)
+        changed.append(int((ws.view(1, torch.uint8, (4096,)) != 7).sum()))
+    ws.close()
+    return changed
+
+
+def test_an_early_close_never_changes_bytes_under_a_reader():
+    changed = run_ranks(_early_close, 2)[0]
+    assert changed == [0] * 20, changed

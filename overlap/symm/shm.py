@@ -31,10 +31,14 @@ __all__ = ["ShmWorkspace"]
 
 _MAGIC = 0x4F564C5053484D31  # "OVLPSHM1"
 # Header words (int64): magic, pid, abort (0, or 1 + aborting rank), barrier counter, closed
-# (1 once the rank closed its workspace cleanly: gone, but not dead), then the rank's own abort
-# reason (UTF-8, NUL-padded) that peers read when it aborts them.
-_W_MAGIC, _W_PID, _W_ABORT, _W_BARRIER, _W_CLOSED = 0, 1, 2, 3, 4
-_REASON_OFF, _REASON_BYTES = 40, 88
+# (1 once the rank closed its workspace cleanly: gone, but not dead), closing (how many ranks
+# have started to close), then the rank's own abort reason (UTF-8, NUL-padded) that peers read
+# when it aborts them.
+_W_MAGIC, _W_PID, _W_ABORT, _W_BARRIER, _W_CLOSED, _W_CLOSING = 0, 1, 2, 3, 4, 5
+_REASON_OFF, _REASON_BYTES = 48, 80
+# What a freed buffer holds in the twin: memory handed back may be reused at once on a GPU, so a
+# peer that still read it would see garbage; here it sees this byte.
+POISON = 0xA5
 _HEADER_BYTES = 128
 _PAGE = 4096
 _SLICE_S = 0.05
@@ -275,6 +279,8 @@ class ShmWorkspace(SymmetricWorkspace):
             return
         if self._whole:  # peers that still map us see a clean exit, not a death
             _C.signal_store(self._word(self.rank, _W_CLOSED), 1)
+            # Freed memory may be reused at once on a GPU: the twin makes that visible.
+            self._data[self.rank].fill_(POISON)
         self._closed = True
         self._unlink_own()
         self._data, self._whole, self._base = [], [], []
