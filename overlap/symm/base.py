@@ -126,8 +126,12 @@ class SymmetricWorkspace(abc.ABC):
         """Tell every peer to stop waiting: their pending and future waits raise PeerDied."""
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """Unmap everything. Idempotent; no collective, so it is safe on an error path."""
+    def close(self, *, wait_for_peers: bool = True, timeout: float | None = None) -> None:
+        """Free this rank's buffer and unmap the peers'. Idempotent. With ``wait_for_peers``
+        (the default) the free waits, at most ``timeout`` (default: the workspace's), until
+        every peer has started to close too, so no peer still reads memory that is gone: every
+        rank must close the workspace. ``wait_for_peers=False`` (error paths, after ``abort``)
+        frees at once."""
 
     def peer_problem(self) -> PeerDied | None:
         """A PeerDied (not raised) if a peer aborted or its process is gone, else None. Cheap

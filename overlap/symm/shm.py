@@ -85,7 +85,7 @@ class ShmWorkspace(SymmetricWorkspace):
         try:
             self._setup()
         except BaseException:
-            self.close()
+            self.close(wait_for_peers=False)
             raise
 
     # -- creation -------------------------------------------------------------------------
@@ -262,6 +262,18 @@ class ShmWorkspace(SymmetricWorkspace):
             self._wait_addr(self._word(self.rank, _W_BARRIER), self._barrier_phase * self.world,
                             timeout, "barrier", -1)
 
+    def _closing_barrier(self, timeout: float) -> None:
+        """Free only once every peer has started to close too (so has stopped reading this
+        rank's buffer). Bounded; a dead or aborted peer ends the wait (nobody reads any more)."""
+        for r in range(self.world):
+            _C.signal_add(self._word(r, _W_CLOSING), 1)
+        try:
+            with comm_wait("symm.close"):
+                self._wait_addr(self._word(self.rank, _W_CLOSING), self.world, timeout,
+                                "close", -1)
+        except (PeerDied, SignalTimeout):
+            pass
+
     def abort(self, reason: str = "") -> None:
         if self._closed:
             return
@@ -274,9 +286,11 @@ class ShmWorkspace(SymmetricWorkspace):
             _C.signal_store(self._word(r, _W_ABORT), self.rank + 1)
 
     # -- teardown -------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, *, wait_for_peers: bool = True, timeout: float | None = None) -> None:
         if self._closed:
             return
+        if self._whole and wait_for_peers and self.world > 1:
+            self._closing_barrier(self.timeout if timeout is None else timeout)
         if self._whole:  # peers that still map us see a clean exit, not a death
             _C.signal_store(self._word(self.rank, _W_CLOSED), 1)
             # Freed memory may be reused at once on a GPU: the twin makes that visible.
@@ -296,6 +310,6 @@ class ShmWorkspace(SymmetricWorkspace):
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self.close(wait_for_peers=False)  # a destructor must not block on peers
         except Exception:
             pass

@@ -99,8 +99,9 @@ class TPContext:
         self.close(wait_for_peers=False)
 
     def close(self, *, wait_for_peers: bool = True) -> None:
-        """Free the workspace and stop the copier. Waits (briefly, at most 5 s) for peers to
-        finish reading this rank's buffers; needs no collective, so it is safe on error paths."""
+        """Free the workspace and stop the copier. With ``wait_for_peers`` the workspace is
+        freed only once every peer has closed it too (at most min(5 s, timeout)): every rank
+        closes a context, as every rank created it. Error paths pass False."""
         if self.closed:
             return
         self.closed = True
@@ -114,7 +115,7 @@ class TPContext:
         except (SignalTimeout, PeerDied, TimeoutError):
             pass  # peers are gone or out of step: nobody will read our memory any more
         finally:
-            self.ws.close()
+            self.ws.close(wait_for_peers=wait_for_peers, timeout=min(5.0, self.timeout))
 
     def __del__(self) -> None:
         # A forgotten explicit context must not leave its copy thread running.
