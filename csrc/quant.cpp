@@ -186,10 +186,10 @@ void dequant_reduce_blocks(uintptr_t q, int64_t q_stride, uintptr_t s, int64_t s
     for (int64_t r = 1; r < num_src; ++r) {
       const float scale = sp[r * s_stride + b];
       const int8_t* qb = qp + r * q_stride + e0;
-      for (int64_t t = 0; t < block; ++t) acc[t] = add_rn(acc[t], dequantize_value(qb[t], scale));
+      for (int64_t t = 0; t < block; ++t) acc[t] = acc_add(acc[t], dequantize_value(qb[t], scale));
     }
     if (divisor != 1.0f) {
-      for (int64_t t = 0; t < block; ++t) acc[t] = div_rn(acc[t], divisor);
+      for (int64_t t = 0; t < block; ++t) acc[t] = acc_div(acc[t], divisor);
     }
     if (op != nullptr) {
       for (int64_t t = 0; t < block; ++t) op[e0 + t] = acc[t];

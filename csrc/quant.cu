@@ -14,6 +14,8 @@ namespace {
 
 constexpr int kMaxBlock = 4096;
 
+using overlap::quant::acc_add;
+using overlap::quant::acc_div;
 using overlap::quant::dequantize_value;
 using overlap::quant::finite_abs;
 using overlap::quant::load_as_float;
@@ -94,9 +96,9 @@ extern "C" __global__ void overlap_dequant_reduce_blocks(
   for (int64_t t = threadIdx.x; t < block; t += blockDim.x) {
     float a = dequantize_value(q[e0 + t], s[b]);
     for (int64_t r = 1; r < num_src; ++r) {
-      a = overlap::quant::add_rn(a, dequantize_value(q[r * q_stride + e0 + t], s[r * s_stride + b]));
+      a = acc_add(a, dequantize_value(q[r * q_stride + e0 + t], s[r * s_stride + b]));
     }
-    if (divisor != 1.0f) a = overlap::quant::div_rn(a, divisor);
+    if (divisor != 1.0f) a = acc_div(a, divisor);
     if (out != nullptr) {
       out[e0 + t] = a;
     } else {

@@ -2,14 +2,26 @@
 // C++ CPU extension (quant.cpp) and, line for line, the Triton kernels and the torch reference in
 // overlap/comm. All four must produce the same bytes, so every step is pinned down here:
 //
+//   tz(v)    = 0 if |v| < 2^-125 else v    ("tiny to zero", applied where marked below)
 //   absmax_b = max |x_i| over the finite x_i of block b (0 if none)       exact in any order
-//   scale_b  = absmax_b / 127                                             one IEEE fp32 division
+//   scale_b  = tz(absmax_b / 127)                                         one IEEE fp32 division
 //   q_i      = -128                       if x_i is NaN or +-Inf          (the non-finite code)
 //            = 0                          if scale_b == 0                 (all-zero or tiny block)
-//            = clamp(rne(x_i / scale_b), -127, 127)   round to nearest, ties to even
-//            = clamp(floor(x_i / scale_b + u_i), -127, 127)   stochastic, u_i in [0, 1)
+//            = clamp(rne(tz(tz(x_i) / scale_b)), -127, 127)   round to nearest, ties to even
+//            = clamp(floor(tz(tz(x_i) / scale_b) + u_i), -127, 127)   stochastic, u_i in [0, 1)
 //   deq_i    = NaN                        if q_i == -128
-//            = clamp(q_i * scale_b, -FLT_MAX, FLT_MAX)  (127 * (FLT_MAX / 127) rounds up to Inf)
+//            = clamp(q_i * tz(scale_b), -FLT_MAX, FLT_MAX)  (127 * (FLT_MAX/127) rounds up to Inf)
+//   reduce   acc = tz(acc + deq) per source, in source order; tz(acc / divisor)
+//
+// tz makes the bytes independent of the device's denormal mode. Compiled GPU code may run with
+// flush-to-zero (cupy always compiles with -ftz=true, and libdevice's div_rn follows it): FTZ
+// hardware reads a subnormal operand as 0 and writes a subnormal result as 0, where the CPU
+// keeps it. With tz, no operand of any fp operation is subnormal and every result that could
+// be subnormal is zeroed whatever the mode, so FTZ and IEEE devices agree bit for bit. The
+// cut is 2^-125 rather than FLT_MIN = 2^-126 so that a quotient an FTZ unit flushes before
+// rounding, and IEEE rounds up to exactly 2^-126, is zero on both. In the contract: a block
+// whose absmax is below 127 * 2^-125 (~3e-36) is a zero block, elements below 2^-125 quantize
+// to 0, and each such zeroing errs by less than 2^-125 (a zero block by less than 2^-118).
 //
 // Every product, sum and quotient is a separately rounded fp32 operation: no FMA contraction
 // (the CUDA path uses the __f*_rn intrinsics, which nvcc never fuses; quant.cpp turns contraction
@@ -31,6 +43,7 @@ constexpr int kQMax = 127;
 constexpr int8_t kNonFinite = -128;
 constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23
 constexpr float kFloatMax = 3.402823466e+38f;
+constexpr float kTiny = 2.350988701644575e-38f;  // 2^-125: tz() zeroes magnitudes below it
 
 // Input element types, as the Python side numbers them.
 enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
@@ -123,7 +136,17 @@ OVERLAP_HD int32_t finite_abs_bits(float x) {
   return b < 0x7f800000 ? b : 0;
 }
 
-OVERLAP_HD float scale_from_absmax(float absmax) { return div_rn(absmax, static_cast<float>(kQMax)); }
+// tz(v): +0 for |v| < 2^-125. A select, not arithmetic, so FTZ hardware computes it the same
+// way (a flushed operand compares as 0, which is below the cut too).
+OVERLAP_HD float tiny_to_zero(float v) { return fabsf(v) < kTiny ? 0.0f : v; }
+
+OVERLAP_HD float scale_from_absmax(float absmax) {
+  return tiny_to_zero(div_rn(absmax, static_cast<float>(kQMax)));
+}
+
+// The reduce phase's fp32 accumulation: tz after every add and after the division.
+OVERLAP_HD float acc_add(float acc, float d) { return tiny_to_zero(add_rn(acc, d)); }
+OVERLAP_HD float acc_div(float acc, float divisor) { return tiny_to_zero(div_rn(acc, divisor)); }
 
 OVERLAP_HD float round_half_even(float v) { return sub_rn(add_rn(v, kRoundMagic), kRoundMagic); }
 
@@ -145,7 +168,8 @@ OVERLAP_HD float noise_u01(uint32_t key, int64_t index) {
 // Branch-free (selects only) so the CPU loops vectorise; same results as the branchy form.
 OVERLAP_HD int8_t quantize_value(float x, float scale, bool stochastic, float noise) {
   const bool finite = is_finite(x);
-  const float v = div_rn(finite ? x : 0.0f, scale > 0.0f ? scale : 1.0f);
+  const float xz = tiny_to_zero(finite ? x : 0.0f);
+  const float v = tiny_to_zero(div_rn(xz, scale > 0.0f ? scale : 1.0f));
   float r = stochastic ? floorf(add_rn(v, noise)) : round_half_even(v);
   r = min_nn(max_nn(r, -static_cast<float>(kQMax)), static_cast<float>(kQMax));
   r = scale > 0.0f ? r : 0.0f;
@@ -153,7 +177,7 @@ OVERLAP_HD int8_t quantize_value(float x, float scale, bool stochastic, float no
 }
 
 OVERLAP_HD float dequantize_value(int8_t q, float scale) {
-  float d = mul_rn(static_cast<float>(q), scale);  // never NaN: q and scale are finite
+  float d = mul_rn(static_cast<float>(q), tiny_to_zero(scale));  // never NaN: both finite
   d = min_nn(max_nn(d, -kFloatMax), kFloatMax);
   return q == kNonFinite ? bits_to_float(0x7fc00000u) : d;  // quiet NaN
 }

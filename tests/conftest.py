@@ -4,7 +4,7 @@ import os
 import pytest
 
 from overlap.dist.launch import leaked_shm_segments
-from overlap.symm.shm import _pid_alive
+from overlap.dist.host import pid_alive as _pid_alive
 
 
 def _creator_alive(name: str) -> bool:

@@ -55,7 +55,7 @@ def _absmax(xs, m, block):
 
 def _Q(M, stochastic):
     # One quantization of a block with absmax M (quant.py); stochastic rounding: a full step.
-    q = M / 254 + M * 2.0**-21 + 2.0**-143
+    q = M / 254 + M * 2.0**-21 + 2.0**-118
     return 2 * q if stochastic else q
 
 
@@ -74,7 +74,7 @@ def _bound(opname, comm, xs, n, avg, block, stochastic, dtype):
         S = M.sum(0)
         b = _Q(M, stochastic).sum(0) + n * 2.0**-23 * S
         if opname == "all_reduce":
-            b = b + _Q(S * (1 + 2.0**-7) + n * 2.0**-142, stochastic)
+            b = b + _Q(S * (1 + 2.0**-7) + n * 2.0**-118, stochastic)
     elif comm == "bf16":
         casts = 2 if opname == "all_reduce" else 1
         b = (casts * 2.0**-8 * 1.01 + n * 2.0**-22) * A + 2.0**-132
@@ -83,7 +83,7 @@ def _bound(opname, comm, xs, n, avg, block, stochastic, dtype):
             + n * OUT_ABS[dtype]
     if avg:
         S = _absmax(xs, m, block).sum(0) if comm == "int8" else A
-        b = b / n + 2.0**-23 * S / n + 2.0**-142
+        b = b / n + 2.0**-23 * S / n + 2.0**-117
     exact = xs.sum(0) / (n if avg else 1)
     return b + OUT_REL[dtype] * (exact.abs() + b) + OUT_ABS[dtype]
 

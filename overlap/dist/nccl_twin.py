@@ -241,7 +241,9 @@ class _Comm:
                     f"{exc}")
                 self.fail(err)
                 op.finish(err)
-            self._current = None
+            # An idle worker must not keep its last op (and the tensors and objects its
+            # closure holds) alive while it waits for the next one.
+            self._current = op = None
 
     def _wait(self, work, deadline: float, op: _Op, why: str | None = None) -> None:
         left = deadline - time.monotonic()

@@ -161,3 +161,6 @@ class Stream:
                         arg()
                     except BaseException as exc:  # noqa: BLE001 - surfaces at the next sync
                         self._error = exc
+            # Drop the item before sleeping on the queue: an idle stream must not keep the
+            # last work's closure (and whatever it references) alive.
+            kind = arg = None

@@ -2,8 +2,12 @@
 
 The kernels are compiled at run time with NVRTC through cupy (``pip install overlap[cuda]``;
 NVRTC itself ships with torch's CUDA wheels), for the architecture of the current device, and
-cached per (file, device). Nothing here runs at install time, so ``pip install`` needs no CUDA
-toolkit. CI compile-checks the same files with ``nvcc -arch=sm_90a`` and ``-arch=sm_80``.
+cached per (file, device). cupy picks the architecture: it appends its own ``-arch`` for the
+current device, so ``nvrtc_options`` passes none (NVRTC rejects a second ``-arch`` with
+NVRTC_ERROR_INVALID_OPTION). cupy also appends ``-ftz=true``; the quantization arithmetic
+(csrc/quant.cuh) writes the same bytes with or without flush-to-zero. Nothing here runs at
+install time, so ``pip install`` needs no CUDA toolkit. CI compile-checks the same files with
+``nvcc -arch=sm_90a`` and ``-arch=sm_80``.
 
 Kernels are launched on torch's *current* CUDA stream, so they are ordered with the torch work
 around them without any host synchronisation.
@@ -16,9 +20,15 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["csrc_dir", "load_module", "launch_kernel"]
+__all__ = ["csrc_dir", "nvrtc_options", "load_module", "launch_kernel", "quantize_blocks",
+           "dequantize_blocks", "dequant_reduce_blocks"]
+
+# Options that choose the target; cupy adds exactly one of its own (see nvrtc_options).
+ARCH_OPTIONS = ("-arch", "--gpu-architecture", "-gencode", "--generate-code", "-code",
+                "--gpu-code")
 
 
 def csrc_dir() -> Path:
@@ -34,6 +44,16 @@ def csrc_dir() -> Path:
                             "set OVERLAP_CSRC to the repository's csrc directory")
 
 
+def nvrtc_options(src_dir: Path) -> tuple[str, ...]:
+    """The NVRTC options the loader passes to cupy: language and include path, no target.
+
+    cupy's compile step appends ``-arch=sm_XY`` for the current device (``compute_XY``, PTX,
+    when the GPU is newer than NVRTC knows), so an ``-arch`` here would be the second one. The
+    kernels use nothing arch-specific (no sm_90a-only instructions), so cupy's choice is right.
+    """
+    return ("-std=c++17", f"-I{src_dir}")
+
+
 @functools.cache
 def load_module(filename: str, device_index: int) -> Any:
     """Compile ``csrc/<filename>`` for the given device with NVRTC; returns a cupy RawModule."""
@@ -44,10 +64,9 @@ def load_module(filename: str, device_index: int) -> Any:
                           "pip install 'overlap[cuda]'") from exc
     src_dir = csrc_dir()
     code = (src_dir / filename).read_text()
-    major, minor = torch.cuda.get_device_capability(device_index)
-    arch = f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+    # cupy targets the *current* device, hence the device context around the compile too.
     with cupy.cuda.Device(device_index):
-        return cupy.RawModule(code=code, options=("-std=c++17", f"-I{src_dir}", f"-arch={arch}"))
+        return cupy.RawModule(code=code, options=nvrtc_options(src_dir))
 
 
 def launch_kernel(filename: str, name: str, grid: Sequence[int], block: Sequence[int],
@@ -64,3 +83,76 @@ def launch_kernel(filename: str, name: str, grid: Sequence[int], block: Sequence
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, index)
     with cupy.cuda.Device(index):
         fn(tuple(grid), tuple(block), tuple(args), stream=stream)
+
+
+# ---- blockwise INT8 quantization (csrc/quant.cu) ---------------------------------------------
+# The GPU kernels where Triton is absent (overlap.comm.quant.kernels, impl="cuda"). The three
+# functions take what overlap._C's functions of the same names take (raw addresses and sizes,
+# the layout csrc/quant.cpp documents), less num_threads, plus the device; the *_launch helpers
+# build the grid and the kernel arguments and run anywhere, so CPU tests check them against the
+# kernel signatures.
+
+_QUANT_CU = "quant.cu"
+_THREADS = 256  # a power of two <= 1024, as the kernels' shared-memory max reduction needs
+_DEQUANT_MAX_BLOCKS = 1 << 16  # the dequantize kernel is grid-stride
+
+
+def _ptr(p: int) -> np.uint64:
+    return np.uint64(p)
+
+
+def quantize_launch(x: int, dtype: int, numel: int, flat_row: int, rows: int, row_len: int,
+                    block: int, q: int, q_stride: int, s: int, s_stride: int, stochastic: bool,
+                    key: int, index_base: int) -> tuple[tuple, tuple, tuple]:
+    """(grid, block, args) of ``overlap_quantize_blocks``: one thread block per quantization
+    block."""
+    grid = (rows * (row_len // block),)
+    args = (_ptr(x), np.int32(dtype), np.int64(numel), np.int64(flat_row), np.int64(row_len),
+            np.int64(block), _ptr(q), np.int64(q_stride), _ptr(s), np.int64(s_stride),
+            np.int32(bool(stochastic)), np.uint32(key), np.int64(index_base))
+    return grid, (min(block, _THREADS),), args
+
+
+def dequantize_launch(q: int, q_stride: int, s: int, s_stride: int, rows: int, row_len: int,
+                      block: int, out: int, numel: int,
+                      flat_row: int) -> tuple[tuple, tuple, tuple]:
+    """(grid, block, args) of ``overlap_dequantize_blocks`` (grid-stride over ``numel``)."""
+    grid = (min(-(-numel // _THREADS), _DEQUANT_MAX_BLOCKS),)
+    args = (_ptr(q), np.int64(q_stride), _ptr(s), np.int64(s_stride), np.int64(block), _ptr(out),
+            np.int64(numel), np.int64(flat_row))
+    return grid, (_THREADS,), args
+
+
+def dequant_reduce_launch(q: int, q_stride: int, s: int, s_stride: int, num_src: int,
+                          row_len: int, block: int, divisor: float, out: int, q_out: int,
+                          s_out: int, stochastic: bool, key: int,
+                          index_base: int) -> tuple[tuple, tuple, tuple]:
+    """(grid, block, args) of ``overlap_dequant_reduce_blocks``: one thread block per
+    quantization block; ``out`` 0 means requantize into ``q_out``/``s_out``."""
+    grid = (row_len // block,)
+    args = (_ptr(q), np.int64(q_stride), _ptr(s), np.int64(s_stride), np.int64(num_src),
+            np.int64(block), np.float32(divisor), _ptr(out), _ptr(q_out), _ptr(s_out),
+            np.int32(bool(stochastic)), np.uint32(key), np.int64(index_base))
+    return grid, (min(block, _THREADS),), args
+
+
+def _launch_quant(name: str, launch: tuple[tuple, tuple, tuple], device: torch.device) -> None:
+    grid, threads, args = launch
+    if grid[0] > 0:
+        launch_kernel(_QUANT_CU, name, grid, threads, args, device)
+
+
+def quantize_blocks(*args, device: torch.device) -> None:
+    """``overlap._C.quantize_blocks`` on the GPU (the same arguments less ``num_threads``)."""
+    _launch_quant("overlap_quantize_blocks", quantize_launch(*args), device)
+
+
+def dequantize_blocks(*args, device: torch.device) -> None:
+    """``overlap._C.dequantize_blocks`` on the GPU (the same arguments less ``num_threads``)."""
+    _launch_quant("overlap_dequantize_blocks", dequantize_launch(*args), device)
+
+
+def dequant_reduce_blocks(*args, device: torch.device) -> None:
+    """``overlap._C.dequant_reduce_blocks`` on the GPU (the same arguments less
+    ``num_threads``)."""
+    _launch_quant("overlap_dequant_reduce_blocks", dequant_reduce_launch(*args), device)

@@ -3,7 +3,11 @@
 Memory: one device allocation per rank, ``[header | flags | data]`` like the shm backend.
 It comes from torch's symmetric memory (``torch.distributed._symmetric_memory.empty`` +
 ``rendezvous``) where the installed torch has it, else from ``cudaMalloc`` shared by CUDA IPC
-handles (cupy), exchanged with one ``all_gather_object`` over the group.
+handles (cupy), exchanged with one ``all_gather_object`` over the group. torch 2.6-2.7 need
+``enable_symm_mem_for_group(group_name)`` before ``rendezvous`` (without it rendezvous fails and
+we would silently fall back to IPC); later torch deprecates the call and may drop it, so it is
+made only where it exists (``enable_symm_mem``). ``ws.memory`` (and the repr) says which path
+was taken, ``ws.memory_fallback`` why symmetric memory was not used.
 
 Signals are *stream-ordered*: ``signal`` and ``wait`` launch one-thread kernels from
 csrc/signal.cu on the current stream, so "copy chunk, then signal" and "wait, then GEMM" are
@@ -18,6 +22,8 @@ overlap.symm.shm, which runs the same protocol and is tested on 1, 2 and 4 proce
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -25,16 +31,35 @@ import torch.distributed as dist
 from overlap.kernels.cuda import launch_kernel
 from overlap.symm.base import PeerDied, SignalTimeout, SymmetricWorkspace
 
-__all__ = ["CudaWorkspace"]
+__all__ = ["CudaWorkspace", "enable_symm_mem", "SYMMETRIC_MEMORY", "CUDA_IPC"]
 
-_HEADER_BYTES = 128  # int64 words: [0] abort (0 or 1 + aborting rank), [1] barrier counter
-_W_ABORT, _W_BARRIER = 0, 1
+# int64 header words: [0] abort (0 or 1 + aborting rank), [1] barrier counter, [2] closing (how
+# many ranks have started to close)
+_HEADER_BYTES = 128
+_W_ABORT, _W_BARRIER, _W_CLOSING = 0, 1, 2
 _ALIGN = 256
 _SIGNAL_CU = "signal.cu"
+SYMMETRIC_MEMORY, CUDA_IPC = "symmetric memory", "CUDA IPC"
 
 
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
+
+
+def enable_symm_mem(symm_mem, group_name: str) -> bool:
+    """Register the group with torch symmetric memory where this torch wants it (2.6-2.7 need
+    it before ``rendezvous``; newer torch deprecates the call as unneeded, and may remove it).
+    Returns whether the call was made."""
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is None:
+        return False
+    is_enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", None)
+    if is_enabled is not None and is_enabled(group_name):
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # "deprecated, no need to call"
+        enable(group_name)
+    return True
 
 
 class CudaWorkspace(SymmetricWorkspace):
@@ -58,10 +83,7 @@ class CudaWorkspace(SymmetricWorkspace):
         # {code, slot, last seen, aborting rank + 1}; written by wait kernels, read by the host.
         self._error = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._check_agreement()
-        try:
-            self._setup_torch_symm()
-        except (ImportError, AttributeError, RuntimeError, NotImplementedError):
-            self._setup_ipc()
+        self._setup_memory()
         self._whole = [self._peer_tensor(r) for r in range(self.world)]
         self._data = [w[self._data_off:self._data_off + nbytes] for w in self._whole]
         torch.cuda.synchronize(self.device)
@@ -78,15 +100,34 @@ class CudaWorkspace(SymmetricWorkspace):
                                  f"{self.rank}): ranks disagree on {key}: " +
                                  ", ".join(f"rank {r}={v}" for r, v in enumerate(vals)))
 
+    def _setup_memory(self) -> None:
+        """Torch symmetric memory if it works here, else CUDA IPC; ``memory`` says which."""
+        self.memory_fallback = ""
+        try:
+            self._setup_torch_symm()
+            self.memory = SYMMETRIC_MEMORY
+        except (ImportError, AttributeError, RuntimeError, NotImplementedError) as exc:
+            self._handle = None
+            self.memory_fallback = f"{type(exc).__name__}: {exc}"
+            self._setup_ipc()
+            self.memory = CUDA_IPC
+
     def _setup_torch_symm(self) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
+        name = self.group.group_name
+        enable_symm_mem(symm_mem, name)
         local = symm_mem.empty(self._total, dtype=torch.uint8, device=self.device)
         local.zero_()
         torch.cuda.synchronize(self.device)
         self._local = local
-        self._handle = symm_mem.rendezvous(local, self.group)
+        self._handle = symm_mem.rendezvous(local, name)  # a name works on every torch >= 2.6
         self._bases = [int(p) for p in self._handle.buffer_ptrs]
+
+    def __repr__(self) -> str:
+        return (f"CudaWorkspace(group={self.group_name}, rank={self.rank}, nbytes={self.nbytes}, "
+                f"num_signals={self.num_signals}, memory={getattr(self, 'memory', 'unset')}, "
+                f"device={self.device})")
 
     def _setup_ipc(self) -> None:
         import cupy
@@ -200,9 +241,20 @@ class CudaWorkspace(SymmetricWorkspace):
         torch.cuda.current_stream(self.device).synchronize()
 
     # -- teardown -------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, *, wait_for_peers: bool = True, timeout: float | None = None) -> None:
         if self._closed:
             return
+        if wait_for_peers and self.world > 1 and self._bases:
+            # Free only once every peer has started to close (stopped reading our buffer):
+            # count this rank into every peer's closing word, wait for ours to reach world.
+            for r in range(self.world):
+                self._launch("overlap_signal_add", np.uint64(self._bases[r] + 8 * _W_CLOSING),
+                             np.int64(1))
+            try:
+                self._wait_addr(self._bases[self.rank] + 8 * _W_CLOSING, self.world,
+                                self.timeout if timeout is None else timeout, -1, blocking=True)
+            except (PeerDied, SignalTimeout):
+                pass  # dead or aborted peers read nothing any more
         self._closed = True
         torch.cuda.synchronize(self.device)
         self._whole, self._data = [], []

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from overlap import _C
 from overlap.profile.timers import comm_wait
+from overlap.dist.host import boot_id, pid_alive
 from overlap.symm.base import PeerDied, SignalTimeout, SymmetricWorkspace
 
 __all__ = ["ShmWorkspace"]
@@ -47,24 +48,6 @@ _seq = itertools.count()
 
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _pid_alive(pid: int) -> bool:
-    # os.kill(pid, 0) succeeds for zombies, so read the state from /proc instead.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 class ShmWorkspace(SymmetricWorkspace):
@@ -103,7 +86,7 @@ class ShmWorkspace(SymmetricWorkspace):
         except OSError as exc:
             error = f"could not create a {self._seg_bytes}-byte shared-memory segment: {exc}"
         info = dict(name=self._name, pid=os.getpid(), nbytes=self.nbytes,
-                    num_signals=self.num_signals, host=socket.gethostname(), boot=_boot_id(),
+                    num_signals=self.num_signals, host=socket.gethostname(), boot=boot_id(),
                     error=error)
         infos: list[dict] = [None] * self.world  # type: ignore[list-item]
         dist.all_gather_object(infos, info, group=self.group)
@@ -240,7 +223,7 @@ class ShmWorkspace(SymmetricWorkspace):
                             peer=peer)
         # A peer that died is the cause; one that closed cleanly and left comes second (it
         # may have finished after seeing the death itself).
-        gone = [r for r, pid in enumerate(self._pids) if r != self.rank and not _pid_alive(pid)]
+        gone = [r for r, pid in enumerate(self._pids) if r != self.rank and not pid_alive(pid)]
         dead = [r for r in gone if not _C.signal_load(self._word(r, _W_CLOSED))]
         for r in dead or gone:
             how = "has exited" if r in dead else "closed its workspace and exited"

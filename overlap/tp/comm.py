@@ -34,12 +34,12 @@ and never outlives it (the call's ``chunks`` and ``check_inputs`` apply to that 
 from __future__ import annotations
 
 import collections
-import socket
 import weakref
 
 import torch
 import torch.distributed as dist
 
+from overlap.dist.host import host_id
 from overlap.symm.workspace import group_name
 
 __all__ = ["TPComm", "TPCommFailed", "BACKENDS", "DEFAULT_TIMEOUT", "MAX_CONTEXTS",
@@ -52,15 +52,6 @@ MAX_CONTEXTS = 16
 
 class TPCommFailed(RuntimeError):
     """A call on a TP communicator that failed earlier; the message carries the first error."""
-
-
-def _host_id() -> tuple[str, str]:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return socket.gethostname(), boot
 
 
 def _default_device(group: dist.ProcessGroup) -> torch.device:
@@ -116,7 +107,7 @@ class TPComm:
         if self.device.type == "cuda" and have_triton_tp():
             return "triton"
         hosts: list = [None] * self.world
-        dist.all_gather_object(hosts, _host_id(), group=self.group)
+        dist.all_gather_object(hosts, host_id(), group=self.group)
         return "symmetric" if len(set(hosts)) == 1 else "chunked"
 
     def __repr__(self) -> str:

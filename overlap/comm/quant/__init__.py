@@ -22,16 +22,16 @@ in an op, on any rank, fails the group: every later call on it raises ``QuantCom
 ``QuantCommError`` naming it, a stall raises ``QuantTimeout``. Rebuild the group to continue.
 
 INT8 accuracy (derived in the README's "Quantized collectives" section). With M_r the absmax of
-block b of rank r's input (as fp32), S = sum_r M_r, and Q(M) = M/254 + M*2^-21 + 2^-143 the
+block b of rank r's input (as fp32), S = sum_r M_r, and Q(M) = M/254 + M*2^-21 + 2^-118 the
 error of one quantization of a block with absmax M, every element i of block b satisfies
 
     all_gather:      |out_i - x_i|          <= Q(M_r)
     reduce_scatter:  |out_i - sum_r x_r,i|  <= sum_r Q(M_r) + n*2^-23*S
     all_reduce:      |out_i - sum_r x_r,i|  <= sum_r Q(M_r) + n*2^-23*S
-                                                + Q(S*(1 + 2^-7) + n*2^-142)
+                                                + Q(S*(1 + 2^-7) + n*2^-118)
                                              ~= S/127   (two quantizations of ~S/254 each)
 
-divided by n for "avg" (plus 2^-23*S/n + 2^-142), plus the rounding of the result to t's dtype
+divided by n for "avg" (plus 2^-23*S/n + 2^-117), plus the rounding of the result to t's dtype
 (2^-8 relative for bf16, 2^-11 for fp16). Stochastic rounding: 2Q in place of Q. Non-finite
 inputs come back as NaN for those elements only (code -128); a sum that overflows fp32 comes
 back NaN (all-reduce) or Inf (reduce-scatter). An all-zero block is exact.

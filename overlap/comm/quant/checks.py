@@ -71,6 +71,10 @@ def validate(opname: str, rank: int, t, comm_dtype: str, op: str, block_size: in
     where = _at(opname, rank)
     if impl not in qk.IMPLS:
         raise ValueError(f"{where} argument 'impl' must be one of {qk.IMPLS}, got {impl!r}")
+    try:  # an impl that cannot run on this device is refused before any collective
+        qk.resolve_impl(impl, t.device)
+    except ValueError as exc:
+        raise ValueError(f"{where} argument 'impl': {exc}") from None
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where} argument 't' must be a torch.Tensor, got {type(t).__name__}")
     if op not in OPS:

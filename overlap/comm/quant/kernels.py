@@ -1,16 +1,42 @@
-"""Blockwise INT8 quantization kernels behind one interface: the torch reference, the C++ CPU
-kernels (``overlap._C``, arithmetic in csrc/quant.cuh) and the Triton kernels
-(``overlap.kernels.triton.quant``). All three write the same bytes; tests/test_quant_kernels.py
-checks it. The collectives of ``overlap.comm.quant`` (``paths``) call only this module.
+"""Blockwise INT8 quantization kernels behind one interface (``impl=``): the torch reference
+("torch"), the C++ CPU kernels ("cpp": ``overlap._C``, arithmetic in csrc/quant.cuh), the Triton
+kernels ("triton": ``overlap.kernels.triton.quant``) and the CUDA kernels ("cuda": csrc/quant.cu,
+the same quant.cuh arithmetic, compiled at first use by ``overlap.kernels.cuda``). "auto" is
+"cpp" on CPU tensors and "triton" on GPU tensors, or "cuda" where Triton is not installed. All
+write the same bytes; tests/test_quant_kernels.py checks the first three, which run here (the
+CUDA kernels are compile-checked only: .ci/nvcc_check.sh). The collectives of
+``overlap.comm.quant`` (``paths``) call only this module.
 
 Quantization of block b (``block`` consecutive elements of the flat tensor, zero-padded)::
 
-    absmax_b = max_{i in b, x_i finite} |x_i|              scale_b = fl(absmax_b / 127)
-    q_i = -128 if x_i is NaN/Inf;  0 if scale_b == 0;  clamp(rne(fl(x_i / scale_b)), -127, 127)
-    deq_i = NaN if q_i == -128;  clamp(fl(q_i * scale_b), -FLT_MAX, FLT_MAX)
+    tz(v) = 0 if |v| < 2^-125 else v            ("tiny to zero", the denormal rule below)
+    absmax_b = max_{i in b, x_i finite} |x_i|              scale_b = tz(fl(absmax_b / 127))
+    q_i = -128 if x_i is NaN/Inf;  0 if scale_b == 0;
+          clamp(rne(tz(fl(tz(x_i) / scale_b))), -127, 127) otherwise
+    deq_i = NaN if q_i == -128;  clamp(fl(q_i * tz(scale_b)), -FLT_MAX, FLT_MAX)
+    reduce: acc = tz(fl(acc + deq)) per source in order, then tz(fl(acc / divisor))
 
-with ``rne`` round-half-to-even, or ``floor(fl(x_i / scale_b) + u_i)`` for stochastic rounding,
+with ``rne`` round-half-to-even, or ``floor(v + u_i)`` for stochastic rounding,
 where ``u_i = (mix32(uint32(index_base + i) ^ key) >> 8) * 2^-24`` (the same hash everywhere).
+
+Tiny and subnormal values. Compiled GPU code may run with flush-to-zero: cupy compiles
+csrc/quant.cu with ``-ftz=true``, and Triton's libdevice calls follow its FTZ flag. FTZ hardware
+reads a subnormal operand (|v| < 2^-126) as 0 and writes a subnormal result as 0, where the CPU
+keeps it; without ``tz`` a block with a tiny absmax would get a subnormal scale on the CPU and a
+zero scale on the GPU. ``tz`` removes the dependence, so every implementation, with or without
+FTZ, writes the same bytes (tests/test_quant_denormals.py checks them against an emulated FTZ
+device). What it means for the numbers:
+
+- a block whose absmax is below 127 * 2^-125 (~3.0e-36) is a zero block: scale 0, codes 0, it
+  dequantizes to zeros (error < 2^-118 per element);
+- in any block, an element below 2^-125 (every fp32 subnormal included) quantizes to 0;
+- scales are 0 or >= 2^-125, so dequantized values are never subnormal; a reduced sum or quotient
+  below 2^-125 becomes 0 (error < 2^-125 each).
+
+The bound for one quantization of a block with absmax M is therefore
+``Q(M) = M/254 + M*2^-21 + 2^-118`` (stochastic rounding: 2Q); the 2^-118 term covers zero
+blocks and only matters for M < ~2^-110. The cut is 2^-125 rather than FLT_MIN = 2^-126 so that a
+quotient FTZ hardware flushes before rounding, and IEEE rounds up to exactly 2^-126, is 0 on both.
 
 Buffer layout: ``q`` is an int8 view [rows, row_len] and ``s`` an fp32 view [rows, row_len /
 block], each with unit inner stride and any row stride, so a collective quantizes straight into
@@ -22,25 +48,39 @@ index in the flat tensor (plus ``index_base``).
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 
-__all__ = ["DTYPE_CODES", "IMPLS", "resolve_impl", "noise_u01", "quantize_into",
-           "dequantize_into", "dequant_reduce_into", "quantize", "dequantize"]
+__all__ = ["DTYPE_CODES", "IMPLS", "TINY", "resolve_impl", "triton_available", "noise_u01",
+           "quantize_into", "dequantize_into", "dequant_reduce_into", "quantize", "dequantize"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-IMPLS = ("auto", "torch", "cpp", "triton")
+IMPLS = ("auto", "torch", "cpp", "triton", "cuda")
 FLOAT_MAX = torch.finfo(torch.float32).max
+TINY = 2.0**-125  # tz() zeroes magnitudes below this (csrc/quant.cuh kTiny)
 _KEY_MASK = 0x7FFFFFFF  # keys stay int32-sized so Triton never retypes (and recompiles) them
 
 
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def resolve_impl(impl: str, device: torch.device) -> str:
-    """``auto`` is the C++ kernels on CPU tensors and Triton on GPU tensors."""
+    """``auto`` is the C++ kernels on CPU tensors; on GPU tensors Triton, or the CUDA kernels
+    where Triton is not installed."""
     if impl not in IMPLS:
         raise ValueError(f"quant kernels: impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "triton" if device.type == "cuda" else "cpp"
+        if device.type != "cuda":
+            return "cpp"
+        return "triton" if triton_available() else "cuda"
     if impl == "cpp" and device.type != "cpu":
         raise ValueError(f"quant kernels: impl 'cpp' needs CPU tensors, got {device}")
+    if impl == "cuda" and device.type != "cuda":
+        raise ValueError(f"quant kernels: impl 'cuda' needs CUDA tensors, got {device}")
     return impl
 
 
@@ -64,16 +104,20 @@ def noise_u01(key: int, idx: torch.Tensor) -> torch.Tensor:
     return (h >> 8).to(torch.float32) * 2.0**-24
 
 
+def _tz(t: torch.Tensor) -> torch.Tensor:
+    return torch.where(t.abs() < TINY, torch.zeros_like(t), t)
+
+
 def _scales_ref(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     fin = xb.abs() <= FLOAT_MAX
     absmax = torch.where(fin, xb.abs(), 0.0).amax(dim=1)
     # Tensor / tensor: a division by a Python scalar may become a reciprocal multiply on GPUs.
-    return fin, absmax / torch.full_like(absmax, 127.0)
+    return fin, _tz(absmax / torch.full_like(absmax, 127.0))
 
 
 def _codes_ref(xb, fin, scale, idx, stochastic: bool, key: int) -> torch.Tensor:
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    v = torch.where(fin, xb, 0.0) / safe[:, None]
+    v = _tz(_tz(torch.where(fin, xb, 0.0)) / safe[:, None])
     r = torch.floor(v + noise_u01(key, idx)) if stochastic else torch.round(v)
     r = r.clamp(-127.0, 127.0)
     r = torch.where((scale > 0)[:, None], r, 0.0)
@@ -81,7 +125,7 @@ def _codes_ref(xb, fin, scale, idx, stochastic: bool, key: int) -> torch.Tensor:
 
 
 def _dequant_ref(qb: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    d = (qb.to(torch.float32) * scale[:, None]).clamp(-FLOAT_MAX, FLOAT_MAX)
+    d = (qb.to(torch.float32) * _tz(scale)[:, None]).clamp(-FLOAT_MAX, FLOAT_MAX)
     return torch.where(qb == -128, float("nan"), d)
 
 
@@ -109,9 +153,9 @@ def _dequant_reduce_torch(q, s, block, divisor, out, q_out, s_out, stochastic, k
     num_src, row_len = q.shape
     acc = torch.zeros(row_len // block, block, dtype=torch.float32, device=q.device)
     for r in range(num_src):  # rank order, one rounding per add
-        acc = acc + _dequant_ref(q[r].reshape(-1, block), s[r])
+        acc = _tz(acc + _dequant_ref(q[r].reshape(-1, block), s[r]))
     if divisor != 1:
-        acc = acc / torch.full_like(acc, float(divisor))
+        acc = _tz(acc / torch.full_like(acc, float(divisor)))
     if out is not None:
         out.copy_(acc.view(-1))
         return
@@ -160,11 +204,16 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, block: i
     impl = resolve_impl(impl, x.device)
     if impl == "torch":
         _quantize_torch(x, q, s, block, flat_row, stochastic, key, index_base)
-    elif impl == "cpp":
-        from overlap import _C
-        _C.quantize_blocks(x.data_ptr(), DTYPE_CODES[x.dtype], x.numel(), flat_row, q.shape[0],
-                           q.shape[1], block, q.data_ptr(), q.stride(0), s.data_ptr(),
-                           s.stride(0), stochastic, key, index_base, torch.get_num_threads())
+    elif impl in ("cpp", "cuda"):
+        args = (x.data_ptr(), DTYPE_CODES[x.dtype], x.numel(), flat_row, q.shape[0], q.shape[1],
+                block, q.data_ptr(), q.stride(0), s.data_ptr(), s.stride(0), stochastic, key,
+                index_base)
+        if impl == "cpp":
+            from overlap import _C
+            _C.quantize_blocks(*args, torch.get_num_threads())
+        else:
+            from overlap.kernels import cuda
+            cuda.quantize_blocks(*args, device=x.device)
     else:
         from overlap.kernels.triton import quant as tq
         tq.quantize_into(x, q, s, block=block, flat_row=flat_row, stochastic=stochastic, key=key,
@@ -182,11 +231,15 @@ def dequantize_into(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, *, bloc
     impl = resolve_impl(impl, q.device)
     if impl == "torch":
         _dequantize_torch(q, s, out, block, flat_row)
-    elif impl == "cpp":
-        from overlap import _C
-        _C.dequantize_blocks(q.data_ptr(), q.stride(0), s.data_ptr(), s.stride(0), q.shape[0],
-                             q.shape[1], block, out.data_ptr(), out.numel(), flat_row,
-                             torch.get_num_threads())
+    elif impl in ("cpp", "cuda"):
+        args = (q.data_ptr(), q.stride(0), s.data_ptr(), s.stride(0), q.shape[0], q.shape[1],
+                block, out.data_ptr(), out.numel(), flat_row)
+        if impl == "cpp":
+            from overlap import _C
+            _C.dequantize_blocks(*args, torch.get_num_threads())
+        else:
+            from overlap.kernels import cuda
+            cuda.dequantize_blocks(*args, device=q.device)
     else:
         from overlap.kernels.triton import quant as tq
         tq.dequantize_into(q, s, out, block=block, flat_row=flat_row)
@@ -214,12 +267,16 @@ def dequant_reduce_into(q: torch.Tensor, s: torch.Tensor, *, block: int, divisor
     impl = resolve_impl(impl, q.device)
     if impl == "torch":
         _dequant_reduce_torch(q, s, block, divisor, out, q_out, s_out, stochastic, key, index_base)
-    elif impl == "cpp":
-        from overlap import _C
+    elif impl in ("cpp", "cuda"):
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-        _C.dequant_reduce_blocks(q.data_ptr(), q.stride(0), s.data_ptr(), s.stride(0), q.shape[0],
-                                 row_len, block, float(divisor), ptr(out), ptr(q_out), ptr(s_out),
-                                 stochastic, key, index_base, torch.get_num_threads())
+        args = (q.data_ptr(), q.stride(0), s.data_ptr(), s.stride(0), q.shape[0], row_len, block,
+                float(divisor), ptr(out), ptr(q_out), ptr(s_out), stochastic, key, index_base)
+        if impl == "cpp":
+            from overlap import _C
+            _C.dequant_reduce_blocks(*args, torch.get_num_threads())
+        else:
+            from overlap.kernels import cuda
+            cuda.dequant_reduce_blocks(*args, device=q.device)
     else:
         from overlap.kernels.triton import quant as tq
         tq.dequant_reduce_into(q, s, block=block, divisor=divisor, out=out, q_out=q_out,

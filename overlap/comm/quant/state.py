@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import threading
 import weakref
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+
+from overlap.dist.host import host_id, pid_alive
 
 __all__ = ["QuantCommError", "QuantTimeout", "QuantCommFailed", "GroupState", "state_for",
            "existing_state", "failing"]
@@ -59,25 +60,6 @@ class QuantTimeout(QuantCommError, TimeoutError):
 class QuantCommFailed(QuantCommError):
     """A call on a group whose quantized collectives failed earlier (message carries the first
     error)."""
-
-
-def _host_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
-def _pid_alive(pid: int) -> bool:
-    # os.kill(pid, 0) succeeds for zombies, so read the state from /proc instead.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def _group_name(group: Any) -> str | None:
@@ -118,7 +100,7 @@ class GroupState:
         self._pids: dict[int, int] = {}
         self._store = _default_store() if _group_name(group) is not None else None
         self._key = f"{_PREFIX}/{self.name}"
-        self._host = _host_id()
+        self._host = host_id()
         self._store_call(lambda s: s.set(f"{self._key}/pid/{self.rank}",
                                           f"{self._host}|{os.getpid()}"))
 
@@ -195,7 +177,7 @@ class GroupState:
                 # Another host's pid says nothing here: mark it unknown (0) for good.
                 self._pids[r] = int(pid) if host == self._host and pid.isdigit() else 0
             pid = self._pids[r]
-            if pid and not _pid_alive(pid):
+            if pid and not pid_alive(pid):
                 dead.append((r, pid))
         return dead
 
