@@ -1,0 +1,28 @@
+"""overlap.plan: predict memory, pipeline bubble, communication and step time of a 3D layout,
+and search for the best one (``overlap-plan``).
+
+    from overlap.plan import ClusterSpec, Layout, estimate, get_model, get_profile, search
+    model = get_model("gpt3-175b")
+    cluster = ClusterSpec(device=get_profile("a100-80g"), num_gpus=512)
+    est = estimate(model, cluster, Layout(tp=8, pp=8, global_batch=1536, micro_batch=1))
+    est.step_time_s, est.mfu, est.peak_memory.total, est.bubble_fraction
+    best = search(model, cluster, 1536).ranked[0]
+
+Modules: ``models`` (shapes, parameters, FLOPs), ``hardware`` + ``profiles`` (device data and
+sources), ``layout``, ``memory``, ``compute``, ``comm``, ``bubble`` (the project's pipeline
+schedules replayed with per-stage costs), ``stages``, ``estimate``, ``search``, ``explain``,
+``report`` (text), ``config`` + ``cli`` (``overlap-plan``), ``fit`` (calibration to Narayanan
+et al. 2021), ``calibrate`` + ``calibrate_bench`` (this machine), ``selfpredict`` (the CPU
+self-prediction of ``python -m overlap.train``).
+"""
+
+from overlap.plan.estimate import Estimate, estimate
+from overlap.plan.hardware import ClusterSpec, DeviceProfile, GemmCurve, LinkSpec
+from overlap.plan.layout import Layout, Overlap
+from overlap.plan.models import MODELS, ModelSpec, get_model
+from overlap.plan.profiles import PROFILES, get_profile
+from overlap.plan.search import Constraints, SearchResult, search
+
+__all__ = ["estimate", "Estimate", "search", "Constraints", "SearchResult", "Layout", "Overlap",
+           "ModelSpec", "MODELS", "get_model", "ClusterSpec", "DeviceProfile", "GemmCurve",
+           "LinkSpec", "PROFILES", "get_profile"]

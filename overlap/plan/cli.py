@@ -1,0 +1,73 @@
+"""``overlap-plan`` / ``python -m overlap.plan``: estimate a layout, search for one, explain the
+arithmetic, or calibrate this machine. A thin layer over :class:`overlap.plan.config.PlanConfig`.
+
+    overlap-plan --model gpt3-175b --gpus 512 --gpu a100-80g --tp 8 --pp 8 \\
+        --global-batch 1536 --micro-batch 1 --json
+    overlap-plan --model llama3-70b --gpus 1024 --gpu h100-sxm --global-batch 512 --search
+    overlap-plan --calibrate --output local.json      # then: --profile local.json --gpus 8 ...
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from overlap.plan.config import PlanConfig, parse_args
+
+__all__ = ["main", "run"]
+
+
+def run(cfg: PlanConfig) -> str:
+    """What ``overlap-plan`` prints for ``cfg`` (already validated)."""
+    if cfg.calibrate:
+        from overlap.plan.calibrate import calibrate, summary
+
+        profile = calibrate(ranks=cfg.ranks, log=lambda msg: print(msg, file=sys.stderr))
+        with open(cfg.output, "w") as f:
+            f.write(profile.to_json() + "\n")
+        return json.dumps({"profile": cfg.output, **summary(profile)}, indent=1)
+    model, cluster = cfg.model_spec(), cfg.cluster()
+    if cfg.search:
+        from overlap.plan.report import format_search
+        from overlap.plan.search import Constraints, search
+
+        layout = cfg.layout()
+        res = search(model, cluster, layout.global_batch, Constraints(
+            comm_dtype=cfg.comm_dtype, flash_attention=cfg.flash_attention,
+            overlap=layout.overlap, memory_fraction=cfg.memory_fraction))
+        if cfg.json:
+            return json.dumps({"ranked": [e.as_dict() for e in res.ranked[:cfg.top]],
+                               "rejected": [{"tp": lay.tp, "pp": lay.pp,
+                                             "micro_batch": lay.micro_batch,
+                                             "schedule": lay.schedule,
+                                             "recompute": lay.recompute, "reason": why}
+                                            for lay, why in res.rejected]}, indent=1)
+        return format_search(res, cfg.top)
+    from overlap.plan.estimate import estimate
+
+    est = estimate(model, cluster, cfg.layout())
+    if cfg.json:
+        d = est.as_dict()
+        d["fits"] = est.fits(cfg.memory_fraction)
+        return json.dumps(d, indent=1)
+    if cfg.explain:
+        from overlap.plan.explain import explain
+
+        return explain(est)
+    from overlap.plan.report import format_estimate
+
+    text = format_estimate(est)
+    if not est.fits(cfg.memory_fraction):
+        text += (f"\n\nDOES NOT FIT: {est.peak_memory.total / 2**30:.1f} GiB > "
+                 f"{cfg.memory_fraction:g} x {cluster.device.hbm_bytes / 2**30:.1f} GiB")
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    try:
+        print(run(cfg))
+    except ValueError as exc:  # e.g. a named model whose shape the layout cannot split
+        print(f"overlap-plan: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

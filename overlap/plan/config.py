@@ -1,0 +1,158 @@
+"""PlanConfig: the one definition of ``overlap-plan``'s settings; the CLI is generated from it.
+
+Validation happens here and in ``Layout.check`` and names the flag: a named model that does not
+exist, a shape flag missing without ``--model``, ``--tp`` not dividing the heads, ``--gpus`` not
+divisible by ``--tp x --pp x --cp``, and so on, each a one-line error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any
+
+from overlap.plan.hardware import ClusterSpec, DeviceProfile
+from overlap.plan.layout import COMM_DTYPES, RECOMPUTE, SCHEDULES, Layout, Overlap
+from overlap.plan.models import MODELS, ModelSpec, get_model
+from overlap.plan.profiles import PROFILES, get_profile
+
+__all__ = ["PlanConfig", "build_parser", "parse_args"]
+
+
+def _field(default: Any, help: str, **kw: Any) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class PlanConfig:
+    model: str | None = _field(None, "a named model (its shape flags may still be overridden)",
+                               choices=sorted(MODELS))
+    layers: int | None = _field(None, "transformer layers L")
+    hidden: int | None = _field(None, "hidden size h")
+    heads: int | None = _field(None, "attention heads a")
+    kv_heads: int | None = _field(None, "key/value heads (grouped-query attention)")
+    ffn: int | None = _field(None, "MLP width (default 4h)")
+    vocab: int | None = _field(None, "vocabulary size V")
+    seq: int | None = _field(None, "sequence length s")
+    global_batch: int | None = _field(None, "sequences per optimizer step")
+    micro_batch: int = _field(1, "sequences per micro-batch")
+    gpus: int | None = _field(None, "number of GPUs")
+    gpu: str = _field("a100-80g", "GPU profile", choices=sorted(PROFILES))
+    profile: str | None = _field(None, "a device profile JSON (from --calibrate) instead of --gpu")
+    gpus_per_node: int = _field(8, "GPUs per node (NVLink domain)")
+    tp: int = _field(1, "tensor-parallel degree")
+    pp: int = _field(1, "pipeline-parallel degree")
+    cp: int = _field(1, "context-parallel degree")
+    virtual: int = _field(1, "model chunks per pipeline rank (--schedule interleaved)")
+    schedule: str = _field("1f1b", "pipeline schedule", choices=SCHEDULES)
+    recompute: str = _field("selective", "activation recomputation", choices=RECOMPUTE)
+    sequence_parallel: bool = _field(False, "sequence-parallel TP (activations sharded over tp)")
+    flash_attention: bool = _field(True, "attention never materialises the s x s scores")
+    zero: int = _field(1, "ZeRO stage over the data-parallel ranks", choices=(0, 1, 2, 3))
+    comm_dtype: str = _field("bf16", "data-parallel gradient wire dtype", choices=COMM_DTYPES)
+    overlap: bool = _field(True, "this runtime's overlaps (fused TP ops, DP under backward, "
+                                 "P2P under compute); --no-overlap waits for every transfer")
+    memory_fraction: float = _field(0.9, "share of GPU memory a layout may use (the rest: "
+                                         "CUDA context, communication buffers, fragmentation)")
+    json: bool = _field(False, "print one JSON object")
+    search: bool = _field(False, "search layouts for --gpus and --global-batch; rank those "
+                                 "that fit")
+    top: int = _field(15, "rows of the --search table")
+    explain: bool = _field(False, "show the formulas with the numbers substituted")
+    calibrate: bool = _field(False, "measure this machine and write a profile to --output")
+    ranks: int = _field(8, "--calibrate: local ranks of the jobs to predict")
+    output: str = _field("overlap-plan-profile.json", "--calibrate: where to write the profile")
+
+    # ------------------------------------------------------------------ builders
+    def model_spec(self) -> ModelSpec:
+        shape = {"num_layers": self.layers, "hidden": self.hidden, "num_heads": self.heads,
+                 "num_kv_heads": self.kv_heads, "ffn": self.ffn, "vocab": self.vocab,
+                 "seq_len": self.seq}
+        given = {k: v for k, v in shape.items() if v is not None}
+        if self.model is not None:
+            base = get_model(self.model)
+            if not given:
+                return base
+            return dataclasses.replace(base, name=f"{base.name} (modified)", **given)
+        missing = [flag for flag, key in (("--layers", "num_layers"), ("--hidden", "hidden"),
+                                          ("--heads", "num_heads"), ("--vocab", "vocab"),
+                                          ("--seq", "seq_len")) if key not in given]
+        if missing:
+            raise ValueError(f"give --model or the model shape: missing {' '.join(missing)}")
+        return ModelSpec(**given)
+
+    def device(self) -> DeviceProfile:
+        if self.profile:
+            return DeviceProfile.load(self.profile)
+        return get_profile(self.gpu)
+
+    def cluster(self) -> ClusterSpec:
+        if self.gpus is None:
+            raise ValueError("--gpus is required")
+        dev = self.device()
+        if self.profile and dev.host_cores is not None and self.gpus <= self.gpus_per_node:
+            return ClusterSpec.local(dev, self.gpus)  # a CPU profile: local ranks share cores
+        return ClusterSpec(device=dev, num_gpus=self.gpus, gpus_per_node=self.gpus_per_node)
+
+    def layout(self) -> Layout:
+        if self.global_batch is None:
+            raise ValueError("--global-batch is required")
+        return Layout(tp=self.tp, pp=self.pp, cp=self.cp, global_batch=self.global_batch,
+                      micro_batch=self.micro_batch, schedule=self.schedule,
+                      virtual=self.virtual, recompute=self.recompute,
+                      sequence_parallel=self.sequence_parallel,
+                      flash_attention=self.flash_attention, zero=self.zero,
+                      comm_dtype=self.comm_dtype,
+                      overlap=Overlap() if self.overlap else Overlap.none())
+
+    def validate(self) -> None:
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"--memory-fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.top < 1:
+            raise ValueError(f"--top must be >= 1, got {self.top}")
+        if self.calibrate:
+            return
+        model = self.model_spec()
+        cluster = self.cluster()
+        layout = self.layout()
+        if not self.search:
+            layout.check(model, cluster)
+
+
+def _arg_type(tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        return next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="overlap-plan",
+        description="Predict memory, pipeline bubble, communication and step time of a 3D "
+                    "layout (--search: find the best one), or --calibrate this machine.")
+    hints = typing.get_type_hints(PlanConfig)
+    for f in dataclasses.fields(PlanConfig):
+        tp = _arg_type(hints[f.name])
+        kw: dict[str, Any] = {"help": f.metadata["help"] + f" (default: {f.default})",
+                              "default": f.default, "dest": f.name}
+        if tp is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = tp
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+        p.add_argument("--" + f.name.replace("_", "-"), **kw)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> PlanConfig:
+    """Parse and validate; a bad value exits with status 2 and a one-line message."""
+    parser = build_parser()
+    cfg = PlanConfig(**vars(parser.parse_args(argv)))
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        parser.exit(2, f"overlap-plan: error: {exc}\n")
+    return cfg

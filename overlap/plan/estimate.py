@@ -1,0 +1,228 @@
+"""``estimate(model, cluster, layout) -> Estimate``: memory, bubble, communication, step time.
+
+Step time = pipeline makespan (the schedule replayed with per-stage costs that already contain
+the exposed TP, CP, P2P and ZeRO-3 communication) + exposed data-parallel reduction + exposed
+parameter all-gather (ZeRO >= 1) + the tied-embedding gradient all-reduce (pp > 1) + the
+optimizer step (memory bound: 32 bytes per local parameter).
+
+Data parallelism, overlapped (this runtime): a pp rank's gradients are reduced in buckets that
+launch during its last backward of the step (``GradReducer.sync_if(last_backward)``), so the
+reduction hides under that last backward and under the time the rank then waits for the others
+(``makespan - finish``); only the last bucket's collective cannot start before the backward
+ends. After the optimizer, the ZeRO parameter all-gather is waited for per module in the next
+forward, so it hides under the rank's pipeline fill (``first_start``) and its first forward.
+Not overlapped: both are exposed in full after the flush.
+
+CPU twin. When ranks outnumber cores (``cluster.cores_per_node``), the step also cannot be
+shorter than the node's CPU work (compute, the host side of every collective, the optimizer)
+divided by the cores; the estimate takes the larger of the two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from overlap.plan.bubble import closed_form_bubble, simulate_stages
+from overlap.plan.comm import Placement, axis_placement, collective_time, placement
+from overlap.plan.compute import layer_cost
+from overlap.plan.hardware import ClusterSpec
+from overlap.plan.layout import WIRE_BYTES, Layout
+from overlap.plan.memory import StageMemory, memory_per_rank, rank_params
+from overlap.plan.models import ModelSpec
+from overlap.plan.stages import StageCost, stage_costs
+
+__all__ = ["Estimate", "estimate", "GIB"]
+
+GIB = float(2**30)
+OPTIMIZER_BYTES_PER_PARAM = 32.0  # Adam: read p16, g32, p32, m, v (18) + write p16, p32, m, v (14)
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class Estimate:
+    model: ModelSpec
+    cluster: ClusterSpec
+    layout: Layout
+    dp: int
+    num_microbatches: int
+    step_time_s: float
+    pipeline_s: float
+    optimizer_s: float
+    bubble_fraction: float
+    closed_form_bubble: float
+    memory: tuple[StageMemory, ...]
+    comm_s: dict[str, float]
+    exposed_s: dict[str, float]
+    stage_costs: tuple[StageCost, ...]
+    model_flops: float
+    hardware_flops: float
+    cpu_work_s: float
+    cpu_bound: bool
+    dp_algorithm: str
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.layout.global_batch * self.model.seq_len / self.step_time_s
+
+    @property
+    def model_tflops_per_gpu(self) -> float:
+        return self.model_flops / self.step_time_s / self.cluster.num_gpus / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_tflops_per_gpu * 1e12 / self.cluster.device.peak_flops
+
+    @property
+    def hfu(self) -> float:
+        return self.hardware_flops / self.step_time_s / self.cluster.num_gpus / \
+            self.cluster.device.peak_flops
+
+    @property
+    def peak_memory(self) -> StageMemory:
+        return max(self.memory, key=lambda m: m.total)
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return sum(self.exposed_s.values())
+
+    def fits(self, fraction: float = 0.9) -> bool:
+        return self.peak_memory.total <= fraction * self.cluster.device.hbm_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        mem = self.peak_memory
+        lay = self.layout
+        return {
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "model_tflops_per_gpu": self.model_tflops_per_gpu,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "bubble_fraction": self.bubble_fraction,
+            "bubble_fraction_closed_form": self.closed_form_bubble,
+            "memory_gib": {"weights": mem.weights / GIB, "grads": mem.grads / GIB,
+                           "optimizer": mem.optimizer / GIB,
+                           "activations": mem.activations / GIB, "total": mem.total / GIB,
+                           "pp_rank": mem.rank, "capacity": self.cluster.device.hbm_bytes / GIB},
+            "comm_s": dict(self.comm_s),
+            "exposed_comm_s": self.exposed_comm_s,
+            "exposed_s": dict(self.exposed_s),
+            "pipeline_s": self.pipeline_s,
+            "optimizer_s": self.optimizer_s,
+            "cpu_bound": self.cpu_bound,
+            "layout": {"gpus": self.cluster.num_gpus, "gpu": self.cluster.device.name,
+                       "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp": self.dp,
+                       "micro_batch": lay.micro_batch, "num_microbatches": self.num_microbatches,
+                       "schedule": lay.schedule, "virtual": lay.num_virtual,
+                       "recompute": lay.recompute, "sequence_parallel": lay.sequence_parallel,
+                       "zero": lay.zero, "comm_dtype": lay.comm_dtype},
+        }
+
+
+def _group_placement(cluster: ClusterSpec, layout: Layout, dp: int) -> Placement:
+    """The dp x cp ranks that hold the same parameters (one DP reduction group)."""
+    tp, cp, pp = layout.tp, layout.cp, layout.pp
+    ranks = [(d * pp * cp + c) * tp for d in range(dp) for c in range(cp)]
+    nodes: dict[int, int] = {}
+    for r in ranks:
+        nodes[r // cluster.gpus_per_node] = nodes.get(r // cluster.gpus_per_node, 0) + 1
+    return Placement(size=len(ranks), per_node=max(nodes.values()), nodes=len(nodes))
+
+
+def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Estimate:
+    layout.check(model, cluster)
+    dev = cluster.device
+    dp = layout.dp(cluster)
+    m = layout.num_microbatches(cluster)
+    v = layout.num_virtual
+    kw = dict(tp=layout.tp, cp=layout.cp, pp=layout.pp, dp=dp)
+    tp_place = axis_placement(cluster, "tp", **kw)
+    cp_place = axis_placement(cluster, "cp", **kw)
+    dp_place = _group_placement(cluster, layout, dp)
+    layer = layer_cost(model, layout, dev, tp_place=tp_place, cp_place=cp_place,
+                       flash=layout.flash_attention)
+    costs = stage_costs(model, layout, cluster, layer, tp_place=tp_place, dp_place=dp_place)
+    sim = simulate_stages(layout.schedule, layout.pp, m, v, [c.as_sim() for c in costs])
+
+    # Data-parallel reduction and parameter gather, per pp rank.
+    wire = WIRE_BYTES[layout.comm_dtype]
+    dp_exposed = ag_exposed = 0.0
+    dp_comm_rank, dp_algo, dp_ops = [], "none", 0
+    for r in range(layout.pp):
+        params = rank_params(model, layout, r)
+        first_f = costs[r].F
+        if dp_place.size <= 1 or layout.zero == 3:
+            dp_comm_rank.append(0.0)
+            continue
+        if layout.zero == 0:
+            red, dp_algo = collective_time("all_reduce", wire * params, dp_place, dev)
+            tail = collective_time("all_reduce", min(wire * params, layout.bucket_bytes),
+                                   dp_place, dev)[0]
+            gather = 0.0
+        else:
+            red, dp_algo = collective_time("reduce_scatter", wire * params, dp_place, dev)
+            tail = collective_time("reduce_scatter", min(wire * params, layout.bucket_bytes),
+                                   dp_place, dev)[0]
+            gather = collective_time("all_gather", layout.dtype_bytes * params, dp_place,
+                                     dev)[0]
+        dp_ops = max(dp_ops, math.ceil(wire * params / layout.bucket_bytes) * (1 + (gather > 0)))
+        dp_comm_rank.append(red + gather)
+        if layout.overlap.dp:
+            slack = sim.makespan - sim.finish[r]
+            dp_exposed = max(dp_exposed, max(0.0, max(red - sim.last_backward[r], tail) - slack))
+            ag_exposed = max(ag_exposed, max(0.0, gather - sim.first_start[r] - first_f))
+        else:
+            dp_exposed = max(dp_exposed, red)
+            ag_exposed = max(ag_exposed, gather)
+    emb_sync = 0.0
+    if layout.pp > 1 and model.tied_embeddings:
+        pair = placement(cluster, 2, (layout.pp - 1) * layout.tp * layout.cp)
+        emb_sync = collective_time("all_reduce", wire * model.vocab * model.hidden / layout.tp,
+                                   pair, dev)[0]
+
+    # Optimizer: memory-bound update of the local (ZeRO: 1/(dp*cp)) parameters.
+    shard = dp * layout.cp if layout.zero >= 1 else 1
+    mem_bw = dev.hbm_bandwidth * dev.mem_efficiency
+    opt = max(rank_params(model, layout, r) / shard * OPTIMIZER_BYTES_PER_PARAM / mem_bw
+              for r in range(layout.pp))
+    host_step = dev.host_tp_step_s if layout.tp > 1 else dev.host_step_s
+    step = sim.makespan + dp_exposed + ag_exposed + emb_sync + opt + host_step
+
+    # CPU twin: the node's CPU work over its cores.
+    cpu_work, cpu_bound = 0.0, False
+    if cluster.cores_per_node is not None:
+        per_rank = []
+        for r in range(layout.pp):
+            chunks = layout.rank_chunks(r)
+            # Compute (with the layers' host costs, which include their TP ops and small
+            # collectives), P2P sides, data-parallel collectives, the optimizer, the step.
+            work = m * sum(costs[c].work for c in chunks)
+            host = m * sum(costs[c].p2p_ops for c in chunks) * dev.p2p_cpu_s + \
+                dp_ops * (dp_place.size - 1) * dev.comm_cpu_s + host_step
+            per_rank.append(work + host + opt)
+        cpu_work = sum(per_rank) / layout.pp * cluster.ranks_per_node
+        floor = cpu_work / cluster.cores_per_node
+        if floor > step:
+            step, cpu_bound = floor, True
+
+    # Per-step communication of the busiest pp rank, raw and exposed.
+    def per_rank(attr: str, r: int) -> float:
+        return m * sum(getattr(costs[c], attr) for c in layout.rank_chunks(r))
+
+    worst = max(range(layout.pp), key=lambda r: sim.busy[r])
+    comm = {"tp": per_rank("tp_comm", worst), "pp": per_rank("pp_comm", worst),
+            "dp": max(dp_comm_rank, default=0.0) + emb_sync + per_rank("dp_comm", worst)}
+    exposed = {"tp": per_rank("tp_exposed", worst), "pp": per_rank("pp_exposed", worst),
+               "dp": dp_exposed + ag_exposed + emb_sync + per_rank("dp_exposed", worst)}
+    seqs = layout.global_batch
+    model_flops = seqs * model.model_flops_per_sequence()
+    hw_per_mb = sum(c.hw_flops for c in costs)  # one micro-batch through every stage, per GPU
+    hardware_flops = hw_per_mb * m * cluster.num_gpus / layout.pp
+    return Estimate(model=model, cluster=cluster, layout=layout, dp=dp, num_microbatches=m,
+                    step_time_s=step, pipeline_s=sim.makespan, optimizer_s=opt,
+                    bubble_fraction=sim.bubble_fraction,
+                    closed_form_bubble=closed_form_bubble(layout.schedule, layout.pp, m, v),
+                    memory=tuple(memory_per_rank(model, layout, cluster)), comm_s=comm,
+                    exposed_s=exposed, stage_costs=tuple(costs), model_flops=model_flops,
+                    hardware_flops=hardware_flops, cpu_work_s=cpu_work, cpu_bound=cpu_bound,
+                    dp_algorithm=dp_algo)

@@ -1,0 +1,149 @@
+"""A 3D layout: how a model is cut over a cluster, and what the runtime overlaps.
+
+``Layout.check(model, cluster)`` raises a ValueError naming the flag for every choice that
+cannot work (tp not dividing the heads, gpus not divisible by tp*pp*cp, a batch that does not
+split into micro-batches, ...), before anything is estimated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from overlap.plan.hardware import ClusterSpec
+from overlap.plan.models import ModelSpec
+
+__all__ = ["Layout", "Overlap", "SCHEDULES", "RECOMPUTE", "COMM_DTYPES", "WIRE_BYTES"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+RECOMPUTE = ("none", "selective", "full")
+COMM_DTYPES = ("fp32", "bf16", "int8")
+# Bytes per element on the wire. int8: one code per element plus one fp32 scale per block of
+# 128 (overlap.comm.quant), 1 + 4/128 bytes.
+WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 128}
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class Overlap:
+    """Which communication the runtime hides under compute.
+
+    The defaults are this runtime's mechanisms: fused TP comm+GEMM ops, bucketed DP reduction
+    under the backward (and parameter all-gathers under the next forward), P2P under the
+    neighbouring compute. ``Overlap.none()`` is a runtime that waits for every transfer, such as
+    the Megatron-LM of Narayanan et al. 2021 that the calibration runs used."""
+
+    tp: bool = True
+    dp: bool = True
+    pp: bool = True
+
+    @classmethod
+    def none(cls) -> "Overlap":
+        return cls(tp=False, dp=False, pp=False)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class Layout:
+    """Degrees, batch split, schedule and memory savers. ``flash_attention`` (default on, as
+    torch's scaled_dot_product_attention on GPUs) never stores or streams the s x s scores; off
+    reproduces the unfused attention that Korthikanti et al. and Narayanan et al. measured.
+    ``dtype_bytes`` is the element size of weights and activations: 2 (bf16) on GPUs, 4 for the
+    fp32 CPU twin."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    global_batch: int
+    micro_batch: int = 1
+    schedule: str = "1f1b"
+    virtual: int = 1
+    recompute: str = "selective"
+    sequence_parallel: bool = False
+    flash_attention: bool = True
+    zero: int = 1
+    comm_dtype: str = "bf16"
+    fp32_main_grads: bool = True
+    dtype_bytes: int = 2
+    bucket_bytes: float = 25 * 2**20
+    overlap: Overlap = Overlap()
+
+    # ------------------------------------------------------------------ derived
+    def dp(self, cluster: ClusterSpec) -> int:
+        return cluster.num_gpus // (self.tp * self.pp * self.cp)
+
+    def num_microbatches(self, cluster: ClusterSpec) -> int:
+        return self.global_batch // (self.dp(cluster) * self.micro_batch)
+
+    @property
+    def num_virtual(self) -> int:
+        return self.virtual if self.schedule == "interleaved" else 1
+
+    @property
+    def num_chunks(self) -> int:
+        return self.pp * self.num_virtual
+
+    def chunk_layers(self, model: ModelSpec) -> list[int]:
+        """Layers per model chunk (stage), in stage order; spread as evenly as possible."""
+        n, c = model.num_layers, self.num_chunks
+        return [n // c + (1 if i < n % c else 0) for i in range(c)]
+
+    def rank_chunks(self, rank: int) -> list[int]:
+        """The stages a pipeline rank holds (looping placement, as ``overlap.pp``)."""
+        return [rank + j * self.pp for j in range(self.num_virtual)]
+
+    # ------------------------------------------------------------------ validation
+    def check(self, model: ModelSpec, cluster: ClusterSpec) -> None:
+        for arg in ("tp", "pp", "cp", "global_batch", "micro_batch", "virtual"):
+            v = getattr(self, arg)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{arg.replace('_', '-')} must be a positive integer, got {v!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule {self.schedule!r} is unknown; expected one of "
+                             f"{list(SCHEDULES)}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"--recompute {self.recompute!r} is unknown; expected one of "
+                             f"{list(RECOMPUTE)}")
+        if self.comm_dtype not in COMM_DTYPES:
+            raise ValueError(f"--comm-dtype {self.comm_dtype!r} is unknown; expected one of "
+                             f"{list(COMM_DTYPES)}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.virtual > 1 and self.schedule != "interleaved":
+            raise ValueError(f"--virtual {self.virtual} needs --schedule interleaved (the other "
+                             "schedules run one model chunk per pipeline rank)")
+        if self.schedule == "zb-h1" and self.recompute == "full":
+            raise ValueError("--schedule zb-h1 with --recompute full is not modelled: the "
+                             "split backward needs the stored activations")
+        model_parallel = self.tp * self.pp * self.cp
+        if cluster.num_gpus % model_parallel:
+            raise ValueError(f"--gpus {cluster.num_gpus} is not divisible by --tp {self.tp} x "
+                             f"--pp {self.pp} x --cp {self.cp} = {model_parallel}")
+        if model.num_heads % self.tp:
+            raise ValueError(f"--tp {self.tp} does not divide --heads {model.num_heads}: each "
+                             "tensor-parallel rank needs whole heads")
+        if model.kv_heads % self.tp and self.tp % model.kv_heads:
+            raise ValueError(f"--tp {self.tp} and --kv-heads {model.kv_heads}: one must divide "
+                             "the other (whole key/value heads per rank, or replicated ones)")
+        if model.ffn_dim % self.tp or model.vocab % self.tp:
+            raise ValueError(f"--tp {self.tp} must divide --ffn {model.ffn_dim} and --vocab "
+                             f"{model.vocab}")
+        if model.seq_len % self.cp:
+            raise ValueError(f"--cp {self.cp} does not divide --seq {model.seq_len}")
+        if self.sequence_parallel and (model.seq_len // self.cp) % self.tp:
+            raise ValueError(f"--sequence-parallel splits the {model.seq_len // self.cp} tokens "
+                             f"of a sequence over --tp {self.tp}: it must divide them")
+        if model.num_layers < self.num_chunks:
+            raise ValueError(f"--layers {model.num_layers} is less than --pp {self.pp} x "
+                             f"--virtual {self.num_virtual} stages: every stage needs a layer")
+        if self.schedule == "interleaved" and model.num_layers % self.num_chunks:
+            raise ValueError(f"--schedule interleaved needs --layers {model.num_layers} to be a "
+                             f"multiple of --pp x --virtual = {self.num_chunks}")
+        dp = self.dp(cluster)
+        if self.global_batch % (dp * self.micro_batch):
+            raise ValueError(f"--global-batch {self.global_batch} is not divisible by data "
+                             f"parallel {dp} x --micro-batch {self.micro_batch}")
+        m = self.num_microbatches(cluster)
+        if m < self.pp:
+            raise ValueError(f"{m} micro-batches per pipeline (--global-batch / (dp x "
+                             f"--micro-batch)) is fewer than --pp {self.pp}: stages would idle")
+        if self.schedule == "interleaved" and m % self.pp:
+            raise ValueError(f"--schedule interleaved needs the {m} micro-batches per pipeline "
+                             f"to be a multiple of --pp {self.pp}")

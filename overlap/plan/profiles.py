@@ -1,0 +1,123 @@
+"""Shipped device profiles, each number with its source.
+
+Vendor numbers are peaks from the datasheets. The efficiencies (``FITTED``) are the only free
+parameters of the planner: fitted once, by ``python -m overlap.plan.fit``, to the ten runs of
+Narayanan et al. 2021 Table 1 (A100-80GB, DGX A100 nodes, HDR InfiniBand) and to nothing else.
+Hopper profiles reuse them: no Hopper run was used to fit anything, so Hopper predictions are
+extrapolations and say so in their sources.
+"""
+
+from __future__ import annotations
+
+from overlap.plan.hardware import DeviceProfile, GemmCurve, LinkSpec
+
+__all__ = ["FITTED", "PROFILES", "get_profile", "build_profiles", "NCCL_LATENCY"]
+
+# Written by `python -m overlap.plan.fit` (see its docstring for the objective).
+FITTED = {
+    "gemm_e_max": 0.6622,
+    "gemm_d_half": 0.0,
+    "nvlink_efficiency": 1.0,
+    "ib_efficiency": 1.0,
+}
+
+# NCCL's own latency model (src/graph/tuning.cc, ncclTopoTuneModel; Simple protocol, ring):
+# 8.4 us per collective, plus per algorithm step 3.4 us over NVLink and 9.6 us over the network.
+NCCL_LATENCY = {"base": 8.4e-6, "nvlink_step": 3.4e-6, "net_step": 9.6e-6}
+
+_NCCL_SRC = "NCCL src/graph/tuning.cc latency model (ring, Simple protocol)"
+_FIT_SRC = "fitted to Narayanan et al. 2021 Table 1 (python -m overlap.plan.fit)"
+_MEM_EFF_SRC = ("about 88-90% of datasheet HBM bandwidth is the best any kernel reaches on A100 "
+                "(NVIDIA developer forum, 'Trouble to reach peak bandwidth of A100', 2024)")
+
+
+def _gemm(fit: dict[str, float]) -> GemmCurve:
+    return GemmCurve(e_max=fit["gemm_e_max"], d_half=fit["gemm_d_half"])
+
+
+def _a100(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: str,
+          fit: dict[str, float]) -> DeviceProfile:
+    return DeviceProfile(
+        name=name, peak_flops=312e12, hbm_bytes=hbm_bytes, hbm_bandwidth=hbm_bw,
+        mem_efficiency=0.88, gemm=_gemm(fit),
+        intra=LinkSpec(bandwidth=300e9, latency_s=NCCL_LATENCY["nvlink_step"],
+                       efficiency=fit["nvlink_efficiency"]),
+        inter=LinkSpec(bandwidth=25e9, latency_s=NCCL_LATENCY["net_step"],
+                       efficiency=fit["ib_efficiency"]),
+        base_latency_s=NCCL_LATENCY["base"],
+        sources={
+            "peak_flops": "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16/FP16 Tensor Core",
+            "hbm_bytes": hbm_src,
+            "hbm_bandwidth": bw_src,
+            "mem_efficiency": _MEM_EFF_SRC,
+            "gemm": _FIT_SRC,
+            "intra.bandwidth": "NVIDIA A100 datasheet: third-generation NVLink 600 GB/s "
+                               "bidirectional per GPU = 300 GB/s per direction (NVSwitch)",
+            "inter.bandwidth": "DGX A100: 8 x 200 Gb/s HDR InfiniBand per node, one per GPU = "
+                               "25 GB/s per GPU per direction (as in Narayanan et al. 2021)",
+            "intra.latency_s": _NCCL_SRC, "inter.latency_s": _NCCL_SRC,
+            "base_latency_s": _NCCL_SRC,
+            "intra.efficiency": _FIT_SRC, "inter.efficiency": _FIT_SRC,
+        })
+
+
+def _hopper(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: str,
+            product: str, fit: dict[str, float]) -> DeviceProfile:
+    return DeviceProfile(
+        name=name, peak_flops=989e12, hbm_bytes=hbm_bytes, hbm_bandwidth=hbm_bw,
+        mem_efficiency=0.88, gemm=_gemm(fit),
+        intra=LinkSpec(bandwidth=450e9, latency_s=NCCL_LATENCY["nvlink_step"],
+                       efficiency=fit["nvlink_efficiency"]),
+        inter=LinkSpec(bandwidth=50e9, latency_s=NCCL_LATENCY["net_step"],
+                       efficiency=fit["ib_efficiency"]),
+        base_latency_s=NCCL_LATENCY["base"],
+        sources={
+            "peak_flops": f"NVIDIA {product} datasheet: 1,979 TFLOP/s BF16 Tensor Core with "
+                          "sparsity, i.e. 989 TFLOP/s dense",
+            "hbm_bytes": hbm_src,
+            "hbm_bandwidth": bw_src,
+            "mem_efficiency": _MEM_EFF_SRC + "; assumed the same on Hopper",
+            "gemm": _FIT_SRC + " on A100; not validated on Hopper (extrapolation)",
+            "intra.bandwidth": f"NVIDIA {product} datasheet: fourth-generation NVLink 900 GB/s "
+                               "bidirectional per GPU = 450 GB/s per direction",
+            "inter.bandwidth": "DGX H100/H200: 8 x ConnectX-7 400 Gb/s NDR InfiniBand, one per "
+                               "GPU = 50 GB/s per GPU per direction (DGX H100 user guide)",
+            "intra.latency_s": _NCCL_SRC, "inter.latency_s": _NCCL_SRC,
+            "base_latency_s": _NCCL_SRC,
+            "intra.efficiency": _FIT_SRC + " on A100 NVLink; assumed on Hopper",
+            "inter.efficiency": _FIT_SRC + " on HDR; assumed on NDR",
+        })
+
+
+def build_profiles(fit: dict[str, float] | None = None) -> dict[str, DeviceProfile]:
+    """The shipped profiles with efficiencies ``fit`` (default: the fitted ``FITTED``)."""
+    fit = dict(FITTED if fit is None else fit)
+    return {
+        "a100-40g": _a100(
+            "a100-40g", 42_405_855_232, 1555e9,
+            "A100-SXM4-40GB usable memory reported by deviceQuery: 42,405,855,232 bytes "
+            "(39.5 GiB)", "NVIDIA A100 datasheet: 1,555 GB/s HBM2 (40GB)", fit),
+        "a100-80g": _a100(
+            "a100-80g", 85_056_798_720, 2039e9,
+            "A100-SXM4-80GB total memory reported by torch.cuda: 85,056,798,720 bytes "
+            "(79.2 GiB)", "NVIDIA A100 datasheet: 2,039 GB/s HBM2e (80GB SXM)", fit),
+        "h100-sxm": _hopper(
+            "h100-sxm", 81559 * 2**20, 3.35e12,
+            "H100 80GB HBM3 total memory reported by nvidia-smi: 81,559 MiB (79.6 GiB)",
+            "NVIDIA H100 datasheet: 3.35 TB/s HBM3 (SXM)", "H100 SXM", fit),
+        "h200": _hopper(
+            "h200", 143771 * 2**20, 4.8e12,
+            "H200 total memory reported by nvidia-smi: 143,771 MiB (140.4 GiB; datasheet "
+            "141 GB)", "NVIDIA H200 datasheet: 4.8 TB/s HBM3e", "H200 SXM", fit),
+    }
+
+
+PROFILES: dict[str, DeviceProfile] = build_profiles()
+
+
+def get_profile(name: str) -> DeviceProfile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"--gpu {name!r} is unknown; expected one of {sorted(PROFILES)}") \
+            from None

@@ -1,0 +1,81 @@
+"""Readable text for an Estimate and for a search: what ``overlap-plan`` prints."""
+
+from __future__ import annotations
+
+from overlap.plan.estimate import GIB, Estimate
+from overlap.plan.search import SearchResult
+
+__all__ = ["format_estimate", "format_search", "layout_name"]
+
+
+def layout_name(e: Estimate) -> str:
+    lay = e.layout
+    sched = lay.schedule + (f"(v={lay.num_virtual})" if lay.num_virtual > 1 else "")
+    parts = [f"tp{lay.tp}", f"pp{lay.pp}"] + ([f"cp{lay.cp}"] if lay.cp > 1 else []) + \
+        [f"dp{e.dp}", f"mb{lay.micro_batch}", sched, f"rc-{lay.recompute}",
+         f"zero{lay.zero}"] + (["sp"] if lay.sequence_parallel else [])
+    return " ".join(parts)
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.1f} ms" if s < 10 else f"{s:,.2f} s"
+
+
+def format_estimate(e: Estimate) -> str:
+    m, c, lay = e.model, e.cluster, e.layout
+    mem = e.peak_memory
+    cap = c.device.hbm_bytes
+    lines = [
+        f"model     {m.name}: L={m.num_layers} h={m.hidden} a={m.num_heads} "
+        f"kv={m.kv_heads} F={m.ffn_dim} V={m.vocab} s={m.seq_len} "
+        f"({m.total_params() / 1e9:.1f}B parameters)",
+        f"cluster   {c.num_gpus} x {c.device.name}, {c.gpus_per_node} per node",
+        f"layout    {layout_name(e)}, {e.num_microbatches} micro-batches per pipeline, "
+        f"global batch {lay.global_batch}, comm {lay.comm_dtype}, "
+        f"overlap {'on' if lay.overlap.tp else 'off'}",
+        "",
+        f"memory per GPU (pp rank {mem.rank}, the fullest)   {mem.total / GIB:6.1f} GiB of "
+        f"{cap / GIB:.1f} ({100 * mem.total / cap:.0f}%)",
+        f"  weights {mem.weights / GIB:6.2f}  grads {mem.grads / GIB:6.2f}  "
+        f"optimizer {mem.optimizer / GIB:6.2f}  activations {mem.activations / GIB:6.2f} GiB",
+        "  per pp rank: " + ", ".join(f"{s.total / GIB:.1f}" for s in e.memory) + " GiB",
+        "",
+        f"step time         {_ms(e.step_time_s)}   (pipeline {_ms(e.pipeline_s)}, optimizer "
+        f"{_ms(e.optimizer_s)}{', CPU-bound' if e.cpu_bound else ''})",
+        f"bubble            {100 * e.bubble_fraction:.1f}% simulated "
+        f"({100 * e.closed_form_bubble:.1f}% closed form, uniform stages)",
+        f"throughput        {e.tokens_per_s:,.0f} tokens/s, {e.model_tflops_per_gpu:.1f} model "
+        f"TFLOP/s per GPU",
+        f"utilisation       MFU {100 * e.mfu:.1f}%, HFU {100 * e.hfu:.1f}%",
+        "",
+        "communication per step (busiest pp rank)   raw -> exposed",
+    ]
+    for axis in ("tp", "pp", "dp"):
+        lines.append(f"  {axis}  {_ms(e.comm_s[axis]):>12} -> {_ms(e.exposed_s[axis]):>10}")
+    lines.append(f"  exposed in total {_ms(e.exposed_comm_s)} "
+                 f"({100 * e.exposed_comm_s / e.step_time_s:.1f}% of the step)")
+    return "\n".join(lines)
+
+
+def format_search(res: SearchResult, top: int, capacity_note: str = "") -> str:
+    lines = [f"{len(res.ranked)} layouts fit, {len(res.rejected)} rejected "
+             f"({', '.join(f'{k}: {v}' for k, v in sorted(res.reasons().items()))})"
+             + capacity_note, ""]
+    head = f"{'#':>3}  {'layout':<58} {'step':>10} {'MFU':>6} {'bubble':>7} {'mem GiB':>8} " \
+           f"{'exposed':>9}"
+    lines += [head, "-" * len(head)]
+    for i, e in enumerate(res.ranked[:top], 1):
+        lines.append(f"{i:>3}  {layout_name(e):<58} {_ms(e.step_time_s):>10} "
+                     f"{100 * e.mfu:5.1f}% {100 * e.bubble_fraction:6.1f}% "
+                     f"{e.peak_memory.total / GIB:8.1f} {_ms(e.exposed_comm_s):>9}")
+    if res.rejected:
+        lines += ["", "rejected (first of each reason):"]
+        seen = set()
+        for lay, why in res.rejected:
+            key = why.split(":")[0]
+            if key in seen:
+                continue
+            seen.add(key)
+            lines.append(f"  tp{lay.tp} pp{lay.pp} mb{lay.micro_batch} {lay.schedule} "
+                         f"rc-{lay.recompute}: {why}")
+    return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""``search(model, cluster, global_batch, constraints)``: rank the layouts that fit.
+
+Candidates: every tp (a power of two up to the node, dividing the heads), pp (dividing the
+layers and the GPUs left), micro-batch, schedule (1F1B, interleaved with v chunks, ZB-H1),
+recomputation and ZeRO stage the constraints allow, with sequence parallelism whenever tp > 1.
+Each is checked in order of cost: its shapes (``Layout.check``), then its memory (cheap,
+:mod:`overlap.plan.memory`), then the full estimate with the pipeline replay. A candidate that
+fails gets the reason; the rest are ranked by step time (ties: less memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from overlap.plan.estimate import GIB, Estimate, estimate
+from overlap.plan.hardware import ClusterSpec
+from overlap.plan.layout import Layout, Overlap
+from overlap.plan.memory import memory_per_rank
+from overlap.plan.models import ModelSpec
+
+__all__ = ["Constraints", "SearchResult", "search", "candidates"]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class Constraints:
+    """What the search may choose. ``max_tp`` None: the GPUs of a node."""
+
+    max_tp: int | None = None
+    max_pp: int = 64
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+    schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1")
+    virtual: tuple[int, ...] = (2,)
+    recompute: tuple[str, ...] = ("selective", "full")
+    zero: tuple[int, ...] = (1,)
+    comm_dtype: str = "bf16"
+    flash_attention: bool = True
+    overlap: Overlap = Overlap()
+    memory_fraction: float = 0.9
+
+
+@dataclasses.dataclass(slots=True)
+class SearchResult:
+    ranked: list[Estimate]
+    rejected: list[tuple[Layout, str]]
+
+    def reasons(self) -> dict[str, int]:
+        """How many candidates failed for each kind of reason."""
+        out: dict[str, int] = {}
+        for _, why in self.rejected:
+            key = why.split(":")[0]
+            out[key] = out.get(key, 0) + 1
+        return out
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, v = [], 1
+    while v <= limit:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int,
+               c: Constraints) -> list[Layout]:
+    max_tp = c.max_tp or cluster.gpus_per_node
+    out = []
+    for tp in _powers_of_two(min(max_tp, cluster.num_gpus)):
+        for pp in range(1, min(c.max_pp, model.num_layers) + 1):
+            if model.num_layers % pp or cluster.num_gpus % (tp * pp):
+                continue
+            for mb in c.micro_batches:
+                for sched in c.schedules if pp > 1 else ("1f1b",):
+                    for v in c.virtual if sched == "interleaved" else (1,):
+                        for rec in c.recompute:
+                            if sched == "zb-h1" and rec == "full":
+                                continue
+                            for zero in c.zero:
+                                out.append(Layout(
+                                    tp=tp, pp=pp, global_batch=global_batch, micro_batch=mb,
+                                    schedule=sched, virtual=v, recompute=rec,
+                                    sequence_parallel=tp > 1, zero=zero,
+                                    comm_dtype=c.comm_dtype, flash_attention=c.flash_attention,
+                                    overlap=c.overlap))
+    return out
+
+
+def search(model: ModelSpec, cluster: ClusterSpec, global_batch: int,
+           constraints: Constraints = Constraints()) -> SearchResult:
+    ranked: list[Estimate] = []
+    rejected: list[tuple[Layout, str]] = []
+    capacity = constraints.memory_fraction * cluster.device.hbm_bytes
+    for layout in candidates(model, cluster, global_batch, constraints):
+        try:
+            layout.check(model, cluster)
+        except ValueError as exc:
+            rejected.append((layout, f"invalid: {exc}"))
+            continue
+        mem = max(memory_per_rank(model, layout, cluster), key=lambda s: s.total)
+        if mem.total > capacity:
+            rejected.append((layout, f"memory: {mem.total / GIB:.1f} GiB on pp rank {mem.rank} "
+                                     f"> {capacity / GIB:.1f} GiB ({constraints.memory_fraction:g}"
+                                     f" of {cluster.device.hbm_bytes / GIB:.1f} GiB)"))
+            continue
+        ranked.append(estimate(model, cluster, layout))
+    ranked.sort(key=lambda e: (e.step_time_s, e.peak_memory.total))
+    return SearchResult(ranked=ranked, rejected=rejected)

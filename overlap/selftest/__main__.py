@@ -1,0 +1,94 @@
+"""``overlap-selftest`` / ``python -m overlap.selftest``: the first command on a new machine.
+
+Prints what the machine has (devices, versions, peer access, NVLink, symmetric memory), runs
+every check on the available devices, prints a table (check, result, time, measured, error),
+writes it all as JSON with ``--json PATH`` and exits 0 iff every check passed.
+
+Without torchrun it starts its own local ranks: one per GPU with NCCL when there are at least
+two GPUs, else 2 CPU ranks (``--world-size``) on nccl_twin (gloo with NCCL's ordering rules).
+Under torchrun (RANK/WORLD_SIZE set) every process runs its rank and rank 0 reports.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from overlap.selftest.config import SelftestConfig, parse_args
+
+__all__ = ["main"]
+
+
+def _placement(cfg: SelftestConfig, num_gpus: int) -> tuple[str, int, str]:
+    """(device type, world size, a note for the report) for a local run; exits 2 if the
+    requested placement cannot work."""
+    device = cfg.device
+    note = ""
+    if device == "auto":
+        device = "cuda" if num_gpus >= 2 else "cpu"
+        if num_gpus == 1:
+            note = ("1 GPU found: the checks need one GPU per rank and >= 2 ranks, so the CPU "
+                    "twins ran; run on a node with >= 2 GPUs to check the GPU paths")
+    if device == "cuda":
+        world = cfg.world_size or num_gpus
+        if num_gpus < 2 or world > num_gpus:
+            print(f"overlap-selftest: error: --device cuda needs one GPU per rank and >= 2 "
+                  f"ranks; this machine has {num_gpus} GPU(s)"
+                  + (f", --world-size asks for {world}" if cfg.world_size else ""),
+                  file=sys.stderr)
+            sys.exit(2)
+        return device, world, note
+    return device, cfg.world_size or 2, note
+
+
+def _report(cfg: SelftestConfig, env, results, *, device: str, world: int, mode: str,
+            seconds: float, note: str) -> bool:
+    from overlap.selftest.report import format_environment, format_table, write_json
+
+    passed = bool(results) and all(r.passed for r in results)
+    transport = "nccl" if device == "cuda" else "nccl_twin"
+    print("overlap-selftest: environment")
+    print(format_environment(env.rows()))
+    print(f"\nchecks on {world} {device} ranks ({mode}, {transport}):")
+    print(format_table(results))
+    if note:
+        print(f"\nnote: {note}")
+    failed = [r.name for r in results if not r.passed]
+    summary = f"{len(results) - len(failed)} of {len(results)} checks passed in {seconds:.1f} s"
+    if failed:
+        summary += f"; FAILED: {', '.join(failed)}"
+    if not results:
+        summary = "no check selected (--only matched nothing): FAIL"
+    print(f"\n{summary}")
+    if cfg.json:
+        write_json(cfg.json, environment=env.as_dict(),
+                   run={"device": device, "world_size": world, "transport": transport,
+                        "mode": mode, "seconds": round(seconds, 3), "note": note},
+                   results=results)
+        print(f"wrote {cfg.json}")
+    return passed
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    from overlap.selftest.env import detect
+    from overlap.selftest.runner import check_names, run_local, run_torchrun, under_torchrun
+
+    t0 = time.monotonic()
+    if under_torchrun():
+        results, passed, device, world = run_torchrun(cfg)
+        if results is not None:  # rank 0 reports
+            _report(cfg, detect(), results, device=device, world=world, mode="torchrun",
+                    seconds=time.monotonic() - t0, note="")
+        return 0 if passed else 1
+    env = detect()
+    device, world, note = _placement(cfg, env.num_gpus)
+    # No check selected: report it without starting any process.
+    results = run_local(cfg, device, world) if check_names(cfg, device) else []
+    passed = _report(cfg, env, results, device=device, world=world, mode="local processes",
+                     seconds=time.monotonic() - t0, note=note)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

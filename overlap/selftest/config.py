@@ -1,0 +1,98 @@
+"""SelftestConfig: the one definition of ``overlap-selftest``'s settings; the CLI is generated
+from it (as ``overlap.train.config`` does), and checked before any process starts."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fnmatch
+import types
+import typing
+from typing import Any
+
+__all__ = ["SelftestConfig", "ConfigError", "build_parser", "parse_args"]
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message is one line naming the flag."""
+
+
+def _field(default: Any, help: str, **kw: Any) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class SelftestConfig:
+    world_size: int | None = _field(None, "local ranks to start (default: one per GPU on a GPU "
+                                          "node, else 2); ignored under torchrun")
+    device: str = _field("auto", "where the checks run: auto (cuda with >= 2 GPUs, else the "
+                                 "CPU twins), cpu or cuda", choices=DEVICES)
+    json: str | None = _field(None, "also write the environment and every check's result to "
+                                    "this JSON file")
+    only: str | None = _field(None, "run only the checks whose name matches one of these "
+                                    "comma-separated globs, e.g. 'tp.*,pp.*'")
+    op_timeout: float = _field(60.0, "seconds any op or wait inside a check may take")
+    peer_timeout: float = _field(2.0, "timeout of the missing-peer check: the op must raise "
+                                      "within it (plus 10 s of slack for a loaded machine)")
+    timeout: float = _field(600.0, "seconds before a hung local run is killed")
+    inject_failure: str | None = _field(None, "tests only: corrupt the named check's result",
+                                        hidden=True)
+
+    def validate(self) -> None:
+        """Raise ConfigError (one line) for settings that cannot work."""
+        if self.world_size is not None and (not isinstance(self.world_size, int)
+                                            or self.world_size < 2):
+            raise ConfigError(f"--world-size must be an integer >= 2 (the checks exchange data "
+                              f"between ranks), got {self.world_size}")
+        for name in ("op_timeout", "peer_timeout", "timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got "
+                                  f"{getattr(self, name)}")
+        if self.peer_timeout >= self.op_timeout:
+            raise ConfigError(f"--peer-timeout ({self.peer_timeout}) must be less than "
+                              f"--op-timeout ({self.op_timeout})")
+
+    def selects(self, check: str) -> bool:
+        if not self.only:
+            return True
+        return any(fnmatch.fnmatchcase(check, pat.strip()) for pat in self.only.split(","))
+
+
+def _arg_type(tp: Any) -> Any:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="overlap-selftest",
+        description="Detect this machine's devices, versions and GPU interconnect, then run "
+                    "every fused op x backend, the quantized collectives, the signal kernels, "
+                    "a pipeline step and a missing-peer timeout against their references. "
+                    "Exit code 0 iff every check passed. Without torchrun it starts its own "
+                    "local processes (one per GPU, or 2 CPU ranks on nccl_twin).")
+    hints = typing.get_type_hints(SelftestConfig)
+    for f in dataclasses.fields(SelftestConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help = (argparse.SUPPRESS if f.metadata.get("hidden")
+                else f.metadata["help"] + f" (default: {f.default})")
+        kw: dict[str, Any] = {"default": f.default, "dest": f.name, "help": help,
+                              "type": _arg_type(hints[f.name])}
+        if "choices" in f.metadata:
+            kw["choices"] = f.metadata["choices"]
+        p.add_argument(flag, **kw)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> SelftestConfig:
+    """Parse and validate; a bad value exits with status 2 and a one-line message."""
+    parser = build_parser()
+    cfg = SelftestConfig(**vars(parser.parse_args(argv)))
+    try:
+        cfg.validate()
+    except ConfigError as exc:
+        parser.exit(2, f"overlap-selftest: error: {exc}\n")
+    return cfg

@@ -1,0 +1,184 @@
+"""overlap-selftest: the CLI end to end (a clean run, an injected failure, torchrun), the
+detection on this machine, and the pieces that merge and print results."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from overlap.selftest.checks import TIMEOUT_SLACK
+from overlap.selftest.env import detect, nvlink_from_topo
+from overlap.selftest.report import JSON_FIELDS, merge
+
+TP = [f"tp.{op}.{be}" for op in ("all_gather_matmul", "matmul_reduce_scatter",
+                                  "matmul_all_reduce") for be in ("chunked", "symmetric", "triton")]
+QUANT = [f"quant.{op}.{dt}.{mode}" for op in ("all_reduce", "reduce_scatter", "all_gather")
+         for dt in ("int8", "bf16") for mode in ("sync", "async")]
+CPU_CHECKS = TP + QUANT + ["symm.signal_ring", "symm.signal_ring.triton", "pp.1f1b_step",
+                           "timeout.missing_peer.all_gather_matmul"]
+NO_GPU = not torch.cuda.is_available()
+PEER_TIMEOUT = 2.0
+
+
+def _selftest(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "overlap.selftest", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the CPU twins' run")
+def test_cli_runs_every_check_and_passes(tmp_path):
+    path = tmp_path / "selftest.json"
+    proc = _selftest("--json", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(path.read_text())
+    assert doc["passed"] is True
+    assert (doc["device"], doc["world_size"], doc["transport"]) == ("cpu", 2, "nccl_twin")
+    checks = {c["name"]: c for c in doc["checks"]}
+    assert [c["name"] for c in doc["checks"]] == CPU_CHECKS
+    for c in doc["checks"]:
+        assert tuple(c) == JSON_FIELDS, c
+        assert c["passed"] is True and c["error"] == "", c
+        assert 0 < c["seconds"] < 60, c
+        assert c["measured"] <= c["limit"], c
+    for name in TP + ["pp.1f1b_step"]:
+        assert (checks[name]["metric"], checks[name]["limit"]) == ("rel err", 1e-5)
+    # The lossy paths lose something (so they ran quantized), and stay within their bounds.
+    for name in QUANT:
+        assert checks[name]["metric"] == "err/bound" and checks[name]["limit"] == 1.0
+        assert 0.05 < checks[name]["measured"] <= 1.0, checks[name]
+    for name in ("symm.signal_ring", "symm.signal_ring.triton"):
+        assert (checks[name]["measured"], checks[name]["limit"]) == (0.0, 0.0)
+    # Rank 0 (stage 0 of 2 GPT blocks) compares its parameters' gradients in both steps.
+    assert checks["pp.1f1b_step"]["detail"].endswith("over 2 steps")
+    timeout = checks["timeout.missing_peer.all_gather_matmul"]
+    assert timeout["limit"] == PEER_TIMEOUT + TIMEOUT_SLACK
+    assert PEER_TIMEOUT * 0.9 <= timeout["measured"] <= PEER_TIMEOUT + TIMEOUT_SLACK
+    assert "all_gather_matmul" in timeout["detail"] and "within 2s" in timeout["detail"]
+    # The printed table: one row per check, in run order, each passing.
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1]
+            and line.split()[0] in checks]
+    assert [r[0] for r in rows] == CPU_CHECKS and all(r[1] == "pass" for r in rows)
+    assert "25 of 25 checks passed" in proc.stdout
+    env = doc["environment"]
+    assert (env["nccl"], env["peer_access"], env["nvlink"]) == ("n/a", "n/a", "n/a")
+
+
+@pytest.mark.parametrize("name, metric", [("tp.matmul_reduce_scatter.symmetric", "rel err"),
+                                          ("pp.1f1b_step", "rel err"),
+                                          ("quant.all_gather.int8.async", "err/bound")])
+def test_a_failing_check_makes_the_exit_code_nonzero(tmp_path, name, metric):
+    path = tmp_path / "selftest.json"
+    proc = _selftest("--only", f"{name},symm.signal_ring", "--inject-failure", name,
+                     "--json", str(path), "--device", "cpu")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    doc = json.loads(path.read_text())
+    assert doc["passed"] is False
+    by_name = {c["name"]: c for c in doc["checks"]}
+    assert sorted(by_name) == sorted([name, "symm.signal_ring"])
+    bad = by_name[name]
+    assert bad["passed"] is False and bad["metric"] == metric
+    assert bad["measured"] > 100 * bad["limit"]     # the injected error, +1e3 on one element
+    assert "exceeds" in bad["error"] and bad["error"].startswith("rank ")
+    assert by_name["symm.signal_ring"]["passed"] is True
+    assert "1 of 2 checks passed" in proc.stdout and f"FAILED: {name}" in proc.stdout
+
+
+def test_only_matching_nothing_fails():
+    proc = _selftest("--only", "no.such.check", "--device", "cpu")
+    assert proc.returncode == 1
+    assert "no check selected" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--world-size", "1"], "--world-size must be an integer >= 2"),
+    (["--peer-timeout", "90"], "--peer-timeout (90.0) must be less than --op-timeout (60.0)"),
+    (["--device", "tpu"], "invalid choice: 'tpu'"),
+])
+def test_bad_flags_exit_2_before_any_process_starts(args, message):
+    proc = _selftest(*args, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(not NO_GPU, reason="this machine has a GPU")
+def test_cuda_without_gpus_is_a_clear_error():
+    proc = _selftest("--device", "cuda", timeout=60)
+    assert proc.returncode == 2
+    assert "this machine has 0 GPU(s)" in proc.stderr
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the CPU twins' run")
+def test_under_torchrun_rank_0_reports(tmp_path):
+    path = tmp_path / "selftest.json"
+    only = "tp.all_gather_matmul.symmetric,quant.all_reduce.int8.sync,pp.1f1b_step"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "-m", "overlap.selftest", "--only", only, "--json", str(path)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(path.read_text())
+    assert (doc["mode"], doc["world_size"], doc["passed"]) == ("torchrun", 2, True)
+    assert [c["name"] for c in doc["checks"]] == only.split(",")
+    assert all(c["measured"] <= c["limit"] for c in doc["checks"])
+    assert proc.stdout.count("overlap-selftest: environment") == 1  # only rank 0 prints
+
+
+@pytest.mark.skipif(not NO_GPU, reason="this machine has a GPU")
+def test_detection_without_gpus_reports_na():
+    import triton
+
+    env = detect()
+    assert env.num_gpus == 0 and env.devices == ["cpu"]
+    for field in ("nccl", "cuda_driver", "peer_access", "p2p_atomics", "nvlink",
+                  "torch_symmetric_memory"):
+        assert getattr(env, field) == "n/a", field
+    assert env.torch == torch.__version__ and env.triton == triton.__version__
+    assert env.torch_cuda_runtime == (torch.version.cuda or "n/a")
+    assert env.triton_mode == "interpreter, TRITON_INTERPRET=1"
+    assert env.overlap_c_extension == "built"
+    assert env.cpu_cores == os.cpu_count()
+    assert dict(env.rows())["NCCL"] == "n/a"
+    assert json.loads(json.dumps(env.as_dict()))["nvlink"] == "n/a"
+
+
+TOPO_NVLINK = """\
+\tGPU0\tGPU1\tGPU2\tCPU Affinity\tNUMA Affinity
+GPU0\t X \tNV12\tSYS\t0-63\t0
+GPU1\tNV12\t X \tNV6\t0-63\t0
+GPU2\tSYS\tNV6\t X \t64-127\t1
+
+Legend:
+  X    = Self
+  NV#  = Connection traversing a bonded set of # NVLinks
+"""
+TOPO_PCIE = """\
+\tGPU0\tGPU1\tCPU Affinity
+GPU0\t X \tPHB\t0-31
+GPU1\tPHB\t X \t0-31
+"""
+
+
+def test_nvlink_summary_from_nvidia_smi_topo():
+    assert nvlink_from_topo(TOPO_NVLINK) == "yes: NV12/NV6 on 4 of 6 GPU pairs"
+    assert nvlink_from_topo(TOPO_PCIE) == "no: GPUs linked by PHB (PCIe or system)"
+    assert nvlink_from_topo("No devices were found") == "unknown"
+
+
+def _row(name, passed, seconds, measured=None, error=""):
+    return {"name": name, "passed": passed, "seconds": seconds, "metric": "rel err",
+            "measured": measured, "limit": 1e-5, "error": error, "detail": ""}
+
+
+def test_merge_fails_a_check_that_failed_or_was_missing_on_any_rank():
+    per_rank = [[_row("a", True, 0.5, 1e-7), _row("b", True, 0.1, 2e-7)],
+                [_row("a", False, 0.7, 3.0, "rel err 3 exceeds 1e-05"), _row("b", True, 0.2, 0.0)],
+                None]
+    a, b = merge(["a", "b"], per_rank, [None, None, "died: exited with code 9"])
+    assert (a.passed, a.seconds, a.measured) == (False, 0.7, 3.0)
+    assert a.error == ("rank 1: rel err 3 exceeds 1e-05; rank 2: died: exited with code 9")
+    assert (b.passed, b.seconds, b.measured) == (False, 0.2, 2e-7)
+    assert b.error == "rank 2: died: exited with code 9"
+    (c,) = merge(["c"], [[_row("c", True, 0.3, 1e-8)], [_row("c", True, 0.4, None)]],
+                 [None, None])
+    assert (c.passed, c.seconds, c.measured, c.error) == (True, 0.4, 1e-8, "")
