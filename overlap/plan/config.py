@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import typing
-from typing import Any
 
+from overlap import cli
 from overlap.plan.hardware import ClusterSpec, DeviceProfile
 from overlap.plan.layout import COMM_DTYPES, RECOMPUTE, SCHEDULES, Layout, Overlap
 from overlap.plan.models import MODELS, ModelSpec, get_model
@@ -20,8 +19,7 @@ from overlap.plan.profiles import PROFILES, get_profile
 __all__ = ["PlanConfig", "build_parser", "parse_args"]
 
 
-def _field(default: Any, help: str, **kw: Any) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help, **kw})
+_field = cli.field
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -120,39 +118,16 @@ class PlanConfig:
             layout.check(model, cluster)
 
 
-def _arg_type(tp: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
-        return next(a for a in typing.get_args(tp) if a is not type(None))
-    return tp
+_PROG = "overlap-plan"
+_DESCRIPTION = ("Predict memory, pipeline bubble, communication and step time of a 3D "
+                "layout (--search: find the best one), or --calibrate this machine.")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="overlap-plan",
-        description="Predict memory, pipeline bubble, communication and step time of a 3D "
-                    "layout (--search: find the best one), or --calibrate this machine.")
-    hints = typing.get_type_hints(PlanConfig)
-    for f in dataclasses.fields(PlanConfig):
-        tp = _arg_type(hints[f.name])
-        kw: dict[str, Any] = {"help": f.metadata["help"] + f" (default: {f.default})",
-                              "default": f.default, "dest": f.name}
-        if tp is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        else:
-            kw["type"] = tp
-            if "choices" in f.metadata:
-                kw["choices"] = f.metadata["choices"]
-        p.add_argument("--" + f.name.replace("_", "-"), **kw)
-    return p
+def build_parser() -> "argparse.ArgumentParser":
+    return cli.build_parser(PlanConfig, prog=_PROG, description=_DESCRIPTION)
 
 
 def parse_args(argv: list[str] | None = None) -> PlanConfig:
     """Parse and validate; a bad value exits with status 2 and a one-line message."""
-    parser = build_parser()
-    cfg = PlanConfig(**vars(parser.parse_args(argv)))
-    try:
-        cfg.validate()
-    except ValueError as exc:
-        parser.exit(2, f"overlap-plan: error: {exc}\n")
-    return cfg
+    return cli.parse(PlanConfig, argv, prog=_PROG, description=_DESCRIPTION,
+                     errors=(ValueError,))

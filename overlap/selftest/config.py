@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import fnmatch
-import types
-import typing
-from typing import Any
+
+from overlap import cli
 
 __all__ = ["SelftestConfig", "ConfigError", "build_parser", "parse_args"]
 
@@ -19,8 +18,7 @@ class ConfigError(ValueError):
     """A setting that cannot work; the message is one line naming the flag."""
 
 
-def _field(default: Any, help: str, **kw: Any) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help, **kw})
+_field = cli.field
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -60,39 +58,19 @@ class SelftestConfig:
         return any(fnmatch.fnmatchcase(check, pat.strip()) for pat in self.only.split(","))
 
 
-def _arg_type(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return next(a for a in typing.get_args(tp) if a is not type(None))
-    return tp
+_PROG = "overlap-selftest"
+_DESCRIPTION = ("Detect this machine's devices, versions and GPU interconnect, then run "
+                "every fused op x backend, the quantized collectives, the signal kernels, "
+                "a pipeline step and a missing-peer timeout against their references. "
+                "Exit code 0 iff every check passed. Without torchrun it starts its own "
+                "local processes (one per GPU, or 2 CPU ranks on nccl_twin).")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="overlap-selftest",
-        description="Detect this machine's devices, versions and GPU interconnect, then run "
-                    "every fused op x backend, the quantized collectives, the signal kernels, "
-                    "a pipeline step and a missing-peer timeout against their references. "
-                    "Exit code 0 iff every check passed. Without torchrun it starts its own "
-                    "local processes (one per GPU, or 2 CPU ranks on nccl_twin).")
-    hints = typing.get_type_hints(SelftestConfig)
-    for f in dataclasses.fields(SelftestConfig):
-        flag = "--" + f.name.replace("_", "-")
-        help = (argparse.SUPPRESS if f.metadata.get("hidden")
-                else f.metadata["help"] + f" (default: {f.default})")
-        kw: dict[str, Any] = {"default": f.default, "dest": f.name, "help": help,
-                              "type": _arg_type(hints[f.name])}
-        if "choices" in f.metadata:
-            kw["choices"] = f.metadata["choices"]
-        p.add_argument(flag, **kw)
-    return p
+def build_parser() -> "argparse.ArgumentParser":
+    return cli.build_parser(SelftestConfig, prog=_PROG, description=_DESCRIPTION)
 
 
 def parse_args(argv: list[str] | None = None) -> SelftestConfig:
     """Parse and validate; a bad value exits with status 2 and a one-line message."""
-    parser = build_parser()
-    cfg = SelftestConfig(**vars(parser.parse_args(argv)))
-    try:
-        cfg.validate()
-    except ConfigError as exc:
-        parser.exit(2, f"overlap-selftest: error: {exc}\n")
-    return cfg
+    return cli.parse(SelftestConfig, argv, prog=_PROG, description=_DESCRIPTION,
+                     errors=(ConfigError,))

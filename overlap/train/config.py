@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import typing
-from typing import Any
 
+from overlap import cli
 from overlap.comm.quant.checks import COMM_DTYPES  # the one vocabulary: "fp32", "bf16", "int8"
 
 __all__ = ["TrainConfig", "ConfigError", "parse_args"]
@@ -25,8 +24,7 @@ class ConfigError(ValueError):
     """A setting that cannot work; the message is one line naming the flag(s)."""
 
 
-def _field(default: Any, help: str, **kw: Any) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help, **kw})
+_field = cli.field
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -113,42 +111,17 @@ class TrainConfig:
             raise ConfigError(f"--check-tolerance must be > 0, got {self.check_tolerance}")
 
 
-def _arg_type(tp: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
-        return next(a for a in typing.get_args(tp) if a is not type(None))
-    return tp
+_PROG = "overlap-train"
+_DESCRIPTION = ("Train a small GPT with tensor x pipeline x data parallelism and every "
+                "communication overlap on. Without torchrun it starts tp*pp*dp local CPU "
+                "processes itself.")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="overlap-train",
-        description="Train a small GPT with tensor x pipeline x data parallelism and every "
-                    "communication overlap on. Without torchrun it starts tp*pp*dp local CPU "
-                    "processes itself.")
-    hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        tp = _arg_type(hints[f.name])
-        kw: dict[str, Any] = {"help": f.metadata["help"] + f" (default: {f.default})",
-                              "default": f.default, "dest": f.name}
-        if tp is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        else:
-            kw["type"] = tp
-            if "choices" in f.metadata:
-                kw["choices"] = f.metadata["choices"]
-        p.add_argument(flag, **kw)
-    return p
+def build_parser() -> "argparse.ArgumentParser":
+    return cli.build_parser(TrainConfig, prog=_PROG, description=_DESCRIPTION)
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Parse and validate; a bad value exits with status 2 and a one-line message."""
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    cfg = TrainConfig(**vars(ns))
-    try:
-        cfg.validate()
-    except ConfigError as exc:
-        parser.exit(2, f"overlap-train: error: {exc}\n")
-    return cfg
+    return cli.parse(TrainConfig, argv, prog=_PROG, description=_DESCRIPTION,
+                     errors=(ConfigError,))
