@@ -50,7 +50,7 @@ def _two_ops_sharing_scratch(order_on_device: bool) -> list[float]:
     out = torch.zeros(2)
     a, b = Stream(name="opA"), Stream(name="opB")
     a.enqueue(lambda: scratch.fill_(1.0))
-XX
+    a.enqueue(lambda: time.sleep(0.4))  # A's kernels still running (B's worker runs by now)
     a.enqueue(lambda: out[0].copy_(scratch[0]))
     if order_on_device:
         b.wait_event(a.record_event())  # the fix: B's stream waits for A's, on the device
