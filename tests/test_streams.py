@@ -45,18 +45,19 @@ def test_wait_event_orders_two_streams():
 def _two_ops_sharing_scratch(order_on_device: bool) -> list[float]:
     """Two 'reductions' on fresh streams that share one scratch buffer. Op A stages its value in
     scratch, its kernel runs a while, then reads scratch back; op B stages its own value. The
-    host issues B after A, as the quantized collectives used to. A's kernel runs until B has
-    written (at most 5 s), the worst interleaving host-only ordering allows; with device
-    ordering B cannot start before A is done, so A's kernel just runs 0.2 s."""
+    host issues B after A, as the quantized collectives used to. Two host events pin the worst
+    interleaving that host-only ordering allows (B writes after A has written and before A
+    reads; each hold is bounded); with device ordering B cannot start until A is done."""
     scratch = torch.zeros(1)
     out = torch.zeros(2)
-    b_wrote = threading.Event()
+    a_wrote, b_wrote = threading.Event(), threading.Event()
     a, b = Stream(name="opA"), Stream(name="opB")
-    a.enqueue(lambda: scratch.fill_(1.0))
+    a.enqueue(lambda: (scratch.fill_(1.0), a_wrote.set()))
     a.enqueue(lambda: b_wrote.wait(0.2 if order_on_device else 5.0))  # A's kernels running
     a.enqueue(lambda: out[0].copy_(scratch[0]))
     if order_on_device:
         b.wait_event(a.record_event())  # the fix: B's stream waits for A's, on the device
+    b.enqueue(lambda: a_wrote.wait(5.0))
     b.enqueue(lambda: (scratch.fill_(2.0), b_wrote.set()))
     b.enqueue(lambda: out[1].copy_(scratch[0]))
     a.synchronize(), b.synchronize()
