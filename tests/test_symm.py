@@ -243,3 +243,30 @@ def _early_close():
 def test_an_early_close_never_changes_bytes_under_a_reader():
     changed = run_ranks(_early_close, 2)[0]
     assert changed == [0] * 20, changed
+
+
+def _fail_while_peer_reads():
+    from overlap.tp.context import TPContext
+
+    rank = dist.get_rank()
+    ctx = TPContext(op="all_gather_matmul", backend="symmetric", group=dist.group.WORLD,
+                    nbytes=4096, num_signals=4, device=torch.device("cpu"), timeout=10)
+    ws = ctx.ws
+    if rank == 0:
+        ws.view(0, torch.uint8, (4096,)).fill_(7)
+        ws.signal(1, slot=0, value=1)  # rank 1 now reads this buffer (an earlier, good call)
+        ctx.fail(RuntimeError("a later call failed on rank 0"))
+        time.sleep(1.0)  # alive: the deferred free must wait for rank 1, not for a death
+        return "failed"
+    ws.wait(slot=0, value=1)
+    changed = []
+    for _ in range(20):
+        time.sleep(0.01)
+        changed.append(int((ws.view(0, torch.uint8, (4096,)) != 7).sum()))
+    ctx.close()
+    return changed
+
+
+def test_a_failing_context_frees_only_after_its_peers_let_go():
+    changed = run_ranks(_fail_while_peer_reads, 2)[1]
+    assert changed == [0] * 20, changed

@@ -33,10 +33,10 @@ from overlap.symm.base import PeerDied, SignalTimeout, SymmetricWorkspace
 
 __all__ = ["CudaWorkspace", "enable_symm_mem", "SYMMETRIC_MEMORY", "CUDA_IPC"]
 
-# int64 header words: [0] abort (0 or 1 + aborting rank), [1] barrier counter, [2] closing (how
-# many ranks have started to close)
+# int64 header words: [0] abort (0 or 1 + aborting rank), [1] barrier counter, [2] closing (1
+# once the rank has started to close and reads no peer buffer any more)
 _HEADER_BYTES = 128
-_W_ABORT, _W_BARRIER, _W_CLOSING = 0, 1, 2
+_W_ABORT, _W_BARRIER, _W_CLOSING, _W_ZERO = 0, 1, 2, 3  # _W_ZERO: never written
 _ALIGN = 256
 _SIGNAL_CU = "signal.cu"
 SYMMETRIC_MEMORY, CUDA_IPC = "symmetric memory", "CUDA IPC"
@@ -191,11 +191,14 @@ class CudaWorkspace(SymmetricWorkspace):
                      np.int64(value))
 
     def _wait_addr(self, addr: int, value: int, timeout: float | None, slot: int,
-                   blocking: bool) -> None:
+                   blocking: bool, *, stop_on_abort: bool = True) -> None:
         limit = self.timeout if timeout is None else timeout
+        # The wait kernel gives up when the abort word becomes non-zero; a wait that must not
+        # (the closing barrier) watches a word that is never written instead.
+        stop_word = _W_ABORT if stop_on_abort else _W_ZERO
         self._launch("overlap_signal_wait", np.uint64(addr), np.int64(value),
                      np.uint64(int(limit * 1e9)), np.int64(slot),
-                     np.uint64(self._bases[self.rank] + 8 * _W_ABORT),
+                     np.uint64(self._bases[self.rank] + 8 * stop_word),
                      np.uint64(self._error.data_ptr()))
         if blocking:
             torch.cuda.current_stream(self.device).synchronize()
@@ -245,16 +248,20 @@ class CudaWorkspace(SymmetricWorkspace):
         if self._closed:
             return
         if wait_for_peers and self.world > 1 and self._bases:
-            # Free only once every peer has started to close (stopped reading our buffer):
-            # count this rank into every peer's closing word, wait for ours to reach world.
+            # Free only once every peer has started to close (reads no buffer of ours any
+            # more): mark ours, then wait on each peer's mark (bounded; a peer that never
+            # comes, dead or stuck, ends the wait at the timeout).
+            self._launch("overlap_signal_set", np.uint64(self._bases[self.rank] + 8 * _W_CLOSING),
+                         np.int64(1))
+            limit = self.timeout if timeout is None else timeout
             for r in range(self.world):
-                self._launch("overlap_signal_add", np.uint64(self._bases[r] + 8 * _W_CLOSING),
-                             np.int64(1))
-            try:
-                self._wait_addr(self._bases[self.rank] + 8 * _W_CLOSING, self.world,
-                                self.timeout if timeout is None else timeout, -1, blocking=True)
-            except (PeerDied, SignalTimeout):
-                pass  # dead or aborted peers read nothing any more
+                if r == self.rank:
+                    continue
+                try:
+                    self._wait_addr(self._bases[r] + 8 * _W_CLOSING, 1, limit, -1, blocking=True,
+                                    stop_on_abort=False)
+                except (PeerDied, SignalTimeout):
+                    pass
         self._closed = True
         torch.cuda.synchronize(self.device)
         self._whole, self._data = [], []

@@ -32,9 +32,9 @@ __all__ = ["ShmWorkspace"]
 
 _MAGIC = 0x4F564C5053484D31  # "OVLPSHM1"
 # Header words (int64): magic, pid, abort (0, or 1 + aborting rank), barrier counter, closed
-# (1 once the rank closed its workspace cleanly: gone, but not dead), closing (how many ranks
-# have started to close), then the rank's own abort reason (UTF-8, NUL-padded) that peers read
-# when it aborts them.
+# (1 once the rank closed its workspace cleanly: gone, but not dead), closing (1 once the rank
+# has started to close: it reads no peer buffer any more), then the rank's own abort reason
+# (UTF-8, NUL-padded) that peers read when it aborts them.
 _W_MAGIC, _W_PID, _W_ABORT, _W_BARRIER, _W_CLOSED, _W_CLOSING = 0, 1, 2, 3, 4, 5
 _REASON_OFF, _REASON_BYTES = 48, 80
 # What a freed buffer holds in the twin: memory handed back may be reused at once on a GPU, so a
@@ -246,16 +246,18 @@ class ShmWorkspace(SymmetricWorkspace):
                             timeout, "barrier", -1)
 
     def _closing_barrier(self, timeout: float) -> None:
-        """Free only once every peer has started to close too (so has stopped reading this
-        rank's buffer). Bounded; a dead or aborted peer ends the wait (nobody reads any more)."""
-        for r in range(self.world):
-            _C.signal_add(self._word(r, _W_CLOSING), 1)
-        try:
-            with comm_wait("symm.close"):
-                self._wait_addr(self._word(self.rank, _W_CLOSING), self.world, timeout,
-                                "close", -1)
-        except (PeerDied, SignalTimeout):
-            pass
+        """Free only once every peer has started to close too (so reads no buffer of ours any
+        more) or has died. Abort flags do not end the wait: a peer that was aborted may still
+        be reading our buffer for an earlier, successful call. Bounded by ``timeout``."""
+        _C.signal_store(self._word(self.rank, _W_CLOSING), 1)
+        deadline = time.monotonic() + timeout
+        waiting = [r for r in range(self.world) if r != self.rank]
+        with comm_wait("symm.close"):
+            while waiting and time.monotonic() < deadline:
+                waiting = [r for r in waiting if not _C.signal_load(self._word(r, _W_CLOSING))
+                           and pid_alive(self._pids[r])]
+                if waiting:
+                    time.sleep(0.002)
 
     def abort(self, reason: str = "") -> None:
         if self._closed:
@@ -272,7 +274,7 @@ class ShmWorkspace(SymmetricWorkspace):
     def close(self, *, wait_for_peers: bool = True, timeout: float | None = None) -> None:
         if self._closed:
             return
-        if self._whole and wait_for_peers and self.world > 1:
+        if self._whole and wait_for_peers and self.world > 1 and self._pids:
             self._closing_barrier(self.timeout if timeout is None else timeout)
         if self._whole:  # peers that still map us see a clean exit, not a death
             _C.signal_store(self._word(self.rank, _W_CLOSED), 1)

@@ -25,6 +25,7 @@ of timing out) and closes it.
 from __future__ import annotations
 
 import itertools
+import threading
 
 import torch
 import torch.distributed as dist
@@ -89,14 +90,19 @@ class TPContext:
                              f"nbytes >= {nbytes}")
 
     def fail(self, exc: BaseException) -> None:
-        """The op (or its communicator) failed: wake the peers with the reason, release
-        everything."""
-        if not self.closed:
-            try:
-                self.ws.abort(f"{self.op} failed on rank {self.rank}: {exc}")
-            except Exception:
-                pass
-        self.close(wait_for_peers=False)
+        """The op (or its communicator) failed: wake the peers with the reason, then release
+        everything once they have let go of this rank's buffers (a peer may still be reading
+        it for an earlier, successful call; the wait is bounded and ends at once for dead
+        peers)."""
+        if self.closed:
+            return
+        try:
+            self.ws.abort(f"{self.op} failed on rank {self.rank}: {exc}")
+        except Exception:
+            pass
+        # The error goes to the caller now; the free waits for the peers on a thread of its own.
+        threading.Thread(target=self.close, kwargs={"wait_for_peers": True}, daemon=True,
+                         name=f"overlap-deferred-free-{self.op}").start()
 
     def close(self, *, wait_for_peers: bool = True) -> None:
         """Free the workspace and stop the copier. With ``wait_for_peers`` the workspace is
