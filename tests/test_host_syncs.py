@@ -69,7 +69,7 @@ def test_fused_ops_make_no_host_sync(backend, world):
 def _quant(comm_dtype):
     from overlap.comm import quant
 
-    g, world = dist.group.WORLD, dist.get_world_size()
+    g = dist.group.WORLD
     b = torch.randn(1024)
     shard = torch.randn(256)
 

@@ -180,7 +180,7 @@ def test_gloo_alone_accepts_the_bad_orders(case):
 
 
 def _failure_sticks():
-    r, peer = dist.get_rank(), 1 - dist.get_rank()
+    peer = 1 - dist.get_rank()
     buf = torch.empty(8)
     first = _outcome([dist.isend(torch.ones(8), peer), dist.irecv(buf, peer)])
     try:

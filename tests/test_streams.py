@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from harness import run_ranks
-from overlap.dist.streams import Event, Stream
+from overlap.dist.streams import Stream
 from overlap.profile.syncs import count_host_syncs
 
 

@@ -41,7 +41,6 @@ import time
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from overlap.dp.buckets import Layout, all_gather_async

@@ -23,7 +23,7 @@ def _g(x: float) -> str:
 def explain(e: Estimate) -> str:
     m, c, lay, dev = e.model, e.cluster, e.layout, e.cluster.device
     t, pp, cp, dp, b = lay.tp, lay.pp, lay.cp, e.dp, lay.micro_batch
-    h, a, s, v = m.hidden, m.num_heads, m.seq_len, m.vocab
+    h, a, s = m.hidden, m.num_heads, m.seq_len
     mem = e.peak_memory
     r = mem.rank
     out = [f"# {m.name} on {c.num_gpus} x {dev.name}: tp={t} pp={pp} cp={cp} dp={dp} "
@@ -48,7 +48,6 @@ def explain(e: Estimate) -> str:
             f" = {mem.optimizer / 1e9:.3f} GB"]
     per_layer = layer_activation_bytes(m, lay)
     peaks = peak_live(lay.schedule, pp, e.num_microbatches, lay.num_virtual)
-    sbh = s // cp * b * h
     if lay.recompute == "full":
         form = f"2sbh{'/t' if lay.sequence_parallel else ''}"
     elif lay.sequence_parallel:

@@ -25,7 +25,6 @@ into ``param.grad`` (which must be zeroed by the caller between steps, as usual)
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import time

@@ -91,21 +91,21 @@ class SymmetricBackend(Backend):
 
     def ag(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
         if ctx is None:
-            return ChunkedBackend().ag(comm, None, x_shard, w, chunks=chunks,
+            return _BACKENDS["chunked"].ag(comm, None, x_shard, w, chunks=chunks,
                                        return_gathered=return_gathered)
         return symmetric.all_gather_matmul(ctx, x_shard, w, chunks=chunks,
                                            return_gathered=return_gathered)
 
     def rs(self, comm, ctx, x, w, *, chunks, overlap_with):
         if ctx is None:
-            return ChunkedBackend().rs(comm, None, x, w, chunks=chunks,
+            return _BACKENDS["chunked"].rs(comm, None, x, w, chunks=chunks,
                                        overlap_with=overlap_with)
         return symmetric.matmul_reduce_scatter(ctx, x, w, chunks=chunks,
                                                overlap_with=overlap_with)
 
     def ar(self, comm, ctx, x, w, *, chunks):
         if ctx is None:
-            return ChunkedBackend().ar(comm, None, x, w, chunks=chunks)
+            return _BACKENDS["chunked"].ar(comm, None, x, w, chunks=chunks)
         return symmetric.matmul_all_reduce(ctx, x, w, chunks=chunks)
 
 
