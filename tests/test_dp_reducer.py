@@ -6,6 +6,7 @@ each tensor (the only difference is the summation order inside the collective).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
@@ -315,7 +316,54 @@ def _mismatch():
     return None
 
 
+def _main_grads(shard: bool):
+    """bf16 parameters, grad_dtype=fp32: p.main_grad is the fp32 mean over ranks of the bf16
+    gradients, accumulated in fp32 over two no_sync micro-batches; p.grad stays None."""
+    torch.manual_seed(0)
+    model = Branchy().to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    red = GradReducer(model, dp_group=dist.group.WORLD, grad_dtype=torch.float32,
+                      bucket_cap_mb=0.001, shard=shard)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for step in range(3):
+        want = {n: torch.zeros(p.shape) for n, p in ref.named_parameters()}
+        for micro in range(2):
+            g = torch.Generator().manual_seed(100 * step + 10 * micro + rank)
+            x = torch.randn(5, 6, generator=g).to(torch.bfloat16)
+            use_c = step != 1  # c gets no gradient at step 1
+            ctx = red.no_sync() if micro == 0 else contextlib.nullcontext()
+            with ctx:
+                model(x, True, use_c).float().square().mean().backward()
+            ref.zero_grad(set_to_none=True)
+            ref(x, True, use_c).float().square().mean().backward()
+            for n, p in ref.named_parameters():
+                if p.grad is not None:
+                    want[n] += p.grad.float()
+        for t in want.values():  # the mean over ranks of the fp32 sum of bf16 gradients
+            dist.all_reduce(t)
+            t /= world
+        errs = [rel_err(p.main_grad, want[n]) for n, p in model.named_parameters()]
+        out[f"step{step}"] = max(errs)
+        out[f"grad_none{step}"] = all(p.grad is None for p in model.parameters())
+        out[f"dtype{step}"] = {p.main_grad.dtype for p in model.parameters()} == {torch.float32}
+        out[f"c_zero{step}"] = bool((model.c.weight.main_grad == 0).all())
+    red.close()
+    return out
+
+
 # ------------------------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_fp32_main_grads_for_bf16_parameters(world):
+    for res in run_ranks(_main_grads, world, False):
+        for step in range(3):
+            assert res[f"step{step}"] <= RTOL, res
+            assert res[f"grad_none{step}"] and res[f"dtype{step}"], res
+        assert res["c_zero1"] and not res["c_zero0"], res  # unused at step 1: zero, not stale
+    with pytest.raises(ValueError, match="grad_dtype"):
+        ReducerConfig(grad_dtype=torch.int32)
+
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_grads_equal_ddp_every_bucket_size_and_unused_branches(world):

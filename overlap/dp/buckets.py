@@ -56,7 +56,11 @@ class ReducerConfig:
     after the first iteration. ``broadcast_params``: copy DP rank 0's parameters at
     construction (as DDP). ``error_feedback``: with a lossy ``comm_dtype``, carry each
     bucket's quantization residual into the next step (``overlap.comm.quant.ErrorFeedback``).
-    ``timeout``: seconds, the bound on every wait (``timeout_s`` is its deprecated name)."""
+    ``timeout``: seconds, the bound on every wait (``timeout_s`` is its deprecated name).
+    ``grad_dtype``: dtype of the flat gradient buffers (None: each parameter's own dtype). With
+    ``torch.float32`` and bf16/fp16 parameters, gradients accumulate and are reduced in fp32
+    "main grads" (Megatron's ``main_grad``): such a parameter's reduced gradient is
+    ``p.main_grad`` (a view into the fp32 buffer) and ``p.grad`` stays None."""
 
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
@@ -67,8 +71,13 @@ class ReducerConfig:
     broadcast_params: bool = True
     error_feedback: bool = False
     timeout: float = 300.0
+    grad_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
+        if self.grad_dtype is not None and (not isinstance(self.grad_dtype, torch.dtype)
+                                            or not self.grad_dtype.is_floating_point):
+            raise ValueError(f"GradReducer: grad_dtype must be a floating torch.dtype or None, "
+                             f"got {self.grad_dtype!r}")
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
@@ -117,10 +126,12 @@ class Layout:
 
 
 def build_layout(order: Sequence[int], params: Sequence[torch.Tensor], *, cap_bytes: int,
-                 first_cap_bytes: int, pad_to: int = 1) -> Layout:
+                 first_cap_bytes: int, pad_to: int = 1,
+                 dtypes: Sequence[torch.dtype] | None = None) -> Layout:
     """Assign ``params[i]`` for ``i`` in ``order`` to buckets and lay the buckets out flat.
 
-    ``order`` must be a permutation of ``range(len(params))``.
+    ``order`` must be a permutation of ``range(len(params))``. ``dtypes[i]``: the buffer dtype
+    of parameter i's gradient (default: the parameter's dtype); byte caps count in it.
     """
     if sorted(order) != list(range(len(params))):
         raise ValueError(f"build_layout: order must be a permutation of range({len(params)}), "
@@ -141,9 +152,9 @@ def build_layout(order: Sequence[int], params: Sequence[torch.Tensor], *, cap_by
 
     for i in order:
         p = params[i]
-        dtype = p.dtype
+        dtype = p.dtype if dtypes is None else dtypes[i]
         open_.setdefault(dtype, []).append(i)
-        open_bytes[dtype] = open_bytes.get(dtype, 0) + p.numel() * p.element_size()
+        open_bytes[dtype] = open_bytes.get(dtype, 0) + p.numel() * dtype.itemsize
         cap = first_cap_bytes if closed_per_dtype.get(dtype, 0) == 0 else cap_bytes
         if open_bytes[dtype] >= cap:
             close(dtype)

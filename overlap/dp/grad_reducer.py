@@ -25,8 +25,20 @@ gradients actually became ready *on DP rank 0* (broadcast over the DP group, so 
 agrees), the flat buffer is reallocated and the ``.grad`` views re-pointed (contents copied).
 
 **Unused parameters.** No graph traversal: ``finish()`` launches every bucket not launched
-yet, in index order; a parameter without gradient contributes its buffer (zero after
-``zero_grad``), as DDP's ``find_unused_parameters`` does. The unused set may differ between
+yet, in index order; a parameter the backward did not reach contributes its ``.grad`` (zero if
+None), as DDP's ``find_unused_parameters`` does.
+
+**Host work per step.** Per parameter, only the gradient hook: it folds a fresh gradient
+(``optimizer.zero_grad(set_to_none=True)`` leaves None, AccumulateGrad makes a new tensor) into
+the flat buffer with one copy, or does nothing when AccumulateGrad already added in place. No
+memset of the views before a backward, no allocation, no per-parameter forward hook; the rest is
+per bucket.
+
+**Main grads** (``grad_dtype=torch.float32`` with bf16/fp16 parameters): such a parameter's
+gradient lives in an fp32 buffer exposed as ``p.main_grad``; the hook adds each low-precision
+gradient into it and sets ``p.grad`` back to None, so accumulation (``no_sync``) and reduction
+run in fp32 (or the chosen ``comm_dtype``). A main grad holds the reduced gradient after
+``finish()`` until the next backward, which starts it anew (``zero_grad()`` zeroes it too). The unused set may differ between
 ranks and iterations; the rebuild puts parameters unused in iteration 0 in the last buckets.
 
 **Average.** ``op="avg"`` divides each bucket by the DP size *before* a sum collective (not
@@ -54,6 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 import time
 from typing import Callable, Iterator
@@ -139,10 +152,17 @@ class GradReducer:
         self.flat: dict[torch.dtype, torch.Tensor] = {}
         self._grad_shard: dict[torch.dtype, torch.Tensor] = {}
         self._views: list[torch.Tensor] = []
+        gd = self.config.grad_dtype
+        # Main-grad parameters: their gradient buffer has another dtype than the parameter, so
+        # it cannot be p.grad; it is p.main_grad. _dead[i]: the main grad's contents are stale
+        # (logically zero): the next gradient overwrites instead of adding.
+        self._main = [gd is not None and p.dtype != gd for p in self.params]
+        self._dead = [True] * len(self.params)
         self._apply_layout(list(reversed(range(len(self.params)))), copy=False)
         self.stats = IterationStats()
         self._reset_iteration()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+        self._hooks = [p.register_post_accumulate_grad_hook(
+                           functools.partial(self._on_grad_ready, i))
                        for i, p in enumerate(self.params)]
         self._hooks.append(module.register_forward_pre_hook(self._forward_pre_hook))
 
@@ -177,12 +197,16 @@ class GradReducer:
         self._active = False
         self._forward_seen = False
         while self._next < len(self.buckets):
+            if self._missing[self._next]:  # holds parameters the backward did not reach
+                self._settle(i for i in self.buckets[self._next].params if not self._fired[i])
             self._launch(self._next, in_backward=False)
             self._next += 1
         t0 = time.perf_counter()
         self._wait_all()
         self.stats.wait_s = time.perf_counter() - t0
         self._checked = True
+        # Main grads now hold this step's reduced gradient; the next backward starts anew.
+        self._dead = list(self._main)
         if not self._final and not self._frozen:
             self._rebuild()
         if self.config.shard and not self._final_at_launch:
@@ -198,6 +222,7 @@ class GradReducer:
         t0 = time.perf_counter()
         self._reset_iteration()
         self.stats = IterationStats()
+        self._settle(range(len(self.params)))
         for b in range(len(self.buckets)):
             self._launch(b, in_backward=False)
         self._wait_all()
@@ -221,11 +246,15 @@ class GradReducer:
         self._sync_if = predicate
 
     def zero_grad(self) -> None:
-        """Zero the flat gradient buffers (one memset per dtype) and re-attach the views."""
+        """Zero the flat gradient buffers (one memset per dtype) and re-attach the views (the
+        main grads of ``grad_dtype`` parameters restart from zero too)."""
         for buf in self.flat.values():
             buf.zero_()
-        for p, view in zip(self.params, self._views):
-            p.grad = view
+        for i, (p, view) in enumerate(zip(self.params, self._views)):
+            if self._main[i]:
+                self._dead[i] = False
+            else:
+                p.grad = view
 
     def freeze_layout(self) -> None:
         """Never rebuild the buckets from now on (a ShardedOptimizer calls it at its first
@@ -245,31 +274,31 @@ class GradReducer:
 
     # ---------------------------------------------------------------- hooks
 
-    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        return lambda p: self._on_grad_ready(i, p)
-
     def _forward_pre_hook(self, module: nn.Module, args) -> None:
-        if torch.is_grad_enabled() and self._sync:
+        # No per-parameter work here: a gradient that is None (optimizer.zero_grad(
+        # set_to_none=True)) or a tensor the user assigned is folded into the buffer by the
+        # gradient hook, or by _settle() for a parameter the backward did not reach.
+        if self._sync and torch.is_grad_enabled():
             self._forward_seen = True
-        # optimizer.zero_grad(set_to_none=True) drops the views; a None grad is a zero grad.
-        for p, view in zip(self.params, self._views):
-            g = p.grad
-            if g is None:
-                view.zero_()
-                p.grad = view
-            elif g.data_ptr() != view.data_ptr():
-                view.copy_(g)
-                p.grad = view
 
     def _on_grad_ready(self, i: int, p: torch.Tensor) -> None:
         now = time.perf_counter()
         if not (self._active or self._local):
             self._start_backward()
         view = self._views[i]
-        if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
-            # AccumulateGrad made a new tensor (the grad was None or replaced): it holds the
-            # whole logical gradient, so it becomes the view's contents.
-            view.copy_(p.grad)
+        g = p.grad
+        if self._main[i]:  # fold the low-precision gradient into the fp32 main grad
+            if self._dead[i]:
+                view.copy_(g)
+                self._dead[i] = False
+            else:
+                view.add_(g)
+            p.grad = None
+        elif g is not view and g.data_ptr() != view.data_ptr():
+            # AccumulateGrad made a new tensor (the grad was None: DDP's "steal") or added into
+            # one the user assigned: it holds the whole logical gradient, so it becomes the
+            # view's contents (no memset of the views before the backward).
+            view.copy_(g)
             p.grad = view
         if self._local:
             return
@@ -291,6 +320,23 @@ class GradReducer:
             while self._next < len(self.buckets) and self._missing[self._next] == 0:
                 self._launch(self._next, in_backward=True)
                 self._next += 1
+
+    def _settle(self, indices) -> None:
+        """Make the buffer hold the logical gradient of parameters whose gradient hook did not
+        run: a None grad (or a stale main grad) is zero, a tensor the user assigned is copied."""
+        for i in indices:
+            p, view = self.params[i], self._views[i]
+            if self._main[i]:
+                if self._dead[i]:
+                    view.zero_()
+                    self._dead[i] = False
+                continue
+            g = p.grad
+            if g is None:
+                view.zero_()
+            elif g is not view and g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+            p.grad = view
 
     def _start_backward(self) -> None:
         engine = torch.autograd.Variable._execution_engine
@@ -369,7 +415,9 @@ class GradReducer:
         cfg = self.config
         layout = build_layout(order, self.params, cap_bytes=int(cfg.bucket_cap_mb * MiB),
                               first_cap_bytes=int(cfg.first_bucket_cap_mb * MiB),
-                              pad_to=self.dp_size if cfg.shard else 1)
+                              pad_to=self.dp_size if cfg.shard else 1,
+                              dtypes=[cfg.grad_dtype if m else p.dtype
+                                      for m, p in zip(self._main, self.params)])
         device = self.params[0].device
         flat = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in layout.numel.items()}
         views = []
@@ -378,7 +426,10 @@ class GradReducer:
             view = flat[dt].narrow(0, off, p.numel()).view(p.shape)
             if copy:
                 view.copy_(self._views[i])
-            p.grad = view
+            if self._main[i]:
+                p.main_grad = view
+            else:
+                p.grad = view
             views.append(view)
         self.flat, self._views, self._layout = flat, views, layout
         if cfg.shard:
