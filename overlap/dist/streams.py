@@ -16,6 +16,12 @@ not once the host has issued it. The CPU twin keeps exactly that rule:
 On CUDA, ``enqueue(fn)`` runs ``fn`` on the host at once with the stream current, so its
 kernels go to the stream asynchronously; events are ``torch.cuda.Event``.
 
+``event.wait(timeout)`` is "the caller's stream waits for this event": on CUDA
+``current_stream().wait_event`` (the host never blocks, so it is not a host sync); on CPU the
+caller's stream is the host thread itself, so the host blocks until the event's point has run,
+and while it waits it may run the stream's queued work itself (one runner at a time, in order:
+on a busy CPU a woken worker can wait milliseconds for a core, and the caller with it).
+
 Errors raised by twin work are kept and re-raised by the next ``synchronize``/event wait on the
 host, as a CUDA error surfaces at the next sync.
 """
@@ -33,7 +39,11 @@ import torch
 
 from overlap.profile import syncs
 
-__all__ = ["Stream", "Event", "delay_ms"]
+__all__ = ["Stream", "Event", "StreamTimeout", "delay_ms"]
+
+
+class StreamTimeout(TimeoutError):
+    """A host wait for an event ran out of time (the stream's own errors keep their type)."""
 
 
 def delay_ms() -> float:
@@ -66,6 +76,25 @@ class Event:
     def query(self) -> bool:
         return self._cuda.query() if self._cuda is not None else self._done.is_set()
 
+    def wait(self, timeout: float | None = None, what: str = "") -> None:
+        """The caller's stream waits for this event (see the module docstring): a device-side
+        wait on CUDA; on CPU the host blocks (helping the stream along), raises the stream's
+        error, and raises TimeoutError after ``timeout`` seconds."""
+        if self._cuda is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._cuda)
+            return
+        stream = self._stream
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done.is_set():
+            if stream is not None and stream._help():
+                continue
+            self._done.wait(0.001)
+            if deadline is not None and time.monotonic() > deadline:
+                raise StreamTimeout(f"{what or 'streams'}: stream {stream.name!r} did not reach "
+                                   f"the event within {timeout:g}s")
+        if stream is not None:
+            stream._raise_error()
+
     def synchronize(self, timeout: float | None = None) -> None:
         syncs.record("Event.synchronize")
         if self._cuda is not None:
@@ -88,6 +117,7 @@ class Stream:
         if self.cuda is None:
             self._queue: collections.deque = collections.deque()
             self._cv = threading.Condition()
+            self._run = threading.Lock()  # held while an item runs (worker or helping host)
             self._closed = False
             seed = int(os.environ.get("OVERLAP_STREAM_SEED", "0") or 0)
             self._rng = random.Random(hash((seed, name, os.getpid())))
@@ -96,13 +126,24 @@ class Stream:
             self._thread.start()
 
     # -- issuing
-    def enqueue(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on this stream after everything enqueued before it."""
+    def enqueue(self, fn: Callable[[], None], tensors: tuple[torch.Tensor, ...] = ()) -> None:
+        """Run ``fn`` on this stream after everything enqueued before it. ``tensors``: what
+        ``fn`` reads or writes that the caller's stream allocated (CUDA: ``record_stream``, so
+        the caching allocator does not hand their memory out again while ``fn``'s kernels
+        may still use it; the twin keeps them alive through the closure)."""
         if self.cuda is not None:
             with torch.cuda.stream(self.cuda):
                 fn()
+            for t in tensors:
+                t.record_stream(self.cuda)
             return
         self._put(("run", fn))
+
+    def wait_current(self) -> None:
+        """Later work on this stream waits for everything the caller's stream has issued (on
+        CPU the caller is the host, whose work is done when it calls)."""
+        if self.cuda is not None:
+            self.cuda.wait_stream(torch.cuda.current_stream(self.device))
 
     def wait_event(self, event: Event) -> None:
         """Later work on this stream waits until ``event``'s point has run."""
@@ -119,14 +160,15 @@ class Stream:
         """Block the host until everything enqueued so far has run (a counted host sync)."""
         self.record_event().synchronize()
 
-    def close(self) -> None:
-        """Stop the twin's worker once its queue is empty (no-op on CUDA)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the twin's worker once its queue is empty (no-op on CUDA); ``timeout`` bounds
+        the join (a worker blocked in a bounded wait ends with it)."""
         if self.cuda is None:
             with self._cv:
                 self._closed = True
                 self._cv.notify()
             if threading.current_thread() is not self._thread:
-                self._thread.join()
+                self._thread.join(timeout)
 
     # -- twin internals
     def _put(self, item: tuple) -> None:
@@ -140,27 +182,54 @@ class Stream:
         if self._error is not None:
             raise self._error
 
+    def _pop(self, helping: bool):
+        """The next item, or None (queue empty; or, for a helping host, the head is a
+        cross-stream wait, which only the worker blocks on)."""
+        with self._cv:
+            if not self._queue or (helping and self._queue[0][0] == "wait"):
+                return None
+            return self._queue.popleft()
+
+    def _execute(self, kind: str, arg) -> None:
+        if kind == "record":
+            arg.set()
+        elif kind == "wait":
+            arg.wait()
+        else:
+            limit = delay_ms()
+            if limit > 0:
+                time.sleep(self._rng.uniform(0, limit) / 1e3)
+            if self._error is None:  # after an error the stream's later work is void
+                try:
+                    arg()
+                except BaseException as exc:  # noqa: BLE001 - surfaces at the next sync
+                    self._error = exc
+
+    def _help(self) -> bool:
+        """Run the head of the queue on the calling (host) thread if no one is running an
+        item; True if it ran one."""
+        if not self._run.acquire(blocking=False):
+            return False
+        try:
+            item = self._pop(helping=True)
+            if item is None:
+                return False
+            self._execute(*item)
+            return True
+        finally:
+            self._run.release()
+
     def _loop(self) -> None:
-        limit = delay_ms()
         while True:
             with self._cv:
                 while not self._queue and not self._closed:
                     self._cv.wait()
                 if not self._queue:
                     return
-                kind, arg = self._queue.popleft()
-            if kind == "record":
-                arg.set()
-            elif kind == "wait":
-                arg.wait()
-            else:
-                if limit > 0:
-                    time.sleep(self._rng.uniform(0, limit) / 1e3)
-                if self._error is None:  # after an error the stream's later work is void
-                    try:
-                        arg()
-                    except BaseException as exc:  # noqa: BLE001 - surfaces at the next sync
-                        self._error = exc
+            with self._run:
+                item = self._pop(helping=False)
+                if item is not None:
+                    self._execute(*item)
             # Drop the item before sleeping on the queue: an idle stream must not keep the
             # last work's closure (and whatever it references) alive.
-            kind = arg = None
+            item = None
