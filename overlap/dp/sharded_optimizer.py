@@ -3,15 +3,24 @@
 Each DP rank owns slice ``r`` of every gradient bucket (``GradReducer(shard=True)`` pads every
 bucket to a multiple of ``dp`` and reduce-scatters it under the backward). For its slices only,
 the rank keeps fp32 master weights and the wrapped torch optimizer's state: the inner optimizer
-(any ``torch.optim.Optimizer`` class, built with the given keyword arguments) runs over one flat
-fp32 ``nn.Parameter`` per bucket shard. After the step, the updated shards are all-gathered,
-bucket by bucket, into a flat parameter buffer of which every ``p.data`` is a view.
+(any ``torch.optim.Optimizer`` class, built with the given keyword arguments) runs over flat
+fp32 ``nn.Parameter`` *segments* of the bucket shards, one per run of consecutive parameters
+that share a param group (one segment per bucket shard when there is one group). After the
+step, the updated shards are all-gathered, bucket by bucket, into a flat parameter buffer of
+which every ``p.data`` is a view.
 
 Shape legend: ``n_b`` padded elements of bucket b (a multiple of ``dp``), ``r`` DP rank::
 
     backward:  g_shard_b (n_b/dp)      = reduce_scatter(g_b (n_b)) / dp      (GradReducer)
+    clip:      g_shard_b *= min(1, max_norm / ||g||)  (||g|| over every rank, see grad_norm_sq)
     step:      w_master_shard_b (n_b/dp, fp32) = inner_step(w_master_shard_b, g_shard_b)
     gather:    w_b (n_b, param dtype)  = all_gather(cast(w_master_shard_b))  (async)
+
+**Param groups.** ``param_groups=[{"params": [...], "weight_decay": 0.0}, ...]`` (tensors of
+``reducer.module``, torch's format) gives hyper-parameters per parameter; parameters not listed
+join a first group with the keyword defaults. Groups are cut out of the bucket shards as
+segments, so a group costs no extra copy and ``param_groups`` (for an LR schedule) are the
+inner optimizer's, in the order given (the default group first).
 
 **Overlap with the next forward.** ``step()`` issues every bucket's all-gather right away
 (asynchronously, in forward order: buckets sorted by their first parameter's registration
@@ -25,9 +34,13 @@ a forward, e.g. for a checkpoint); the next ``step()`` does too.
 **Memory.** Optimizer state and fp32 master weights are 1/dp of the unsharded ones (plus bucket
 padding); ``state_bytes()`` measures it. The full-size gradient buffer stays (ZeRO-1 memory with
 ZeRO-2 communication): ``p.grad`` holds this rank's local gradient, the reduced slice is in
-``reducer.grad_shard``. Every parameter of a bucket shares the inner optimizer's single param
-group (one set of hyper-parameters for the whole model). Gradient clipping by global norm and
-a (sharded) ``state_dict`` are not provided.
+``reducer.grad_shard``.
+
+**Checkpoints.** ``state_dict()`` / ``load_state_dict()`` hold this rank's shard (masters,
+inner state, hyper-parameters) for the same layout (same dp, buckets and groups).
+``shard_pieces()`` says which element range of which parameter each piece of the shard holds,
+so a layout-independent checkpoint (``overlap.train.checkpoint``, DCP) can save each piece as
+the slice of the full parameter it is, and load it back under any dp.
 
 **Backends.** The reduce-scatter and all-gather are the backend's own flat-tensor collectives
 (``reduce_scatter_single`` / ``all_gather_single``, native on NCCL and, in torch 2.13, on
@@ -37,8 +50,9 @@ gloo); with ``comm_dtype`` "bf16"/"int8" the reduce-scatter goes through
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -48,7 +62,27 @@ from overlap.profile.syncs import not_a_device_sync
 from overlap.dp.grad_reducer import GradReducer
 from overlap.profile.timers import comm_wait
 
-__all__ = ["ShardedOptimizer"]
+__all__ = ["ShardedOptimizer", "ShardPiece"]
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class _Segment:
+    bucket: int   # bucket index
+    start: int    # offset inside this rank's shard of the bucket
+    numel: int
+    group: int    # param group index
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class ShardPiece:
+    """Elements ``[lo, hi)`` of ``reducer.params[param]`` (flattened) live in
+    ``masters[segment][offset : offset + hi - lo]`` on this rank."""
+
+    param: int
+    lo: int
+    hi: int
+    segment: int
+    offset: int
 
 
 class ShardedOptimizer:
@@ -61,7 +95,8 @@ class ShardedOptimizer:
         loss = model(x).loss; loss.backward(); opt.step(); opt.zero_grad()
     """
 
-    def __init__(self, reducer: GradReducer, optimizer_cls: type[torch.optim.Optimizer],
+    def __init__(self, reducer: GradReducer, optimizer_cls: type[torch.optim.Optimizer], *,
+                 param_groups: Sequence[dict] | None = None,
                  **optimizer_kwargs: Any) -> None:
         if not isinstance(reducer, GradReducer):
             raise TypeError(f"ShardedOptimizer: reducer must be a GradReducer, got "
@@ -76,13 +111,14 @@ class ShardedOptimizer:
         self.reducer = reducer
         self.dp_size, self.dp_rank = reducer.dp_size, reducer.dp_rank
         self._timeout = reducer.config.timeout
+        self._group_of, self._group_options = self._parse_groups(param_groups)
         self._gathers: list = []
         # seconds the forward pre-hooks waited for parameter gathers since the last step():
         # the part of the all-gather the forward did not hide
         self.forward_wait_s = 0.0
         self.inner: torch.optim.Optimizer | None = None
         self._build(reducer.layout)
-        self.inner = optimizer_cls(self.masters, **optimizer_kwargs)
+        self.inner = optimizer_cls(self._inner_groups(), **optimizer_kwargs)
         reducer.add_layout_listener(self._on_layout_change)
         index = {id(p): i for i, p in enumerate(reducer.params)}
         self._hooks = []
@@ -108,22 +144,50 @@ class ShardedOptimizer:
         self.reducer.finish()
         self.wait_params()  # the send buffers and the parameters are rewritten below
         self.reducer.freeze_layout()
-        for bucket, master in zip(self.reducer.buckets, self.masters):
-            g = self.reducer.grad_shard(bucket)
+        for seg, master in zip(self._segments, self.masters):
+            g = self.reducer.grad_shard(self.reducer.buckets[seg.bucket]).narrow(
+                0, seg.start, seg.numel)
             master.grad = g if g.dtype == torch.float32 else g.float()
         # torch's optimizers keep their step count in a host tensor even on a GPU, so the
         # .item() they make on it reads host memory, not the device.
         with not_a_device_sync("torch optimizer step counters live on the host"):
             self.inner.step()
         self.forward_wait_s = 0.0
+        for seg, master in zip(self._segments, self.masters):
+            bucket = self.reducer.buckets[seg.bucket]
+            self._send[bucket.dtype].narrow(0, bucket.offset // self.dp_size + seg.start,
+                                            seg.numel).copy_(master)
         for b in self._gather_order:
             bucket = self.reducer.buckets[b]
             n = bucket.padded // self.dp_size
             send = self._send[bucket.dtype].narrow(0, bucket.offset // self.dp_size, n)
-            send.copy_(self.masters[b])
             out = self.flat_params[bucket.dtype].narrow(0, bucket.offset, bucket.padded)
             self._gathers[b] = all_gather_async(out, send, group=self.reducer.dp_group)
         return loss
+
+    @torch.no_grad()
+    def grad_norm_sq(self, weights: Sequence[float] | None = None) -> torch.Tensor:
+        """Sum of squares of this rank's reduced gradient shard (fp32 scalar tensor, no host
+        sync). ``weights[i]`` multiplies parameter i's contribution: pass 0 for a parameter
+        another rank also counts (e.g. one replicated over TP, on all TP ranks but one).
+        Summing the result over the DP group (and TP, PP) gives the squared global norm with
+        every element counted once; bucket padding is zero. Finishes the reduction first."""
+        self.reducer.finish()
+        total = torch.zeros((), dtype=torch.float32, device=self.masters[0].device)
+        for piece in self._pieces:
+            w = 1.0 if weights is None else float(weights[piece.param])
+            if w == 0.0:
+                continue
+            g = self._piece_grad(piece).float()
+            total += w * torch.dot(g, g)
+        return total
+
+    @torch.no_grad()
+    def scale_grads_(self, coef: torch.Tensor | float) -> None:
+        """Multiply this rank's reduced gradient shards by ``coef`` (clipping)."""
+        self.reducer.finish()
+        for bucket in self.reducer.buckets:
+            self.reducer.grad_shard(bucket).mul_(coef)
 
     @torch.no_grad()
     def refresh_masters(self) -> None:
@@ -131,9 +195,27 @@ class ShardedOptimizer:
         loading weights into the model (the next step would otherwise start from the old
         masters)."""
         self.wait_params()
-        for bucket, master in zip(self.reducer.buckets, self.masters):
-            off, n = bucket.shard(self.dp_size, self.dp_rank)
-            master.copy_(self.flat_params[bucket.dtype].narrow(0, off, n))
+        for seg, master in zip(self._segments, self.masters):
+            bucket = self.reducer.buckets[seg.bucket]
+            off, _ = bucket.shard(self.dp_size, self.dp_rank)
+            master.copy_(self.flat_params[bucket.dtype].narrow(0, off + seg.start, seg.numel))
+
+    @torch.no_grad()
+    def publish_masters(self) -> None:
+        """The converse of ``refresh_masters``: write the masters into the parameters of every
+        rank (collective over the DP group), e.g. after loading masters from a checkpoint."""
+        self.wait_params()
+        for seg, master in zip(self._segments, self.masters):
+            bucket = self.reducer.buckets[seg.bucket]
+            self._send[bucket.dtype].narrow(0, bucket.offset // self.dp_size + seg.start,
+                                            seg.numel).copy_(master)
+        for b in self._gather_order:
+            bucket = self.reducer.buckets[b]
+            send = self._send[bucket.dtype].narrow(0, bucket.offset // self.dp_size,
+                                                   bucket.padded // self.dp_size)
+            out = self.flat_params[bucket.dtype].narrow(0, bucket.offset, bucket.padded)
+            self._gathers[b] = all_gather_async(out, send, group=self.reducer.dp_group)
+        self.wait_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the reducer's gradient buffer (the ``.grad`` views stay attached)."""
@@ -144,6 +226,84 @@ class ShardedOptimizer:
     def wait_params(self) -> None:
         """Wait for every parameter all-gather still in flight."""
         self._wait(range(len(self._gathers)))
+
+    def shard_pieces(self) -> list[ShardPiece]:
+        """Which element range of which parameter each part of this rank's shard holds."""
+        return list(self._pieces)
+
+    def piece_state(self, piece: ShardPiece) -> dict[str, torch.Tensor]:
+        """Views of ``piece``'s fp32 master and inner-optimizer state tensors (those shaped
+        like the master; scalars such as AdamW's ``step`` are in ``scalar_state()``)."""
+        master = self.masters[piece.segment]
+        out = {"master": master.detach().narrow(0, piece.offset, piece.hi - piece.lo)}
+        for k, t in self.inner.state.get(master, {}).items():
+            if torch.is_tensor(t) and t.shape == master.shape:
+                out[k] = t.narrow(0, piece.offset, piece.hi - piece.lo)
+        return out
+
+    def init_state(self) -> None:
+        """Create the inner optimizer's state without changing any value (a zero-gradient step
+        at lr 0 with a zero step count), so ``piece_state`` has tensors to load into."""
+        if all(self.inner.state.get(m) for m in self.masters):
+            return
+        saved = [dict(g) for g in self.inner.param_groups]
+        for g in self.inner.param_groups:
+            g["lr"] = 0.0
+            if "weight_decay" in g:
+                g["weight_decay"] = 0.0
+        before = [m.detach().clone() for m in self.masters]
+        for m in self.masters:
+            m.grad = torch.zeros_like(m)
+        with not_a_device_sync("torch optimizer step counters live on the host"):
+            self.inner.step()
+        for m, b in zip(self.masters, before):
+            m.detach().copy_(b)
+            m.grad = None
+            for k, t in self.inner.state[m].items():
+                if torch.is_tensor(t):
+                    t.zero_()
+        for g, s in zip(self.inner.param_groups, saved):
+            g.update({k: v for k, v in s.items() if k != "params"})
+
+    def scalar_state(self) -> dict[str, torch.Tensor]:
+        """Inner-optimizer state that is one scalar per segment and equal on all of them
+        (AdamW's ``step``), taken from the first segment."""
+        st = self.inner.state.get(self.masters[0], {})
+        return {k: t for k, t in st.items() if torch.is_tensor(t) and t.dim() == 0}
+
+    def set_scalar_state(self, values: dict[str, torch.Tensor]) -> None:
+        for m in self.masters:
+            st = self.inner.state.setdefault(m, {})
+            for k, v in values.items():
+                if k in st:
+                    st[k].copy_(v)
+                else:
+                    st[k] = v.clone()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard: masters, inner optimizer state and param groups. Loadable by
+        ``load_state_dict`` on the same layout (dp, buckets, groups)."""
+        self.wait_params()
+        return {"masters": [m.detach().clone() for m in self.masters],
+                "inner": self.inner.state_dict(),
+                "segments": [dataclasses.astuple(s) for s in self._segments],
+                "dp": (self.dp_size, self.dp_rank)}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load ``state_dict()`` output of the same layout and publish the masters into the
+        parameters (collective over the DP group)."""
+        got = (tuple(state.get("dp", ())), [tuple(s) for s in state.get("segments", [])])
+        want = ((self.dp_size, self.dp_rank), [dataclasses.astuple(s) for s in self._segments])
+        if got != want:
+            raise ValueError(f"ShardedOptimizer.load_state_dict: rank {self.reducer.rank}: the "
+                             f"state is of another layout (dp, rank, segments) {got[0]}, "
+                             f"{len(got[1])} segments; this optimizer has {want[0]}, "
+                             f"{len(want[1])} segments")
+        for m, t in zip(self.masters, state["masters"]):
+            m.copy_(t)
+        self.inner.load_state_dict(state["inner"])
+        self.publish_masters()
 
     def state_bytes(self) -> int:
         """Bytes of the inner optimizer's state tensors on this rank (e.g. AdamW's exp_avg and
@@ -164,6 +324,44 @@ class ShardedOptimizer:
 
     # ---------------------------------------------------------------- internals
 
+    def _parse_groups(self, groups) -> tuple[list[int], list[dict]]:
+        params = self.reducer.params
+        index = {id(p): i for i, p in enumerate(params)}
+        where = f"ShardedOptimizer: rank {self.reducer.rank}: param_groups"
+        group_of = [0] * len(params)
+        options: list[dict] = [{}]
+        seen: set[int] = set()
+        for g in groups or ():
+            if not isinstance(g, dict) or "params" not in g:
+                raise TypeError(f"{where}: each group must be a dict with 'params', got {g!r}")
+            options.append({k: v for k, v in g.items() if k != "params"})
+            for p in g["params"]:
+                i = index.get(id(p))
+                if i is None:
+                    raise ValueError(f"{where}: a parameter of shape {tuple(p.shape)} is not a "
+                                     "parameter of the reducer's module")
+                if i in seen:
+                    raise ValueError(f"{where}: parameter {i} (shape {tuple(p.shape)}) is in "
+                                     "two groups")
+                seen.add(i)
+                group_of[i] = len(options) - 1
+        if groups and len(seen) == len(params):
+            # every parameter is listed: no default group
+            group_of = [g - 1 for g in group_of]
+            options = options[1:]
+        return group_of, options
+
+    def _inner_groups(self) -> list[dict]:
+        groups = [{"params": [], **opts} for opts in self._group_options]
+        for seg, master in zip(self._segments, self.masters):
+            groups[seg.group]["params"].append(master)
+        return groups
+
+    def _piece_grad(self, piece: ShardPiece) -> torch.Tensor:
+        seg = self._segments[piece.segment]
+        return self.reducer.grad_shard(self.reducer.buckets[seg.bucket]).narrow(
+            0, seg.start + piece.offset, piece.hi - piece.lo)
+
     def _make_wait_hook(self, param_ids: list[int]) -> Callable:
         def hook(module: nn.Module, args) -> None:
             layout = self.reducer.layout
@@ -183,6 +381,39 @@ class ShardedOptimizer:
                                f"all-gather of bucket {b}")
             self._gathers[b] = None
 
+    def _cut(self, layout: Layout) -> tuple[list[_Segment], list[ShardPiece]]:
+        """This rank's shard of each bucket cut into segments (runs of one param group) and
+        pieces (one parameter's elements inside one segment)."""
+        params = self.reducer.params
+        segments: list[_Segment] = []
+        pieces: list[ShardPiece] = []
+        for bucket in layout.buckets:
+            n = bucket.padded // self.dp_size
+            lo_b = bucket.offset + self.dp_rank * n  # flat offset of this rank's shard
+            spans = []  # (start in shard, end in shard, param, param element lo)
+            for i in bucket.params:
+                _, off = layout.param_offset[i]
+                a, b = max(off, lo_b), min(off + params[i].numel(), lo_b + n)
+                if a < b:
+                    spans.append((a - lo_b, b - lo_b, i, a - off))
+            spans.sort()
+            cuts = [0]
+            groups = [self._group_of[spans[0][2]] if spans else 0]
+            for start, _, i, _ in spans[1:]:
+                if self._group_of[i] != groups[-1]:
+                    cuts.append(start)
+                    groups.append(self._group_of[i])
+            cuts.append(n)
+            first = len(segments)
+            for k, g in enumerate(groups):
+                segments.append(_Segment(bucket=bucket.index, start=cuts[k],
+                                         numel=cuts[k + 1] - cuts[k], group=g))
+            for start, end, i, plo in spans:
+                k = max(j for j in range(len(groups)) if cuts[j] <= start)
+                pieces.append(ShardPiece(param=i, lo=plo, hi=plo + end - start,
+                                         segment=first + k, offset=start - cuts[k]))
+        return segments, pieces
+
     @torch.no_grad()
     def _build(self, layout: Layout) -> None:
         params = self.reducer.params
@@ -196,10 +427,12 @@ class ShardedOptimizer:
         self.flat_params = flat
         self._send = {dt: torch.zeros(n // self.dp_size, dtype=dt, device=device)
                       for dt, n in layout.numel.items()}
+        self._segments, self._pieces = self._cut(layout)
         self.masters = []
-        for bucket in layout.buckets:
-            off, n = bucket.shard(self.dp_size, self.dp_rank)
-            shard = flat[bucket.dtype].narrow(0, off, n)
+        for seg in self._segments:
+            bucket = layout.buckets[seg.bucket]
+            off, _ = bucket.shard(self.dp_size, self.dp_rank)
+            shard = flat[bucket.dtype].narrow(0, off + seg.start, seg.numel)
             self.masters.append(nn.Parameter(shard.to(torch.float32, copy=True)))
         self._gathers = [None] * len(layout.buckets)
         first = {b.index: min(b.params) for b in layout.buckets}
@@ -212,4 +445,5 @@ class ShardedOptimizer:
             raise RuntimeError("ShardedOptimizer: the bucket layout changed after a step")
         self.wait_params()
         self._build(new)
-        self.inner.param_groups[0]["params"] = list(self.masters)
+        for group, new_group in zip(self.inner.param_groups, self._inner_groups()):
+            group["params"] = new_group["params"]

@@ -78,13 +78,18 @@ class CausalSelfAttention(nn.Module):
         """Heads, causal attention and the output projection from projected q, k, v
         (b, t, h*hd). The sequence length is read from q, so a TP subclass may hand in q/k/v
         gathered to full length from a sequence shard."""
+        return self.resid_drop(self.o_proj(self.core(q, k, v)))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core (b, t, h*hd) x3 -> (b, t, h*hd): scores, softmax, dropout and
+        the weighted sum of v. A separate method so training code can recompute it (selective
+        activation recomputation) or run it under a per-TP-rank RNG, by wrapping it."""
         b, t, _ = q.shape
         head_dim = q.shape[-1] // self.num_heads
         q, k, v = (z.view(b, t, self.num_heads, head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(b, t, self.num_heads * head_dim)
-        return self.resid_drop(self.o_proj(y))
+        return y.transpose(1, 2).reshape(b, t, self.num_heads * head_dim)
 
 
 class MLP(nn.Module):

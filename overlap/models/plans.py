@@ -35,7 +35,8 @@ from overlap.models.gpt import GPT, CausalSelfAttention
 from overlap.nn.layers import column_parallel_shared
 from overlap.nn.plan import Style, TPPlan
 
-__all__ = ["gpt_plan", "gpt2_plan", "llama_plan", "plan_for", "ParallelCausalSelfAttention"]
+__all__ = ["gpt_plan", "gpt2_plan", "llama_plan", "phi3_plan", "gpt_neox_plan", "opt_plan",
+           "plan_for", "ParallelCausalSelfAttention"]
 
 
 class ParallelCausalSelfAttention(CausalSelfAttention):
@@ -52,6 +53,10 @@ class ParallelCausalSelfAttention(CausalSelfAttention):
 def _parallel_attention(module: nn.Module, *, comm, sequence_parallel: bool) -> nn.Module:
     new = ParallelCausalSelfAttention.__new__(ParallelCausalSelfAttention)
     new.__dict__.update(module.__dict__)  # same submodules and parameters, new forward
+    # Own containers, so replacing a projection inside leaves ``module`` as it was (a failed
+    # verification restores it).
+    for key in ("_parameters", "_buffers", "_modules"):
+        new.__dict__[key] = dict(module.__dict__[key])
     return new
 
 
@@ -117,7 +122,9 @@ def gpt2_plan(model: nn.Module) -> TPPlan:
 
 
 def llama_plan(model: nn.Module) -> TPPlan:
-    """Plan for transformers Llama, Qwen2 or Mistral (same module names)."""
+    """Plan for transformers Llama, Qwen2, Mistral, Gemma or Gemma2 (same module names; the
+    Gemma embedding multiplies by sqrt(d) in its own forward, which parallelize keeps by
+    wrapping it, see overlap.nn.wrap)."""
     p = _hf_prefix(model)
     layers = {
         f"{p}embed_tokens": "embedding",
@@ -145,12 +152,97 @@ def llama_plan(model: nn.Module) -> TPPlan:
     return TPPlan(name=f"hf-{model.config.model_type}", layers=layers, check=check)
 
 
-_HF_PLANS = {"gpt2": gpt2_plan, "llama": llama_plan, "qwen2": llama_plan, "mistral": llama_plan}
+def _heads_check(*attrs: str, note: str = ""):
+    def check(m: nn.Module, tp: int) -> list[str]:
+        problems = []
+        for attr in attrs:
+            value = getattr(m.config, attr, None)
+            if not isinstance(value, int) or value % tp:
+                problems.append(f"config.{attr}={value} is not divisible by tp={tp}{note}")
+        return problems
+    return check
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def phi3_plan(model: nn.Module) -> TPPlan:
+    """Plan for transformers Phi-3 (``Phi3ForCausalLM`` / ``Phi3Model``): the fused
+    ``qkv_proj`` is ``[q: H*d | k: KV*d | v: KV*d]`` (unequal parts under grouped-query
+    attention), sharded per part in whole heads; the fused ``gate_up_proj`` ``[gate; up]`` as
+    two halves. The attention reads ``config.num_attention_heads`` and
+    ``num_key_value_heads`` in its forward: both are divided (each attention gets its own copy
+    of the config)."""
+    p, cfg = _hf_prefix(model), model.config
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    layers = {
+        f"{p}embed_tokens": "embedding",
+        f"{p}layers.*.self_attn.qkv_proj": Style(kind="column", parts=(heads, kv, kv),
+                                                 head_dim=_head_dim(cfg)),
+        f"{p}layers.*.self_attn.o_proj": "row",
+        f"{p}layers.*.mlp.gate_up_proj": "gate_up",
+        f"{p}layers.*.mlp.down_proj": "row",
+    }
+    if _has_head(model):
+        layers["lm_head"] = "head"
+    return TPPlan(name="hf-phi3", layers=layers,
+                  divide={f"{p}layers.*.self_attn": ("num_key_value_heads",
+                                                     "config.num_attention_heads")},
+                  check=_heads_check("num_attention_heads", "num_key_value_heads",
+                                     note=" (each rank keeps whole kv groups)"))
+
+
+def gpt_neox_plan(model: nn.Module) -> TPPlan:
+    """Plan for transformers GPT-NeoX (Pythia): ``query_key_value`` interleaves q, k, v per
+    head (``[h0: q k v | h1: q k v | ...]``), so it is cut at head boundaries
+    (``layout="per_head"``); the attention infers its local head count from the width."""
+    p, cfg = _hf_prefix(model), model.config
+    layers = {
+        f"{p}embed_in": "embedding",
+        f"{p}layers.*.attention.query_key_value": Style(
+            kind="column", layout="per_head", heads=cfg.num_attention_heads),
+        f"{p}layers.*.attention.dense": "row",
+        f"{p}layers.*.mlp.dense_h_to_4h": "column",
+        f"{p}layers.*.mlp.dense_4h_to_h": "row",
+    }
+    if isinstance(getattr(model, "embed_out", None), nn.Module):
+        layers["embed_out"] = "head"
+    return TPPlan(name="hf-gpt_neox", layers=layers,
+                  check=_heads_check("num_attention_heads"))
+
+
+def opt_plan(model: nn.Module) -> TPPlan:
+    """Plan for transformers OPT: q/k/v column, out_proj row, fc1 column, fc2 row; the
+    attention's ``num_heads`` is divided (it reshapes with it). The positions, and the
+    ``project_in``/``project_out`` of models whose embedding width differs, stay replicated;
+    ``lm_head`` stays tied to ``embed_tokens``."""
+    p = f"{_hf_prefix(model)}decoder."
+    layers = {
+        f"{p}embed_tokens": "embedding",
+        f"{p}layers.*.self_attn.q_proj": "column",
+        f"{p}layers.*.self_attn.k_proj": "column",
+        f"{p}layers.*.self_attn.v_proj": "column",
+        f"{p}layers.*.self_attn.out_proj": "row",
+        f"{p}layers.*.fc1": "column",
+        f"{p}layers.*.fc2": "row",
+    }
+    if _has_head(model):
+        layers["lm_head"] = "head"
+    return TPPlan(name="hf-opt", layers=layers,
+                  divide={f"{p}layers.*.self_attn": ("num_heads",)},
+                  check=_heads_check("num_attention_heads"))
+
+
+_HF_PLANS = {"gpt2": gpt2_plan, "llama": llama_plan, "qwen2": llama_plan, "mistral": llama_plan,
+             "gemma": llama_plan, "gemma2": llama_plan, "phi3": phi3_plan,
+             "gpt_neox": gpt_neox_plan, "opt": opt_plan}
 
 
 def plan_for(model: nn.Module) -> TPPlan:
     """The shipped plan for ``model``: overlap GPT, or a transformers model by its
-    ``config.model_type`` (gpt2, llama, qwen2, mistral). ValueError for anything else."""
+    ``config.model_type`` (gpt2, llama, qwen2, mistral, gemma, gemma2, phi3, gpt_neox, opt).
+    ValueError for anything else."""
     if isinstance(model, GPT):
         return gpt_plan()
     model_type = getattr(getattr(model, "config", None), "model_type", None)

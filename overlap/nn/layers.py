@@ -163,12 +163,21 @@ class _Linear(TPModule):
     _split: str  # "out" or "in"
 
     def _configure(self, comm, tp_group, dims, backend, chunks, *, sequence_parallel: bool,
-                   seq_dim: int, parts: int) -> None:
+                   seq_dim: int, parts) -> None:
         name = type(self).__name__
         self._init_comm(name, comm, tp_group, dims, backend=backend, chunks=chunks)
-        if not isinstance(parts, int) or parts < 1 or (parts > 1 and self._split == "in"):
-            raise ValueError(f"{name}: parts must be a positive int (and 1 for a row layer), "
-                             f"got {parts!r}")
+        if isinstance(parts, (list, tuple)):
+            parts = tuple(parts)
+            ok = len(parts) >= 1 and all(isinstance(p, int) and not isinstance(p, bool)
+                                         and p >= 1 for p in parts)
+            multi = len(parts) > 1
+        else:
+            ok = isinstance(parts, int) and not isinstance(parts, bool) and parts >= 1
+            multi = ok and parts > 1
+        if not ok or (multi and self._split == "in"):
+            raise ValueError(f"{name}: parts must be a positive int or a tuple of positive "
+                             f"block sizes (and 1 for a row layer), got {parts!r} (rank "
+                             f"{dist.get_rank()})")
         if seq_dim not in (0, 1):
             raise ValueError(f"{name}: seq_dim must be 1 (batch-first (b, t, K)) or 0 "
                              f"(sequence-first (t, b, K)), got {seq_dim!r}")
@@ -197,12 +206,21 @@ class _Linear(TPModule):
         self.in_features, self.out_features = int(in_f), int(out_f)
         n = out_f if self._split == "out" else in_f
         tp = self.tp_size
-        if n % self.parts or n // self.parts < tp:
+        where = f"(rank {dist.get_rank()})"
+        if isinstance(self.parts, tuple):
+            if sum(self.parts) != n:
+                raise ValueError(f"{name}: parts={self.parts} sum to {sum(self.parts)}, but "
+                                 f"{self._split}_features={n} {where}")
+            bad = [p for p in self.parts if p % tp]
+            if bad:
+                raise ValueError(f"{name}: every part of parts={self.parts} must be divisible "
+                                 f"by tp={tp}; {bad} are not {where}")
+        elif n % self.parts or n // self.parts < tp:
             raise ValueError(f"{name}: {self._split}_features={n} must be {self.parts} equal "
-                             f"parts of at least tp={tp} features each (rank {dist.get_rank()})")
-        if self.parts > 1 and (n // self.parts) % tp:
+                             f"parts of at least tp={tp} features each {where}")
+        elif self.parts > 1 and (n // self.parts) % tp:
             raise ValueError(f"{name}: each of the {self.parts} parts ({n // self.parts} "
-                             f"features) must be divisible by tp={tp} (rank {dist.get_rank()})")
+                             f"features) must be divisible by tp={tp} {where}")
         sizes = sharding.shard_sizes(n, tp)
         uneven = tuple(sizes) if len(set(sizes)) > 1 else None
         if uneven and self._split == "in":
@@ -238,8 +256,9 @@ class ColumnParallelLinear(_Linear):
     gather_output=True returns y = all_gather(y_shard_n, dim -1) (..., N) instead (for a
     head whose loss wants full logits); its backward keeps this rank's columns of dy.
 
-    ``parts`` > 1 shards each of ``parts`` equal output blocks separately (fused [q; k; v]).
-    N not divisible by tp (parts=1) gives uneven shards (first N % tp ranks one larger).
+    ``parts`` > 1 shards each of ``parts`` equal output blocks separately (fused [q; k; v]);
+    a tuple gives unequal block sizes (GQA [q: H*d | k: KV*d | v: KV*d]), each divisible by
+    tp. N not divisible by tp (parts=1) gives uneven shards (first N % tp ranks one larger).
     """
 
     _split = "out"
@@ -247,7 +266,7 @@ class ColumnParallelLinear(_Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  comm: TPComm | None = None, tp_group=None, dims=None,
                  gather_output: bool = False, sequence_parallel: bool = False,
-                 seq_dim: int = 1, parts: int = 1, backend: str = "auto",
+                 seq_dim: int = 1, parts: int | tuple[int, ...] = 1, backend: str = "auto",
                  chunks: int | None = None, device=None, dtype=None):
         super().__init__()
         self._configure(comm, tp_group, dims, backend, chunks,
@@ -258,7 +277,7 @@ class ColumnParallelLinear(_Linear):
     @classmethod
     def from_linear(cls, linear: nn.Module, *, comm: TPComm | None = None, tp_group=None,
                     dims=None, gather_output: bool = False, sequence_parallel: bool = False,
-                    seq_dim: int = 1, parts: int = 1, backend: str = "auto",
+                    seq_dim: int = 1, parts: int | tuple[int, ...] = 1, backend: str = "auto",
                     chunks: int | None = None) -> "ColumnParallelLinear":
         """Shard an existing ``nn.Linear`` or HF ``Conv1D`` (its values; the source module is
         left unchanged). ``parts``: the output dim is that many equal blocks to shard

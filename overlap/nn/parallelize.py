@@ -6,6 +6,7 @@ style; the first pattern that matches a module wins. Styles (strings or ``Style`
 =================  =========================================================================
 ``column``         ColumnParallelLinear, output sharded over features (tp must divide N)
 ``qkv``            column over a fused [q; k; v] output: each third sharded separately
+``gate_up``        column over a fused [gate; up] output: each half sharded separately
 ``row``            RowParallelLinear, input sharded over features (tp must divide K)
 ``embedding``      VocabParallelEmbedding (any vocabulary size)
 ``vocab_head``     column over the vocabulary, logits stay sharded (for
@@ -14,6 +15,21 @@ style; the first pattern that matches a module wins. Styles (strings or ``Style`
 ``sp_norm``        LayerNorm/RMSNorm on sequence shards (only with sequence_parallel=True)
 ``sp_positions``   position table cut to the local sequence shard (only with SP)
 =================  =========================================================================
+
+Fused layouts are data on a ``Style``: ``parts=(q, k, v)`` (unequal block sizes, in features,
+or in heads with ``head_dim=``) and ``layout="per_head"`` with ``heads=`` (q, k, v interleaved
+per head, as GPT-NeoX and Bloom store them). See ``overlap.nn.plan.Style``.
+
+A matched module whose type overrides ``forward`` (Gemma's scaled embedding) is wrapped so its
+own forward still runs on top of the TP layer (``subclasses="wrap"``, overlap.nn.wrap), or
+refused (``"refuse"``), or replaced plainly (``"replace"``).
+
+Verification (``verify=True``, the default; overlap.nn.verify): the weights must be identical
+on every TP rank; every replaced layer and every module containing one (attention, MLP, ...)
+is re-run on a probe after replacement and compared with what the unsharded module computed
+(output and input gradient). ``verify="model"`` also compares the whole model's output. A
+mismatch restores the unsharded model and raises one ValueError naming the module, the style,
+the error and the likely cause. ``verify=False`` skips all of it.
 
 ``divide`` in the plan names integer attributes (head counts, split sizes) of matched modules
 that hold *per-rank* sizes at run time; they are divided by tp. Every check (unknown pattern,
@@ -31,6 +47,7 @@ gradients, keyed and shaped like the original model's (collective over the TP gr
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 
 import torch
@@ -42,6 +59,9 @@ from overlap.nn.layers import (ColumnParallelLinear, RowParallelLinear, TPModule
                                resolve_comm)
 from overlap.nn.plan import STYLES, Style, TPPlan
 from overlap.nn.sequence import SequenceShardedPositions, sequence_parallel_norm
+from overlap.nn.verify import check_same_weights
+from overlap.nn.verifier import Verifier
+from overlap.nn.wrap import SUBCLASS_MODES, base_of, overridden, wrap_subclass
 from overlap.tp.comm import TPComm, owned_comm
 
 __all__ = ["Style", "TPPlan", "STYLES", "parallelize", "gather_state_dict", "gather_grads"]
@@ -53,9 +73,47 @@ def _style(value) -> Style | None:
     return STYLES.get(value)
 
 
-def _check_module(name: str, module: nn.Module, style: Style, tp: int) -> list[str]:
+def _check_column(name: str, style: Style, n: int, tp: int) -> list[str]:
+    if style.layout not in ("blocks", "per_head"):
+        return [f"{name}: layout must be 'blocks' or 'per_head', got {style.layout!r}"]
+    if style.layout == "per_head":
+        heads = style.heads
+        if not isinstance(heads, int) or heads < 1:
+            return [f"{name}: layout='per_head' needs heads=<number of head groups>, got "
+                    f"{heads!r}"]
+        if n % heads:
+            return [f"{name}: out_features={n} is not {heads} equal head groups"]
+        if heads % tp:
+            return [f"{name}: heads={heads} (layout='per_head') is not divisible by tp={tp}; "
+                    "each rank keeps whole heads"]
+        return []
+    parts = style.feature_parts()
+    if isinstance(parts, tuple):
+        unit = "heads" if style.head_dim else "features"
+        given = style.parts
+        if sum(parts) != n:
+            return [f"{name}: parts={given} ({unit}) make {sum(parts)} features, but "
+                    f"out_features={n}"]
+        bad = [p for p in given if p % tp]
+        if bad:
+            return [f"{name}: parts={given} ({unit}): {bad} not divisible by tp={tp}"]
+        return []
+    if style.uneven:
+        return [] if n >= tp else [f"{name}: out_features={n} is smaller than tp={tp}"]
+    if n % (parts * tp):
+        split = f"{parts} parts x tp={tp}" if parts > 1 else f"tp={tp}"
+        return [f"{name}: out_features={n} is not divisible by {split}"]
+    return []
+
+
+def _check_module(name: str, module: nn.Module, style: Style, tp: int,
+                  subclasses: str) -> list[str]:
     """Problems with applying ``style`` to ``module`` at this tp (empty: fine)."""
     kind = style.kind
+    if kind in ("column", "row", "embedding") and subclasses == "refuse" and overridden(module):
+        return [f"{name}: {type(module).__name__} overrides {overridden(module)} of "
+                f"{base_of(module).__name__}; style {kind!r} would replace it "
+                "(subclasses='refuse'; 'wrap' keeps its forward on top of the TP layer)"]
     if kind in ("column", "row"):
         try:
             weight, _, transposed = linear_weight(module)
@@ -63,13 +121,11 @@ def _check_module(name: str, module: nn.Module, style: Style, tp: int) -> list[s
             return [f"{name}: style {kind!r} needs nn.Linear or Conv1D, got "
                     f"{type(module).__name__}"]
         out_f, in_f = (weight.shape[1], weight.shape[0]) if transposed else weight.shape
-        n, what = (out_f, "out_features") if kind == "column" else (in_f, "in_features")
+        if kind == "column":
+            return _check_column(name, style, out_f, tp)
         if style.uneven:
-            return [] if n >= tp else [f"{name}: {what}={n} is smaller than tp={tp}"]
-        if n % (style.parts * tp):
-            split = f"{style.parts} parts x tp={tp}" if style.parts > 1 else f"tp={tp}"
-            return [f"{name}: {what}={n} is not divisible by {split}"]
-        return []
+            return [] if in_f >= tp else [f"{name}: in_features={in_f} is smaller than tp={tp}"]
+        return [f"{name}: in_features={in_f} is not divisible by tp={tp}"] if in_f % tp else []
     if kind in ("embedding", "sp_positions"):
         if not isinstance(module, nn.Embedding):
             return [f"{name}: style {kind!r} needs nn.Embedding, got {type(module).__name__}"]
@@ -101,7 +157,7 @@ def _tie_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
     return [sorted(set(h)) for h in holders.values() if len(set(h)) > 1]
 
 
-def _plan_matches(model, plan, sequence_parallel, tp, problems):
+def _plan_matches(model, plan, sequence_parallel, tp, problems, subclasses):
     """{module name: Style} for the modules this call will replace."""
     modules = dict(model.named_modules())
     chosen: dict[str, Style] = {}
@@ -119,8 +175,15 @@ def _plan_matches(model, plan, sequence_parallel, tp, problems):
         for n in names:
             if n not in chosen:
                 chosen[n] = style
-                problems.extend(_check_module(n, modules[n], style, tp))
+                problems.extend(_check_module(n, modules[n], style, tp, subclasses))
     return chosen
+
+
+def _get_attr(module: nn.Module, path: str):
+    obj = module
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def _check_divide(model, plan, tp, problems) -> list[tuple[str, str]]:
@@ -132,8 +195,12 @@ def _check_divide(model, plan, tp, problems) -> list[tuple[str, str]]:
         for n in names:
             module = model.get_submodule(n)
             for attr in attrs:
-                value = getattr(module, attr, None)
-                if not isinstance(value, int) or isinstance(value, bool):
+                value = _get_attr(module, attr)
+                if attr.count(".") > 1 or (attr.count(".") == 1
+                                           and not attr.startswith("config.")):
+                    problems.append(f"{n}: divide attribute {attr!r} must be a name or "
+                                    "'config.<name>'")
+                elif not isinstance(value, int) or isinstance(value, bool):
                     problems.append(f"{n}.{attr}: expected an int attribute (a head count or "
                                     f"split size), got {value!r}; transformers version mismatch?")
                 elif value % tp:
@@ -156,7 +223,7 @@ def _check_ties(model, chosen, problems) -> list[list[tuple[str, str]]]:
         members = [m for m, _ in group]
         if not any(m in chosen for m in members):
             continue
-        same_rows = all(m in chosen and p == "weight" and chosen[m].parts == 1
+        same_rows = all(m in chosen and p == "weight" and chosen[m].num_parts() == 1
                         and chosen[m].kind in ("embedding", "column") for m, p in group)
         transposed = any(m in chosen and chosen[m].kind == "column"
                          and _is_transposed(model.get_submodule(m)) for m in members)
@@ -173,7 +240,7 @@ def _build(module, style: Style, comm: TPComm, sequence_parallel) -> nn.Module:
     kind = style.kind
     if kind == "column":
         return ColumnParallelLinear.from_linear(
-            module, comm=comm, gather_output=style.gather_output, parts=style.parts,
+            module, comm=comm, gather_output=style.gather_output, parts=style.feature_parts(),
             sequence_parallel=sequence_parallel)
     if kind == "row":
         return RowParallelLinear.from_linear(module, comm=comm,
@@ -188,10 +255,41 @@ def _build(module, style: Style, comm: TPComm, sequence_parallel) -> nn.Module:
     return SequenceShardedPositions.from_embedding(module, comm=comm)
 
 
+def _replace(model, chosen, comm, sequence_parallel, subclasses, undo) -> None:
+    for name, style in chosen.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child)
+        new = _build(old, style, comm, sequence_parallel)
+        if (style.kind in ("column", "row", "embedding") and subclasses == "wrap"
+                and overridden(old)):
+            new = wrap_subclass(old, new)
+        undo.append(lambda p=parent, c=child, o=old: setattr(p, c, o))
+        setattr(parent, child, new)
+
+
+def _divide(model, divide, tp, undo) -> None:
+    copied: set[int] = set()
+    for name, attr in divide:
+        module = model.get_submodule(name)  # by name: the module may have been replaced
+        target, leaf = module, attr
+        if attr.startswith("config."):
+            if id(module) not in copied:  # this module's own config; others keep theirs
+                old_cfg = module.config
+                undo.append(lambda m=module, c=old_cfg: setattr(m, "config", c))
+                module.config = copy.copy(old_cfg)
+                copied.add(id(module))
+            target, leaf = module.config, attr.split(".", 1)[1]
+        old = getattr(target, leaf)
+        undo.append(lambda t=target, a=leaf, v=old: setattr(t, a, v))
+        setattr(target, leaf, old // tp)
+
+
 def parallelize(model: nn.Module, *, dims=None, tp_group=None, comm: TPComm | None = None,
                 plan: TPPlan | None = None, sequence_parallel: bool = False,
                 backend: str = "auto", chunks: int | None = None,
-                check_inputs: bool = True) -> nn.Module:
+                check_inputs: bool = True, verify: bool | str = True, probe=None,
+                verify_tol: float | None = None, subclasses: str = "wrap") -> nn.Module:
     """Replace ``model``'s modules by TP ones per ``plan`` (default: ``plans.plan_for(model)``)
     on one TP communicator; returns ``model`` (changed in place).
 
@@ -200,10 +298,27 @@ def parallelize(model: nn.Module, *, dims=None, tp_group=None, comm: TPComm | No
     ``close_all_contexts()``). Every rank of the group must call it on the same (same-seed)
     model. The sharded modules copy their shard of the current values, so the parallel model
     computes the same function.
+
+    ``verify``: True (default) checks that the weights are identical across TP ranks, then
+    compares every replaced layer and every module that contains one with the unsharded
+    module on a probe (output and input gradient); "model" adds the whole model's output;
+    False skips verification. ``probe``: the model input for the region checks (a tensor,
+    a tuple of args, a dict of kwargs, or a callable model -> output); default: token ids
+    built from the vocabulary size (models that take ids). ``verify_tol``: the largest
+    relative error accepted (default 1e-4 for fp32, 2e-2 for 16-bit weights). On a mismatch
+    the model is restored and a ValueError names what failed and why it likely did.
+    ``subclasses``: "wrap" (default), "refuse" or "replace" for matched modules whose type
+    overrides forward (see overlap.nn.wrap).
     """
     if comm is not None and (backend != "auto" or chunks is not None or not check_inputs):
         raise ValueError("parallelize: backend=, chunks= and check_inputs= belong to the TPComm "
                          "when comm= is given")
+    if verify not in (True, False, "model", "module"):
+        raise ValueError(f"parallelize: verify must be True, False, 'module' or 'model', got "
+                         f"{verify!r}")
+    if subclasses not in SUBCLASS_MODES:
+        raise ValueError(f"parallelize: subclasses must be one of {SUBCLASS_MODES}, got "
+                         f"{subclasses!r}")
     if comm is None:
         # The group= form: a communicator of its own with these settings (not the group's
         # default one, whose per-call knobs differ); close_all_contexts() closes it.
@@ -223,29 +338,39 @@ def parallelize(model: nn.Module, *, dims=None, tp_group=None, comm: TPComm | No
             "sequence-sharded activations). Use sequence_parallel=False.")
     tp, rank = dist.get_world_size(group), dist.get_rank()
     problems: list[str] = []
-    chosen = _plan_matches(model, plan, sequence_parallel, tp, problems)
+    chosen = _plan_matches(model, plan, sequence_parallel, tp, problems, subclasses)
     divide = _check_divide(model, plan, tp, problems)
     if plan.check is not None:
         problems.extend(plan.check(model, tp))
     ties = _check_ties(model, chosen, problems)
+    head = f"parallelize(plan={plan.name!r}, tp={tp}) on rank {rank}"
     if problems:
         listed = "\n  - ".join(problems)
-        raise ValueError(f"parallelize(plan={plan.name!r}, tp={tp}) on rank {rank}: "
-                         f"{len(problems)} problem(s), nothing was changed:\n  - {listed}")
+        raise ValueError(f"{head}: {len(problems)} problem(s), nothing was changed:\n  - "
+                         f"{listed}")
 
-    for name, style in chosen.items():
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, _build(getattr(parent, child), style, comm, sequence_parallel))
+    checker = None
+    if verify:
+        check_same_weights(model, group, timeout=comm.timeout)
+        checker = Verifier(model, chosen, divide, tp=tp, comm=comm, probe=probe,
+                           whole_model=verify == "model", tol=verify_tol,
+                           sequence_parallel=sequence_parallel, head=head)
+    undo: list = []
+    _replace(model, chosen, comm, sequence_parallel, subclasses, undo)
     for group_members in ties:
         (first, attr), *rest = group_members
         shared = getattr(model.get_submodule(first), attr)
         for mname, pname in rest:
-            setattr(model.get_submodule(mname), pname, shared)
-    # By name: the module may have been replaced above.
-    for name, attr in divide:
-        module = model.get_submodule(name)
-        setattr(module, attr, getattr(module, attr) // tp)
+            holder = model.get_submodule(mname)
+            undo.append(lambda h=holder, a=pname, v=getattr(holder, pname): setattr(h, a, v))
+            setattr(holder, pname, shared)
+    _divide(model, divide, tp, undo)
+    if checker is not None:
+        failure = checker.run(model)
+        if failure is not None:
+            for step in reversed(undo):
+                step()
+            raise ValueError(failure)
     return model
 
 

@@ -18,20 +18,56 @@ class Style:
     sp_positions, or custom (``build(module, comm=, sequence_parallel=) -> module``, a
     model-specific replacement of a module whose exact type is in ``accepts``). ``uneven``:
     the sharded size need not be divisible by tp (vocabularies). ``sp_only``: applied only
-    with sequence_parallel=True."""
+    with sequence_parallel=True.
+
+    Fused column outputs (``kind="column"``), as data:
+
+    - ``layout="blocks"`` (default): the output is blocks laid end to end, each sharded over
+      tp separately. ``parts``: an int (that many equal blocks: "qkv" is 3, "gate_up" is 2) or
+      a tuple of block sizes in features, e.g. Phi-3's GQA ``qkv_proj``
+      ``parts=(H*d, KV*d, KV*d)``; with ``head_dim=d`` the tuple counts heads instead,
+      ``parts=(H, KV, KV)``, and each count must be divisible by tp (whole heads per rank).
+    - ``layout="per_head"``: the output is ``heads`` equal groups, each holding every part of
+      one head interleaved (GPT-NeoX / Bloom ``query_key_value``: ``[h0: q k v | h1: q k v |
+      ...]``; with grouped-query attention, one group per kv head). Each rank keeps
+      ``heads / tp`` whole groups, so ``heads`` must be divisible by tp.
+    """
 
     kind: str
-    parts: int = 1
+    parts: int | tuple[int, ...] = 1
+    layout: str = "blocks"
+    heads: int | None = None
+    head_dim: int | None = None
     gather_output: bool = False
     uneven: bool = False
     sp_only: bool = False
     build: Callable[..., nn.Module] | None = None
     accepts: tuple[type, ...] = ()  # custom: the exact module types ``build`` takes
 
+    def feature_parts(self) -> int | tuple[int, ...]:
+        """The layer's ``parts`` in features (what ColumnParallelLinear takes)."""
+        if self.layout == "per_head":
+            return 1
+        if isinstance(self.parts, tuple) and self.head_dim is not None:
+            return tuple(h * self.head_dim for h in self.parts)
+        return self.parts
+
+    def num_parts(self) -> int:
+        return len(self.parts) if isinstance(self.parts, tuple) else self.parts
+
+    def describe(self) -> str:
+        if self.layout == "per_head":
+            return f"{self.kind}(layout='per_head', heads={self.heads})"
+        if self.num_parts() > 1:
+            unit = f", head_dim={self.head_dim}" if self.head_dim else ""
+            return f"{self.kind}(parts={self.parts}{unit})"
+        return self.kind
+
 
 STYLES: dict[str, Style] = {
     "column": Style(kind="column"),
     "qkv": Style(kind="column", parts=3),
+    "gate_up": Style(kind="column", parts=2),
     "row": Style(kind="row"),
     "embedding": Style(kind="embedding", uneven=True),
     "vocab_head": Style(kind="column", uneven=True),
@@ -43,7 +79,9 @@ STYLES: dict[str, Style] = {
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class TPPlan:
-    """``layers``: pattern -> style; ``divide``: pattern -> attribute names divided by tp;
+    """``layers``: pattern -> style; ``divide``: pattern -> attribute names divided by tp
+    (``"config.num_attention_heads"``: the module gets its own copy of ``config`` with that
+    attribute divided, so other modules sharing the config are unaffected);
     ``check(model, tp) -> [problems]``: arch-specific checks; ``sequence_parallel``: whether
     the plan keeps the whole residual stream sequence-sharded (else SP is refused)."""
 

@@ -5,10 +5,13 @@ Every transfer is posted with ``dist.batch_isend_irecv`` on the communicator of 
 schedule, see ``overlap.pp.plan``) and returns at once; the executor waits on a receive only right before
 the compute that consumes it, and on a send only at the end of the step (send buffers are
 fresh tensors that nothing overwrites, so the step end is the first time a buffer could be
-reused). On GPU the transfers are issued from a side stream that first waits on an event
-recorded on the compute stream after the producing compute; waiting on a receive's work then
-makes the compute stream wait for it, so the host never blocks. On CPU (gloo) the transfers
-run on gloo's own threads while this process computes.
+reused). Transfers are issued on a comm stream of the device-neutral stream layer
+(``overlap.dist.streams``), which first waits for the compute stream (so a send never reads a
+buffer before the compute writing it is done); waiting on a transfer makes the caller's stream
+wait for its issue and then for the transfer. On GPU this is a side CUDA stream and the host
+never blocks; on CPU it is the stream twin, which posts the transfers later than the host call
+(with injected delays under ``OVERLAP_STREAM_DELAY_MS``), so a send buffer the host touched
+after posting would show up as wrong numbers here, as it would on a GPU.
 
 Shapes travel in a fixed-size header (``HEADER_LEN`` int64: ndim, dtype code, sizes) only when
 the receiver does not know them yet; the executor caches them (see ``overlap.pp.executor``).
@@ -19,13 +22,13 @@ pp rank, the peer (pp and global rank) and what was being transferred.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from datetime import timedelta
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from overlap.dist.streams import Event, Stream
 from overlap.profile.timers import comm_wait
 
 __all__ = ["P2P", "P2PError", "HEADER_LEN", "encode_header", "decode_header"]
@@ -60,25 +63,23 @@ def decode_header(h: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
     return tuple(vals[2:2 + ndim]), _DTYPES[code]
 
 
-class _StreamOrder:
-    """GPU: a comm side stream ordered after the compute stream by an event. CPU: nothing."""
+class _Posted:
+    """A transfer posted on the comm stream: ``event`` marks the post, ``work`` is the backend's
+    handle once the stream has run the post."""
 
-    def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    __slots__ = ("event", "work")
 
-    @contextlib.contextmanager
-    def issue(self, tensors: list[torch.Tensor]):
-        if self.stream is None:
-            yield
-            return
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream())
-        # The comm stream must not read a send buffer before the compute writing it is done.
-        self.stream.wait_event(ready)
-        for t in tensors:
-            t.record_stream(self.stream)  # keep the allocator from reusing it mid-transfer
-        with torch.cuda.stream(self.stream):
-            yield
+    def __init__(self) -> None:
+        self.event: Event | None = None
+        self.work = None
+
+    def is_completed(self) -> bool:
+        """Posted and finished (a query: never blocks, not a host sync)."""
+        return self.event.query() and (self.work is None or self.work.is_completed())
+
+    def wait(self, timeout: timedelta) -> None:
+        self.event.wait(timeout.total_seconds(), "pp p2p post")
+        self.work.wait(timeout=timeout)
 
 
 class _Channel:
@@ -132,7 +133,7 @@ class P2P:
         self.global_ranks = [dist.get_global_rank(pp_group, r) for r in range(self.pp_size)]
         self.timeout = timedelta(seconds=timeout)
         self.device = device
-        self._order = _StreamOrder(device)
+        self._stream = Stream(device, name=f"pp p2p {token}")
         self.channels: dict[tuple[int, int], _Channel] = {}
         for c in channels:
             if self.pp_rank not in c or c[0] == c[1]:
@@ -145,6 +146,7 @@ class P2P:
 
     def close(self) -> None:
         """Release the channel communicators (local: each end releases its own)."""
+        self._stream.close(self.timeout.total_seconds())
         for c in self.channels.values():
             c.close()
         self.channels.clear()
@@ -160,15 +162,24 @@ class P2P:
         chan = self.channels[channel]
         if not sends and not recvs:
             return [], []
-        try:
-            with self._order.issue([t for t, _ in sends] + [t for t, _ in recvs]):
-                works = [chan.transfer(t, True) for t, _ in sends]
-                works += [chan.transfer(t, False) for t, _ in recvs]
-        except RuntimeError as exc:
-            peers = sorted({p for _, p in sends} | {p for _, p in recvs})
-            raise P2PError(f"pp p2p post on pp rank {self.pp_rank}: posting to/from pp ranks "
-                           f"{peers} failed: {exc}") from exc
-        return works[:len(sends)], works[len(sends):]
+        ops = [(t, True) for t, _ in sends] + [(t, False) for t, _ in recvs]
+        posted = [_Posted() for _ in ops]
+        peers = sorted({p for _, p in sends} | {p for _, p in recvs})
+
+        def post() -> None:
+            try:
+                for (t, is_send), handle in zip(ops, posted):
+                    handle.work = chan.transfer(t, is_send)
+            except RuntimeError as exc:
+                raise P2PError(f"pp p2p post on pp rank {self.pp_rank}: posting to/from pp "
+                               f"ranks {peers} failed: {exc}") from exc
+
+        self._stream.wait_current()
+        self._stream.enqueue(post, tuple(t for t, _ in ops))
+        event = self._stream.record_event()
+        for handle in posted:
+            handle.event = event
+        return posted[:len(sends)], posted[len(sends):]
 
     def wait(self, work, *, what: str, peer: int) -> None:
         """Wait for one transfer with the timeout; errors name the transfer and the peer, and
@@ -176,8 +187,10 @@ class P2P:
         t0 = time.monotonic()
         try:
             with comm_wait("pp.p2p"):
-                work.wait(timeout=self.timeout)
-        except RuntimeError as exc:
+                work.wait(self.timeout)
+        except P2PError:
+            raise
+        except (RuntimeError, TimeoutError) as exc:
             took, limit = time.monotonic() - t0, self.timeout.total_seconds()
             how = (f"timed out after {limit:g}s" if took >= 0.9 * limit else
                    f"failed after {took:.2f}s (the peer died, aborted or closed its connection)")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import os
 
 from overlap import cli
 from overlap.comm.quant.checks import COMM_DTYPES  # the one vocabulary: "fp32", "bf16", "int8"
@@ -17,6 +19,9 @@ __all__ = ["TrainConfig", "ConfigError", "parse_args"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 TP_BACKENDS = ("auto", "chunked", "symmetric", "triton")
 TRANSPORTS = ("nccl_twin", "gloo")
+RECOMPUTE = ("none", "selective", "full")
+DTYPES = ("fp32", "bf16")
+LR_SCHEDULES = ("constant", "cosine")
 VOCAB_SIZE = 256  # byte-level tokenizer
 
 
@@ -41,8 +46,22 @@ class TrainConfig:
     d_model: int = _field(64, "hidden size")
     n_head: int = _field(4, "attention heads")
     steps: int = _field(30, "optimizer steps")
-    lr: float = _field(3e-3, "AdamW learning rate")
-    weight_decay: float = _field(0.0, "AdamW weight decay")
+    lr: float = _field(3e-3, "AdamW (peak) learning rate")
+    lr_schedule: str = _field("constant", "learning rate after warm-up: constant, or cosine "
+                                          "decay to --min-lr-ratio x lr at the last step",
+                              choices=LR_SCHEDULES)
+    warmup_steps: int = _field(0, "linear learning-rate warm-up steps (from lr/warmup)")
+    min_lr_ratio: float = _field(0.1, "cosine schedule: final lr as a fraction of --lr")
+    weight_decay: float = _field(0.0, "AdamW weight decay of matrix weights (norms, biases and "
+                                      "embeddings get none)")
+    clip_grad: float = _field(0.0, "clip the global gradient L2 norm (over every TP/PP/DP "
+                                   "shard, each element once) to this value; 0: off")
+    dropout: float = _field(0.0, "dropout probability (attention, residual, embedding); "
+                                 "TP-sharded regions draw per-rank masks")
+    recompute: str = _field("none", "activation recomputation: selective (the attention core) "
+                                    "or full (each transformer block)", choices=RECOMPUTE)
+    dtype: str = _field("fp32", "parameter and activation dtype; bf16 keeps fp32 gradient "
+                                "buffers and fp32 master weights", choices=DTYPES)
     seed: int = _field(0, "seed for the model init and the data order")
     sequence_parallel: bool = _field(True, "sequence-parallel TP layers (fused AG-GEMM / GEMM-RS)")
     tp_backend: str = _field("auto", "fused TP op backend", choices=TP_BACKENDS)
@@ -55,11 +74,24 @@ class TrainConfig:
     profile: str | None = _field(None, "write torch.profiler traces, a PNG timeline and overlap "
                                        "metrics to this directory")
     data: str | None = _field(None, "text file to train on (default: the bundled corpus)")
+    save: str | None = _field(None, "write distributed checkpoints (torch.distributed."
+                                    "checkpoint) to DIR/step_<N>, asynchronously")
+    save_every: int = _field(10, "with --save: checkpoint every N steps (and after the last)")
+    resume: str | None = _field(None, "continue from the latest complete checkpoint under DIR "
+                                      "(or from DIR itself, a step_<N> directory); any "
+                                      "tp/pp/dp layout")
+    export: str | None = _field(None, "with --resume: write the checkpoint's unsharded model "
+                                      "as one torch.save file (FILE) and exit; no training")
+    max_restarts: int = _field(0, "restart every rank from the latest complete checkpoint "
+                                  "(of --save) up to K times after a rank dies or times out")
     timeout: float = _field(600.0, "seconds before a hung local job is killed")
     transport: str = _field("nccl_twin", "local CPU processes only: nccl_twin is gloo with "
                                          "NCCL's ordering rules (an order that would hang on "
                                          "GPUs hangs here too, and is reported); gloo is looser",
                             choices=TRANSPORTS)
+    # fault injection for the restart test: rank R kills itself with SIGKILL at step S, once
+    kill_rank: int = _field(-1, "test only", hidden=True)
+    kill_at_step: int = _field(-1, "test only", hidden=True)
 
     @property
     def world_size(self) -> int:
@@ -70,12 +102,25 @@ class TrainConfig:
         return self.pp * (self.virtual_stages if self.schedule == "interleaved" else 1)
 
     def validate(self) -> None:
-        """Raise ConfigError (one line) for settings that cannot work."""
+        """Raise ConfigError (one line) for settings that cannot work. Reads only the file
+        system (the data file, checkpoint directories): nothing starts."""
         for name in ("tp", "pp", "dp", "virtual_stages", "micro_batches", "micro_batch_size",
-                     "seq_len", "n_layer", "d_model", "n_head", "steps"):
+                     "seq_len", "n_layer", "d_model", "n_head", "steps", "save_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
+        for name in ("warmup_steps", "max_restarts"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v}")
+        _check_number("lr", self.lr, low=0.0, low_open=True)
+        _check_number("weight_decay", self.weight_decay, low=0.0)
+        _check_number("clip_grad", self.clip_grad, low=0.0)
+        _check_number("min_lr_ratio", self.min_lr_ratio, low=0.0, high=1.0)
+        _check_number("dropout", self.dropout, low=0.0, high=1.0, high_open=True)
+        _check_number("bucket_mb", self.bucket_mb, low=0.0)
+        _check_number("timeout", self.timeout, low=0.0, low_open=True)
+        _check_number("check_tolerance", self.check_tolerance, low=0.0, low_open=True)
         from overlap.dist.dims import ParallelDims
 
         try:
@@ -91,9 +136,10 @@ class TrainConfig:
         if (4 * self.d_model) % self.tp or VOCAB_SIZE % self.tp:
             raise ConfigError(f"--tp {self.tp} must divide the MLP width {4 * self.d_model} and "
                               f"the vocabulary {VOCAB_SIZE}")
-        if self.sequence_parallel and (self.micro_batch_size * self.seq_len) % self.tp:
+        if self.sequence_parallel and self.seq_len % self.tp:
             raise ConfigError(f"sequence parallelism splits the {self.seq_len} tokens of each "
-                              f"sequence over --tp {self.tp}: --seq-len must be divisible by it")
+                              f"sequence over --tp {self.tp}: --seq-len {self.seq_len} must be "
+                              "divisible by it (or pass --no-sequence-parallel)")
         if self.n_layer < self.num_stages:
             raise ConfigError(f"--n-layer {self.n_layer} is less than the {self.num_stages} "
                               "pipeline stages (pp x virtual stages): every stage needs a layer")
@@ -103,12 +149,61 @@ class TrainConfig:
         if self.schedule == "interleaved" and self.micro_batches % self.pp:
             raise ConfigError(f"the interleaved schedule needs --micro-batches "
                               f"({self.micro_batches}) to be a multiple of --pp ({self.pp})")
-        if self.bucket_mb < 0:
-            raise ConfigError(f"--bucket-mb must be >= 0, got {self.bucket_mb}")
-        if self.timeout <= 0:
-            raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout}")
-        if self.check_tolerance <= 0:
-            raise ConfigError(f"--check-tolerance must be > 0, got {self.check_tolerance}")
+        self._validate_data()
+        self._validate_checkpoints()
+
+    def _validate_data(self) -> None:
+        if self.data is None:
+            return
+        if not os.path.exists(self.data):
+            raise ConfigError(f"--data {self.data}: no such file")
+        if os.path.isdir(self.data):
+            raise ConfigError(f"--data {self.data} is a directory; give a text file")
+        try:
+            size = os.path.getsize(self.data)
+            with open(self.data, "rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"--data {self.data}: cannot read it ({exc.strerror})") from None
+        if size == 0:
+            raise ConfigError(f"--data {self.data} is empty")
+        if size < self.seq_len + 2:
+            raise ConfigError(f"--data {self.data} has {size} bytes (tokens); --seq-len "
+                              f"{self.seq_len} needs at least seq_len + 2 = {self.seq_len + 2}")
+
+    def _validate_checkpoints(self) -> None:
+        from overlap.train.checkpoint import latest_checkpoint
+
+        if self.save is not None and os.path.exists(self.save) and not os.path.isdir(self.save):
+            raise ConfigError(f"--save {self.save} exists and is not a directory")
+        if self.export is not None:
+            if self.resume is None:
+                raise ConfigError(f"--export {self.export} needs --resume DIR (the checkpoint "
+                                  "to convert)")
+            parent = os.path.dirname(os.path.abspath(self.export))
+            if not os.path.isdir(parent):
+                raise ConfigError(f"--export {self.export}: directory {parent} does not exist")
+        if self.resume is not None:
+            if not os.path.isdir(self.resume):
+                raise ConfigError(f"--resume {self.resume}: no such directory")
+            if latest_checkpoint(self.resume) is None:
+                raise ConfigError(f"--resume {self.resume}: no complete checkpoint in it (a "
+                                  "step_<N> directory with DCP .metadata)")
+        if self.max_restarts and self.save is None:
+            raise ConfigError(f"--max-restarts {self.max_restarts} needs --save DIR: a restart "
+                              "continues from the latest checkpoint written there")
+
+
+def _check_number(name: str, v: float, *, low: float, high: float | None = None,
+                  low_open: bool = False, high_open: bool = False) -> None:
+    flag = "--" + name.replace("_", "-")
+    ok = isinstance(v, (int, float)) and math.isfinite(v) and \
+        (v > low if low_open else v >= low) and \
+        (high is None or (v < high if high_open else v <= high))
+    if not ok:
+        lo = f"{'>' if low_open else '>='} {low:g}"
+        hi = "" if high is None else f" and {'<' if high_open else '<='} {high:g}"
+        raise ConfigError(f"{flag} must be a finite number {lo}{hi}, got {v}")
 
 
 _PROG = "overlap-train"

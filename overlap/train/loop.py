@@ -13,6 +13,12 @@ Per rank, in order (every piece is the library's public API, nothing demo-specif
    stage runs under the backward of the micro-batches and stages still in flight; with
    ``sharded_optimizer`` a ``ShardedOptimizer`` (ZeRO-1/2) per stage, else AdamW.
 
+5. Training features (``overlap.train``): AdamW param groups (no weight decay on norms,
+   biases and embeddings), warm-up + cosine LR, global-norm clipping over every shard
+   (``clip_grads``), dropout through a TP-aware RNG tracker (``rng.py``), activation
+   recomputation (``recompute.py``), bf16 with fp32 master weights, and asynchronous DCP
+   checkpoints that resume on any layout (``checkpoint.py``).
+
 The micro-batch losses are averaged (each scaled by 1/m in the pipeline) and the DP reduction
 averages over dp, so the gradient is that of the mean loss over every sequence of the step:
 exactly what ``reference_losses`` computes on one process.
@@ -21,7 +27,9 @@ exactly what ``reference_losses`` computes on one process.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import signal
 import time
 from typing import Any
 
@@ -34,7 +42,8 @@ from overlap.profile.timers import comm_wait, exposed_seconds, reset_exposed
 from overlap.train.config import VOCAB_SIZE, TrainConfig
 from overlap.train.data import Batches, load_tokens
 
-__all__ = ["train_rank", "tp_comm_for", "reference_losses", "StepRecord", "model_config"]
+__all__ = ["train_rank", "tp_comm_for", "reference_losses", "StepRecord", "model_config",
+           "lr_at", "param_groups", "attempt_number"]
 
 PROFILED_STEPS = 3
 _SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b",
@@ -48,11 +57,54 @@ class StepRecord:
     step_s: float          # slowest rank's step time
     tokens_per_s: float
     exposed_fraction: float  # mean over ranks of (blocked-in-communication time / step time)
+    grad_norm: float = 0.0   # global L2 norm of the gradient before clipping (0: not computed)
+    lr: float = 0.0
 
 
-def model_config(cfg: TrainConfig) -> GPTConfig:
+def model_config(cfg: TrainConfig, *, dropout: float | None = None) -> GPTConfig:
     return GPTConfig(vocab_size=VOCAB_SIZE, seq_len=cfg.seq_len, d_model=cfg.d_model,
-                     n_layer=cfg.n_layer, n_head=cfg.n_head)
+                     n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     dropout=cfg.dropout if dropout is None else dropout)
+
+
+def attempt_number() -> int:
+    """0 on the first run; k on the k-th restart (ours or torchrun's)."""
+    return int(os.environ.get("OVERLAP_RESTART_ATTEMPT",
+                              os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up over ``warmup_steps`` then constant or cosine decay to
+    ``min_lr_ratio * lr`` at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    span = max(1, cfg.steps - 1 - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    low = cfg.lr * cfg.min_lr_ratio
+    return low + (cfg.lr - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def no_decay(name: str, p: torch.Tensor, module: torch.nn.Module) -> bool:
+    """Norms, biases (1-D) and embedding tables get no weight decay."""
+    from overlap.nn.embedding import VocabParallelEmbedding
+
+    return p.dim() < 2 or isinstance(module, (torch.nn.Embedding, VocabParallelEmbedding))
+
+
+def param_groups(model: torch.nn.Module, params, weight_decay: float) -> list[dict]:
+    """Two AdamW groups over ``params`` (a subset of ``model``'s): decayed matrices and the
+    rest with weight_decay 0."""
+    wanted = {id(p) for p in params}
+    decay, rest = [], []
+    for mod_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in wanted:
+                (rest if no_decay(name, p, module) else decay).append(p)
+                wanted.discard(id(p))
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": rest, "weight_decay": 0.0}]
 
 
 def tp_comm_for(cfg: TrainConfig, dims, device: torch.device):
@@ -76,36 +128,60 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     from overlap.nn.parallelize import parallelize
     from overlap.models.plans import gpt_plan
 
+    from overlap.train.rng import RNGTracker, install_dropout
+    from overlap.train.recompute import apply_recompute
+
     device = rank_device()
     dims = ParallelDims.build(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, device_type=device.type)
+    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     torch.manual_seed(cfg.seed)
-    model = GPT(model_config(cfg)).to(device)
+    model = GPT(model_config(cfg)).to(device=device, dtype=dtype)
     tp_comm = tp_comm_for(cfg, dims, device)
     parallelize(model, comm=tp_comm, plan=gpt_plan(loss_parallel=True),
                 sequence_parallel=cfg.sequence_parallel)
+    tracker = RNGTracker(seed=cfg.seed, tp_rank=dims.tp_rank, pp_rank=dims.pp_rank,
+                         dp_rank=dims.dp_rank)
+    if cfg.dropout > 0:
+        install_dropout(model, tracker, sequence_parallel=cfg.sequence_parallel)
+    if cfg.recompute != "none":
+        apply_recompute(model, cfg.recompute, tracker=tracker)
     num_virtual = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
     stages = pipeline_stages(model, pp_group=dims.pp_group, num_virtual=num_virtual)
     schedule = build_schedule(_SCHEDULE_NAMES[cfg.schedule], pp_size=cfg.pp,
                               num_microbatches=cfg.micro_batches, num_virtual=num_virtual)
 
     def loss_fn(logits_shard_v: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits_shard_v, targets, tp_group=dims.tp_group)
+        return vocab_parallel_cross_entropy(logits_shard_v.float(), targets,
+                                            tp_group=dims.tp_group)
 
     pipe = Pipeline(stages, schedule, loss_fn=loss_fn, pp_group=dims.pp_group,
                     timeout=cfg.timeout)
     reducers, optimizers = [], []
     for stage in stages:
+        # rebuild_buckets=False: the bucket layout is fixed from the start, so a resumed run
+        # (whose optimizer state is laid out over it) reduces exactly as the uninterrupted one
+        extra = _grad_dtype_option(cfg)
         red = GradReducer(stage.module, dp_group=dims.dp_group, comm_dtype=cfg.comm_dtype,
                           bucket_cap_mb=cfg.bucket_mb, first_bucket_cap_mb=cfg.bucket_mb,
-                          shard=cfg.sharded_optimizer, timeout=cfg.timeout)
+                          shard=cfg.sharded_optimizer, timeout=cfg.timeout,
+                          rebuild_buckets=False, **extra)
         red.sync_if(lambda s=stage: s.last_backward)
         reducers.append(red)
-        kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
+        groups = param_groups(model, red.params, cfg.weight_decay)
         if cfg.sharded_optimizer:
-            optimizers.append(ShardedOptimizer(red, torch.optim.AdamW, **kwargs))
+            optimizers.append(ShardedOptimizer(red, torch.optim.AdamW, param_groups=groups,
+                                               lr=cfg.lr))
         else:
-            optimizers.append(torch.optim.AdamW(stage.module.parameters(), **kwargs))
+            optimizers.append(torch.optim.AdamW(groups, lr=cfg.lr))
+    replicated = _tp_replicated(model, reducers)
 
+    start_step, resumed_from, fault_s = _maybe_resume(cfg, dims, model, stages, optimizers,
+                                                      tracker)
+    writer = None
+    if cfg.save:
+        from overlap.train.checkpoint import CheckpointWriter
+
+        writer = CheckpointWriter(cfg.save, attempt=attempt_number(), timeout=cfg.timeout)
     batches = Batches(load_tokens(cfg.data), seq_len=cfg.seq_len,
                       micro_batch_size=cfg.micro_batch_size, micro_batches=cfg.micro_batches,
                       dp=cfg.dp, seed=cfg.seed)
@@ -120,18 +196,31 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     # Trace only the last PROFILED_STEPS steps: step 0 pays for warm-up, and a trace of every
     # step of a long run is hundreds of MB per rank.
     first_traced = max(1 if cfg.steps > 1 else 0, cfg.steps - PROFILED_STEPS)
+    resumed_at = None
     try:
-        for step in range(cfg.steps):
+        for step in range(start_step, cfg.steps):
+            if (cfg.kill_rank == dist.get_rank() and step == cfg.kill_at_step
+                    and attempt_number() == 0):
+                _die(cfg)
             if prof is not None and step == first_traced:
                 prof.start()
             inputs, targets = batches.step(step)
             # (micro_batches, mbs, seq) -> a list of (mbs, seq) micro-batches
             x = list(inputs[dims.dp_rank].to(device).unbind(0))
             y = list(targets[dims.dp_rank].to(device).unbind(0))
+            lr = lr_at(cfg, step)
+            for opt in optimizers:
+                for group in opt.param_groups:
+                    group["lr"] = lr
+            if resumed_at is None:
+                resumed_at = time.time()
             reset_exposed()
             t0 = time.perf_counter()
             with torch.profiler.record_function(f"step:{step}"):
                 out = pipe.step(x if has_first else None, y if has_last else None)
+                norm = (clip_grads(optimizers, reducers, replicated, cfg.clip_grad, dims=dims,
+                                   sharded=cfg.sharded_optimizer)
+                        if cfg.clip_grad > 0 else None)
                 for opt in optimizers:
                     opt.step()
                     opt.zero_grad(set_to_none=False)
@@ -149,23 +238,167 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             rec = StepRecord(step=step, loss=float(sums[0]), step_s=float(slowest[0]),
                              tokens_per_s=tokens_per_step / float(slowest[0]),
-                             exposed_fraction=min(max(float(sums[1]), 0.0), 1.0))
+                             exposed_fraction=min(max(float(sums[1]), 0.0), 1.0),
+                             grad_norm=float(norm) if norm is not None else 0.0, lr=lr)
             records.append(rec)
             if printer:
                 print(_row(rec, cfg.steps), flush=True)
+            done = step + 1
+            if writer is not None and (done % cfg.save_every == 0 or done == cfg.steps):
+                _save(cfg, writer, model, stages, optimizers, tracker, done)
         if prof is not None:
             prof.stop()
             prof.export_chrome_trace(trace_path)
+        if writer is not None:
+            writer.wait()
     finally:
         for opt in optimizers:
             if hasattr(opt, "close"):
                 opt.close()
         for red in reducers:
             red.close()
+        if writer is not None:
+            writer.close()
         tp_comm.close()
         close_all_contexts()
     return {"records": [dataclasses.asdict(r) for r in records],
-            "trace": trace_path if prof is not None else None}
+            "trace": trace_path if prof is not None else None,
+            "start_step": start_step, "resumed_from": resumed_from,
+            "fault_to_resumed_s": (resumed_at - fault_s) if fault_s and resumed_at else None,
+            "saved": writer.saved if writer is not None else []}
+
+
+def _grad_dtype_option(cfg: TrainConfig) -> dict:
+    """bf16: fp32 gradient buffers in the reducer (Megatron's main_grad), when the reducer
+    offers it (``ReducerConfig.grad_dtype``)."""
+    if cfg.dtype != "bf16":
+        return {}
+    from overlap.dp.buckets import ReducerConfig
+
+    if "grad_dtype" in ReducerConfig.__dataclass_fields__:
+        return {"grad_dtype": torch.float32}
+    return {}
+
+
+def _die(cfg: TrainConfig) -> None:
+    """Fault injection (hidden --kill-rank/--kill-at-step): note the time, then SIGKILL."""
+    if cfg.save:
+        with open(os.path.join(cfg.save, "fault_time"), "w") as f:
+            f.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _tp_replicated(model, reducers) -> list[list[bool]]:
+    """Per reducer, per parameter: is it replicated over TP (a norm, the position table)?"""
+    from overlap.train.checkpoint import param_slices
+
+    out = []
+    for red in reducers:
+        where = param_slices(model, red.params)
+        out.append([tuple(p.shape) == where[id(p)][1] for p in red.params])
+    return out
+
+
+def clip_grads(optimizers, reducers, replicated, max_norm: float, *, dims,
+               sharded: bool) -> torch.Tensor:
+    """Scale every gradient by ``min(1, max_norm / (||g|| + 1e-6))`` (torch's
+    ``clip_grad_norm_``), ``||g||`` the L2 norm of the whole model's gradient: each element
+    counted once, i.e. on one DP rank (the one owning its ZeRO shard, else DP rank 0) and, for
+    TP-replicated parameters, on TP rank 0 only; summed over every rank. Returns the norm."""
+    total = torch.zeros((), dtype=torch.float32)
+    tp0 = dims.tp_rank == 0
+    for opt, red, rep in zip(optimizers, reducers, replicated):
+        weights = [0.0 if (r and not tp0) else 1.0 for r in rep]
+        if sharded:
+            total += opt.grad_norm_sq(weights)
+        elif dims.dp_rank == 0:
+            red.finish()
+            for w, p in zip(weights, red.params):
+                if w and p.grad is not None:
+                    g = p.grad.float()
+                    total += torch.dot(g.flatten(), g.flatten())
+    with comm_wait("train.clip"):
+        dist.all_reduce(total)
+    norm = total.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for opt, red in zip(optimizers, reducers):
+        if sharded:
+            opt.scale_grads_(coef)
+        else:
+            for p in red.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef.to(p.grad.dtype))
+    return norm
+
+
+def _checkpoint_state(cfg, model, stages, optimizers):
+    from overlap.train.checkpoint import build_state
+
+    for opt in optimizers:
+        if hasattr(opt, "wait_params"):
+            opt.wait_params()
+    return build_state(model=model, stages=[s for s in stages], optimizers=optimizers,
+                       sharded=cfg.sharded_optimizer)
+
+
+def _save(cfg, writer, model, stages, optimizers, tracker, done: int) -> None:
+    state = _checkpoint_state(cfg, model, stages, optimizers)
+    meta = {"step": done, "tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "seed": cfg.seed,
+            "schedule": cfg.schedule, "virtual_stages": cfg.virtual_stages,
+            "sharded_optimizer": cfg.sharded_optimizer, "dtype": cfg.dtype,
+            "global_batch": cfg.dp * cfg.micro_batches * cfg.micro_batch_size,
+            "model": dataclasses.asdict(model_config(cfg)), "rng": tracker.state()}
+    writer.save(state, meta, done)
+
+
+def _layout_key(meta_or_cfg) -> tuple:
+    g = meta_or_cfg.get if isinstance(meta_or_cfg, dict) else \
+        (lambda k: getattr(meta_or_cfg, k))
+    return tuple(g(k) for k in ("tp", "pp", "dp", "schedule", "virtual_stages",
+                                "sharded_optimizer"))
+
+
+def _maybe_resume(cfg, dims, model, stages, optimizers, tracker):
+    """Load the checkpoint to continue from, if any: after a restart the latest complete one
+    under --save, else --resume. Returns (first step, path or None, fault time or None)."""
+    from overlap.train.checkpoint import latest_checkpoint, load, read_meta
+
+    path, fault_s = None, None
+    if attempt_number() > 0 and cfg.save:
+        path = latest_checkpoint(cfg.save)
+        try:
+            with open(os.path.join(cfg.save, "fault_time")) as f:
+                fault_s = float(f.read())
+        except (OSError, ValueError):
+            pass
+    if path is None and cfg.resume:
+        path = latest_checkpoint(cfg.resume)
+    if path is None:
+        return 0, None, None
+    meta = read_meta(path)
+    state = _checkpoint_state(cfg, model, stages, optimizers)
+    same = _layout_key(meta) == _layout_key(cfg)
+    blob = load(path, state, rng_key=f"rank{dist.get_rank()}" if same else None)
+    step_t = state["optim"]["step"]
+    for opt in optimizers:
+        if cfg.sharded_optimizer:
+            opt.set_scalar_state({"step": step_t})
+        else:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    opt.state[p]["step"].copy_(step_t)
+    if same:
+        tracker.load_state(blob)
+    else:  # another layout draws other masks anyway: a fresh stream per step resumed at
+        torch.manual_seed(cfg.seed * 1_000_003 + 7919 * dims.pp_rank + 104_729 * dims.dp_rank
+                          + 1 + 31 * meta["step"])
+    if dist.get_rank() == 0 and meta.get("global_batch") != \
+            cfg.dp * cfg.micro_batches * cfg.micro_batch_size:
+        print(f"overlap-train: warning: the checkpoint's global batch is "
+              f"{meta.get('global_batch')} sequences, this run's "
+              f"{cfg.dp * cfg.micro_batches * cfg.micro_batch_size}: the data order differs "
+              "from the original run", flush=True)
+    return int(meta["step"]), path, fault_s
 
 
 def _profiler(cfg: TrainConfig, dims) -> tuple[Any, str | None]:
@@ -185,30 +418,49 @@ def _row(rec: StepRecord, steps: int) -> str:
     width = 20
     bar = "#" * (width * done // steps) + "." * (width - width * done // steps)
     return (f"step {done:>4}/{steps} [{bar}] loss {rec.loss:8.4f}  tok/s {rec.tokens_per_s:9.0f}"
-            f"  step {rec.step_s * 1e3:7.1f} ms  exposed comm {100 * rec.exposed_fraction:5.1f}%")
+            f"  step {rec.step_s * 1e3:7.1f} ms  exposed comm {100 * rec.exposed_fraction:5.1f}%"
+            + (f"  grad norm {rec.grad_norm:.6g}" if rec.grad_norm else ""))
 
 
-def reference_losses(cfg: TrainConfig) -> list[float]:
-    """The same training on one process: the same init, data and optimizer, no parallelism.
+def reference_model(cfg: TrainConfig, *, steps: int | None = None, dropout: float = 0.0,
+                    norms: list[float] | None = None) -> tuple[GPT, list[float]]:
+    """The same training on one process: the same init, data, param groups, LR schedule and
+    clipping (``torch.nn.utils.clip_grad_norm_``; its norms are appended to ``norms``), no
+    parallelism, fp32. Returns the model after ``steps`` (default ``cfg.steps``) steps and
+    the per-step losses.
 
     Each step averages the per-micro-batch mean losses of all dp x micro_batches micro-batches
     (what the 3D job's pipeline and DP averaging compute) and takes one AdamW step."""
     torch.manual_seed(cfg.seed)
-    model = GPT(model_config(cfg))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    model = GPT(model_config(cfg, dropout=dropout))
+    opt = torch.optim.AdamW(param_groups(model, list(model.parameters()), cfg.weight_decay),
+                            lr=cfg.lr)
     batches = Batches(load_tokens(cfg.data), seq_len=cfg.seq_len,
                       micro_batch_size=cfg.micro_batch_size, micro_batches=cfg.micro_batches,
                       dp=cfg.dp, seed=cfg.seed)
     n = cfg.dp * cfg.micro_batches
     losses = []
-    for step in range(cfg.steps):
+    for step in range(cfg.steps if steps is None else steps):
         inputs, targets = batches.step(step)
         total = 0.0
         for x, y in zip(inputs.flatten(0, 1), targets.flatten(0, 1)):
             loss = gpt_loss(model(x), y) / n
             loss.backward()
             total += loss.item()
+        if cfg.clip_grad > 0:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+            if norms is not None:
+                norms.append(float(norm))
+        for group in opt.param_groups:
+            group["lr"] = lr_at(cfg, step)
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return losses
+    return model, losses
+
+
+def reference_losses(cfg: TrainConfig) -> list[float]:
+    """Per-step losses of ``reference_model``: what ``--check`` compares against. With
+    ``--dropout`` the comparison runs both without dropout (the masks of a TP-sharded run
+    cannot equal one process's)."""
+    return reference_model(cfg)[1]
