@@ -20,8 +20,13 @@ run on its communicator. A wait that times out raises ``NcclOrderTimeout``, nami
 communicator and the op it is stuck behind, and fails the communicator: like an aborted NCCL
 communicator, every later op on it raises with that first error.
 
+Each communicator's worker is its stream: ops run later than the host call, and with
+``OVERLAP_STREAM_DELAY_MS=D`` (the stream layer's test mode, ``overlap.dist.streams``) each op
+first waits a random 0..D ms, so code that reads or reuses a buffer before waiting on the op
+that fills or reads it gives wrong numbers here, as on a GPU.
+
 What is not emulated: NCCL's eager delivery of small messages (the twin always takes the
-rendezvous path, the strict case), stream semantics (see ``overlap.dist.streams``), and
+rendezvous path, the strict case), CUDA stream semantics of the caller, and
 ``recv`` from any source (NCCL has none either: it raises). torch internals that call the C++
 backend directly rather than the Python group (DDP's one-time parameter-shape check) run on a
 second, plain gloo communicator of the same ranks.
@@ -34,6 +39,8 @@ later with ``dist.new_group`` inherits it.
 from __future__ import annotations
 
 import collections
+import os
+import random
 import threading
 import time
 from datetime import timedelta
@@ -42,6 +49,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch.futures import Future
+
+from overlap.dist import streams
 
 __all__ = ["BACKEND", "register", "NcclOrderTimeout", "CommunicatorFailed", "NcclTwinGroup",
            "is_twin"]
@@ -159,6 +168,8 @@ class _Comm:
         self._current: _Op | None = None
         self._issued = 0
         self._closed = False
+        self._delay_ms = streams.delay_ms()
+        self._rng = random.Random(hash((name, os.getpid(), self._delay_ms)))
         self._thread = threading.Thread(target=self._loop, name=f"nccl_twin {name}",
                                         daemon=True)
         self._thread.start()
@@ -227,6 +238,8 @@ class _Comm:
                 op.finish(self._failed_error(op, failed))
                 continue
             self._current = op
+            if self._delay_ms > 0:
+                time.sleep(self._rng.uniform(0, self._delay_ms) / 1e3)
             deadline = time.monotonic() + self.timeout
             try:
                 if op.run is not None:

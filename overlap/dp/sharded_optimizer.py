@@ -50,6 +50,7 @@ gloo); with ``comm_dtype`` "bf16"/"int8" the reduce-scatter goes through
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from typing import Any, Callable, Sequence
@@ -285,19 +286,25 @@ class ShardedOptimizer:
         ``load_state_dict`` on the same layout (dp, buckets, groups)."""
         self.wait_params()
         return {"masters": [m.detach().clone() for m in self.masters],
-                "inner": self.inner.state_dict(),
+                # torch returns references to its live state tensors: copy them
+                "inner": copy.deepcopy(self.inner.state_dict()),
                 "segments": [dataclasses.astuple(s) for s in self._segments],
+                "order": list(self.reducer.layout.order),
                 "dp": (self.dp_size, self.dp_rank)}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load ``state_dict()`` output of the same layout and publish the masters into the
-        parameters (collective over the DP group)."""
-        got = (tuple(state.get("dp", ())), [tuple(s) for s in state.get("segments", [])])
-        want = ((self.dp_size, self.dp_rank), [dataclasses.astuple(s) for s in self._segments])
+        """Load ``state_dict()`` output of the same layout (dp, bucket order, segments) and
+        publish the masters into the parameters (collective over the DP group). Build the
+        reducer with ``rebuild_buckets=False`` (or load after its first step), since a rebuild
+        would move the state out from under the optimizer."""
+        got = (tuple(state.get("dp", ())), [tuple(s) for s in state.get("segments", [])],
+               list(state.get("order", [])))
+        want = ((self.dp_size, self.dp_rank), [dataclasses.astuple(s) for s in self._segments],
+                list(self.reducer.layout.order))
         if got != want:
             raise ValueError(f"ShardedOptimizer.load_state_dict: rank {self.reducer.rank}: the "
-                             f"state is of another layout (dp, rank, segments) {got[0]}, "
+                             f"state is of another layout (dp, rank, buckets) {got[0]}, "
                              f"{len(got[1])} segments; this optimizer has {want[0]}, "
                              f"{len(want[1])} segments")
         for m, t in zip(self.masters, state["masters"]):
