@@ -1,5 +1,6 @@
 // CPU side of the signal protocol in signal.cuh, over POSIX shared memory mapped by every local
 // rank. Addresses come from Python (tensor.data_ptr() of a shared-memory mapping).
+#include <cstring>
 #include <pybind11/pybind11.h>
 
 #include <chrono>
@@ -78,4 +79,17 @@ void register_signal(py::module_& m) {
       },
       py::arg("addr"), py::arg("phase"), py::arg("timeout_s"),
       "Wait (GIL released) until flag >= phase or timeout_s passes. Returns (reached, last_value).");
+  m.def(
+      "poison_if_error",
+      [](uintptr_t error_addr, uintptr_t out_addr, uint64_t nbytes) {
+        // The CPU twin of overlap_poison_if_error (signal.cu): same error word, same byte.
+        const int64_t code = overlap::signal_load(as_flag(error_addr) + overlap::kErrCode);
+        if (code == 0) return false;
+        std::memset(reinterpret_cast<void*>(out_addr), overlap::kPoisonByte, nbytes);
+        return true;
+      },
+      py::arg("error_addr"), py::arg("out_addr"), py::arg("nbytes"),
+      "If the error record at error_addr is set, fill nbytes at out_addr with the poison byte "
+      "(NaN in every fp32/bf16/fp16 element); returns whether it did.");
+  m.attr("ERROR_WORDS") = static_cast<int>(overlap::kErrWords);
 }

@@ -37,4 +37,12 @@ inline int64_t signal_add(int64_t* flag, int64_t v) {
 // True once the flag has reached `phase`; the comparison every waiter uses.
 OVERLAP_HD bool signal_reached(int64_t flag_value, int64_t phase) { return flag_value >= phase; }
 
+// Every byte of a poisoned output: 0xFF makes each fp32, bf16 and fp16 element a NaN, so numbers
+// computed from a chunk that never arrived can never pass for a result.
+constexpr uint8_t kPoisonByte = 0xFF;
+
+// Layout of a workspace's error record, written by a wait kernel that gives up.
+enum ErrorWord : int { kErrCode = 0, kErrSlot = 1, kErrSeen = 2, kErrAborted = 3, kErrPeer = 4,
+                       kErrWords = 5 };
+
 }  // namespace overlap

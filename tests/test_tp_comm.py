@@ -240,3 +240,114 @@ def test_train_config_timeout_reaches_a_tp_wait(backend):
     assert timeout == 2.5
     assert 2.5 * 0.9 <= took < 2.5 * 2 + 1, (took, msg)
     assert "all_gather_matmul" in msg and "timed out" in msg, msg
+
+
+def _peer_fails_mid_op(op, mode, timeout):
+    """Rank 1 enters the op and writes its data into the peers' userbuffers, then stalls or
+    dies at its first signal: the survivors hold partial or stale chunks and must raise, never
+    return numbers."""
+    from overlap.symm.shm import ShmWorkspace
+    from overlap.tp import TPComm, all_gather_matmul, matmul_reduce_scatter
+
+    r, world = dist.get_rank(), dist.get_world_size()
+    comm = TPComm(dist.group.WORLD, backend="symmetric", timeout=timeout, chunks=2 * world)
+    x, w, ref = _data(world, r, m=4 * world)
+    fn = {"ag": lambda: all_gather_matmul(x[:4], w, comm=comm),
+          "rs": lambda: matmul_reduce_scatter(x, w, comm=comm)}[op]
+    fn()  # one good call: the workspace exists and the phases are in step
+    dist.barrier()
+    if r == 1:
+        real = ShmWorkspace.signal
+
+        def failing_signal(self, peer, slot, value):
+            if mode == "kill":
+                os._exit(3)
+            time.sleep(timeout * 2.5)  # alive, but its signal never comes in time
+            raise RuntimeError("the stalled rank gives up")
+
+        ShmWorkspace.signal = failing_signal
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - the stalled rank's own failure is not under test
+            pass
+        finally:
+            ShmWorkspace.signal = real
+        return None
+    t0 = time.monotonic()
+    try:
+        out = fn()
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
+    return time.monotonic() - t0, f"returned {out.flatten()[:4].tolist()}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("mode", ["stall", "kill"])
+def test_peer_failing_mid_op_gives_an_error_never_a_result(world, op, mode):
+    timeout = 2.0
+    outcomes = run_ranks_outcomes(_peer_fails_mid_op, world, op, mode, timeout, timeout=60,
+                                  grace=20)
+    name = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter"}[op]
+    for rank, outcome in enumerate(outcomes):
+        if rank == 1:
+            assert outcome.status == ("died" if mode == "kill" else "ok"), outcome
+            continue
+        assert outcome.status == "ok", outcome
+        took, msg = outcome.value
+        assert not msg.startswith("returned"), (rank, msg)
+        assert name in msg and "rank 1" in msg, (rank, msg)
+        if mode == "stall":  # the wait names its slot and who should have signalled it
+            assert "slot" in msg and "signalled by rank 1" in msg, (rank, msg)
+            assert took <= timeout * 2 + 2, (rank, took, msg)
+        else:
+            assert took < timeout + 2, (rank, took, msg)
+
+
+def _device_waits_poison(op, mode, timeout):
+    """As _peer_fails_mid_op, with the shm twin's waits behaving like the CUDA wait kernel
+    (record the error and return): the op runs to its end on stale chunks, so only poisoning
+    stands between the caller and wrong numbers."""
+    os.environ["OVERLAP_SHM_DEVICE_WAITS"] = "1"
+    from overlap.symm.shm import ShmWorkspace
+    from overlap.tp import TPComm, all_gather_matmul, matmul_reduce_scatter
+
+    r, world = dist.get_rank(), dist.get_world_size()
+    comm = TPComm(dist.group.WORLD, backend="symmetric", timeout=timeout, chunks=2 * world)
+    x, w, ref = _data(world, r, m=4 * world)
+    fn = {"ag": lambda: all_gather_matmul(x[:4], w, comm=comm),
+          "rs": lambda: matmul_reduce_scatter(x, w, comm=comm)}[op]
+    good = fn()
+    dist.barrier()
+    if r == 1:
+        def failing_signal(self, peer, slot, value):
+            if mode == "kill":
+                os._exit(3)
+            time.sleep(timeout * 2.5)
+
+        ShmWorkspace.signal = failing_signal
+        try:
+            fn()
+        except Exception:  # noqa: BLE001
+            pass
+        return None
+    out = fn()  # returns: the device-side waits gave up without raising
+    try:
+        fn()
+        second = "returned"
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        second = f"{type(exc).__name__}: {exc}"
+    return bool(out.isnan().all()), bool(torch.isfinite(good).all()), second
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("mode", ["stall", "kill"])
+def test_device_side_wait_failure_poisons_the_output_and_the_next_op_raises(op, mode):
+    timeout = 1.5
+    outcomes = run_ranks_outcomes(_device_waits_poison, 2, op, mode, timeout, timeout=60,
+                                  grace=20)
+    name = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter"}[op]
+    nan, finite_before, second = outcomes[0].value
+    assert finite_before and nan, (finite_before, nan)  # NaN, never stale numbers
+    assert second != "returned" and name in second and "slot" in second, second
+    assert "signalled by rank 1" in second or "rank 1" in second, second

@@ -21,6 +21,22 @@ class SignalTimeout(TimeoutError):
         self.group, self.slot, self.expected, self.seen = group, slot, expected, seen
 
 
+def recorded_error(op: str, rank: int, group: str, record) -> "SignalTimeout | PeerDied | None":
+    """The exception for an error record written by a device-side wait (csrc/signal.cuh
+    ErrorWord: code, slot, last seen, aborting rank + 1, peer), or None if it is clear."""
+    code, slot, seen, aborted, peer = (int(v) for v in record[:5])
+    if code == 0:
+        return None
+    by = "" if peer < 0 else f" (signalled by rank {peer})"
+    if code == 2:
+        return PeerDied(f"{op}: rank {rank} in group {group}: rank {aborted - 1} aborted or died "
+                        f"while this rank's stream waited on slot {slot}{by}; the op's outputs "
+                        "were poisoned (NaN)", group=group, peer=aborted - 1)
+    return SignalTimeout(f"{op}: rank {rank} in group {group}: the stream's wait on slot "
+                         f"{slot}{by} timed out (last seen {seen}); the op's outputs were "
+                         "poisoned (NaN)", group=group, slot=slot, expected=-1, seen=seen)
+
+
 class PeerDied(RuntimeError):
     """A peer of the workspace's group exited or aborted while this rank waited on it."""
 
@@ -113,9 +129,25 @@ class SymmetricWorkspace(abc.ABC):
         """Atomically add ``value`` to ``peer``'s flag ``slot`` (several producers, one slot)."""
 
     @abc.abstractmethod
-    def wait(self, slot: int, value: int, timeout: float | None = None) -> None:
+    def wait(self, slot: int, value: int, timeout: float | None = None, *,
+             peer: int | None = None) -> None:
         """Wait until this rank's flag ``slot`` >= ``value`` (acquire), or raise SignalTimeout /
-        PeerDied within ``timeout`` seconds (default: the workspace's timeout)."""
+        PeerDied within ``timeout`` seconds (default: the workspace's timeout). ``peer``: the
+        rank expected to signal the slot, named in the error."""
+
+    # -- poisoned outputs -----------------------------------------------------------------
+    # A wait that blocks the host (shared memory) raises at the wait itself, before the op can
+    # produce anything. A wait enqueued on a device stream (CUDA) cannot raise: it records the
+    # error and returns, and the stream goes on. So every op poisons its outputs (NaN bytes)
+    # when the record is set, and the next op on the workspace raises, naming the op, the slot
+    # and the peer, without a host sync (the record is mapped host memory).
+
+    def raise_pending(self, op: str) -> None:
+        """Raise the first error a device-side wait recorded, naming ``op`` (no host sync).
+        Host-blocking workspaces have none: their waits raise themselves."""
+
+    def poison_if_error(self, out: torch.Tensor) -> None:
+        """Make ``out`` all NaN, in stream order, if a device-side wait has failed."""
 
     @abc.abstractmethod
     def barrier(self, timeout: float | None = None) -> None:

@@ -12,9 +12,13 @@ was taken, ``ws.memory_fallback`` why symmetric memory was not used.
 Signals are *stream-ordered*: ``signal`` and ``wait`` launch one-thread kernels from
 csrc/signal.cu on the current stream, so "copy chunk, then signal" and "wait, then GEMM" are
 ordered on the GPU with no host synchronisation. A wait kernel never spins forever: on timeout
-or on a peer's ``abort()`` it writes an error record and returns; ``check_errors()`` (called by
-``barrier()`` and ``close()``, and by ops at their sync points) raises SignalTimeout/PeerDied
-from it. ``wait(..., blocking=True)`` synchronises and checks at once.
+or on a peer's ``abort()`` it writes an error record (mapped pinned host memory) and returns.
+The stream then goes on, so every fused op ends with ``poison_if_error`` on its outputs (a kernel
+that fills them with NaN bytes when the record is set: stale chunks never pass for a result),
+and the next op on the workspace calls ``raise_pending`` (a host read of the record, no sync),
+which raises SignalTimeout/PeerDied naming the op, the slot and the peer. ``check_errors()``
+(``barrier()``, ``close()``) synchronises first; ``wait(..., blocking=True)`` synchronises and
+checks at once.
 
 This file cannot run on the CPU-only machines that build and test the project; its CPU twin is
 overlap.symm.shm, which runs the same protocol and is tested on 1, 2 and 4 processes.
@@ -29,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.kernels.cuda import launch_kernel
-from overlap.symm.base import PeerDied, SignalTimeout, SymmetricWorkspace
+from overlap.symm.base import PeerDied, SignalTimeout, SymmetricWorkspace, recorded_error
 
 __all__ = ["CudaWorkspace", "enable_symm_mem", "SYMMETRIC_MEMORY", "CUDA_IPC"]
 
@@ -39,6 +43,7 @@ _HEADER_BYTES = 128
 _W_ABORT, _W_BARRIER, _W_CLOSING, _W_ZERO = 0, 1, 2, 3  # _W_ZERO: never written
 _ALIGN = 256
 _SIGNAL_CU = "signal.cu"
+_ERROR_WORDS = 5  # csrc/signal.cuh ErrorWord::kErrWords (overlap._C.ERROR_WORDS)
 SYMMETRIC_MEMORY, CUDA_IPC = "symmetric memory", "CUDA IPC"
 
 
@@ -80,8 +85,11 @@ class CudaWorkspace(SymmetricWorkspace):
         self._ipc_ptrs: list[int] = []   # peers' pointers opened from IPC handles
         self._own_ptr = 0            # our cudaMalloc when using IPC
         self._barrier_phase = 0
-        # {code, slot, last seen, aborting rank + 1}; written by wait kernels, read by the host.
-        self._error = torch.zeros(4, dtype=torch.int64, device=self.device)
+        # {code, slot, last seen, aborting rank + 1, peer} (csrc/signal.cuh ErrorWord): written
+        # by wait kernels, read by poison kernels and by the host. Pinned host memory, which
+        # kernels address directly (unified addressing), so the host reads it without a sync.
+        self._error = torch.zeros(_ERROR_WORDS, dtype=torch.int64).pin_memory()
+        self._error_np = self._error.numpy()
         self._check_agreement()
         self._setup_memory()
         self._whole = [self._peer_tensor(r) for r in range(self.world)]
@@ -178,6 +186,9 @@ class CudaWorkspace(SymmetricWorkspace):
     def _launch(self, name: str, *args) -> None:
         launch_kernel(_SIGNAL_CU, name, (1,), (1,), args, self.device)
 
+    def _launch_grid(self, name: str, grid, block, *args) -> None:
+        launch_kernel(_SIGNAL_CU, name, grid, block, args, self.device)
+
     def signal(self, peer: int, slot: int, value: int) -> None:
         self._check_open("signal")
         self._check_slot("signal", slot)
@@ -191,7 +202,7 @@ class CudaWorkspace(SymmetricWorkspace):
                      np.int64(value))
 
     def _wait_addr(self, addr: int, value: int, timeout: float | None, slot: int,
-                   blocking: bool, *, stop_on_abort: bool = True) -> None:
+                   blocking: bool, *, stop_on_abort: bool = True, peer: int = -1) -> None:
         limit = self.timeout if timeout is None else timeout
         # The wait kernel gives up when the abort word becomes non-zero; a wait that must not
         # (the closing barrier) watches a word that is never written instead.
@@ -199,32 +210,43 @@ class CudaWorkspace(SymmetricWorkspace):
         self._launch("overlap_signal_wait", np.uint64(addr), np.int64(value),
                      np.uint64(int(limit * 1e9)), np.int64(slot),
                      np.uint64(self._bases[self.rank] + 8 * stop_word),
-                     np.uint64(self._error.data_ptr()))
+                     np.uint64(self._error.data_ptr()), np.int64(peer))
         if blocking:
             torch.cuda.current_stream(self.device).synchronize()
             self.check_errors()
 
     def wait(self, slot: int, value: int, timeout: float | None = None, *,
-             blocking: bool = False) -> None:
+             blocking: bool = False, peer: int | None = None) -> None:
         """Make the current stream wait until flag ``slot`` >= ``value``. Non-blocking for the
-        host unless ``blocking``; a timeout or abort surfaces at the next ``check_errors()``."""
+        host unless ``blocking``; a timeout or abort poisons the outputs of the op that waited
+        (``poison_if_error``) and surfaces at the next ``raise_pending``/``check_errors``."""
         self._check_open("wait")
         self._check_slot("wait", slot)
-        self._wait_addr(self.signal_ptr(self.rank) + 8 * slot, value, timeout, slot, blocking)
+        self._wait_addr(self.signal_ptr(self.rank) + 8 * slot, value, timeout, slot, blocking,
+                        peer=-1 if peer is None else peer)
 
     def check_errors(self) -> None:
         """Raise the first error a wait kernel recorded (synchronises with the device)."""
-        code, slot, seen, aborted = (int(v) for v in self._error.tolist())
-        if code == 0:
+        torch.cuda.current_stream(self.device).synchronize()
+        self.raise_pending("SymmetricWorkspace.wait")
+
+    def raise_pending(self, op: str) -> None:
+        """Raise the first error a wait kernel recorded, naming ``op``; reads the mapped host
+        record, no device sync. The record stays set: the workspace is unusable after it."""
+        error = recorded_error(op, self.rank, self.group_name, self._error_np)
+        if error is not None:
+            raise error
+
+    def poison_if_error(self, out: torch.Tensor) -> None:
+        nbytes = out.numel() * out.element_size()
+        if nbytes == 0:
             return
-        self._error.zero_()
-        if code == 2:
-            raise PeerDied(f"SymmetricWorkspace.wait (slot {slot}, rank {self.rank}, group "
-                           f"{self.group_name}): rank {aborted - 1} aborted",
-                           group=self.group_name, peer=aborted - 1)
-        raise SignalTimeout(f"SymmetricWorkspace.wait: slot {slot} of rank {self.rank} in group "
-                            f"{self.group_name} timed out on the GPU (last seen {seen})",
-                            group=self.group_name, slot=slot, expected=-1, seen=seen)
+        if not out.is_contiguous():
+            raise ValueError("CudaWorkspace.poison_if_error: the output must be contiguous")
+        blocks = max(1, min(1024, -(-nbytes // (256 * 16))))
+        self._launch_grid("overlap_poison_if_error", (blocks,), (256,),
+                          np.uint64(self._error.data_ptr()), np.uint64(out.data_ptr()),
+                          np.uint64(nbytes))
 
     def barrier(self, timeout: float | None = None) -> None:
         self._check_open("barrier")

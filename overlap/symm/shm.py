@@ -9,6 +9,12 @@ then on the memory lives exactly as long as some process maps it: a crash leaks 
 Signals are int64 words in the segments, set and waited on with the acquire/release atomics of
 ``overlap._C`` (csrc/signal.cpp). Waits run in 50 ms slices with the GIL released; between
 slices the waiter checks that every peer process is alive and that nobody called ``abort()``.
+
+A wait raises where it gives up (SignalTimeout / PeerDied). With ``OVERLAP_SHM_DEVICE_WAITS=1``
+the twin instead behaves like the CUDA wait kernel, the strict case: the wait records the error
+(csrc/signal.cuh ErrorWord) and returns, the op goes on with whatever its buffers hold, and only
+``poison_if_error`` (NaN outputs) and ``raise_pending`` (the next op raises) keep stale numbers
+from passing for a result. Tests use it to check that contract on CPU.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch.distributed as dist
 from overlap import _C
 from overlap.profile.timers import comm_wait
 from overlap.dist.host import boot_id, pid_alive
-from overlap.symm.base import PeerDied, SignalTimeout, SymmetricWorkspace
+from overlap.symm.base import PeerDied, SignalTimeout, SymmetricWorkspace, recorded_error
 
 __all__ = ["ShmWorkspace"]
 
@@ -64,6 +70,9 @@ class ShmWorkspace(SymmetricWorkspace):
         self._barrier_phase = 0
         self._closed = False
         self._name = f"overlap_{os.getpid()}_{next(_seq)}_{secrets.token_hex(4)}"
+        self.device_waits = os.environ.get("OVERLAP_SHM_DEVICE_WAITS", "") == "1"
+        self._error = torch.zeros(_C.ERROR_WORDS, dtype=torch.int64)
+        self._error_np = self._error.numpy()  # host reads without a (counted) tensor sync
         self._pids: list[int] = []
         try:
             self._setup()
@@ -181,12 +190,44 @@ class ShmWorkspace(SymmetricWorkspace):
         self._check_slot("read_signal", slot)
         return _C.signal_load(self.signal_ptr(self.rank if r is None else r) + 8 * slot)
 
-    def wait(self, slot: int, value: int, timeout: float | None = None) -> None:
+    def wait(self, slot: int, value: int, timeout: float | None = None, *,
+             peer: int | None = None) -> None:
         self._check_open("wait")
         self._check_slot("wait", slot)
+        what = f"slot {slot}" if peer is None else f"slot {slot} (signalled by rank {peer})"
+        if self.device_waits and self._error_np[0]:
+            return  # an earlier wait gave up: as the CUDA kernel, do not wait again
         with comm_wait("symm.wait"):
-            self._wait_addr(self.signal_ptr(self.rank) + 8 * slot, value, timeout,
-                            f"slot {slot}", slot)
+            try:
+                self._wait_addr(self.signal_ptr(self.rank) + 8 * slot, value, timeout, what,
+                                slot)
+            except (SignalTimeout, PeerDied) as exc:
+                if not self.device_waits:
+                    raise
+                self._record(exc, slot, -1 if peer is None else peer)
+
+    def _record(self, exc: Exception, slot: int, peer: int) -> None:
+        """Device-wait mode: write the error record as the CUDA wait kernel does."""
+        rec = self._error_np
+        if rec[0]:
+            return
+        if isinstance(exc, PeerDied):
+            rec[1:5] = (slot, -1, exc.peer + 1, peer)
+            rec[0] = 2
+        else:
+            rec[1:5] = (slot, exc.seen, 0, peer)
+            rec[0] = 1
+
+    def raise_pending(self, op: str) -> None:
+        error = recorded_error(op, self.rank, self.group_name, self._error_np)
+        if error is not None:
+            raise error
+
+    def poison_if_error(self, out: torch.Tensor) -> None:
+        if not out.is_contiguous():
+            raise ValueError("ShmWorkspace.poison_if_error: the output must be contiguous")
+        _C.poison_if_error(self._error.data_ptr(), out.data_ptr(),
+                           out.numel() * out.element_size())
 
     def _wait_addr(self, addr: int, value: int, timeout: float | None, what: str,
                    slot: int) -> None:

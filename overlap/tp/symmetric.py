@@ -86,7 +86,7 @@ def all_gather_matmul(ctx: TPContext, x_shard: torch.Tensor, w: torch.Tensor | N
     with nvtx.range(f"{op}.symmetric.comm[publish]"):
         if p > 2:  # every reader of phase p - 2 is done with this half
             for q in peers:
-                ws.wait(base + world + q, p - 2)
+                ws.wait(base + world + q, p - 2, peer=q)
         ws.view(rank, x_shard.dtype, (m, k), at).copy_(x_shard)
         for q in peers:
             ws.signal(q, base + rank, p)
@@ -102,7 +102,7 @@ def all_gather_matmul(ctx: TPContext, x_shard: torch.Tensor, w: torch.Tensor | N
             def pull(q=q, src=src, lo=lo, hi=hi, i=i) -> None:
                 with nvtx.range(f"{op}.symmetric.comm[{q}.{i}]"):
                     if i == 0:
-                        ws.wait(base + q, p)
+                        ws.wait(base + q, p, peer=q)
                     gathered[q * m + lo:q * m + hi].copy_(src[lo:hi])
                     if i == len(pieces) - 1:
                         ws.signal(q, base + world + rank, p)
@@ -147,7 +147,7 @@ def matmul_reduce_scatter(ctx: TPContext, x: torch.Tensor, w: torch.Tensor, *, c
             def push(d=d, dst=dst, lo=lo, hi=hi, i=i, part=part) -> None:
                 with nvtx.range(f"{op}.symmetric.comm[{d}.{i}]"):
                     if i == 0 and p > 2:  # d has reduced what we pushed at p - 2
-                        ws.wait(base + world + d, p - 2)
+                        ws.wait(base + world + d, p - 2, peer=d)
                     dst[lo:hi].copy_(part)
                     if i == len(pieces) - 1:
                         ws.signal(d, base + rank, p)
@@ -162,7 +162,7 @@ def matmul_reduce_scatter(ctx: TPContext, x: torch.Tensor, w: torch.Tensor, *, c
     for j in range(1, world):
         q = (rank - j) % world
         with nvtx.range(f"{op}.symmetric.comm[{q}].reduce"):
-            ws.wait(base + q, p)
+            ws.wait(base + q, p, peer=q)
             acc += ws.view(rank, x.dtype, (m, n), at + q * blk)
             ws.signal(q, base + world + rank, p)  # q may refill this slot at phase p + 2
     return acc.to(x.dtype)
