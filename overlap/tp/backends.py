@@ -93,20 +93,33 @@ class SymmetricBackend(Backend):
         if ctx is None:
             return _BACKENDS["chunked"].ag(comm, None, x_shard, w, chunks=chunks,
                                        return_gathered=return_gathered)
-        return symmetric.all_gather_matmul(ctx, x_shard, w, chunks=chunks,
-                                           return_gathered=return_gathered)
+        return _poisoned(ctx, "all_gather_matmul", lambda: symmetric.all_gather_matmul(
+            ctx, x_shard, w, chunks=chunks, return_gathered=return_gathered))
 
     def rs(self, comm, ctx, x, w, *, chunks, overlap_with):
         if ctx is None:
             return _BACKENDS["chunked"].rs(comm, None, x, w, chunks=chunks,
                                        overlap_with=overlap_with)
-        return symmetric.matmul_reduce_scatter(ctx, x, w, chunks=chunks,
-                                               overlap_with=overlap_with)
+        return _poisoned(ctx, "matmul_reduce_scatter", lambda: symmetric.matmul_reduce_scatter(
+            ctx, x, w, chunks=chunks, overlap_with=overlap_with))
 
     def ar(self, comm, ctx, x, w, *, chunks):
         if ctx is None:
             return _BACKENDS["chunked"].ar(comm, None, x, w, chunks=chunks)
-        return symmetric.matmul_all_reduce(ctx, x, w, chunks=chunks)
+        return _poisoned(ctx, "matmul_all_reduce",
+                         lambda: symmetric.matmul_all_reduce(ctx, x, w, chunks=chunks))
+
+
+def _poisoned(ctx, op: str, run):
+    """Run a symmetric op with the workspace's poisoned-output contract (overlap.symm.base):
+    first raise what a device-side wait of an earlier op recorded (no host sync), then, after
+    the op, poison its outputs in stream order if one of its own waits gave up."""
+    ctx.ws.raise_pending(op)
+    out = run()
+    for t in (out if isinstance(out, tuple) else (out,)):
+        if t is not None:
+            ctx.ws.poison_if_error(t)
+    return out
 
 
 class TritonBackend(Backend):
