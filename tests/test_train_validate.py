@@ -1,0 +1,73 @@
+"""Bad flags of the main job: one line naming the flag and the value, before any process."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from overlap.train.config import parse_args
+
+
+def _one_line_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    lines = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln]
+    assert len(lines) == 1 and lines[0].startswith("overlap-train: error: "), lines
+    return lines[0]
+
+
+@pytest.fixture
+def data_files(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    small = tmp_path / "small.txt"
+    small.write_bytes(b"0123456789")
+    return {"missing": str(tmp_path / "nope.txt"), "empty": str(empty), "small": str(small),
+            "dir": str(tmp_path)}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq-len", "63"], "--seq-len 63 must be divisible by it"),
+    (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be a finite number >= 0, got -0.1"),
+    (["--clip-grad", "nan"], "--clip-grad must be a finite number >= 0, got nan"),
+    (["--dropout", "1.0"], "--dropout must be a finite number >= 0 and < 1, got 1.0"),
+    (["--save-every", "0"], "--save-every must be a positive integer, got 0"),
+    (["--max-restarts", "2"], "--max-restarts 2 needs --save DIR"),
+    (["--export", "/tmp/x.pt"], "--export /tmp/x.pt needs --resume DIR"),
+    (["--resume", "/nonexistent/ckpt"], "--resume /nonexistent/ckpt: no such directory"),
+])
+def test_bad_values_one_line(argv, message, capsys):
+    assert message in _one_line_error(argv, capsys)
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("missing", "no such file"), ("empty", "is empty"),
+    ("small", "has 10 bytes (tokens); --seq-len 64 needs at least seq_len + 2 = 66"),
+    ("dir", "is a directory"),
+])
+def test_bad_data_one_line(kind, message, data_files, capsys):
+    line = _one_line_error(["--data", data_files[kind]], capsys)
+    assert f"--data {data_files[kind]}" in line and message in line
+
+
+def test_resume_dir_without_checkpoint(tmp_path, capsys):
+    line = _one_line_error(["--resume", str(tmp_path)], capsys)
+    assert f"--resume {tmp_path}: no complete checkpoint" in line
+
+
+def test_seq_len_63_fails_before_any_process():
+    # the case that used to pass validation and fail inside 4 ranks with 181 lines of stderr
+    res = subprocess.run([sys.executable, "-m", "overlap.train", "--seq-len", "63",
+                          "--tp", "2", "--pp", "1", "--dp", "2"], capture_output=True,
+                         text=True, timeout=60, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert res.returncode == 2
+    lines = [ln for ln in res.stderr.strip().splitlines() if ln]
+    assert lines == ["overlap-train: error: sequence parallelism splits the 63 tokens of each "
+                     "sequence over --tp 2: --seq-len 63 must be divisible by it (or pass "
+                     "--no-sequence-parallel)"]
+    assert res.stdout == ""
