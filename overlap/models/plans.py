@@ -19,6 +19,15 @@ Written against transformers 5.x module names (checked against 4.46+ too where t
   by sharding, so no attribute is divided, but both ``num_attention_heads`` and
   ``num_key_value_heads`` must be divisible by tp (each rank keeps whole kv groups).
 
+- Gemma, Gemma2: the Llama plan; their ``embed_tokens`` (a scaled ``nn.Embedding`` subclass
+  with its own forward) is wrapped so the sqrt(d) scale is kept (overlap.nn.wrap).
+- Phi-3: fused ``qkv_proj`` ``[q: H*d | k: KV*d | v: KV*d]`` as unequal parts in heads, fused
+  ``gate_up_proj`` as two halves; ``num_key_value_heads`` and (on a per-attention copy of the
+  config) ``config.num_attention_heads`` are divided.
+- GPT-NeoX: per-head interleaved ``query_key_value`` (``layout="per_head"``), dense row,
+  MLP column/row, ``embed_out`` head.
+- OPT: q/k/v column, out_proj row, fc1/fc2, ``num_heads`` divided, ``lm_head`` tied.
+
 The Hugging Face models keep their residual stream replicated between TP regions (their
 decoder layers add full-sequence residuals), so their plans refuse ``sequence_parallel=True``
 with NotImplementedError. Their ``lm_head`` uses the "head" style (full logits, so the model's

@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from overlap.nn import sharding
-from overlap.nn.layers import TPModule
+from overlap.nn.layers import TPModule, local
 from overlap.nn.regions import all_gather_dim, reduce_from_tp, reduce_scatter_to_sp, wait
 from overlap.nn.sharding import ShardSpec
 
@@ -95,7 +95,7 @@ class VocabParallelEmbedding(TPModule):
         pad = self.padding_idx
         local_pad = (pad - self.vocab_start if pad is not None
                      and self.vocab_start <= pad < self.vocab_end else None)
-        e_partial = F.embedding(local_ids, self.weight, local_pad)
+        e_partial = F.embedding(local_ids, local(self.weight), local_pad)
         # Rows owned by other ranks must contribute zero, value and gradient alike.
         e_partial = e_partial.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
@@ -104,9 +104,8 @@ class VocabParallelEmbedding(TPModule):
                 raise ValueError(f"VocabParallelEmbedding: sequence_parallel needs ids (t,) or "
                                  f"2-D with the sequence (dim {seq} of {tuple(ids.shape)}) "
                                  f"divisible by tp={self.tp_size} (tp rank {self.tp_rank})")
-            return reduce_scatter_to_sp(e_partial, seq, group=self.tp_group,
-                                        timeout=self.comm.timeout)
-        return reduce_from_tp(e_partial, group=self.tp_group, timeout=self.comm.timeout)
+            return reduce_scatter_to_sp(e_partial, seq, comm=self.comm)
+        return reduce_from_tp(e_partial, comm=self.comm)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, rows=[{self.vocab_start}, "

@@ -30,8 +30,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from overlap.nn import sharding
+from overlap.tp import custom_ops
 from overlap.tp.comm import BACKENDS, TPComm, default_comm
 from overlap.tp.ops import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 from overlap.nn.regions import (all_reduce_async, copy_to_tp, gather_from_tp, scatter_to_tp,
@@ -67,6 +69,12 @@ def resolve_comm(op: str, comm, tp_group, dims, *, backend: str = "auto",
     return default_comm(tp_group, backend=backend, op=op)
 
 
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's tensor of a parameter that may be exposed as a DTensor on the TP mesh
+    (overlap.nn.dtensor.expose_dtensors; differentiable, so gradients reach the DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
     """(weight, bias, transposed) of an ``nn.Linear`` ([out, in]) or an HF ``Conv1D``
     ([in, out], transposed=True). TypeError for anything else."""
@@ -92,14 +100,15 @@ class TPModule(nn.Module):
         self.tp_group = self.comm.group
         self.tp_size = self.comm.world
         self.tp_rank = self.comm.rank
+        custom_ops.handle_for(self.comm)  # the name torch.compile's custom ops use for it
 
     def full_state_dict(self, prefix: str = "", *, grads: bool = False) -> dict[str, torch.Tensor]:
         """Unsharded parameters (or their gradients, zeros where None) keyed like the source
         module's state dict. Collective over ``tp_group``."""
         out = {}
         for name, p in self.named_parameters(recurse=False):
-            local = p if not grads else (p.grad if p.grad is not None else torch.zeros_like(p))
-            out[prefix + name] = sharding.gather(local, self.shard_specs[name],
+            t = p if not grads else (p.grad if p.grad is not None else torch.zeros_like(p))
+            out[prefix + name] = sharding.gather(local(t), self.shard_specs[name],
                                                  group=self.tp_group)
         return out
 
@@ -155,6 +164,12 @@ class _ColumnLinearAllReduceDgrad(torch.autograd.Function):
             wait(work, op="ColumnParallelLinear dgrad all_reduce", group=ctx.comm.group,
                  timeout=ctx.comm.timeout)
         return dx, dw, db, None
+
+
+def _column_linear(x, weight, bias, comm):
+    if torch.compiler.is_compiling():
+        return custom_ops.column_linear(x, weight, bias, comm)
+    return _ColumnLinearAllReduceDgrad.apply(x, weight, bias, comm)
 
 
 class _Linear(TPModule):
@@ -292,9 +307,10 @@ class ColumnParallelLinear(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x, self.in_features)
         if self.tp_size == 1:
-            y = F.linear(x, self.weight, self.bias)
+            y = F.linear(x, local(self.weight), local(self.bias))
         elif self.sequence_parallel:
-            w, n_local = self.weight.t(), self.weight.shape[0]
+            w = local(self.weight)
+            w, n_local = w.t(), w.shape[0]
             pad = max(self.local_sizes) - n_local
             if pad:  # uneven vocab: the fused op needs one w shape on every rank
                 w = F.pad(w, (0, pad))
@@ -303,13 +319,12 @@ class ColumnParallelLinear(_Linear):
             if pad:
                 y = y[..., :n_local]
             if self.bias is not None:
-                y = y + self.bias
+                y = y + local(self.bias)
         else:
-            y = _ColumnLinearAllReduceDgrad.apply(x, self.weight, self.bias, self.comm)
+            y = _column_linear(x, local(self.weight), local(self.bias), self.comm)
         if self.gather_output:
             sizes = None if len(set(self.local_sizes)) == 1 else self.local_sizes
-            y = gather_from_tp(y, -1, group=self.tp_group, sizes=sizes,
-                               timeout=self.comm.timeout)
+            y = gather_from_tp(y, -1, sizes=sizes, comm=self.comm)
         return y
 
 
@@ -361,19 +376,18 @@ class RowParallelLinear(_Linear):
         sizes = None if len(set(self.local_sizes)) == 1 else self.local_sizes
         if not self.input_is_parallel:
             self._check_input(x, self.in_features)
-            x = scatter_to_tp(x, -1, group=self.tp_group, sizes=sizes,
-                              timeout=self.comm.timeout)
-        self._check_input(x, self.weight.shape[1])
+            x = scatter_to_tp(x, -1, sizes=sizes, comm=self.comm)
+        self._check_input(x, local(self.weight).shape[1])
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, local(self.weight), local(self.bias))
         if self.sequence_parallel:
-            y = matmul_reduce_scatter(x, self.weight.t(), comm=self.comm, chunks=self.chunks,
+            y = matmul_reduce_scatter(x, local(self.weight).t(), comm=self.comm,
+                                      chunks=self.chunks,
                                       seq_dim=self._seq_dim(x))
-            bias = None if self.bias is None else copy_to_tp(self.bias, group=self.tp_group,
-                                                             timeout=self.comm.timeout)
+            bias = None if self.bias is None else copy_to_tp(local(self.bias), comm=self.comm)
         else:
-            y = matmul_all_reduce(x, self.weight.t(), comm=self.comm, chunks=self.chunks)
-            bias = self.bias
+            y = matmul_all_reduce(x, local(self.weight).t(), comm=self.comm, chunks=self.chunks)
+            bias = local(self.bias)
         return y if bias is None else y + bias
 
 
@@ -393,8 +407,8 @@ def column_parallel_shared(x: torch.Tensor, layers) -> list[torch.Tensor]:
            or len(set(m.local_sizes)) > 1 for m in layers):
         return [m(x) for m in layers]
     first._check_input(x, first.in_features)
-    weight = torch.cat([m.weight for m in layers])
-    bias = None if first.bias is None else torch.cat([m.bias for m in layers])
+    weight = torch.cat([local(m.weight) for m in layers])
+    bias = None if first.bias is None else torch.cat([local(m.bias) for m in layers])
     if first.tp_size == 1:
         y = F.linear(x, weight, bias)
     elif first.sequence_parallel:
@@ -402,5 +416,5 @@ def column_parallel_shared(x: torch.Tensor, layers) -> list[torch.Tensor]:
                               seq_dim=first._seq_dim(x))
         y = y if bias is None else y + bias
     else:
-        y = _ColumnLinearAllReduceDgrad.apply(x, weight, bias, first.comm)
-    return list(y.split([m.weight.shape[0] for m in layers], -1))
+        y = _column_linear(x, weight, bias, first.comm)
+    return list(y.split([local(m.weight).shape[0] for m in layers], -1))

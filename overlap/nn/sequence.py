@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from overlap.nn.layers import resolve_comm
 from overlap.nn.regions import copy_to_tp, scatter_to_tp
+from overlap.tp import custom_ops
 
 __all__ = ["SequenceParallelLayerNorm", "SequenceParallelRMSNorm", "SequenceShardedPositions",
            "sequence_parallel_norm"]
@@ -41,6 +42,7 @@ class _FromNorm:
         _adopt(self, norm)
         self.comm = resolve_comm(cls.__name__, comm, tp_group, dims)
         self.tp_group = self.comm.group
+        custom_ops.handle_for(self.comm)
         return self
 
 
@@ -48,9 +50,8 @@ class SequenceParallelLayerNorm(_FromNorm, nn.LayerNorm):
     """``nn.LayerNorm`` on a sequence shard; parameter gradients summed over ``tp_group``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = self.comm.timeout
-        w = None if self.weight is None else copy_to_tp(self.weight, group=self.tp_group, timeout=t)
-        b = None if self.bias is None else copy_to_tp(self.bias, group=self.tp_group, timeout=t)
+        w = None if self.weight is None else copy_to_tp(self.weight, comm=self.comm)
+        b = None if self.bias is None else copy_to_tp(self.bias, comm=self.comm)
         return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
 
 
@@ -58,8 +59,7 @@ class SequenceParallelRMSNorm(_FromNorm, nn.RMSNorm):
     """``nn.RMSNorm`` on a sequence shard; weight gradient summed over ``tp_group``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = None if self.weight is None else copy_to_tp(self.weight, group=self.tp_group,
-                                                        timeout=self.comm.timeout)
+        w = None if self.weight is None else copy_to_tp(self.weight, comm=self.comm)
         return F.rms_norm(x, self.normalized_shape, w, self.eps)
 
 
@@ -87,9 +87,9 @@ class SequenceShardedPositions(nn.Embedding):
         _adopt(self, embedding)
         self.comm = resolve_comm(cls.__name__, comm, tp_group, dims)
         self.tp_group = self.comm.group
+        custom_ops.handle_for(self.comm)
         return self
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         p = super().forward(positions)
-        return scatter_to_tp(p, positions.dim() - 1, group=self.tp_group,
-                             timeout=self.comm.timeout)
+        return scatter_to_tp(p, positions.dim() - 1, comm=self.comm)

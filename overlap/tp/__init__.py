@@ -23,7 +23,9 @@ __all__ = ["TPComm", "TPCommFailed", "all_gather_matmul", "matmul_reduce_scatter
            "TPContext", "ColumnParallelLinear",
            "RowParallelLinear", "column_parallel_shared", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "Style", "TPPlan", "gather_grads",
-           "gather_state_dict", "parallelize", "gpt2_plan", "gpt_plan", "llama_plan", "plan_for"]
+           "gather_state_dict", "parallelize", "gpt2_plan", "gpt_plan", "llama_plan", "plan_for",
+           "phi3_plan", "gpt_neox_plan", "opt_plan", "dtensor_state_dict",
+           "load_dtensor_state_dict"]
 
 
 _NN_NAMES = {"ColumnParallelLinear": "overlap.nn", "RowParallelLinear": "overlap.nn",
@@ -32,7 +34,10 @@ _NN_NAMES = {"ColumnParallelLinear": "overlap.nn", "RowParallelLinear": "overlap
              "TPPlan": "overlap.nn", "gather_grads": "overlap.nn",
              "gather_state_dict": "overlap.nn", "parallelize": "overlap.nn",
              "gpt2_plan": "overlap.models.plans", "gpt_plan": "overlap.models.plans",
-             "llama_plan": "overlap.models.plans", "plan_for": "overlap.models.plans"}
+             "llama_plan": "overlap.models.plans", "plan_for": "overlap.models.plans",
+             "phi3_plan": "overlap.models.plans", "gpt_neox_plan": "overlap.models.plans",
+             "opt_plan": "overlap.models.plans", "dtensor_state_dict": "overlap.nn",
+             "load_dtensor_state_dict": "overlap.nn"}
 
 
 def __getattr__(name: str):

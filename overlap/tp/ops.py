@@ -36,6 +36,11 @@ its communicator, and every later call on it raises TPCommFailed with the first 
 
 ``context=``: an explicit TPContext from :func:`make_context` (see overlap.tp.context);
 otherwise the communicator keeps one per (op, backend, shapes, dtype, device).
+
+``torch.compile``: while compiling, each op is one ``torch.library`` custom op
+(overlap.tp.custom_ops: fake implementation, registered autograd) whose real implementation
+is the eager path below, so ``fullgraph=True`` works and the checks and failure handling run
+at run time; it needs ``comm=``.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.symm.workspace import PeerDied, group_name
-from overlap.tp import backends
+from overlap.tp import backends, custom_ops
 from overlap.tp.checks import check_across_ranks, signature, validate
 from overlap.tp.comm import TPComm, TPCommFailed, close_default_comms, default_comm
 from overlap.tp.context import TPContext
@@ -143,6 +148,14 @@ def _prepare(op: str, x, w, *, comm, group, backend: str, chunks, check_inputs: 
         return run
 
     return run.guarded(op, setup)
+
+
+def _compile_args(op: str, comm, context, return_gathered: bool) -> None:
+    """Under torch.compile each op is one custom op (overlap.tp.custom_ops) on a TPComm."""
+    if comm is None or context is not None or return_gathered:
+        raise NotImplementedError(
+            f"{op} under torch.compile needs comm= (a TPComm) and supports neither context= nor "
+            "return_gathered=True; call it outside the compiled region for those")
 
 
 def _check_seq_dim(op: str, x, seq_dim: int, at: str) -> None:
@@ -261,6 +274,9 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, *, comm: TPComm | 
     Returns y, or (y, gathered) when ``return_gathered``.
     """
     op = "all_gather_matmul"
+    if torch.compiler.is_compiling():
+        _compile_args(op, comm, context, return_gathered)
+        return custom_ops.all_gather_matmul(x_shard, w, comm, chunks, seq_dim)
     run = _prepare(op, x_shard, w, comm=comm, group=group, backend=backend, chunks=chunks,
                    check_inputs=check_inputs, context=context, flags=int(return_gathered),
                    seq_dim=seq_dim)
@@ -296,6 +312,9 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, comm: TPComm | No
     ``comm``, ``group``/``backend``/``check_inputs`` and ``context``: see the module docstring.
     """
     op = "matmul_reduce_scatter"
+    if torch.compiler.is_compiling():
+        _compile_args(op, comm, context, False)
+        return custom_ops.matmul_reduce_scatter(x, w, comm, chunks, seq_dim)
     run = _prepare(op, x, w, comm=comm, group=group, backend=backend, chunks=chunks,
                    check_inputs=check_inputs, context=context, seq_dim=seq_dim)
     if seq_dim == 1:  # batch-first [B, S, K]: scatter along S via the sequence-first layout
@@ -324,6 +343,9 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, comm: TPComm | None =
     see the module docstring.
     """
     op = "matmul_all_reduce"
+    if torch.compiler.is_compiling():
+        _compile_args(op, comm, context, False)
+        return custom_ops.matmul_all_reduce(x, w, comm, chunks)
     run = _prepare(op, x, w, comm=comm, group=group, backend=backend, chunks=chunks,
                    check_inputs=check_inputs, context=context)
     y2 = _MatmulAllReduce.apply(x.reshape(-1, x.shape[-1]), w, run)

@@ -1,0 +1,126 @@
+"""DTensor views of a parallelized model's state, for torch.distributed.checkpoint (DCP).
+
+``dtensor_state_dict(model, mesh)`` returns the model's state dict with every TP parameter as a
+DTensor on the 1-D TP ``mesh`` whose *global* shape and layout are the unsharded model's, so
+DCP saves a checkpoint that any TP degree (or an unsharded model) can load:
+
+- a layer whose local shard is one contiguous, even piece of the full tensor (a plain column
+  or row layer) is wrapped without a copy: ``DTensor.from_local(shard, [Shard(dim)])``;
+- a fused layer (``parts=3``, ``parts=(q, k, v)``: the local shard is ``[q_r; k_r; v_r]``, not
+  a piece of the full tensor) or an uneven one (a vocabulary that tp does not divide) is
+  gathered to the full tensor in its original layout and re-cut by DTensor
+  (``distribute_tensor``), a copy made at save/load time only.
+
+Everything else (replicated norms, biases of row layers, buffers) stays a plain tensor, which
+DCP treats as replicated. ``load_dtensor_state_dict(model, sd)`` writes such a state dict (for
+example one that ``dcp.load`` filled in place) back into the model's shards.
+
+    sd = dtensor_state_dict(model, mesh)
+    dcp.save(sd, checkpoint_id=path)           # at tp=2
+    ...
+    sd = dtensor_state_dict(model4, mesh4)     # a tp=4 model, or model.state_dict() at tp=1
+    dcp.load(sd, checkpoint_id=path)
+    load_dtensor_state_dict(model4, sd)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from overlap.nn import sharding
+from overlap.nn.layers import TPModule
+from overlap.tp.collectives import all_gather_dim
+
+__all__ = ["dtensor_state_dict", "load_dtensor_state_dict", "tp_mesh"]
+
+
+def tp_mesh(group, device_type: str = "cpu") -> "torch.distributed.device_mesh.DeviceMesh":
+    """A 1-D DeviceMesh over the ranks of ``group`` (the model's TP group) on
+    ``device_type`` (where the parameters live)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, device_type)
+
+
+def _tp_entries(model: nn.Module):
+    """(state-dict key, TP module, parameter name) for every sharded TP parameter."""
+    for name, module in model.named_modules():
+        if isinstance(module, TPModule):
+            for pname, p in module.named_parameters(recurse=False):
+                spec = module.shard_specs[pname]
+                if spec.dim is not None:
+                    yield (f"{name}.{pname}" if name else pname), module, pname, spec
+
+
+def _zero_copy(spec: sharding.ShardSpec) -> bool:
+    single = spec.parts == 1 or (isinstance(spec.parts, tuple) and len(spec.parts) == 1)
+    return single and not spec.transpose and spec.sizes is None
+
+
+def dtensor_state_dict(model: nn.Module, mesh=None) -> dict[str, torch.Tensor]:
+    """The model's state dict with TP parameters as DTensors of the unsharded shape (see the
+    module docstring). Collective over the TP group when a layer must be gathered."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    sd = model.state_dict()
+    for key, module, pname, spec in _tp_entries(model):
+        if key not in sd:
+            continue
+        if mesh is None:
+            mesh = tp_mesh(module.tp_group, getattr(module, pname).device.type)
+        if mesh.size() != module.tp_size:
+            raise ValueError(f"dtensor_state_dict: {key} is sharded over tp={module.tp_size} "
+                             f"but the mesh has {mesh.size()} ranks (rank {dist.get_rank()})")
+        local = getattr(module, pname).detach()
+        if _zero_copy(spec):
+            # Even shards: the global shape follows from the local one (no collective).
+            sd[key] = DTensor.from_local(local, mesh, [Shard(spec.dim)], run_check=False)
+        else:
+            full = sharding.gather(local, spec, group=module.tp_group)
+            dim = (1 - spec.dim) if spec.transpose else spec.dim
+            sd[key] = distribute_tensor(full, mesh, [Shard(dim)])
+    return sd
+
+
+def _full(value, group) -> torch.Tensor:
+    """The global tensor of a DTensor on a 1-D mesh over ``group`` (our bounded collectives,
+    which also run on transports that DTensor's functional collectives do not support)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(value, DTensor):
+        return value
+    (placement,) = value.placements
+    local = value.to_local()
+    if not isinstance(placement, Shard):
+        return local
+    d, n, tp = placement.dim, value.shape[placement.dim], dist.get_world_size(group)
+    c = -(-n // tp)  # torch.chunk's sizes: the last ranks may hold less (or nothing)
+    sizes = [max(0, min(c, n - r * c)) for r in range(tp)]
+    return all_gather_dim(local, d, group=group, sizes=sizes, op="load_dtensor_state_dict")
+
+
+def load_dtensor_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    """Copy ``sd`` (from :func:`dtensor_state_dict`, then filled by ``dcp.load``, or any
+    state dict of unsharded tensors) into the model's shards and replicated tensors."""
+    from torch.distributed.tensor import DTensor
+
+    done = set()
+    with torch.no_grad():
+        for key, module, pname, spec in _tp_entries(model):
+            if key not in sd:
+                continue
+            value = sd[key]
+            param = getattr(module, pname)
+            if isinstance(value, DTensor) and value.to_local().data_ptr() == param.data_ptr():
+                done.add(key)  # wrapped without a copy: dcp.load wrote into the shard
+                continue
+            full = _full(value, module.tp_group)
+            param.copy_(sharding.shard(full, spec, module.tp_rank, module.tp_size))
+            done.add(key)
+        rest = {k: v for k, v in sd.items() if k not in done}
+        own = model.state_dict()
+        for k, v in rest.items():
+            if k in own and own[k].data_ptr() != v.data_ptr():
+                own[k].copy_(v)

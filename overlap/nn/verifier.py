@@ -1,0 +1,196 @@
+"""The verification pass of ``parallelize`` (the probes themselves are in overlap.nn.verify):
+what is recorded before the modules are replaced, what is compared after, and the error
+message with its likely cause when something differs."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from overlap.nn.layers import linear_weight
+from overlap.nn.plan import Style
+from overlap.nn.verify import (HEAD_ATTR, LeafProbe, UnitProbe, all_max, default_probe,
+                               user_probe)
+from overlap.nn.wrap import base_of, overridden
+
+__all__ = ["Verifier", "default_tol"]
+
+
+def default_tol(model: nn.Module) -> float:
+    p = next((p for p in model.parameters() if p.is_floating_point()), None)
+    return 2e-2 if p is not None and p.element_size() < 4 else 1e-4
+
+
+class _EvalMode:
+    """Eval mode for the probe (no dropout); every module's own flag restored after."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self):
+        self.flags = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+
+    def __exit__(self, *exc):
+        for m, flag in self.flags:
+            m.training = flag
+
+
+def _within(name: str, unit: str) -> bool:
+    return unit == "" or name == unit or name.startswith(unit + ".")
+
+
+class Verifier:
+    """Built on the unsharded model (records references), run on the parallel one."""
+
+    def __init__(self, model: nn.Module, chosen: dict[str, Style], divide, *, tp: int, comm,
+                 probe, whole_model: bool, tol: float | None, sequence_parallel: bool,
+                 head: str):
+        self.chosen, self.tp, self.comm, self.head = chosen, tp, comm, head
+        self.divided = set(divide)
+        self.tol = default_tol(model) if tol is None else float(tol)
+        self.info: dict[str, dict] = {}
+        self.leaves: dict[str, LeafProbe] = {}
+        with _EvalMode(model):
+            for name, style in chosen.items():
+                module = model.get_submodule(name)
+                info = {"type": type(module).__name__, "overrides": overridden(module),
+                        "base": getattr(base_of(module), "__name__", None)}
+                if style.kind in ("column", "row"):
+                    w, _, transposed = linear_weight(module)
+                    info["out"], info["in"] = (w.shape[1], w.shape[0]) if transposed else w.shape
+                self.info[name] = info
+                if style.kind in ("column", "row", "embedding"):
+                    self.leaves[name] = LeafProbe(name, module, style.kind, tp)
+            # Region inputs are sequence shards under sequence parallelism: there only the
+            # whole model (verify="model") is compared, besides every layer.
+            units = set() if sequence_parallel else {n.rpartition(".")[0] for n in chosen}
+            # The root is the whole model: compared with verify="model", or when a region
+            # (a row layer) closes directly under it, as in a bare nn.Sequential.
+            root_region = any("." not in n and s.kind == "row" for n, s in chosen.items())
+            if not (whole_model or (root_region and not sequence_parallel)):
+                units.discard("")
+            if whole_model:
+                units.add("")
+            run = user_probe(probe) if probe is not None else default_probe(model, tp)
+            self.units, self.unit_names = None, sorted(units)
+            if run is None:
+                if whole_model:
+                    raise ValueError(f"{head}: verify='model' needs probe= (the model's input) "
+                                     "for a model that takes neither token ids nor features")
+                self.unit_names = []
+            elif self.unit_names:
+                try:
+                    self.units = UnitProbe(model, self.unit_names, run)
+                except Exception as exc:
+                    if whole_model or probe is not None:
+                        raise ValueError(f"{head}: the verification probe failed on the "
+                                         f"unsharded model (pass probe=, the model's input): "
+                                         f"{type(exc).__name__}: {exc}") from exc
+                    self.unit_names = []  # not a token model after all: layers only
+                self.unit_names = [n for n in self.unit_names
+                                   if self.units is not None and n in self.units.records]
+
+    # ------------------------------------------------------------------ run
+    def run(self, model: nn.Module) -> str | None:
+        """None if the parallel model matches, else the error message (same on every rank)."""
+        labels: list[tuple[str, str]] = []
+        errors: list[float] = []
+        notes: dict[str, str] = {}
+        rank, tp = self.comm.rank, self.tp
+        with _EvalMode(model):
+            for name, probe in self.leaves.items():
+                labels.append(("layer", name))
+                try:
+                    errors.append(max(probe.errors(model.get_submodule(name))))
+                except Exception as exc:
+                    errors.append(float("inf"))
+                    notes[name] = f"{type(exc).__name__}: {exc}"
+            for name in self.unit_names:
+                labels.append(("module", name))
+                try:
+                    errors.append(max(self.units.errors(name, model.get_submodule(name), rank,
+                                                        tp)))
+                except Exception as exc:
+                    errors.append(float("inf"))
+                    notes[name] = f"{type(exc).__name__}: {exc}"
+        device = self.comm.device if self.comm.device.type != "cpu" else None
+        errors = all_max(errors, self.comm.group, timeout=self.comm.timeout, device=device)
+        failing = {name: err for (_, name), err in zip(labels, errors) if not err <= self.tol}
+        if not failing:
+            return None
+        # Report where it happens: a failing module that contains another failing one (a
+        # layer or a smaller region) is left out.
+        deepest = [n for n in failing
+                   if not any(m != n and _within(m, n) for m in failing)]
+        lines = []
+        for name in deepest:
+            err = failing[name]
+            what = self._describe(name)
+            amount = ("it raised " + notes[name]) if name in notes else (
+                f"output or input gradient off by {err:.3g} (relative; tolerance "
+                f"{self.tol:g})")
+            lines.append(f"{what}: {amount}; likely cause: {self._cause(model, name)}")
+        listed = "\n  - ".join(lines)
+        return (f"{self.head}: verification failed, the parallel model does not compute what "
+                f"the unsharded one does (the model was restored unsharded):\n  - {listed}")
+
+    # ------------------------------------------------------------------ messages
+    def _describe(self, name: str) -> str:
+        if name in self.chosen:
+            return (f"{name} ({self.info[name]['type']}, style "
+                    f"{self.chosen[name].describe()!r})")
+        inside = [f"{n.rpartition('.')[2] if name else n}: {self.chosen[n].describe()}"
+                  for n in self.chosen if n != name and _within(n, name)]
+        return f"{name or '<model>'} (containing {', '.join(inside)})"
+
+    def _cause(self, model: nn.Module, name: str) -> str:
+        hints = []
+        inside = {n: s for n, s in self.chosen.items() if _within(n, name)}
+        for n in inside:
+            info = self.info[n]
+            if info["overrides"]:
+                hints.append(f"module has its own forward: {n} is a {info['type']} whose "
+                             f"forward differs from {info['base']}.forward, and the TP layer "
+                             "does not reproduce it (give it a custom Style, or make its "
+                             "forward call super().forward)")
+        rows = [n for n, s in inside.items() if s.kind == "row"]
+        for n, s in inside.items():
+            if s.kind != "column" or s.gather_output or s.uneven or not rows:
+                continue
+            out_f = self.info[n]["out"]
+            ins = [self.info[r]["in"] for r in rows]
+            if out_f in ins or not any(i and out_f % i == 0 for i in ins):
+                continue
+            k = out_f // next(i for i in ins if i and out_f % i == 0)
+            if s.num_parts() > 1:
+                hints.append(f"fused layout: {n} was sharded as {s.describe()}, but its "
+                             f"output is split differently; if q, k, v are interleaved per "
+                             "head use Style(kind='column', layout='per_head', heads=<heads>), "
+                             "if the parts differ in size use parts=(q, k, v)")
+            else:
+                hints.append(f"fused layout: {n} has {out_f} outputs but {rows[0]} takes "
+                             f"{ins[0]}: its output holds {k} fused parts; use parts={k} "
+                             "('gate_up' for [gate; up], 'qkv' for [q; k; v]), parts=(...) "
+                             "for parts of unequal size, or layout='per_head' for heads "
+                             "interleaved")
+        undivided = []
+        module = model.get_submodule(name)
+        holders = [(name, module)] + [
+            (f"{name}.{c}" if name else c, m) for c, m in module.named_children()
+            if (f"{name}.{c}" if name else c) not in self.chosen]
+        for hname, holder in holders:
+            for attr, value in vars(holder).items():
+                if (HEAD_ATTR.search(attr) and isinstance(value, int)
+                        and not isinstance(value, bool) and value >= self.tp
+                        and value % self.tp == 0 and (hname, attr) not in self.divided):
+                    undivided.append(f"{hname}.{attr}={value}")
+        if undivided and any(s.kind == "column" for s in inside.values()):
+            hints.append(f"head count attribute not divided: {', '.join(undivided)} still "
+                         "hold the unsharded count; add them to the plan's divide= "
+                         "(e.g. divide={'<pattern>': ('num_heads',)})")
+        if not hints:
+            hints.append("the parallel layers compute a different function here; check the "
+                         "styles of the layers inside and any attribute the module reads from "
+                         "its config")
+        return "; or ".join(hints)
+
