@@ -11,7 +11,9 @@ A step is forward + backward + AdamW step + zero_grad. Variants:
 
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` with its default buckets + AdamW.
 - ``reducer``: ``GradReducer`` (``--bucket-cap-mb``, default 2 MiB, first bucket 1 MiB) + AdamW,
-  gradient communication in fp32 / bf16 / int8; also with DDP's 25 MiB buckets.
+  gradient communication in fp32 / bf16 / int8; also with DDP's 25 MiB buckets, and with
+  ``bucket_cap_mb="auto"`` (buckets planned from the measured backward timeline and link,
+  ``overlap.dp.autobucket``).
 - ``sharded``: ``GradReducer(shard=True)`` + ``ShardedOptimizer(AdamW)`` (reduce-scatter,
   1/dp optimizer state, parameter all-gather overlapped with the next forward).
 - ``reducer, no overlap``: the same reduction run after the backward (backward under
@@ -92,6 +94,10 @@ def _variants(base: GPT, world_group, cap_mb: float) -> dict[str, dict]:
     red = GradReducer(model, dp_group=world_group)  # torch DDP's bucket sizes
     out["reducer/fp32, DDP's buckets"] = dict(model=model, red=red,
                                               opt=torch.optim.AdamW(model.parameters(), **adamw))
+    model = copy.deepcopy(base)
+    red = GradReducer(model, dp_group=world_group, bucket_cap_mb="auto")
+    out["reducer/fp32, auto buckets"] = dict(model=model, red=red,
+                                             opt=torch.optim.AdamW(model.parameters(), **adamw))
     model = copy.deepcopy(base)
     red = GradReducer(model, dp_group=world_group, bucket_cap_mb=cap_mb)
     out["reducer/fp32, no overlap"] = dict(model=model, red=red, serial=True,

@@ -485,3 +485,81 @@ def test_dead_or_silent_peer_raises_within_the_timeout(mode):
         assert "failed after" in msg and "did not finish" not in msg, msg
     else:
         assert "did not finish within 2 s" in msg, msg
+
+
+# ------------------------------------------------------------------- planned buckets ("auto")
+
+def _brute_force_end(ready, nbytes, alpha, beta, sizes):
+    end, k, last = 0.0, 0, float("-inf")
+    r = []
+    for t in ready:
+        last = max(last, t)
+        r.append(last)
+    for s in sizes:
+        end = max(r[k + s - 1], end) + alpha + beta * sum(nbytes[k:k + s])
+        k += s
+    return end
+
+
+def _compositions(n):
+    if n == 0:
+        yield []
+        return
+    for first in range(1, n + 1):
+        for rest in _compositions(n - first):
+            yield [first] + rest
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_planned_buckets_are_the_optimum_of_the_link_model(seed):
+    from overlap.dp.autobucket import plan_bucket_sizes
+
+    g = torch.Generator().manual_seed(seed)
+    n = 7
+    ready = torch.rand(n, generator=g).cumsum(0).tolist()
+    nbytes = (torch.randint(1, 100, (n,), generator=g) * 1000).tolist()
+    alpha, beta = [(0.5, 1e-5), (0.01, 2e-5), (2.0, 1e-6)][seed % 3]
+    dtypes = [torch.float32] * n
+    sizes = plan_bucket_sizes(ready, nbytes, dtypes, alpha, beta)
+    best = min(_brute_force_end(ready, nbytes, alpha, beta, c) for c in _compositions(n))
+    assert sum(sizes) == n
+    assert _brute_force_end(ready, nbytes, alpha, beta, sizes) == pytest.approx(best, rel=1e-12)
+    # a high latency merges everything that is ready together; none makes one bucket per step
+    assert plan_bucket_sizes(ready, nbytes, dtypes, 0.0, 0.0) == [1] * n
+    mixed = [torch.float32] * 3 + [torch.bfloat16] * 4
+    cut = plan_bucket_sizes(ready, nbytes, mixed, 100.0, 0.0)
+    assert cut == [3, 4]  # never a bucket across dtypes, even when latency says merge all
+
+
+def _auto_buckets():
+    torch.manual_seed(0)
+    model = gpt()
+    ref = ddp_or_local(copy.deepcopy(model))
+    red = GradReducer(model, dp_group=dist.group.WORLD, bucket_cap_mb="auto",
+                      first_bucket_cap_mb=0.0)
+    errs = []
+    for step in range(3):
+        batch = gpt_batch(10 * step + dist.get_rank())
+        loss_of(model, batch).backward()
+        ref.zero_grad(set_to_none=True)
+        loss_of(ref, batch).backward()
+        errs.append(max(rel_err(p.grad, q.grad) for p, q in zip(model.parameters(),
+                                                                ref.parameters())))
+        red.zero_grad()
+    sizes = [len(b.params) for b in red.buckets]
+    red.close()
+    return max(errs), sizes, red.link
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_auto_buckets_reduce_exactly_and_every_rank_agrees(world):
+    results = run_ranks(_auto_buckets, world)
+    for err, sizes, link in results:
+        assert err <= RTOL, err
+        assert sizes == results[0][1]  # every rank planned rank 0's buckets
+        if world > 1:
+            assert link is not None and link[0] >= 0 and link[1] >= 0
+    with pytest.raises(ValueError, match="rebuild_buckets"):
+        ReducerConfig(bucket_cap_mb="auto", rebuild_buckets=False)
+    with pytest.raises(ValueError, match="'auto'"):
+        ReducerConfig(bucket_cap_mb="big")

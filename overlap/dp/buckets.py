@@ -48,7 +48,11 @@ MiB = 1 << 20
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ReducerConfig:
     """``bucket_cap_mb`` / ``first_bucket_cap_mb``: bucket byte caps in MiB (torch DDP's
-    defaults; 0 gives one parameter per bucket). ``comm_dtype``: "fp32" (no quantization: the
+    defaults; 0 gives one parameter per bucket). ``bucket_cap_mb="auto"``: after the first
+    synchronising backward, buckets are planned from DP rank 0's measured gradient-ready
+    timeline and a measured all-reduce latency and bandwidth (``overlap.dp.autobucket``) to
+    end the reduction as early as possible; the first iteration uses ``first_bucket_cap_mb``
+    and 25 MiB. ``comm_dtype``: "fp32" (no quantization: the
     gradient dtype), "bf16" or "int8" (through ``overlap.comm.quant``); None is a deprecated
     alias of "fp32", validated once by ``overlap.comm.quant.checks.comm_dtype_arg``. ``op``:
     "avg" or "sum" over the DP group.
@@ -62,7 +66,7 @@ class ReducerConfig:
     "main grads" (Megatron's ``main_grad``): such a parameter's reduced gradient is
     ``p.main_grad`` (a view into the fp32 buffer) and ``p.grad`` stays None."""
 
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float | str = 25.0
     first_bucket_cap_mb: float = 1.0
     comm_dtype: str = "fp32"
     op: str = "avg"
@@ -80,8 +84,15 @@ class ReducerConfig:
                              f"got {self.grad_dtype!r}")
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
             v = getattr(self, name)
+            if name == "bucket_cap_mb" and v == "auto":
+                if not self.rebuild_buckets:
+                    raise ValueError("GradReducer: bucket_cap_mb='auto' plans the buckets at "
+                                     "the rebuild; it needs rebuild_buckets=True")
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ValueError(f"GradReducer: {name} must be a number >= 0, got {v!r}")
+                raise ValueError(f"GradReducer: {name} must be a number >= 0"
+                                 + (" or 'auto'" if name == "bucket_cap_mb" else "")
+                                 + f", got {v!r}")
         # stacklevel 4: a deprecation warning points at the GradReducer(...) call.
         self.comm_dtype = comm_dtype_arg(self.comm_dtype, where="GradReducer", stacklevel=4)
         if self.op not in ("avg", "sum"):
@@ -127,11 +138,14 @@ class Layout:
 
 def build_layout(order: Sequence[int], params: Sequence[torch.Tensor], *, cap_bytes: int,
                  first_cap_bytes: int, pad_to: int = 1,
-                 dtypes: Sequence[torch.dtype] | None = None) -> Layout:
+                 dtypes: Sequence[torch.dtype] | None = None,
+                 bucket_sizes: Sequence[int] | None = None) -> Layout:
     """Assign ``params[i]`` for ``i`` in ``order`` to buckets and lay the buckets out flat.
 
     ``order`` must be a permutation of ``range(len(params))``. ``dtypes[i]``: the buffer dtype
     of parameter i's gradient (default: the parameter's dtype); byte caps count in it.
+    ``bucket_sizes``: instead of the caps, consecutive runs of ``order`` with these many
+    parameters each (one dtype per run), e.g. from ``overlap.dp.autobucket``.
     """
     if sorted(order) != list(range(len(params))):
         raise ValueError(f"build_layout: order must be a permutation of range({len(params)}), "
@@ -150,9 +164,24 @@ def build_layout(order: Sequence[int], params: Sequence[torch.Tensor], *, cap_by
         closed_per_dtype[dtype] = closed_per_dtype.get(dtype, 0) + 1
         groups.append((position[ids[0]], dtype, ids))
 
-    for i in order:
+    dtype_of = (lambda i: params[i].dtype) if dtypes is None else (lambda i: dtypes[i])
+    if bucket_sizes is not None:
+        if sum(bucket_sizes) != len(order) or any(k <= 0 for k in bucket_sizes):
+            raise ValueError(f"build_layout: bucket_sizes {list(bucket_sizes)} must be positive "
+                             f"and sum to {len(order)}")
+        start = 0
+        for k in bucket_sizes:
+            ids = list(order[start:start + k])
+            if len({dtype_of(i) for i in ids}) != 1:
+                raise ValueError(f"build_layout: bucket {ids} mixes dtypes")
+            groups.append((start, dtype_of(ids[0]), ids))
+            start += k
+        order_iter = []
+    else:
+        order_iter = order
+    for i in order_iter:
         p = params[i]
-        dtype = p.dtype if dtypes is None else dtypes[i]
+        dtype = dtype_of(i)
         open_.setdefault(dtype, []).append(i)
         open_bytes[dtype] = open_bytes.get(dtype, 0) + p.numel() * dtype.itemsize
         cap = first_cap_bytes if closed_per_dtype.get(dtype, 0) == 0 else cap_bytes

@@ -76,6 +76,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from overlap.comm.quant import ErrorFeedback
+from overlap.dp import autobucket
 from overlap.dp import buckets as dp_comm
 from overlap.dp.buckets import (MiB, Bucket, Layout, ReducerConfig, broadcast_params,
                                  build_layout, check_same_params)
@@ -160,6 +161,7 @@ class GradReducer:
         self._dead = [True] * len(self.params)
         self._apply_layout(list(reversed(range(len(self.params)))), copy=False)
         self.stats = IterationStats()
+        self.link: tuple[float, float] | None = None  # (alpha s, beta s/B) measured by "auto"
         self._reset_iteration()
         self._hooks = [p.register_post_accumulate_grad_hook(
                            functools.partial(self._on_grad_ready, i))
@@ -411,9 +413,11 @@ class GradReducer:
 
     # ---------------------------------------------------------------- layout
 
-    def _apply_layout(self, order: list[int], *, copy: bool) -> None:
+    def _apply_layout(self, order: list[int], *, copy: bool,
+                      sizes: list[int] | None = None) -> None:
         cfg = self.config
-        layout = build_layout(order, self.params, cap_bytes=int(cfg.bucket_cap_mb * MiB),
+        cap = 25.0 if cfg.bucket_cap_mb == "auto" else cfg.bucket_cap_mb
+        layout = build_layout(order, self.params, cap_bytes=int(cap * MiB), bucket_sizes=sizes,
                               first_cap_bytes=int(cfg.first_bucket_cap_mb * MiB),
                               pad_to=self.dp_size if cfg.shard else 1,
                               dtypes=[cfg.grad_dtype if m else p.dtype
@@ -439,17 +443,40 @@ class GradReducer:
     def _rebuild(self) -> None:
         seen = set(self._observed)
         order = self._observed + [i for i in reversed(range(len(self.params))) if i not in seen]
-        t = torch.tensor(order, dtype=torch.int64, device=self.params[0].device)
-        # Every rank must bucket identically: DP rank 0's observed order wins (as in DDP).
+        n = len(order)
+        sizes = [0] * n
+        auto = self.config.bucket_cap_mb == "auto" and self.dp_size > 1
+        if auto:  # collective: every rank times the link; rank 0 plans
+            total = sum(self._layout.numel[dt] * dt.itemsize for dt in self._layout.numel)
+            alpha, beta = autobucket.measure_link(self.dp_group, self.flat_device,
+                                                  min(total, 16 * MiB))
+            if self.dp_rank == 0:
+                planned = self._plan_buckets(order, alpha, beta)
+                sizes = planned + [0] * (n - len(planned))
+            self.link = (alpha, beta)
+        t = torch.tensor(order + sizes, dtype=torch.int64, device=self.params[0].device)
+        # Every rank must bucket identically: DP rank 0's observed order (and plan) wins.
         dist.broadcast(t, src=self._src, group=self.dp_group)
-        order = t.tolist()
+        vals = t.tolist()
+        order, sizes = vals[:n], [k for k in vals[n:] if k > 0]
         self._final = True
-        if order != self._layout.order:
+        if order != self._layout.order or auto:
             self._feedbacks.clear()
             old = self._layout
-            self._apply_layout(order, copy=True)
+            self._apply_layout(order, copy=True, sizes=sizes if auto else None)
             for fn in self._layout_listeners:
                 fn(old, self._layout)
+
+    def _plan_buckets(self, order: list[int], alpha: float, beta: float) -> list[int]:
+        st = self.stats
+        ready = dict(zip(self._observed, st.ready_times))
+        t0 = st.ready_times[0] if st.ready_times else 0.0
+        end = st.backward_end if st.backward_end is not None else t0
+        dtypes = [self._layout.param_offset[i][0] for i in order]
+        return autobucket.plan_bucket_sizes(
+            [ready.get(i, end) - t0 for i in order],
+            [self.params[i].numel() * dt.itemsize for i, dt in zip(order, dtypes)],
+            dtypes, alpha, beta)
 
     def _fill_shards_from_full(self) -> None:
         for bucket in self.buckets:
