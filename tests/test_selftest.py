@@ -17,7 +17,8 @@ TP = [f"tp.{op}.{be}" for op in ("all_gather_matmul", "matmul_reduce_scatter",
                                   "matmul_all_reduce") for be in ("chunked", "symmetric", "triton")]
 QUANT = [f"quant.{op}.{dt}.{mode}" for op in ("all_reduce", "reduce_scatter", "all_gather")
          for dt in ("int8", "bf16") for mode in ("sync", "async")]
-CPU_CHECKS = TP + QUANT + ["symm.signal_ring", "symm.signal_ring.triton", "pp.1f1b_step",
+CPU_CHECKS = TP + QUANT + ["symm.signal_ring", "symm.signal_ring.triton", "streams.event_order",
+                           "symm.poisoned_output", "pp.1f1b_step",
                            "timeout.missing_peer.all_gather_matmul"]
 NO_GPU = not torch.cuda.is_available()
 PEER_TIMEOUT = 2.0
@@ -49,7 +50,8 @@ def test_cli_runs_every_check_and_passes(tmp_path):
     for name in QUANT:
         assert checks[name]["metric"] == "err/bound" and checks[name]["limit"] == 1.0
         assert 0.05 < checks[name]["measured"] <= 1.0, checks[name]
-    for name in ("symm.signal_ring", "symm.signal_ring.triton"):
+    for name in ("symm.signal_ring", "symm.signal_ring.triton", "streams.event_order",
+                 "symm.poisoned_output"):
         assert (checks[name]["measured"], checks[name]["limit"]) == (0.0, 0.0)
     # Rank 0 (stage 0 of 2 GPT blocks) compares its parameters' gradients in both steps.
     assert checks["pp.1f1b_step"]["detail"].endswith("over 2 steps")
@@ -61,13 +63,15 @@ def test_cli_runs_every_check_and_passes(tmp_path):
     rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1]
             and line.split()[0] in checks]
     assert [r[0] for r in rows] == CPU_CHECKS and all(r[1] == "pass" for r in rows)
-    assert "25 of 25 checks passed" in proc.stdout
+    assert "27 of 27 checks passed" in proc.stdout
     env = doc["environment"]
     assert (env["nccl"], env["peer_access"], env["nvlink"]) == ("n/a", "n/a", "n/a")
 
 
 @pytest.mark.parametrize("name, metric", [("tp.matmul_reduce_scatter.symmetric", "rel err"),
                                           ("pp.1f1b_step", "rel err"),
+                                          ("streams.event_order", "max |err|"),
+                                          ("symm.poisoned_output", "wrong elements"),
                                           ("quant.all_gather.int8.async", "err/bound")])
 def test_a_failing_check_makes_the_exit_code_nonzero(tmp_path, name, metric):
     path = tmp_path / "selftest.json"

@@ -327,6 +327,67 @@ def missing_peer(ctx: RankContext) -> Measured | None:
         comm.close()
 
 
+def stream_order(ctx: RankContext, rounds: int = 4, numel: int = 1 << 16) -> Measured:
+    """The stream layer (overlap.dist.streams): a producer stream writes a buffer, a consumer
+    stream waits on the producer's event and copies it out, the caller's stream waits on the
+    consumer's event and reads. On a GPU these are CUDA streams; on CPU the twin's workers. A
+    consumer that did not really wait would read the previous round's values."""
+    from overlap.dist.streams import Stream
+
+    prod = Stream(ctx.device, name="selftest producer")
+    cons = Stream(ctx.device, name="selftest consumer")
+    try:
+        src = torch.zeros(numel, device=ctx.device)
+        dst = torch.zeros(numel, device=ctx.device)
+        worst = 0.0
+        for k in range(1, rounds + 1):
+            value = float(k * (ctx.rank + 1))
+            prod.wait_current()
+            prod.enqueue(lambda v=value: src.fill_(v), (src,))
+            cons.wait_event(prod.record_event())
+            cons.enqueue(lambda: dst.copy_(src), (src, dst))
+            cons.record_event().wait(ctx.op_timeout, "selftest stream_order")
+            got = ctx.observed(dst.clone())
+            worst = max(worst, float((got - value).abs().max()))
+    finally:
+        prod.close(ctx.op_timeout)
+        cons.close(ctx.op_timeout)
+    return Measured(worst, 0.0, "max |err|")
+
+
+def poisoned_output(ctx: RankContext, numel: int = 256) -> Measured:
+    """The poisoned-output contract of the symmetric backend (overlap.symm.base): a workspace
+    whose device-side wait gave up must turn an op's output into NaN (fp32, bf16 and fp16) and
+    make the next op raise; a clean one must leave it alone. Runs the workspace's own
+    poison_if_error (the CUDA kernel on GPUs, the C++ twin on CPU) on a local error record."""
+    from overlap.symm.workspace import create_workspace
+
+    bad = 0.0
+    with create_workspace(ctx.new_group(), 1024, num_signals=2, device=ctx.device,
+                          timeout=ctx.op_timeout) as ws:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            out = torch.ones(numel, dtype=dtype, device=ctx.device)
+            ws.poison_if_error(out)  # clean record: unchanged
+            bad += float((ctx.observed(out.float()) - 1).abs().max())
+        record = ws._error_np
+        saved = record.copy()
+        record[:5] = (1, 0, 0, 0, (ctx.rank + 1) % ctx.world)  # as a timed-out wait writes it
+        try:
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                out = torch.ones(numel, dtype=dtype, device=ctx.device)
+                ws.poison_if_error(out)
+                bad += float((~out.float().isnan()).sum())
+            try:
+                ws.raise_pending("selftest.poisoned_output")
+                bad += 1.0  # it must raise
+            except TimeoutError as exc:
+                if "selftest.poisoned_output" not in str(exc):
+                    bad += 1.0
+        finally:
+            record[:] = saved
+    return Measured(bad, 0.0, "wrong elements")
+
+
 def plan(device: torch.device) -> list[tuple[str, Callable[[RankContext], Measured | None]]]:
     """Every check for this device type, in run order (the same list on every rank)."""
     checks: list[tuple[str, Callable[[RankContext], Measured | None]]] = [
@@ -338,6 +399,8 @@ def plan(device: torch.device) -> list[tuple[str, Callable[[RankContext], Measur
         checks.append(("symm.signal_ring.triton", signal_ring_triton))
     else:
         checks.append(("symm.torch_symmetric_memory", torch_symmetric_memory))
+    checks.append(("streams.event_order", stream_order))
+    checks.append(("symm.poisoned_output", poisoned_output))
     checks.append(("pp.1f1b_step", pipeline_step))
     checks.append(("timeout.missing_peer.all_gather_matmul", missing_peer))
     return checks
