@@ -80,6 +80,7 @@ from overlap.dp import autobucket
 from overlap.dp import buckets as dp_comm
 from overlap.dp.buckets import (MiB, Bucket, Layout, ReducerConfig, broadcast_params,
                                  build_layout, check_same_params)
+from overlap.profile import names, nvtx
 from overlap.profile.timers import comm_wait
 
 __all__ = ["GradReducer", "ReducerConfig", "IterationStats"]  # ReducerConfig: re-exported
@@ -370,13 +371,14 @@ class GradReducer:
         extra = {} if cfg.comm_dtype == "fp32" else dict(
             error_feedback=self._feedback(b, buf.numel()), check_ranks=not self._checked,
             timeout=cfg.timeout)
-        if cfg.shard and self._final:
-            self._works[b] = dp_comm.reduce_scatter_async(
-                self.grad_shard(bucket), buf, group=self.dp_group, comm_dtype=cfg.comm_dtype,
-                **extra)
-        else:
-            self._works[b] = dp_comm.all_reduce_async(buf, group=self.dp_group,
-                                                      comm_dtype=cfg.comm_dtype, **extra)
+        with nvtx.range(names.dp_bucket("grads", b)):  # the launch only
+            if cfg.shard and self._final:
+                self._works[b] = dp_comm.reduce_scatter_async(
+                    self.grad_shard(bucket), buf, group=self.dp_group,
+                    comm_dtype=cfg.comm_dtype, **extra)
+            else:
+                self._works[b] = dp_comm.all_reduce_async(buf, group=self.dp_group,
+                                                          comm_dtype=cfg.comm_dtype, **extra)
         self._final_at_launch = self._final
         self.stats.launch_times.append(time.perf_counter())
         self.stats.launched_in_backward.append(in_backward)
@@ -393,7 +395,7 @@ class GradReducer:
         for b, work in enumerate(self._works):
             if work is None:
                 continue
-            with comm_wait("dp.grads"):
+            with comm_wait("dp.grads"), nvtx.range(names.dp_bucket("grads", b, wait=True)):
                 work.wait(self.config.timeout, group=self.dp_group,
                           what=f"GradReducer: rank {self.rank}: bucket {b} of "
                                f"{len(self._works)}")

@@ -68,6 +68,9 @@ _ENTRIES = (
     KernelInfo("overlap_signal_add", COMM, "csrc/signal.cu", what="atomically adds to a flag"),
     KernelInfo("overlap_signal_wait", COMM, "csrc/signal.cu", waits=True,
                what="blocks its stream until a peer's flag reaches the phase"),
+    KernelInfo("overlap_poison_if_error", COMPUTE, "csrc/signal.cu",
+               what="fills an op's output with NaN bytes if a wait of its workspace gave up "
+                    "(a no-op load otherwise)"),
     KernelInfo("overlap_quantize_blocks", COMPUTE, "csrc/quant.cu",
                what="blockwise INT8 quantize"),
     KernelInfo("overlap_dequantize_blocks", COMPUTE, "csrc/quant.cu",

@@ -38,6 +38,7 @@ from overlap.pp.p2p import HEADER_LEN, P2P, P2PError, decode_header, encode_head
 from overlap.pp.plan import channels_of, rank_plan
 from overlap.pp.schedules import Action, PipelineSchedule, stage_rank
 from overlap.pp.stage import PipelineStage
+from overlap.profile import names, nvtx
 
 __all__ = ["Pipeline", "StepResult", "Timeline", "bubble_fractions"]
 
@@ -318,28 +319,35 @@ class _StepRun:
     def compute(self, index: int, a: Action) -> None:
         pipe, s, mb = self.pipe, a.stage, a.microbatch
         stage, p = pipe.stages[s], pipe.pp_size
+        # The action's range (names.pp_action) covers its compute only: the wait for its input
+        # is a comm_wait range of its own, before it.
+        span = nvtx.range(names.pp_action(a.kind, stage=s, micro_batch=mb))
         if a.kind == "F":
             x = self.mbs[mb] if s == 0 else self.take(("act", s, mb), stage_rank(s - 1, p))
             t0 = time.perf_counter()
-            if stage.is_last:
-                self.losses[mb] = stage.forward(mb, x, target=self.tgts[mb],
-                                                loss_fn=pipe.loss_fn,
-                                                loss_scale=1.0 / pipe.schedule.num_microbatches)
-            else:
-                out = stage.forward(mb, x)
+            with span:
+                if stage.is_last:
+                    self.losses[mb] = stage.forward(
+                        mb, x, target=self.tgts[mb], loss_fn=pipe.loss_fn,
+                        loss_scale=1.0 / pipe.schedule.num_microbatches)
+                else:
+                    out = stage.forward(mb, x)
+            if not stage.is_last:
                 self._check_out_shape(s, mb, out)
                 self.give(("act", s + 1, mb), out, stage_rank(s + 1, p))
         elif a.kind in ("B", "I"):
             g = None if stage.is_last else self.take(("grad", s, mb), stage_rank(s + 1, p))
             t0 = time.perf_counter()
             stage.last_backward = pipe._last_grad_action.get(s) == index
-            grad_in = stage.backward(mb, g, split=a.kind == "I")
+            with span:
+                grad_in = stage.backward(mb, g, split=a.kind == "I")
             if s > 0:
                 self.give(("grad", s - 1, mb), grad_in, stage_rank(s - 1, p))
         else:
             t0 = time.perf_counter()
             stage.last_backward = pipe._last_grad_action.get(s) == index
-            stage.backward_weight(mb)
+            with span:
+                stage.backward_weight(mb)
         stage.last_backward = False
         self.events.append((a.kind, s, mb, t0, time.perf_counter()))
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from overlap.dist.device import rank_device
 from overlap.models.gpt import GPT, GPTConfig, gpt_loss
+from overlap.profile import nvtx
 from overlap.profile.timers import comm_wait, exposed_seconds, reset_exposed
 from overlap.train.config import VOCAB_SIZE, TrainConfig
 from overlap.train.data import Batches, load_tokens
@@ -216,7 +217,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
                 resumed_at = time.time()
             reset_exposed()
             t0 = time.perf_counter()
-            with torch.profiler.record_function(f"step:{step}"):
+            with nvtx.step(step):  # NVTX on CUDA (nsys sees it), record_function everywhere
                 out = pipe.step(x if has_first else None, y if has_last else None)
                 norm = (clip_grads(optimizers, reducers, replicated, cfg.clip_grad, dims=dims,
                                    sharded=cfg.sharded_optimizer)
@@ -410,7 +411,13 @@ def _profiler(cfg: TrainConfig, dims) -> tuple[Any, str | None]:
     acts = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         acts.append(ProfilerActivity.CUDA)
-    return profile(activities=acts), os.path.join(cfg.profile, f"trace_rank{dist.get_rank()}.json")
+    # Every thread: on CPU the communication runs on gloo's, the stream twins' and the copier's
+    # threads, and a trace of the training thread alone would show none of it hidden.
+    from torch._C._profiler import _ExperimentalConfig
+
+    return (profile(activities=acts,
+                    experimental_config=_ExperimentalConfig(profile_all_threads=True)),
+            os.path.join(cfg.profile, f"trace_rank{dist.get_rank()}.json"))
 
 
 def _row(rec: StepRecord, steps: int) -> str:

@@ -53,6 +53,8 @@ import importlib.util
 
 import torch
 
+from overlap.profile import names, nvtx
+
 __all__ = ["DTYPE_CODES", "IMPLS", "TINY", "resolve_impl", "triton_available", "noise_u01",
            "quantize_into", "dequantize_into", "dequant_reduce_into", "quantize", "dequantize"]
 
@@ -189,7 +191,7 @@ def _check_flat(op: str, numel: int, flat_row: int | None, q: torch.Tensor) -> i
     return flat_row
 
 
-def quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, block: int,
+def _quantize_into_impl(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, block: int,
                   flat_row: int | None = None, stochastic: bool = False, key: int = 0,
                   index_base: int = 0, impl: str = "auto") -> None:
     """Quantize flat contiguous ``x`` (fp32/bf16/fp16) into ``q`` [rows, row_len] int8 and ``s``
@@ -220,7 +222,7 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, block: i
                          index_base=index_base)
 
 
-def dequantize_into(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, *, block: int,
+def _dequantize_into_impl(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, *, block: int,
                     flat_row: int | None = None, impl: str = "auto") -> None:
     """The inverse layout of ``quantize_into``: row r of ``q``/``s`` dequantizes into the flat
     contiguous fp32 ``out[r*flat_row : (r+1)*flat_row]``, cut at ``out.numel()``."""
@@ -245,7 +247,7 @@ def dequantize_into(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, *, bloc
         tq.dequantize_into(q, s, out, block=block, flat_row=flat_row)
 
 
-def dequant_reduce_into(q: torch.Tensor, s: torch.Tensor, *, block: int, divisor: float = 1.0,
+def _dequant_reduce_into_impl(q: torch.Tensor, s: torch.Tensor, *, block: int, divisor: float = 1.0,
                         out: torch.Tensor | None = None, q_out: torch.Tensor | None = None,
                         s_out: torch.Tensor | None = None, stochastic: bool = False,
                         key: int = 0, index_base: int = 0, impl: str = "auto") -> None:
@@ -301,3 +303,27 @@ def dequantize(q: torch.Tensor, s: torch.Tensor, numel: int, *, block: int,
     out = torch.empty(numel, dtype=torch.float32, device=q.device)
     dequantize_into(q.view(1, -1), s.view(1, -1), out, block=block, impl=impl)
     return out.to(dtype)
+
+
+# Every quantize / dequantize is a profiler range (NVTX on CUDA) named by overlap.profile.names.
+_Q_RANGE = names.quant("quantize", "blocks")
+_DQ_RANGE = names.quant("dequantize", "blocks")
+_DQR_RANGE = names.quant("dequantize", "reduce")
+
+
+def quantize_into(*args, **kwargs) -> None:
+    """``_quantize_into_impl`` inside a ``quant.blocks.quantize`` range."""
+    with nvtx.range(_Q_RANGE):
+        _quantize_into_impl(*args, **kwargs)
+
+
+def dequantize_into(*args, **kwargs) -> None:
+    """``_dequantize_into_impl`` inside a ``quant.blocks.dequantize`` range."""
+    with nvtx.range(_DQ_RANGE):
+        _dequantize_into_impl(*args, **kwargs)
+
+
+def dequant_reduce_into(*args, **kwargs) -> None:
+    """``_dequant_reduce_into_impl`` inside a ``quant.reduce.dequantize`` range."""
+    with nvtx.range(_DQR_RANGE):
+        _dequant_reduce_into_impl(*args, **kwargs)
