@@ -563,3 +563,30 @@ def test_auto_buckets_reduce_exactly_and_every_rank_agrees(world):
         ReducerConfig(bucket_cap_mb="auto", rebuild_buckets=False)
     with pytest.raises(ValueError, match="'auto'"):
         ReducerConfig(bucket_cap_mb="big")
+
+
+def _no_overlap():
+    torch.manual_seed(0)
+    model = gpt()
+    ref = ddp_or_local(copy.deepcopy(model))
+    red = GradReducer(model, dp_group=dist.group.WORLD, bucket_cap_mb=0.002,
+                      first_bucket_cap_mb=0.001, overlap=False)
+    errs, in_backward = [], []
+    for step in range(2):
+        batch = gpt_batch(10 * step + dist.get_rank())
+        loss_of(model, batch).backward()
+        in_backward.append(any(red.stats.launched_in_backward))
+        ref.zero_grad(set_to_none=True)
+        loss_of(ref, batch).backward()
+        errs.append(max(rel_err(p.grad, q.grad) for p, q in zip(model.parameters(),
+                                                                ref.parameters())))
+        red.zero_grad()
+    red.close()
+    return max(errs), in_backward, len(red.buckets)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_no_overlap_mode_reduces_after_the_backward(world):
+    for err, in_backward, nb in run_ranks(_no_overlap, world):
+        assert err <= RTOL and nb > 2, (err, nb)
+        assert in_backward == [False, False]

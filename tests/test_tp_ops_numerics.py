@@ -17,7 +17,7 @@ import torch.distributed as dist
 from harness import WORLD_SIZES, requires_gpu, run_ranks
 
 HAVE_TRITON_TP = importlib.util.find_spec("overlap.kernels.triton.tp_gemm") is not None
-BACKENDS = ["chunked", "symmetric"] + (["triton"] if HAVE_TRITON_TP else [])
+BACKENDS = ["chunked", "symmetric", "unfused"] + (["triton"] if HAVE_TRITON_TP else [])
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
@@ -157,7 +157,7 @@ def _check(per_rank):
                              f"chunks={chunks} seq_dim={seq_dim}: {bad} > {tol}")
 
 
-@pytest.mark.parametrize("backend", ["chunked", "symmetric"])
+@pytest.mark.parametrize("backend", ["chunked", "symmetric", "unfused"])
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_ops_match_reference_forward_and_backward(world, backend):
     _check(run_ranks(_run_cases, world, backend, "cpu", timeout=120))

@@ -64,7 +64,9 @@ class ReducerConfig:
     ``grad_dtype``: dtype of the flat gradient buffers (None: each parameter's own dtype). With
     ``torch.float32`` and bf16/fp16 parameters, gradients accumulate and are reduced in fp32
     "main grads" (Megatron's ``main_grad``): such a parameter's reduced gradient is
-    ``p.main_grad`` (a view into the fp32 buffer) and ``p.grad`` stays None."""
+    ``p.main_grad`` (a view into the fp32 buffer) and ``p.grad`` stays None.
+    ``overlap=False``: launch no bucket during the backward; ``finish()`` reduces them all after
+    it (the no-overlap baseline of ``overlap-train --compare-no-overlap``)."""
 
     bucket_cap_mb: float | str = 25.0
     first_bucket_cap_mb: float = 1.0
@@ -76,6 +78,7 @@ class ReducerConfig:
     error_feedback: bool = False
     timeout: float = 300.0
     grad_dtype: torch.dtype | None = None
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.grad_dtype is not None and (not isinstance(self.grad_dtype, torch.dtype)

@@ -318,7 +318,7 @@ class GradReducer:
         self.stats.ready_times.append(now)
         b = self._layout.param_bucket[i]
         self._missing[b] -= 1
-        if self._missing[b] == 0:
+        if self._missing[b] == 0 and self.config.overlap:
             # Strict index order: a later bucket that is ready waits for the earlier ones.
             while self._next < len(self.buckets) and self._missing[self._next] == 0:
                 self._launch(self._next, in_backward=True)

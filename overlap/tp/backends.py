@@ -8,7 +8,10 @@ and implements the three ops on 2-D, validated inputs:
 - ``SymmetricBackend``: userbuffers over a SymmetricWorkspace on one host (copy thread on CPU,
   copy-engine side stream on GPU);
 - ``TritonBackend``: Triton kernels that wait on peer signals inside the GEMM (the "auto"
-  choice on CUDA). Never chosen by "auto" on CPU: the interpreter is a correctness twin.
+  choice on CUDA). Never chosen by "auto" on CPU: the interpreter is a correctness twin;
+- ``UnfusedBackend`` ("unfused"): the whole collective, waited, then the whole GEMM (or the
+  reverse), as an unfused implementation runs them: the no-overlap baseline
+  (``overlap-train --compare-no-overlap``, ``bench_tp_block --compare-no-overlap``).
 
 Workspace sizes are computed only here, and the phase counter lives only on the context.
 Default ``chunks`` = world for every op: for the two ring/pull ops a rank's shard is the natural
@@ -26,9 +29,10 @@ import torch
 
 from overlap.tp import chunked, symmetric
 from overlap.tp.context import TPContext
-from overlap.tp.collectives import all_gather_dim, reduce_scatter_dim
+from overlap.tp.collectives import all_gather_dim, all_reduce, reduce_scatter_dim
 
-__all__ = ["Backend", "ChunkedBackend", "SymmetricBackend", "TritonBackend", "backend_for",
+__all__ = ["Backend", "ChunkedBackend", "SymmetricBackend", "TritonBackend", "UnfusedBackend",
+           "backend_for",
            "have_triton_tp", "gather", "scatter"]
 
 _TRITON_MODULE = "overlap.kernels.triton.tp_gemm"
@@ -172,7 +176,31 @@ class TritonBackend(Backend):
                               timeout=comm.timeout)[:rows]
 
 
-_BACKENDS = {b.name: b for b in (ChunkedBackend(), SymmetricBackend(), TritonBackend())}
+class UnfusedBackend(Backend):
+    """Collective then GEMM (GEMM then collective), nothing overlapped; any transport."""
+
+    name = "unfused"
+
+    def ag(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
+        gathered = all_gather_dim(x_shard, 0, group=comm.group, op="all_gather_matmul (unfused)",
+                                  timeout=comm.timeout)
+        y = None if w is None else gathered @ w
+        return y, (gathered if return_gathered or w is None else None)
+
+    def rs(self, comm, ctx, x, w, *, chunks, overlap_with):
+        y = reduce_scatter_dim(x @ w, 0, group=comm.group, op="matmul_reduce_scatter (unfused)",
+                               timeout=comm.timeout)
+        if overlap_with is not None:  # after the collective: nothing runs under it
+            overlap_with()
+        return y
+
+    def ar(self, comm, ctx, x, w, *, chunks):
+        return all_reduce(x @ w, group=comm.group, op="matmul_all_reduce (unfused)",
+                          timeout=comm.timeout)
+
+
+_BACKENDS = {b.name: b for b in (ChunkedBackend(), SymmetricBackend(), TritonBackend(),
+                                  UnfusedBackend())}
 
 
 def backend_for(comm, dtype: torch.dtype) -> Backend:

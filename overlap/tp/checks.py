@@ -22,7 +22,7 @@ from overlap.symm.workspace import group_name
 __all__ = ["DTYPE_CODES", "BACKENDS", "OPS", "validate", "check_across_ranks", "where"]
 
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
-BACKENDS = ("auto", "chunked", "symmetric", "triton")
+BACKENDS = ("auto", "chunked", "symmetric", "triton", "unfused")
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 _SIG_LEN = 16
 

@@ -45,7 +45,7 @@ from overlap.symm.workspace import group_name
 __all__ = ["TPComm", "TPCommFailed", "BACKENDS", "DEFAULT_TIMEOUT", "MAX_CONTEXTS",
            "default_comm", "owned_comm", "close_default_comms"]
 
-BACKENDS = ("auto", "chunked", "symmetric", "triton")
+BACKENDS = ("auto", "chunked", "symmetric", "triton", "unfused")
 DEFAULT_TIMEOUT = 300.0
 MAX_CONTEXTS = 16
 
