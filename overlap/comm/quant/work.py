@@ -36,6 +36,7 @@ __all__ = ["QuantWork", "OpRun", "submit", "drain", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0
 _SLICE_S = 0.05
+_EXIT_GRACE_S = 1.0  # see _raise_if_peer_failed
 _DIAGNOSE_S = 0.5  # after a transport error, how long to look for the peer that caused it
 
 # torch >= 2.9 renamed the *_tensor collectives; both names reach the same backend op.
@@ -116,7 +117,7 @@ class OpRun:
         done, finish = _completion(work)
         deadline = time.monotonic() + self.timeout
         while not done.wait(max(0.0, min(_SLICE_S, deadline - time.monotonic()))):
-            self._raise_if_peer_failed(what)
+            self._raise_if_peer_failed(what, done)
             if time.monotonic() >= deadline:
                 raise self._timeout(what)
         try:
@@ -124,11 +125,15 @@ class OpRun:
         except Exception as exc:  # noqa: BLE001
             raise self._transport_error(what, exc) from exc
 
-    def _raise_if_peer_failed(self, what: str) -> None:
+    def _raise_if_peer_failed(self, what: str, done=None) -> None:
         """Raise naming the culprit: a peer's own published error first (it may have exited
         since), then a peer process that exited without reporting anything, then a peer that
         gave up on the group. Deaths are read before failures: a rank publishes its failure
-        before it exits, so a dead rank missing from the later read never reported one."""
+        before it exits, so a dead rank missing from the later read never reported one.
+
+        A peer that exited may have finished its part first (its data is already on the wire:
+        the last collective of its program), so before calling an exit a failure the op gets
+        ``_EXIT_GRACE_S`` to complete (``done``); it raises only if it still cannot."""
         st = self.state
         dead = st.dead_peers()
         failures = st.peer_failures()
@@ -138,6 +143,9 @@ class OpRun:
                                      f"{peer} failed: {msg}", op=self.op, group=st.name,
                                      rank=st.rank, peer=peer, kind="peer_failed")
         reported = {peer for peer, _, _ in failures}
+        if done is not None and any(peer not in reported for peer, _ in dead) \
+                and done.wait(_EXIT_GRACE_S):
+            return
         for peer, pid in dead:
             if peer not in reported:
                 raise QuantCommError(f"{self.op}: {st.where}: {what} cannot complete: peer "
