@@ -114,3 +114,63 @@ def test_groups_clipping_and_state_dict(world):
         assert "another layout" in res["refused"]
         assert [wd for _, wd in res["groups"]] == [0.1, 0.0]
         assert res["num_segments"] >= res["num_buckets"]
+
+
+def _bf16_body():
+    from overlap.train.precision import MasterOptimizer
+
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(vocab_size=29, seq_len=8, d_model=16, n_layer=2, n_head=2)).to(
+        torch.bfloat16)
+    ref = copy.deepcopy(base)
+    ref_opt = MasterOptimizer(_groups(ref), torch.optim.AdamW, lr=3e-3)
+    model = copy.deepcopy(base)
+    red = GradReducer(model, dp_group=dist.group.WORLD, shard=True, bucket_cap_mb=0.001,
+                      first_bucket_cap_mb=0.001, rebuild_buckets=False,
+                      grad_dtype=torch.float32)
+    opt = ShardedOptimizer(red, torch.optim.AdamW, param_groups=_groups(model), lr=3e-3)
+    for step in range(3):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            idx, tgt = _batch(step)  # the same batch on every rank: the DP mean is exact
+            _, loss = m(idx, tgt)
+            loss.float().backward()
+            o.step()
+            o.zero_grad()
+    opt.wait_params()
+    out = dict(
+        equal=all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters())),
+        param_dtypes={str(p.dtype) for p in model.parameters()},
+        buffer_dtypes=sorted(str(dt) for dt in opt.flat_params),
+        grad_dtypes=sorted({str(b.dtype) for b in red.buckets}),
+        master_dtypes={str(m.dtype) for m in opt.masters},
+        moved=any(not torch.equal(p, q) for p, q in zip(model.parameters(), base.parameters())))
+    opt.close()
+    red.close()
+    # a bucket mixing parameter dtypes (fp32 norms, bf16 matrices, one fp32 gradient buffer)
+    mixed = copy.deepcopy(base)
+    for mod in mixed.modules():
+        if isinstance(mod, torch.nn.LayerNorm):
+            mod.float()
+    red2 = GradReducer(mixed, dp_group=dist.group.WORLD, shard=True, grad_dtype=torch.float32,
+                       rebuild_buckets=False)
+    try:
+        ShardedOptimizer(red2, torch.optim.AdamW, lr=3e-3)
+        out["refused"] = ""
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    red2.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2])
+def test_bf16_params_fp32_main_grads_and_masters(world):
+    """bf16 parameters, fp32 main grads (grad_dtype) and fp32 masters: bitwise the one-process
+    MasterOptimizer's AdamW (every rank feeds the same batch, so the fp32 DP mean of the bf16
+    gradients is exact); bf16 parameter buffers for the all-gather, fp32 gradient buckets."""
+    for res in run_ranks(_bf16_body, world, timeout=120):
+        assert res["equal"] and res["moved"]
+        assert res["param_dtypes"] == {"torch.bfloat16"}
+        assert res["buffer_dtypes"] == ["torch.bfloat16"]
+        assert res["grad_dtypes"] == ["torch.float32"]
+        assert res["master_dtypes"] == {"torch.float32"}
+        assert "holds parameters of dtypes torch.bfloat16, torch.float32" in res["refused"]

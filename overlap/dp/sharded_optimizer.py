@@ -6,8 +6,8 @@ the rank keeps fp32 master weights and the wrapped torch optimizer's state: the 
 (any ``torch.optim.Optimizer`` class, built with the given keyword arguments) runs over flat
 fp32 ``nn.Parameter`` *segments* of the bucket shards, one per run of consecutive parameters
 that share a param group (one segment per bucket shard when there is one group). After the
-step, the updated shards are all-gathered, bucket by bucket, into a flat parameter buffer of
-which every ``p.data`` is a view.
+step, the updated shards are all-gathered, bucket by bucket, into flat parameter buffers (one
+per parameter dtype) of which every ``p.data`` is a view.
 
 Shape legend: ``n_b`` padded elements of bucket b (a multiple of ``dp``), ``r`` DP rank::
 
@@ -15,6 +15,18 @@ Shape legend: ``n_b`` padded elements of bucket b (a multiple of ``dp``), ``r`` 
     clip:      g_shard_b *= min(1, max_norm / ||g||)  (||g|| over every rank, see grad_norm_sq)
     step:      w_master_shard_b (n_b/dp, fp32) = inner_step(w_master_shard_b, g_shard_b)
     gather:    w_b (n_b, param dtype)  = all_gather(cast(w_master_shard_b))  (async)
+
+``g_shard_b`` has the gradient buffer's dtype (fp32 with main grads), ``w_b`` the parameters'
+(bf16 in mixed precision); the masters are always fp32.
+
+**Mixed precision.** With bf16 (or fp16) parameters and a reducer built with
+``grad_dtype=torch.float32`` (Megatron's main grads), the gradient buckets, their reduction and
+``grad_shard`` are fp32 while the parameters stay bf16: the masters are fp32 copies of this
+rank's parameter shard, stepped from the fp32 gradient shard with no cast, then cast to the
+parameter dtype into the send buffer of the all-gather. The parameters live in flat buffers of
+their own, one per parameter dtype, laid out bucket by bucket like the gradient buckets (so a
+bucket's shard is the same element range in both); every parameter of one bucket must
+therefore share a dtype (a ValueError says which bucket does not).
 
 **Param groups.** ``param_groups=[{"params": [...], "weight_decay": 0.0}, ...]`` (tensors of
 ``reducer.module``, torch's format) gives hyper-parameters per parameter; parameters not listed
@@ -154,16 +166,7 @@ class ShardedOptimizer:
         with not_a_device_sync("torch optimizer step counters live on the host"):
             self.inner.step()
         self.forward_wait_s = 0.0
-        for seg, master in zip(self._segments, self.masters):
-            bucket = self.reducer.buckets[seg.bucket]
-            self._send[bucket.dtype].narrow(0, bucket.offset // self.dp_size + seg.start,
-                                            seg.numel).copy_(master)
-        for b in self._gather_order:
-            bucket = self.reducer.buckets[b]
-            n = bucket.padded // self.dp_size
-            send = self._send[bucket.dtype].narrow(0, bucket.offset // self.dp_size, n)
-            out = self.flat_params[bucket.dtype].narrow(0, bucket.offset, bucket.padded)
-            self._gathers[b] = all_gather_async(out, send, group=self.reducer.dp_group)
+        self._launch_gathers()
         return loss
 
     @torch.no_grad()
@@ -197,25 +200,16 @@ class ShardedOptimizer:
         masters)."""
         self.wait_params()
         for seg, master in zip(self._segments, self.masters):
-            bucket = self.reducer.buckets[seg.bucket]
-            off, _ = bucket.shard(self.dp_size, self.dp_rank)
-            master.copy_(self.flat_params[bucket.dtype].narrow(0, off + seg.start, seg.numel))
+            out, _ = self._gather_views(seg.bucket)
+            n = out.numel() // self.dp_size
+            master.copy_(out.narrow(0, self.dp_rank * n + seg.start, seg.numel))
 
     @torch.no_grad()
     def publish_masters(self) -> None:
         """The converse of ``refresh_masters``: write the masters into the parameters of every
         rank (collective over the DP group), e.g. after loading masters from a checkpoint."""
         self.wait_params()
-        for seg, master in zip(self._segments, self.masters):
-            bucket = self.reducer.buckets[seg.bucket]
-            self._send[bucket.dtype].narrow(0, bucket.offset // self.dp_size + seg.start,
-                                            seg.numel).copy_(master)
-        for b in self._gather_order:
-            bucket = self.reducer.buckets[b]
-            send = self._send[bucket.dtype].narrow(0, bucket.offset // self.dp_size,
-                                                   bucket.padded // self.dp_size)
-            out = self.flat_params[bucket.dtype].narrow(0, bucket.offset, bucket.padded)
-            self._gathers[b] = all_gather_async(out, send, group=self.reducer.dp_group)
+        self._launch_gathers()
         self.wait_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -425,25 +419,66 @@ class ShardedOptimizer:
     def _build(self, layout: Layout) -> None:
         params = self.reducer.params
         device = params[0].device
-        flat = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in layout.numel.items()}
+        # The parameters get their own flat buffers, one per *parameter* dtype, bucket by
+        # bucket in the gradient layout's element offsets: with main grads (the reducer's
+        # grad_dtype) the gradient buckets are fp32 while the parameters stay bf16, and the
+        # all-gather must move parameter bytes.
+        self._param_dtype: list[torch.dtype] = []
+        self._param_offset: list[int] = []
+        numel: dict[torch.dtype, int] = {}
+        for bucket in layout.buckets:
+            dts = sorted({str(params[i].dtype) for i in bucket.params})
+            if len(dts) != 1:
+                raise ValueError(
+                    f"ShardedOptimizer: rank {self.reducer.rank}: gradient bucket "
+                    f"{bucket.index} ({bucket.dtype} gradients) holds parameters of dtypes "
+                    f"{', '.join(dts)}, but a bucket's parameters are all-gathered as one "
+                    "tensor: give the parameters that share a gradient buffer dtype one "
+                    "dtype (e.g. model.to(torch.bfloat16) with grad_dtype=torch.float32)")
+            dt = params[bucket.params[0]].dtype
+            self._param_dtype.append(dt)
+            self._param_offset.append(numel.get(dt, 0))
+            numel[dt] = numel.get(dt, 0) + bucket.padded
+        flat = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in numel.items()}
         for i, p in enumerate(params):
-            dt, off = layout.param_offset[i]
-            view = flat[dt].narrow(0, off, p.numel()).view(p.shape)
+            b = layout.param_bucket[i]
+            bucket = layout.buckets[b]
+            _, off = layout.param_offset[i]
+            view = flat[self._param_dtype[b]].narrow(
+                0, self._param_offset[b] + off - bucket.offset, p.numel()).view(p.shape)
             view.copy_(p.detach())
             p.data = view
         self.flat_params = flat
         self._send = {dt: torch.zeros(n // self.dp_size, dtype=dt, device=device)
-                      for dt, n in layout.numel.items()}
+                      for dt, n in numel.items()}
         self._segments, self._pieces = self._cut(layout)
+        self._gathers = [None] * len(layout.buckets)
         self.masters = []
         for seg in self._segments:
-            bucket = layout.buckets[seg.bucket]
-            off, _ = bucket.shard(self.dp_size, self.dp_rank)
-            shard = flat[bucket.dtype].narrow(0, off + seg.start, seg.numel)
+            out, _ = self._gather_views(seg.bucket, layout)
+            n = out.numel() // self.dp_size
+            shard = out.narrow(0, self.dp_rank * n + seg.start, seg.numel)
             self.masters.append(nn.Parameter(shard.to(torch.float32, copy=True)))
-        self._gathers = [None] * len(layout.buckets)
         first = {b.index: min(b.params) for b in layout.buckets}
         self._gather_order = sorted(first, key=first.get)
+
+    def _gather_views(self, b: int, layout: Layout | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bucket b's parameters (padded, parameter dtype) and this rank's send buffer."""
+        bucket = (layout or self.reducer.layout).buckets[b]
+        dt, off = self._param_dtype[b], self._param_offset[b]
+        return (self.flat_params[dt].narrow(0, off, bucket.padded),
+                self._send[dt].narrow(0, off // self.dp_size, bucket.padded // self.dp_size))
+
+    def _launch_gathers(self) -> None:
+        """Cast the fp32 masters into the send buffers (parameter dtype) and issue every
+        bucket's all-gather, in forward order."""
+        for seg, master in zip(self._segments, self.masters):
+            _, send = self._gather_views(seg.bucket)
+            send.narrow(0, seg.start, seg.numel).copy_(master)
+        for b in self._gather_order:
+            out, send = self._gather_views(b)
+            self._gathers[b] = all_gather_async(out, send, group=self.reducer.dp_group)
 
     def _on_layout_change(self, old: Layout, new: Layout) -> None:
         # The reducer re-buckets once, after its first iteration; before any step there is no

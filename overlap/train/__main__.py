@@ -15,7 +15,12 @@ from datetime import timedelta
 
 from overlap.train.config import TrainConfig, parse_args
 
-__all__ = ["main"]
+__all__ = ["main", "BF16_CHECK_REL"]
+
+# --check with --dtype bf16: per-step loss within this fraction of the fp32 reference's. Measured
+# on the main job with warm-up, cosine decay and clipping: at most 1.9% over 30 steps (one
+# process, bf16 parameters and activations with fp32 masters and main grads, vs fp32).
+BF16_CHECK_REL = 0.03
 
 
 def _under_torchrun() -> bool:
@@ -55,6 +60,9 @@ def _summary(cfg: TrainConfig, records: list[dict]) -> str:
              f"overlap         sequence-parallel fused TP ops ({cfg.tp_backend}) "
              f"{'on' if cfg.sequence_parallel else 'off'}, async P2P, bucketed DP reduction "
              f"({cfg.comm_dtype}), sharded optimizer {'on' if cfg.sharded_optimizer else 'off'}",
+             f"precision       {cfg.dtype}" + (" parameters and activations, fp32 gradient "
+                                               "buffers and master weights"
+                                               if cfg.dtype == "bf16" else ""),
              f"steps           {len(records)}"
              + (f" (resumed at step {records[0]['step']})" if records[0]["step"] else ""),
              f"loss            {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}",
@@ -74,6 +82,13 @@ def _check(cfg: TrainConfig, records: list[dict]) -> bool:
         tol_of = lambda ref: max(cfg.check_tolerance, 0.05 * abs(ref))  # noqa: E731
         what = (f"the same model trained on one process with dropout {cfg.dropout} (its own "
                 "masks); tolerance max(--check-tolerance, 5% of the loss)")
+    elif cfg.dtype == "bf16":
+        # bf16 rounds every activation and parameter copy (to ~3 significant digits); the
+        # fp32 masters and gradients keep the update itself accurate, so the curves stay
+        # close but not equal.
+        tol_of = lambda ref: max(cfg.check_tolerance, BF16_CHECK_REL * abs(ref))  # noqa: E731
+        what = (f"the same model trained on one process in fp32; bf16 tolerance "
+                f"max(--check-tolerance, {BF16_CHECK_REL:.0%} of the loss)")
     else:
         tol_of = lambda ref: cfg.check_tolerance  # noqa: E731
         what = "the same model trained on one process (same seed, data and optimizer)"
@@ -86,8 +101,9 @@ def _check(cfg: TrainConfig, records: list[dict]) -> bool:
     for r, x, d in zip(records, ref, diffs):
         print(f"{r['step'] + 1:>5} {r['loss']:>10.5f} {x:>12.5f} {d:>10.2e}")
     ok = all(d <= tol_of(x) for d, x in zip(diffs, ref))
-    print(f"check: max |loss difference| {worst:.2e} "
-          f"{'<=' if ok else '>'} tolerance {cfg.check_tolerance:.1e}: {'PASS' if ok else 'FAIL'}")
+    worst_rel = max(d / tol_of(x) for d, x in zip(diffs, ref))
+    print(f"check: max |loss difference| {worst:.2e}, {worst_rel:.2f} x the step's tolerance "
+          f"(--check-tolerance {cfg.check_tolerance:.1e}): {'PASS' if ok else 'FAIL'}")
     return ok
 
 

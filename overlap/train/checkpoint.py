@@ -225,8 +225,10 @@ def build_state(*, model, stages, optimizers, sharded: bool) -> dict[str, Any]:
             _init_adamw_state(opt)
             for p in params:
                 fqn, shape, off = where[id(p)]
-                st = opt.state[p]
-                state["optim"]["master"].setdefault(fqn, Chunks(shape)).add(off, p.data)
+                # bf16: the fp32 master (MasterOptimizer), else the parameter is its own master
+                master = opt.master_of(p) if hasattr(opt, "master_of") else p
+                st = opt.state[master]
+                state["optim"]["master"].setdefault(fqn, Chunks(shape)).add(off, master.data)
                 for key in ("exp_avg", "exp_avg_sq"):
                     state["optim"][key].setdefault(fqn, Chunks(shape)).add(off, st[key])
                 state["optim"]["step"] = st["step"]

@@ -149,13 +149,6 @@ class TrainConfig:
         if self.schedule == "interleaved" and self.micro_batches % self.pp:
             raise ConfigError(f"the interleaved schedule needs --micro-batches "
                               f"({self.micro_batches}) to be a multiple of --pp ({self.pp})")
-        if self.dtype == "bf16":
-            # Not built yet: ShardedOptimizer keys its flat parameter buffer by the bucket
-            # dtype, which becomes fp32 with the reducer's grad_dtype (main grads), and the
-            # clipping / unsharded paths read p.grad, not p.main_grad. Refused rather than run
-            # silently in the wrong precision.
-            raise ConfigError("--dtype bf16 is not supported yet (fp32 master weights over the "
-                              "reducer's fp32 main grads are not wired in); use --dtype fp32")
         self._validate_data()
         self._validate_checkpoints()
 

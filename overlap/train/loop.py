@@ -129,6 +129,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     from overlap.nn.parallelize import parallelize
     from overlap.models.plans import gpt_plan
 
+    from overlap.train.precision import MasterOptimizer
     from overlap.train.rng import RNGTracker, install_dropout
     from overlap.train.recompute import apply_recompute
 
@@ -169,9 +170,11 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
         red.sync_if(lambda s=stage: s.last_backward)
         reducers.append(red)
         groups = param_groups(model, red.params, cfg.weight_decay)
-        if cfg.sharded_optimizer:
+        if cfg.sharded_optimizer:  # fp32 masters of this rank's shard
             optimizers.append(ShardedOptimizer(red, torch.optim.AdamW, param_groups=groups,
                                                lr=cfg.lr))
+        elif dtype != torch.float32:  # fp32 masters of every parameter, stepped from main_grad
+            optimizers.append(MasterOptimizer(groups, torch.optim.AdamW, lr=cfg.lr))
         else:
             optimizers.append(torch.optim.AdamW(groups, lr=cfg.lr))
     replicated = _tp_replicated(model, reducers)
@@ -270,15 +273,9 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
 
 
 def _grad_dtype_option(cfg: TrainConfig) -> dict:
-    """bf16: fp32 gradient buffers in the reducer (Megatron's main_grad), when the reducer
-    offers it (``ReducerConfig.grad_dtype``)."""
-    if cfg.dtype != "bf16":
-        return {}
-    from overlap.dp.buckets import ReducerConfig
-
-    if "grad_dtype" in ReducerConfig.__dataclass_fields__:
-        return {"grad_dtype": torch.float32}
-    return {}
+    """bf16: fp32 gradient buffers in the reducer (Megatron's main_grad): accumulation over
+    the micro-batches and the DP reduction run in fp32 (or the lossy ``comm_dtype``)."""
+    return {"grad_dtype": torch.float32} if cfg.dtype == "bf16" else {}
 
 
 def _die(cfg: TrainConfig) -> None:
@@ -305,7 +302,10 @@ def clip_grads(optimizers, reducers, replicated, max_norm: float, *, dims,
     """Scale every gradient by ``min(1, max_norm / (||g|| + 1e-6))`` (torch's
     ``clip_grad_norm_``), ``||g||`` the L2 norm of the whole model's gradient: each element
     counted once, i.e. on one DP rank (the one owning its ZeRO shard, else DP rank 0) and, for
-    TP-replicated parameters, on TP rank 0 only; summed over every rank. Returns the norm."""
+    TP-replicated parameters, on TP rank 0 only; summed over every rank. Returns the norm.
+    Reads (and scales) the fp32 main grads where the reducer keeps them (bf16)."""
+    from overlap.train.precision import grad_of
+
     total = torch.zeros((), dtype=torch.float32)
     tp0 = dims.tp_rank == 0
     for opt, red, rep in zip(optimizers, reducers, replicated):
@@ -315,8 +315,9 @@ def clip_grads(optimizers, reducers, replicated, max_norm: float, *, dims,
         elif dims.dp_rank == 0:
             red.finish()
             for w, p in zip(weights, red.params):
-                if w and p.grad is not None:
-                    g = p.grad.float()
+                g = grad_of(p)  # the fp32 main grad in bf16 training
+                if w and g is not None:
+                    g = g.float()
                     total += torch.dot(g.flatten(), g.flatten())
     with comm_wait("train.clip"):
         dist.all_reduce(total)
@@ -327,8 +328,9 @@ def clip_grads(optimizers, reducers, replicated, max_norm: float, *, dims,
             opt.scale_grads_(coef)
         else:
             for p in red.params:
-                if p.grad is not None:
-                    p.grad.mul_(coef.to(p.grad.dtype))
+                g = grad_of(p)
+                if g is not None:
+                    g.mul_(coef.to(g.dtype))
     return norm
 
 
@@ -379,7 +381,17 @@ def _maybe_resume(cfg, dims, model, stages, optimizers, tracker):
     meta = read_meta(path)
     state = _checkpoint_state(cfg, model, stages, optimizers)
     same = _layout_key(meta) == _layout_key(cfg)
+    other_dtype = meta.get("dtype", "fp32") != cfg.dtype
+    if other_dtype:
+        # The fp32 masters are the truth: load them (and the moments) only, and derive the
+        # parameters from them in this run's dtype (without the sharded optimizer in fp32
+        # the parameters are their own masters and load as such).
+        state = {"optim": state["optim"]}
     blob = load(path, state, rng_key=f"rank{dist.get_rank()}" if same else None)
+    if other_dtype:
+        for opt in optimizers:
+            if hasattr(opt, "publish_masters"):  # ShardedOptimizer's is collective over DP
+                opt.publish_masters()
     step_t = state["optim"]["step"]
     for opt in optimizers:
         if cfg.sharded_optimizer:
