@@ -133,6 +133,26 @@ def _profile_report(cfg: TrainConfig, results: list[dict]) -> None:
               f"{100 * m['hidden_fraction']:>9.1f}")
 
 
+def _comparison(on: list[dict], off: list[dict]) -> str:
+    """--compare-no-overlap: the two interleaved runs side by side (medians over step >= 1)."""
+    med = statistics.median
+    rows = []
+    for name, recs in (("every overlap on", on), ("every overlap off", off)):
+        steady = recs[1:] or recs
+        rows.append((name, 1e3 * med(r["step_s"] for r in steady),
+                     100 * med(r["exposed_fraction"] for r in steady),
+                     med(r["tokens_per_s"] for r in steady)))
+    loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(on, off))
+    lines = ["", "overlap on vs off (same model, data and seed; steps interleaved)",
+             f"{'':20s} {'step ms':>9s} {'exposed comm':>13s} {'tokens/s':>9s}"]
+    lines += [f"{n:20s} {ms:9.1f} {ex:12.1f}% {tok:9.0f}" for n, ms, ex, tok in rows]
+    lines.append(f"speed-up           {rows[1][1] / rows[0][1]:.2f}x step time with overlap "
+                 f"(off / on), exposed comm {rows[1][2]:.1f}% -> {rows[0][2]:.1f}%")
+    lines.append(f"max |loss difference| between the two runs: {loss_diff:.2e} (same math, "
+                 "other summation order)")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     if cfg.export:
@@ -169,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
               f"fault (attempt {r0.get('attempts', 1)})")
     if r0.get("saved"):
         print(f"checkpoints     {', '.join(r0['saved'])}")
+    if cfg.compare_no_overlap:
+        print(_comparison(records, r0["records_no_overlap"]))
     if cfg.profile:
         _profile_report(cfg, results)
     if cfg.check and not _check(cfg, records):

@@ -17,7 +17,7 @@ from overlap.comm.quant.checks import COMM_DTYPES  # the one vocabulary: "fp32",
 __all__ = ["TrainConfig", "ConfigError", "parse_args"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-TP_BACKENDS = ("auto", "chunked", "symmetric", "triton")
+TP_BACKENDS = ("auto", "chunked", "symmetric", "triton", "unfused")
 TRANSPORTS = ("nccl_twin", "gloo")
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("fp32", "bf16")
@@ -73,6 +73,10 @@ class TrainConfig:
     check_tolerance: float = _field(2e-3, "max |loss difference| per step allowed by --check")
     profile: str | None = _field(None, "write torch.profiler traces, a PNG timeline and overlap "
                                        "metrics to this directory")
+    compare_no_overlap: bool = _field(False, "also train the same model with every overlap off "
+                                             "(unfused TP ops, DP reduction after the backward, "
+                                             "no parameter-gather prefetch), steps interleaved, "
+                                             "and compare step time and exposed comm")
     data: str | None = _field(None, "text file to train on (default: the bundled corpus)")
     save: str | None = _field(None, "write distributed checkpoints (torch.distributed."
                                     "checkpoint) to DIR/step_<N>, asynchronously")
@@ -189,6 +193,14 @@ class TrainConfig:
             if latest_checkpoint(self.resume) is None:
                 raise ConfigError(f"--resume {self.resume}: no complete checkpoint in it (a "
                                   "step_<N> directory with DCP .metadata)")
+        if self.compare_no_overlap:
+            for flag, on in (("--save", self.save), ("--resume", self.resume),
+                             ("--profile", self.profile), ("--check", self.check),
+                             ("--max-restarts", self.max_restarts),
+                             ("--tp-backend unfused", self.tp_backend == "unfused")):
+                if on:
+                    raise ConfigError(f"--compare-no-overlap measures two runs side by side; "
+                                      f"it does not combine with {flag}")
         if self.max_restarts and self.save is None:
             raise ConfigError(f"--max-restarts {self.max_restarts} needs --save DIR: a restart "
                               "continues from the latest checkpoint written there")

@@ -27,6 +27,7 @@ exactly what ``reference_losses`` computes on one process.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 import math
 import os
 import signal
@@ -116,26 +117,25 @@ def tp_comm_for(cfg: TrainConfig, dims, device: torch.device):
     return TPComm(dims.tp_group, backend=cfg.tp_backend, timeout=cfg.timeout, device=device)
 
 
-def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
-    """Train on this rank (the default process group must be initialised with
-    tp*pp*dp ranks). Returns the per-step records (identical on every rank) and, with
-    ``cfg.profile``, the path of this rank's trace."""
-    from overlap.dist.dims import ParallelDims
+def _build(cfg: TrainConfig, dims, device: torch.device, dtype: torch.dtype, *,
+           overlap: bool = True) -> SimpleNamespace:
+    """Model, TP communicator, pipeline, reducers and optimizers of one job on this rank.
+    ``overlap=False`` builds the no-overlap baseline of ``--compare-no-overlap``: the unfused
+    TP backend (whole collective, then the GEMM), every DP bucket reduced after the backward,
+    and (in the step) the parameter all-gathers waited for at once instead of under the next
+    forward."""
     from overlap.dp.grad_reducer import GradReducer
     from overlap.dp.sharded_optimizer import ShardedOptimizer
     from overlap.pp import Pipeline, build_schedule, pipeline_stages
-    from overlap.tp import close_all_contexts
     from overlap.nn.embedding import vocab_parallel_cross_entropy
     from overlap.nn.parallelize import parallelize
     from overlap.models.plans import gpt_plan
-
     from overlap.train.precision import MasterOptimizer
     from overlap.train.rng import RNGTracker, install_dropout
     from overlap.train.recompute import apply_recompute
 
-    device = rank_device()
-    dims = ParallelDims.build(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, device_type=device.type)
-    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    if not overlap:
+        cfg = dataclasses.replace(cfg, tp_backend="unfused")
     torch.manual_seed(cfg.seed)
     model = GPT(model_config(cfg)).to(device=device, dtype=dtype)
     tp_comm = tp_comm_for(cfg, dims, device)
@@ -166,7 +166,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
         red = GradReducer(stage.module, dp_group=dims.dp_group, comm_dtype=cfg.comm_dtype,
                           bucket_cap_mb=cfg.bucket_mb, first_bucket_cap_mb=cfg.bucket_mb,
                           shard=cfg.sharded_optimizer, timeout=cfg.timeout,
-                          rebuild_buckets=False, **extra)
+                          rebuild_buckets=False, overlap=overlap, **extra)
         red.sync_if(lambda s=stage: s.last_backward)
         reducers.append(red)
         groups = param_groups(model, red.params, cfg.weight_decay)
@@ -178,6 +178,64 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
         else:
             optimizers.append(torch.optim.AdamW(groups, lr=cfg.lr))
     replicated = _tp_replicated(model, reducers)
+    return SimpleNamespace(model=model, tp_comm=tp_comm, tracker=tracker, stages=stages,
+                           schedule=schedule, pipe=pipe, reducers=reducers,
+                           optimizers=optimizers, replicated=replicated, overlap=overlap)
+
+
+def _train_step(cfg: TrainConfig, job: SimpleNamespace, dims, step: int, x, y, lr: float,
+                device: torch.device) -> StepRecord:
+    """One optimizer step of ``job``; every rank returns the same record."""
+    for opt in job.optimizers:
+        for group in opt.param_groups:
+            group["lr"] = lr
+    has_first = 0 in job.pipe.stages
+    has_last = job.schedule.num_stages - 1 in job.pipe.stages
+    reset_exposed()
+    t0 = time.perf_counter()
+    with nvtx.step(step):  # NVTX on CUDA (nsys sees it), record_function everywhere
+        out = job.pipe.step(x if has_first else None, y if has_last else None)
+        norm = (clip_grads(job.optimizers, job.reducers, job.replicated, cfg.clip_grad,
+                           dims=dims, sharded=cfg.sharded_optimizer)
+                if cfg.clip_grad > 0 else None)
+        for opt in job.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            if not job.overlap and hasattr(opt, "wait_params"):
+                opt.wait_params()  # no parameter-gather prefetch under the next forward
+    step_s = time.perf_counter() - t0
+    exposed = exposed_seconds()
+    loss = float(out.loss) if has_last and dims.tp_rank == 0 else 0.0
+    # One small collective gathers what rank 0 reports: loss (from the last stage, averaged
+    # over dp), the mean exposed fraction and the slowest step time.
+    world = dist.get_world_size()
+    stats = torch.tensor([loss / cfg.dp, exposed / step_s / world, step_s],
+                         dtype=torch.float64, device=device)
+    sums = stats[:2].clone()
+    with comm_wait("train.stats"):
+        dist.all_reduce(sums)
+        slowest = stats[2:].clone()
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    tokens_per_step = cfg.dp * cfg.micro_batches * cfg.micro_batch_size * cfg.seq_len
+    return StepRecord(step=step, loss=float(sums[0]), step_s=float(slowest[0]),
+                      tokens_per_s=tokens_per_step / float(slowest[0]),
+                      exposed_fraction=min(max(float(sums[1]), 0.0), 1.0),
+                      grad_norm=float(norm) if norm is not None else 0.0, lr=lr)
+
+
+def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
+    """Train on this rank (the default process group must be initialised with
+    tp*pp*dp ranks). Returns the per-step records (identical on every rank) and, with
+    ``cfg.profile``, the path of this rank's trace."""
+    from overlap.dist.dims import ParallelDims
+    from overlap.tp import close_all_contexts
+
+    device = rank_device()
+    dims = ParallelDims.build(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, device_type=device.type)
+    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    job = _build(cfg, dims, device, dtype)
+    off = _build(cfg, dims, device, dtype, overlap=False) if cfg.compare_no_overlap else None
+    model, tracker, stages, optimizers = job.model, job.tracker, job.stages, job.optimizers
 
     start_step, resumed_from, fault_s = _maybe_resume(cfg, dims, model, stages, optimizers,
                                                       tracker)
@@ -189,13 +247,9 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     batches = Batches(load_tokens(cfg.data), seq_len=cfg.seq_len,
                       micro_batch_size=cfg.micro_batch_size, micro_batches=cfg.micro_batches,
                       dp=cfg.dp, seed=cfg.seed)
-    has_first = 0 in pipe.stages
-    has_last = schedule.num_stages - 1 in pipe.stages
-    report_loss = has_last and dims.tp_rank == 0
-    tokens_per_step = cfg.dp * cfg.micro_batches * cfg.micro_batch_size * cfg.seq_len
-    world = dist.get_world_size()
     printer = dist.get_rank() == 0 and progress
     records: list[StepRecord] = []
+    off_records: list[StepRecord] = []
     prof, trace_path = _profiler(cfg, dims)
     # Trace only the last PROFILED_STEPS steps: step 0 pays for warm-up, and a trace of every
     # step of a long run is hundreds of MB per rank.
@@ -213,37 +267,15 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             x = list(inputs[dims.dp_rank].to(device).unbind(0))
             y = list(targets[dims.dp_rank].to(device).unbind(0))
             lr = lr_at(cfg, step)
-            for opt in optimizers:
-                for group in opt.param_groups:
-                    group["lr"] = lr
             if resumed_at is None:
                 resumed_at = time.time()
-            reset_exposed()
-            t0 = time.perf_counter()
-            with nvtx.step(step):  # NVTX on CUDA (nsys sees it), record_function everywhere
-                out = pipe.step(x if has_first else None, y if has_last else None)
-                norm = (clip_grads(optimizers, reducers, replicated, cfg.clip_grad, dims=dims,
-                                   sharded=cfg.sharded_optimizer)
-                        if cfg.clip_grad > 0 else None)
-                for opt in optimizers:
-                    opt.step()
-                    opt.zero_grad(set_to_none=False)
-            step_s = time.perf_counter() - t0
-            exposed = exposed_seconds()
-            loss = float(out.loss) if report_loss else 0.0
-            # One small collective gathers what rank 0 reports: loss (from the last stage,
-            # averaged over dp), the mean exposed fraction and the slowest step time.
-            stats = torch.tensor([loss / cfg.dp, exposed / step_s / world, step_s],
-                                 dtype=torch.float64, device=device)
-            sums = stats[:2].clone()
-            with comm_wait("train.stats"):
-                dist.all_reduce(sums)
-                slowest = stats[2:].clone()
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            rec = StepRecord(step=step, loss=float(sums[0]), step_s=float(slowest[0]),
-                             tokens_per_s=tokens_per_step / float(slowest[0]),
-                             exposed_fraction=min(max(float(sums[1]), 0.0), 1.0),
-                             grad_norm=float(norm) if norm is not None else 0.0, lr=lr)
+            # --compare-no-overlap: the baseline's step runs next to this one, first on odd
+            # steps, so load and warm caches affect both alike.
+            if off is not None and step % 2:
+                off_records.append(_train_step(cfg, off, dims, step, x, y, lr, device))
+            rec = _train_step(cfg, job, dims, step, x, y, lr, device)
+            if off is not None and not step % 2:
+                off_records.append(_train_step(cfg, off, dims, step, x, y, lr, device))
             records.append(rec)
             if printer:
                 print(_row(rec, cfg.steps), flush=True)
@@ -256,16 +288,20 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
         if writer is not None:
             writer.wait()
     finally:
-        for opt in optimizers:
-            if hasattr(opt, "close"):
-                opt.close()
-        for red in reducers:
-            red.close()
+        for j in (job, off):
+            if j is None:
+                continue
+            for opt in j.optimizers:
+                if hasattr(opt, "close"):
+                    opt.close()
+            for red in j.reducers:
+                red.close()
+            j.tp_comm.close()
         if writer is not None:
             writer.close()
-        tp_comm.close()
         close_all_contexts()
     return {"records": [dataclasses.asdict(r) for r in records],
+            "records_no_overlap": [dataclasses.asdict(r) for r in off_records],
             "trace": trace_path if prof is not None else None,
             "start_step": start_step, "resumed_from": resumed_from,
             "fault_to_resumed_s": (resumed_at - fault_s) if fault_s and resumed_at else None,
