@@ -26,6 +26,16 @@ run alone (``reduce_now()``, median); ``exposed_ms``: median time ``finish()`` w
 backward; ``hidden``: 1 - exposed/comm, the fraction of gradient communication hidden under
 the backward; ``ag_exposed_ms`` (sharded): time the forward pre-hooks waited for the
 parameter all-gathers launched by the previous step; ``state_MB``: optimizer state per rank.
+
+``--profile DIR`` / ``--nsys`` add ``trace_overlap%``: 100 * hidden / communication time over
+the variant's timed steps on every rank, from torch.profiler traces of the timed rounds
+(``DIR/w<world>_rounds/trace_rank<r>.json``) or the Nsight Systems report, by overlap-analyze's
+code (bench.runner.TraceOptions). On GPUs (one world size per nsys run):
+
+    nsys profile -t cuda,nvtx --capture-range=cudaProfilerApi --capture-range-end=stop \
+        -o bench/results/dp_gpu python -m bench.bench_dp --world-sizes 8 --device cuda \
+        --nsys --out bench/results/dp_gpu
+    python -m bench.runner fill bench/results/dp_gpu         # after nsys wrote its report
 """
 
 from __future__ import annotations
@@ -34,12 +44,14 @@ import copy
 import dataclasses
 import os
 import statistics
+import sys
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bench.runner import Table, Timing, time_fn, parse_config, command_line
+from bench.runner import (Table, Timing, TraceOptions, Tracer, check_trace_options, command_line,
+                          finish_trace_column, parse_config, time_fn, trace_columns)
 from overlap.dist.launch import launch
 from overlap.dp import GradReducer, ShardedOptimizer
 from overlap.models.gpt import GPT, GPTConfig
@@ -48,7 +60,7 @@ COMM_DTYPES = ("fp32", "bf16", "int8")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
-class BenchConfig:
+class BenchConfig(TraceOptions):
     world_sizes: tuple[int, ...] = (2, 4)
     bucket_cap_mb: float = 2.0  # ours; DDP keeps its defaults (25 MiB, first bucket 1 MiB)
     batch: int = 2
@@ -147,15 +159,18 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
         v["samples"], v["exposed"], v["ag_exposed"] = [], [], []
         for _ in range(cfg.warmup):
             _step(v, idx, tgt)
-    for _ in range(cfg.rounds):
-        for v in variants.values():
-            for _ in range(cfg.steps_per_round):
-                if isinstance(v["opt"], ShardedOptimizer):  # waits of the previous forward
-                    v["ag_exposed"].append(v["opt"].forward_wait_s)
-                v["samples"] += time_fn(lambda: _step(v, idx, tgt), warmup=0, iters=1,
-                                        sync=sync).samples
-                if v["red"] is not None and not v.get("serial"):
-                    v["exposed"].append(v["red"].stats.wait_s)
+    tracer = Tracer(cfg, rank=rank, device=device, prefix=f"w{dist.get_world_size()}_")
+    with tracer.region("rounds"):
+        for _ in range(cfg.rounds):
+            for name, v in variants.items():
+                for _ in range(cfg.steps_per_round):
+                    if isinstance(v["opt"], ShardedOptimizer):  # waits of the previous forward
+                        v["ag_exposed"].append(v["opt"].forward_wait_s)
+                    step = tracer.wrap(name, lambda: _step(v, idx, tgt))
+                    v["samples"] += time_fn(step, warmup=0, iters=1, sync=sync).samples
+                    if v["red"] is not None and not v.get("serial"):
+                        v["exposed"].append(v["red"].stats.wait_s)
+    tracer.close()
     rows = []
     for name, v in variants.items():
         comm = []
@@ -177,11 +192,17 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
                     else None),
             state_bytes=_state_bytes(v["opt"]),
             ag_exposed_s=statistics.median(v["ag_exposed"]) if v["ag_exposed"] else None,
-            num_buckets=len(v["red"].buckets) if v["red"] is not None else None))
+            num_buckets=len(v["red"].buckets) if v["red"] is not None else None,
+            **tracer.info(name)))
     return rows
 
 
 def main(cfg: BenchConfig) -> None:
+    check_trace_options(cfg, "bench_dp", cuda=cfg.device == "cuda" and torch.cuda.is_available())
+    if cfg.nsys and len(cfg.world_sizes) != 1:
+        print("bench_dp: error: --nsys: one nsys capture range covers one launch; pass one "
+              "--world-sizes value", file=sys.stderr)
+        raise SystemExit(2)
     backend = "nccl" if cfg.device == "cuda" else "gloo"
     load_before = os.getloadavg()[0]
     table_rows = []
@@ -201,7 +222,8 @@ def main(cfg: BenchConfig) -> None:
                 hidden="-" if r["hidden"] is None else r["hidden"],
                 ag_exposed_ms="-" if r["ag_exposed_s"] is None else 1e3 * r["ag_exposed_s"],
                 state_MB=r["state_bytes"] / 2**20,
-                buckets="-" if r["num_buckets"] is None else r["num_buckets"]))
+                buckets="-" if r["num_buckets"] is None else r["num_buckets"],
+                **{k: r[k] for k in ("trace_region", "trace_steps") if k in r}))
     load = f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     notes = [
         f"GPT d_model={cfg.d_model} n_layer={cfg.n_layer} n_head={cfg.n_head} "
@@ -220,9 +242,18 @@ def main(cfg: BenchConfig) -> None:
         "so exposed_ms is not measured there (use a profile).",
         "Command: " + command_line("bench.bench_dp", cfg),
     ]
+    if cfg.profile or cfg.nsys:
+        notes.insert(-1, "trace_overlap% = 100 * hidden / communication time over the "
+                     "variant's timed steps on every rank, from " +
+                     (f"torch.profiler traces (all threads) in {cfg.profile}/w<world>_rounds/"
+                      if cfg.profile else "the Nsight Systems report")
+                     + " by overlap-analyze's code; step times of a traced run include the "
+                     "profiler's overhead.")
+    finish_trace_column(cfg, table_rows, cfg.out, "bench_dp")
     table = Table("Data-parallel step: overlap.dp vs torch DDP",
-                  ["world", "variant", "step_ms", "spread", "vs_ddp", "comm_ms", "exposed_ms",
-                   "hidden", "ag_exposed_ms", "state_MB", "buckets"], notes=notes)
+                  trace_columns(["world", "variant", "step_ms", "spread", "vs_ddp", "comm_ms",
+                                 "exposed_ms", "hidden", "ag_exposed_ms", "state_MB",
+                                 "buckets"], cfg, after="hidden"), notes=notes)
     for row in table_rows:
         table.add(**row)
     table.publish(cfg.out)

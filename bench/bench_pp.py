@@ -21,6 +21,16 @@ process group, one after the other, for the schedules both have (GPipe, 1F1B, in
 
 On GPU the step times are synchronised but the per-action timestamps are host times of
 asynchronous launches, so read the GPU bubble from an Nsight trace instead of this column.
+
+``--profile DIR`` / ``--nsys`` add ``trace_overlap%``: 100 * hidden / communication time (P2P
+sends, receives and their waits vs stage compute) over the row's timed steps on every rank,
+from torch.profiler traces of the timed steps (``DIR/<schedule>_m<m>/trace_rank<r>.json``) or
+the Nsight Systems report, by overlap-analyze's code (bench.runner.TraceOptions). On GPUs:
+
+    nsys profile -t cuda,nvtx --capture-range=cudaProfilerApi --capture-range-end=stop \
+        -o bench/results/pp_gpu python -m bench.bench_pp --pp 4 --device cuda --nsys \
+        --out bench/results/pp_gpu
+    python -m bench.runner fill bench/results/pp_gpu         # after nsys wrote its report
 """
 
 from __future__ import annotations
@@ -33,7 +43,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.runner import Table, Timing, time_fn, parse_config, command_line
+from bench.runner import (Table, Timing, TraceOptions, Tracer, check_trace_options, command_line,
+                          finish_trace_column, parse_config, time_fn, trace_columns)
 from overlap.dist.device import rank_device
 from overlap.dist.launch import launch
 from overlap.models import GPT, GPTConfig, gpt_loss, pipeline_piece_costs
@@ -44,7 +55,7 @@ TORCH_NAMES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
-class BenchConfig:
+class BenchConfig(TraceOptions):
     pp: int = 2
     microbatches: tuple[int, ...] = (4, 8)
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
@@ -127,6 +138,7 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
                      n_layer=cfg.n_layer, n_head=4)
     model = GPT(gcfg).to(dev)
     costs = pipeline_piece_costs(gcfg)
+    tracer = Tracer(cfg, rank=dist.get_rank(), device=dev)
     rows = []
     for m in cfg.microbatches:
         batch = m * cfg.microbatch_size
@@ -168,11 +180,14 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
 
                 steps["torch.pipelining"] = torch_step
             # Alternate the implementations step by step so both see the same machine load.
-            for it in range(cfg.warmup + cfg.iters):
-                for impl, fn in steps.items():
-                    sample = time_fn(fn, warmup=0, iters=1, sync=sync).samples[0]
-                    if it >= cfg.warmup:
-                        runs[impl][0].append(sample)
+            for _ in range(cfg.warmup):
+                for fn in steps.values():
+                    time_fn(fn, warmup=0, iters=1, sync=sync)
+            with tracer.region(f"{name}_m{m}"):
+                for _ in range(cfg.iters):
+                    for impl, fn in steps.items():
+                        traced = tracer.wrap(f"{impl}_{name}_m{m}", fn)
+                        runs[impl][0].extend(time_fn(traced, warmup=0, iters=1, sync=sync).samples)
             if name in TORCH_NAMES:
                 for st in theirs:
                     st.submod.close()
@@ -187,11 +202,14 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
                 t = Timing(samples)
                 rows.append(dict(impl=impl, schedule=name, p=p, v=v, m=m, step_s=t.median,
                                  spread=t.spread, bubble=statistics.median(bubbles),
-                                 bubble_ideal=simulate(sched).bubble_fraction))
+                                 bubble_ideal=simulate(sched).bubble_fraction,
+                                 **tracer.info(f"{impl}_{name}_m{m}")))
+    tracer.close()
     return rows
 
 
 def main(cfg: BenchConfig) -> None:
+    check_trace_options(cfg, "bench_pp", cuda=cfg.device == "cuda" and torch.cuda.is_available())
     backend = "nccl" if cfg.device == "cuda" else cfg.transport
     load_before = os.getloadavg()[0]
     rows = launch(_bench_rank, cfg.pp, args=(cfg,), backend=backend, timeout=3600,
@@ -207,17 +225,30 @@ def main(cfg: BenchConfig) -> None:
         "waits for data), mean over ranks; bubble_ideal: simulated with F=1, B=2 (I=W=1).",
         "Command: " + command_line("bench.bench_pp", cfg),
     ]
+    if cfg.profile or cfg.nsys:
+        notes.insert(-1, "trace_overlap% = 100 * hidden / communication time over the row's "
+                     "timed steps on every rank, from " +
+                     (f"torch.profiler traces (all threads) in {cfg.profile}/<schedule>_m<m>/"
+                      if cfg.profile else "the Nsight Systems report")
+                     + " by overlap-analyze's code; step times of a traced run include the "
+                     "profiler's overhead.")
     table = Table("Pipeline schedules: overlap.pp vs torch.distributed.pipelining",
-                  ["schedule", "p", "v", "m", "impl", "step_ms", "spread", "bubble",
-                   "bubble_ideal", "speedup_vs_torch"], notes=notes)
+                  trace_columns(["schedule", "p", "v", "m", "impl", "step_ms", "spread",
+                                 "bubble", "bubble_ideal", "speedup_vs_torch"], cfg,
+                                after="bubble_ideal"), notes=notes)
     torch_ms = {(r["schedule"], r["m"]): r["step_s"] for r in rows
                 if r["impl"] == "torch.pipelining"}
+    out = []
     for r in rows:
         base = torch_ms.get((r["schedule"], r["m"]))
-        table.add(schedule=r["schedule"], p=r["p"], v=r["v"], m=r["m"], impl=r["impl"],
-                  step_ms=1e3 * r["step_s"], spread=r["spread"], bubble=r["bubble"],
-                  bubble_ideal=r["bubble_ideal"],
-                  speedup_vs_torch="-" if base is None else base / r["step_s"])
+        out.append(dict(schedule=r["schedule"], p=r["p"], v=r["v"], m=r["m"], impl=r["impl"],
+                        step_ms=1e3 * r["step_s"], spread=r["spread"], bubble=r["bubble"],
+                        bubble_ideal=r["bubble_ideal"],
+                        speedup_vs_torch="-" if base is None else base / r["step_s"],
+                        **{k: r[k] for k in ("trace_region", "trace_steps") if k in r}))
+    finish_trace_column(cfg, out, cfg.out, "bench_pp")
+    for row in out:
+        table.add(**row)
     table.publish(cfg.out)
 
 

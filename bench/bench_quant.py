@@ -19,6 +19,16 @@ per rank) and op (all_reduce, reduce_scatter, all_gather), the fp32 row is the p
 - ``err``: relative RMS error of the result against the fp32 collective's result.
 
 Quantized calls pass ``check_ranks=False`` (the fp32 call has no such check either).
+
+``--profile DIR`` / ``--nsys`` add ``trace_overlap%``: 100 * hidden / communication time over
+the row's timed calls on every rank (quantize/dequantize pieces are compute, the wire is
+communication), from torch.profiler traces of the timed calls or the Nsight Systems report, by
+overlap-analyze's code (bench.runner.TraceOptions). On GPUs (one world size per nsys run):
+
+    nsys profile -t cuda,nvtx --capture-range=cudaProfilerApi --capture-range-end=stop \
+        -o bench/results/quant_gpu python -m bench.bench_quant --device cuda --world-sizes 8 \
+        --max-size 256M --nsys --out bench/results/quant_gpu
+    python -m bench.runner fill bench/results/quant_gpu      # after nsys wrote its report
 """
 
 from __future__ import annotations
@@ -30,7 +40,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from bench.runner import Table, time_fn
+from bench.runner import (Table, TraceOptions, Tracer, add_fields, check_trace_options,
+                          finish_trace_column, time_fn, trace_columns)
 from overlap.comm import quant
 from overlap.dist.launch import launch
 
@@ -41,7 +52,7 @@ BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda 
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
-class BenchConfig:
+class BenchConfig(TraceOptions):
     world_sizes: tuple[int, ...] = (2, 4)
     min_size: int = 4 << 10
     max_sizes: tuple[int, ...] = (64 << 20,)  # one for all world sizes, or one per world size
@@ -94,9 +105,11 @@ def _rel_rms(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a - ref).norm() / ref.norm()).item() if ref.numel() else 0.0
 
 
-def _rank_sweep(sizes: list[int], block: int, device_kind: str) -> list[dict]:
+def _rank_sweep(sizes: list[int], block: int, device_kind: str,
+                trace: TraceOptions) -> list[dict]:
     rank, n, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
     dev = _device(device_kind)
+    tracer = Tracer(trace, rank=rank, device=dev, prefix=f"w{n}_")
 
     def barrier():
         if dev.type == "cuda":
@@ -115,10 +128,12 @@ def _rank_sweep(sizes: list[int], block: int, device_kind: str) -> list[dict]:
                                                                 block), ref)
                 work = x.clone()  # all_reduce runs in place: reuse one buffer, values just grow
                 warmup, iters = _iters(size)
+                key = f"{op}_{wire}_{_human(size).replace(' ', '')}"
                 t = time_fn(lambda: _call(op, work, wire, group, block), warmup=warmup,
-                            iters=iters, sync=barrier)
+                            iters=iters, sync=barrier, trace=tracer.row(key))
                 rows.append(dict(op=op, wire=wire, size=size, elements=N, median_s=t.median,
-                                 spread=t.spread, err=err))
+                                 spread=t.spread, err=err, **tracer.info(key)))
+    tracer.close()
     return rows
 
 
@@ -152,11 +167,14 @@ def run(cfg: BenchConfig) -> Table:
     backend = "nccl" if cfg.device == "cuda" else "gloo"
     load_before = os.getloadavg()[0]
     table = Table("Quantized collectives: fp32 vs BF16 vs INT8 on the wire",
-                  columns=["ranks", "op", "wire", "size", "time_us", "spread", "algbw_GBps",
-                           "busbw_GBps", "sent_B", "vs_fp32", "err"])
-    sweep_notes = []
+                  columns=trace_columns(["ranks", "op", "wire", "size", "time_us", "spread",
+                                         "algbw_GBps", "busbw_GBps", "sent_B", "vs_fp32",
+                                         "err"], cfg, after="spread"))
+    trace = TraceOptions(profile=cfg.profile, nsys=cfg.nsys, nsys_report=cfg.nsys_report)
+    sweep_notes, rows = [], []
     for n in cfg.world_sizes:
-        per_rank = launch(_rank_sweep, n, args=(cfg.sizes(n), cfg.block_size, cfg.device),
+        per_rank = launch(_rank_sweep, n, args=(cfg.sizes(n), cfg.block_size, cfg.device,
+                                                trace),
                           timeout=cfg.timeout, backend=backend)
         fp32_sent = {}
         for i, row in enumerate(per_rank[0]):
@@ -169,9 +187,12 @@ def run(cfg: BenchConfig) -> Table:
             sent = quant.wire_bytes(op, N, 4, comm, n, cfg.block_size)
             if wire == "fp32":
                 fp32_sent[(op, size)] = sent
-            table.add(ranks=n, op=op, wire=wire, size=_human(size), time_us=secs * 1e6,
-                      spread=spread, algbw_GBps=algbw, busbw_GBps=algbw * BUS_FACTOR[op](n), sent_B=sent,
-                      vs_fp32=sent / fp32_sent[(op, size)], err=row["err"])
+            rows.append(dict(ranks=n, op=op, wire=wire, size=_human(size), time_us=secs * 1e6,
+                             spread=spread, algbw_GBps=algbw,
+                             busbw_GBps=algbw * BUS_FACTOR[op](n), sent_B=sent,
+                             vs_fp32=sent / fp32_sent[(op, size)], err=row["err"],
+                             **{k: row[k] for k in ("trace_region", "trace_steps")
+                                if k in row}))
         blocks = launch(_rank_block_sweep, n, args=(cfg.block_sweep_size, cfg.block_sweep,
                                                     cfg.device), timeout=cfg.timeout,
                         backend=backend)[0]
@@ -183,6 +204,9 @@ def run(cfg: BenchConfig) -> Table:
                 f"B={b['block']}: {b['err']:.2e} / "
                 f"{quant.wire_bytes('all_reduce', N, 4, 'int8', n, b['block']) / fp32:.4f} / "
                 f"{b['median_s'] * 1e3:.1f} ms" for b in blocks))
+    finish_trace_column(cfg, rows, cfg.out, "bench_quant")
+    for row in rows:
+        table.add(**row)
     table.notes = [
         "Sizes " + ", ".join(f"{_human(cfg.min_size)} .. {_human(max(cfg.sizes(n)))} for {n} "
                              "ranks" for n in cfg.world_sizes)
@@ -199,6 +223,14 @@ def run(cfg: BenchConfig) -> Table:
         "the bytes and errors are not).",
         *sweep_notes,
     ]
+    if cfg.profile or cfg.nsys:
+        table.notes.append(
+            "trace_overlap% = 100 * hidden / communication time over the row's timed calls on "
+            "every rank, from " + (f"torch.profiler traces (all threads) in {cfg.profile}/"
+                                   "w<ranks>_<row>/" if cfg.profile else
+                                   "the Nsight Systems report")
+            + " by overlap-analyze's code; times of a traced run include the profiler's "
+            "overhead.")
     return table
 
 
@@ -212,13 +244,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-size", type=int, default=defaults.block_size)
     p.add_argument("--device", choices=("cpu", "cuda"), default=defaults.device)
     p.add_argument("--out", default=defaults.out)
+    add_fields(p, TraceOptions)
     a = p.parse_args(argv)
     if len(a.max_size) not in (1, len(a.world_sizes)):
         p.error("--max-size takes one size or one per world size")
     cfg = BenchConfig(world_sizes=tuple(a.world_sizes), min_size=_parse_size(a.min_size),
                       max_sizes=tuple(_parse_size(v) for v in a.max_size),
                       block_size=a.block_size,
-                      device=a.device, out=a.out)
+                      device=a.device, out=a.out, profile=a.profile, nsys=a.nsys,
+                      nsys_report=a.nsys_report)
+    check_trace_options(cfg, "bench_quant",
+                        cuda=cfg.device == "cuda" and torch.cuda.is_available())
+    if cfg.nsys and len(cfg.world_sizes) != 1:
+        p.error("--nsys: one nsys capture range covers one launch; pass one --world-sizes value")
     table = run(cfg)
     json_path, md_path = table.write(cfg.out)
     print(open(md_path).read())

@@ -30,6 +30,16 @@ timed only on three shapes divided by ``triton_scale`` with ``triton_iters`` ite
 rows check that the kernels run across processes, and say nothing about GPU speed.
 NVTX ranges mark every chunk's comm and GEMM (overlap.profile.nvtx); ``--trace DIR`` writes a
 torch.profiler trace of one call per op and backend on rank 0 (all threads, for the copier).
+
+``--profile DIR`` / ``--nsys`` add ``trace_overlap%``: 100 * hidden / communication time over
+the timed fused calls of the row on every rank (a sample = one step range), from per-rank
+torch.profiler traces of the timed samples (``DIR/<row>/trace_rank<r>.json``) or from the
+Nsight Systems report, by overlap-analyze's code (bench.runner.TraceOptions). On GPUs:
+
+    nsys profile -t cuda,nvtx --capture-range=cudaProfilerApi --capture-range-end=stop \
+        -o bench/results/tp_ops_gpu torchrun --nproc-per-node 8 -m bench.bench_tp_ops \
+        --nsys --out bench/results/tp_ops_gpu
+    python -m bench.runner fill bench/results/tp_ops_gpu     # after nsys wrote its report
 """
 
 from __future__ import annotations
@@ -42,14 +52,15 @@ import os
 import torch
 import torch.distributed as dist
 
-from bench.runner import Table, time_fn
+from bench.runner import (Table, TraceOptions, Tracer, check_trace_options, finish_trace_column,
+                          time_fn, trace_columns)
 
 COLUMNS = ["op", "shape", "backend", "t_fused_ms", "t_seq_ms", "t_comm_ms", "t_gemm_ms",
            "speedup", "overlap_eff", "spread"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
-class BenchConfig:
+class BenchConfig(TraceOptions):
     world: int = 2                  # local gloo ranks (ignored under torchrun)
     scale: int = 0                  # divide every dim by this; 0 = 16 on CPU, 1 on GPU
     triton_scale: int = 64          # triton under the interpreter: smaller shapes
@@ -129,11 +140,13 @@ def _bench_rank(cfg: BenchConfig) -> list[dict] | None:
             torch.cuda.synchronize()
         dist.barrier(group=group)
 
-    def timed(fn, iters: int, warmup: int, inner: int):
+    tracer = Tracer(cfg, rank=rank, device=device)
+
+    def timed(fn, iters: int, warmup: int, inner: int, trace=None):
         def many() -> None:
             for _ in range(inner):
                 fn()
-        t = time_fn(many, warmup=warmup, iters=iters, sync=sync)
+        t = time_fn(many, warmup=warmup, iters=iters, sync=sync, trace=trace)
         return t.median * 1e3 / inner, t.spread
 
     def ms(fn, iters: int, warmup: int, inner: int) -> float:
@@ -157,16 +170,21 @@ def _bench_rank(cfg: BenchConfig) -> list[dict] | None:
         t_comm, t_gemm, t_seq = (ms(f, iters, warmup, inner) for f in (comm, gemm, seq))
         for backend in names:
             fused[op](x, w, group=group, backend=backend)  # creates contexts, checks ranks
+            key = f"r{len(rows):02d}_{op}_{model}_{layer}_{backend}"
             t, spread = timed(lambda: fused[op](x, w, group=group, backend=backend,
-                                                check_inputs=False), iters, warmup, inner)
+                                                check_inputs=False), iters, warmup, inner,
+                              trace=tracer.row(key))
             eff = (t_comm + t_gemm - t) / min(t_comm, t_gemm) if min(t_comm, t_gemm) > 0 else 0
             rows.append(dict(op=op, shape=f"{model} {layer}: M={m} K={k} N={n}",
                              backend=backend, t_fused_ms=t, t_seq_ms=t_seq, t_comm_ms=t_comm,
                              t_gemm_ms=t_gemm, speedup=t_seq / t if t > 0 else 0.0,
-                             overlap_eff=eff, spread=spread))
+                             overlap_eff=eff, spread=spread, **tracer.info(key)))
+    tracer.close()
     if cfg.trace:
         _trace(cfg, plans, fused, group, world, dtype, device)
     tp.close_all_contexts()
+    if tracer.on:
+        dist.barrier(group=group)  # every rank's trace is on disk before rank 0 reads them
     return rows if rank == 0 else None
 
 
@@ -216,11 +234,20 @@ def _notes(cfg: BenchConfig, world: int, cuda: bool) -> list[str]:
                   f"when the table was written: {load} (other jobs shared the machine).",
                   f"triton rows: the kernels under TRITON_INTERPRET=1 on shapes divided by "
                   f"{cfg.triton_scale}; interpreter time says nothing about GPU kernels."]
+    if cfg.profile or cfg.nsys:
+        notes.append("trace_overlap% = 100 * hidden / communication time over the row's timed "
+                     "fused calls on every rank, from "
+                     + (f"torch.profiler traces (all threads) in {cfg.profile}/<row>/"
+                        if cfg.profile else "the Nsight Systems report")
+                     + " by overlap-analyze's code (overlap/profile/metrics.py). The times of "
+                     "a traced run include the profiler's overhead.")
     return notes
 
 
 def main(cfg: BenchConfig) -> None:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: this process is a rank
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    check_trace_options(cfg, "bench_tp_ops", cuda=torchrun and torch.cuda.is_available())
+    if torchrun:  # this process is a rank
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -237,11 +264,14 @@ def main(cfg: BenchConfig) -> None:
 
         cuda, world = False, cfg.world
         rows = launch(_bench_rank, world, args=(cfg,), timeout=3600)[0]
-    table = Table("Fused TP ops vs collective-then-GEMM", COLUMNS, notes=_notes(cfg, world, cuda))
-    for row in rows:
-        table.add(**row)
+    table = Table("Fused TP ops vs collective-then-GEMM",
+                  trace_columns(COLUMNS, cfg, after="overlap_eff"),
+                  notes=_notes(cfg, world, cuda))
     out = cfg.out or ("bench/results/tp_ops" if not cuda else "bench/results/tp_ops_" +
                       torch.cuda.get_device_name(0).replace(" ", "_").lower())
+    finish_trace_column(cfg, rows, out, "bench_tp_ops")
+    for row in rows:
+        table.add(**row)
     paths = table.write(out)
     print(table.markdown({}))
     print("wrote", *paths)
@@ -251,7 +281,9 @@ def _parse(argv: list[str] | None = None) -> BenchConfig:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for f in dataclasses.fields(BenchConfig):
         flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, tuple):
+        if isinstance(f.default, bool):
+            p.add_argument(flag, action="store_true", default=f.default)
+        elif isinstance(f.default, tuple):
             p.add_argument(flag, default=",".join(f.default), help=f"comma list ({f.default})")
         else:
             p.add_argument(flag, type=type(f.default), default=f.default)
