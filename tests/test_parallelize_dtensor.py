@@ -1,10 +1,9 @@
 """DTensor state dicts of a parallelized model for torch.distributed.checkpoint: the TP
 parameters carry the unsharded global shape, so a DCP checkpoint saved at tp=2 loads into an
-unsharded model (tp=1) and one saved unsharded loads into a tp=2 model, bit for bit, including
-fused (GPT-2's c_attn, Phi-3's unequal qkv) and uneven (vocabulary 61) parameters.
+unsharded model (tp=1) or a tp=4 one, and one saved unsharded loads into a tp=2 model, bit for
+bit, including fused (GPT-2's c_attn, Phi-3's unequal qkv) and uneven (vocabulary 61) parameters.
 """
 
-import copy
 
 import pytest
 import torch
@@ -98,3 +97,8 @@ def test_dcp_resharding_tp2_to_tp1_and_back(arch, tmp_path):
     assert run_ranks(_load_unsharded, 1, arch, str(tmp_path / "tp2"), timeout=120) == [True]
     run_ranks(_save_unsharded, 1, arch, str(tmp_path / "tp1"), timeout=120)
     assert run_ranks(_load_tp, 2, arch, str(tmp_path / "tp1"), timeout=120) == [True, True]
+
+
+def test_dcp_resharding_tp2_to_tp4(tmp_path):
+    run_ranks(_save_tp, 2, "llama", str(tmp_path / "tp2"), timeout=120)
+    assert run_ranks(_load_tp, 4, "llama", str(tmp_path / "tp2"), timeout=120) == [True] * 4

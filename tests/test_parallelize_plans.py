@@ -170,6 +170,7 @@ STYLE_CASES = {
     "parts-features": (lambda: nn.Linear(12, 32), ("parts", (16, 8, 8), None)),
     "parts-heads": (lambda: nn.Linear(12, 32), ("parts", (8, 4, 4), 2)),
     "per_head": (lambda: nn.Linear(12, 48), ("per_head", 4)),
+    "per_head-no-heads": (lambda: nn.Linear(12, 48), ("per_head", None)),
     "embedding": (lambda: nn.Embedding(VOCAB, 8), "embedding"),
     "vocab_head": (lambda: nn.Linear(8, VOCAB, bias=False), "vocab_head"),
     "head": (lambda: nn.Linear(8, VOCAB), "head"),
@@ -185,7 +186,7 @@ def _style(spec):
         return spec
     if spec[0] == "parts":
         return Style(kind="column", parts=spec[1], head_dim=spec[2])
-    return Style(kind="column", layout="per_head", heads=spec[1])
+    return Style(kind="column", layout="per_head", heads=spec[1], parts=3)
 
 
 def _roundtrip_job():

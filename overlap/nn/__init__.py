@@ -7,7 +7,7 @@ state dicts for torch.distributed.checkpoint (``dtensor``).
     from overlap.nn import ColumnParallelLinear, RowParallelLinear, parallelize, TPPlan
 """
 
-from overlap.nn.dtensor import dtensor_state_dict, load_dtensor_state_dict
+from overlap.nn.dtensor import dtensor_state_dict, expose_dtensors, load_dtensor_state_dict
 from overlap.nn.embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from overlap.nn.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_shared
 from overlap.nn.parallelize import gather_grads, gather_state_dict, parallelize
@@ -19,4 +19,5 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_parallel_shared"
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "parallelize",
            "gather_state_dict", "gather_grads", "Style", "STYLES", "TPPlan",
            "SequenceParallelLayerNorm", "SequenceParallelRMSNorm", "SequenceShardedPositions",
-           "sequence_parallel_norm", "dtensor_state_dict", "load_dtensor_state_dict"]
+           "sequence_parallel_norm", "dtensor_state_dict", "load_dtensor_state_dict",
+           "expose_dtensors"]

@@ -30,10 +30,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from overlap.nn import sharding
-from overlap.nn.layers import TPModule
+from overlap.nn.layers import TPModule, local
 from overlap.tp.collectives import all_gather_dim
 
-__all__ = ["dtensor_state_dict", "load_dtensor_state_dict", "tp_mesh"]
+__all__ = ["dtensor_state_dict", "load_dtensor_state_dict", "expose_dtensors", "tp_mesh"]
 
 
 def tp_mesh(group, device_type: str = "cpu") -> "torch.distributed.device_mesh.DeviceMesh":
@@ -59,6 +59,14 @@ def _zero_copy(spec: sharding.ShardSpec) -> bool:
     return single and not spec.transpose and spec.sizes is None
 
 
+def _why_not(spec: sharding.ShardSpec) -> str:
+    if spec.transpose:
+        return "Conv1D, stored transposed"
+    if spec.sizes is not None:
+        return f"uneven sizes {list(spec.sizes)}"
+    return f"fused parts={spec.parts}"
+
+
 def dtensor_state_dict(model: nn.Module, mesh=None) -> dict[str, torch.Tensor]:
     """The model's state dict with TP parameters as DTensors of the unsharded shape (see the
     module docstring). Collective over the TP group when a layer must be gathered."""
@@ -74,6 +82,8 @@ def dtensor_state_dict(model: nn.Module, mesh=None) -> dict[str, torch.Tensor]:
             raise ValueError(f"dtensor_state_dict: {key} is sharded over tp={module.tp_size} "
                              f"but the mesh has {mesh.size()} ranks (rank {dist.get_rank()})")
         local = getattr(module, pname).detach()
+        if isinstance(local, DTensor):  # exposed already (expose_dtensors)
+            continue
         if _zero_copy(spec):
             # Even shards: the global shape follows from the local one (no collective).
             sd[key] = DTensor.from_local(local, mesh, [Shard(spec.dim)], run_check=False)
@@ -112,7 +122,7 @@ def load_dtensor_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> No
             if key not in sd:
                 continue
             value = sd[key]
-            param = getattr(module, pname)
+            param = local(getattr(module, pname))
             if isinstance(value, DTensor) and value.to_local().data_ptr() == param.data_ptr():
                 done.add(key)  # wrapped without a copy: dcp.load wrote into the shard
                 continue
@@ -124,3 +134,40 @@ def load_dtensor_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> No
         for k, v in rest.items():
             if k in own and own[k].data_ptr() != v.data_ptr():
                 own[k].copy_(v)
+
+
+def expose_dtensors(model: nn.Module, mesh=None) -> nn.Module:
+    """Make every sharded TP parameter a DTensor with ``Shard(dim)`` on the TP ``mesh`` (a
+    1-D mesh over the TP group, e.g. ``mesh2d["tp"]``; default: one built from the group),
+    in place, so FSDP2 (``fully_shard`` over the dp mesh) and torch's state-dict APIs
+    (``get_model_state_dict(full_state_dict=True)``, DCP) see global shapes and placements.
+    The layers compute on ``to_local()`` (differentiable; the gradient is a DTensor too).
+    Ties stay ties. Only layers whose shard is one contiguous even piece of the full tensor
+    can be exposed; fused (``parts``), uneven (a vocabulary tp does not divide) and Conv1D
+    parameters are refused with a ValueError naming them, before anything changes (use
+    ``dtensor_state_dict`` for those models' checkpoints)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    entries = [e for e in _tp_entries(model) if not isinstance(getattr(e[1], e[2]), DTensor)]
+    bad = [f"{key} ({_why_not(spec)})" for key, _, _, spec in entries if not _zero_copy(spec)]
+    if bad:
+        raise ValueError(f"expose_dtensors on rank {dist.get_rank()}: these TP parameters are "
+                         f"not one contiguous even piece of the full tensor, so no Shard "
+                         f"placement describes them: {bad}. Use dtensor_state_dict() for "
+                         "checkpoints of this model")
+    swapped: dict[int, nn.Parameter] = {}
+    for key, module, pname, spec in entries:
+        p = getattr(module, pname)
+        if id(p) in swapped:
+            continue
+        m = mesh if mesh is not None else tp_mesh(module.tp_group, p.device.type)
+        if m.size() != module.tp_size:
+            raise ValueError(f"expose_dtensors: {key} is sharded over tp={module.tp_size} but "
+                             f"the mesh has {m.size()} ranks (rank {dist.get_rank()})")
+        dt = DTensor.from_local(p.detach(), m, [Shard(spec.dim)], run_check=False)
+        swapped[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+    for module in model.modules():  # every holder, so tied parameters stay one object
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) in swapped:
+                module._parameters[name] = swapped[id(p)]
+    return model

@@ -76,9 +76,21 @@ def _style(value) -> Style | None:
 def _check_column(name: str, style: Style, n: int, tp: int) -> list[str]:
     if style.layout not in ("blocks", "per_head"):
         return [f"{name}: layout must be 'blocks' or 'per_head', got {style.layout!r}"]
+    parts = style.parts
+    if not (isinstance(parts, int) and not isinstance(parts, bool) and parts >= 1) and not (
+            isinstance(parts, tuple) and parts
+            and all(isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in parts)):
+        return [f"{name}: parts must be a positive int or a tuple of positive sizes, got "
+                f"{parts!r}"]
     if style.layout == "per_head":
         heads = style.heads
-        if not isinstance(heads, int) or heads < 1:
+        if heads is None:  # whole heads per rank cannot be checked here; verification does
+            group = style.num_parts()
+            if n % (group * tp):
+                return [f"{name}: out_features={n} is not divisible by tp={tp} x {group} "
+                        "parts per head (layout='per_head'; pass heads= to check whole heads)"]
+            return []
+        if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
             return [f"{name}: layout='per_head' needs heads=<number of head groups>, got "
                     f"{heads!r}"]
         if n % heads:
@@ -305,7 +317,7 @@ def parallelize(model: nn.Module, *, dims=None, tp_group=None, comm: TPComm | No
     False skips verification. ``probe``: the model input for the region checks (a tensor,
     a tuple of args, a dict of kwargs, or a callable model -> output); default: token ids
     built from the vocabulary size (models that take ids). ``verify_tol``: the largest
-    relative error accepted (default 1e-4 for fp32, 2e-2 for 16-bit weights). On a mismatch
+    relative error accepted (default 1e-4 for fp32, 3e-2 for 16-bit weights). On a mismatch
     the model is restored and a ValueError names what failed and why it likely did.
     ``subclasses``: "wrap" (default), "refuse" or "replace" for matched modules whose type
     overrides forward (see overlap.nn.wrap).
@@ -313,12 +325,17 @@ def parallelize(model: nn.Module, *, dims=None, tp_group=None, comm: TPComm | No
     if comm is not None and (backend != "auto" or chunks is not None or not check_inputs):
         raise ValueError("parallelize: backend=, chunks= and check_inputs= belong to the TPComm "
                          "when comm= is given")
+    where = f" (rank {dist.get_rank()})" if dist.is_initialized() else ""
     if verify not in (True, False, "model", "module"):
         raise ValueError(f"parallelize: verify must be True, False, 'module' or 'model', got "
-                         f"{verify!r}")
+                         f"{verify!r}{where}")
     if subclasses not in SUBCLASS_MODES:
         raise ValueError(f"parallelize: subclasses must be one of {SUBCLASS_MODES}, got "
-                         f"{subclasses!r}")
+                         f"{subclasses!r}{where}")
+    if verify_tol is not None and not (isinstance(verify_tol, (int, float))
+                                       and not isinstance(verify_tol, bool) and verify_tol > 0):
+        raise ValueError(f"parallelize: verify_tol must be a positive number, got "
+                         f"{verify_tol!r}{where}")
     if comm is None:
         # The group= form: a communicator of its own with these settings (not the group's
         # default one, whose per-call knobs differ); close_all_contexts() closes it.

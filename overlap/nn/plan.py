@@ -30,7 +30,9 @@ class Style:
     - ``layout="per_head"``: the output is ``heads`` equal groups, each holding every part of
       one head interleaved (GPT-NeoX / Bloom ``query_key_value``: ``[h0: q k v | h1: q k v |
       ...]``; with grouped-query attention, one group per kv head). Each rank keeps
-      ``heads / tp`` whole groups, so ``heads`` must be divisible by tp.
+      ``heads / tp`` whole groups, so ``heads`` must be divisible by tp. Without ``heads`` the
+      output is cut into tp contiguous pieces (``parts`` per head only checks the size) and
+      verification catches a cut through a head.
     """
 
     kind: str
@@ -43,6 +45,10 @@ class Style:
     sp_only: bool = False
     build: Callable[..., nn.Module] | None = None
     accepts: tuple[type, ...] = ()  # custom: the exact module types ``build`` takes
+
+    def __post_init__(self) -> None:
+        if isinstance(self.parts, list):  # a list reads naturally in a plan; keep it hashable
+            object.__setattr__(self, "parts", tuple(self.parts))
 
     def feature_parts(self) -> int | tuple[int, ...]:
         """The layer's ``parts`` in features (what ColumnParallelLinear takes)."""

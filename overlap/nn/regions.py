@@ -120,8 +120,9 @@ def _compiling(comm) -> bool:
     if not torch.compiler.is_compiling():
         return False
     if comm is None:
-        raise NotImplementedError("overlap region collectives under torch.compile need comm= "
-                                  "(the layer's TPComm); pass it instead of group=")
+        raise NotImplementedError(f"overlap region collectives under torch.compile need comm= "
+                                  f"(the layer's TPComm); pass it instead of group= (rank "
+                                  f"{dist.get_rank()})")
     return True
 
 
@@ -190,5 +191,6 @@ def _group(group, timeout, comm):
     if comm is not None:
         return comm.group, comm.timeout
     if group is None:
-        raise TypeError("overlap region collective: pass group= or comm=")
+        raise TypeError(f"overlap region collective: pass group= or comm= (rank "
+                        f"{dist.get_rank()})")
     return group, timeout

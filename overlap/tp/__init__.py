@@ -3,7 +3,7 @@
     from overlap.tp import all_gather_matmul, matmul_reduce_scatter, matmul_all_reduce
 
 Modules: comm (TPComm: backend, settings, workspaces, failure state), ops (public API +
-autograd), backends (the backend classes), chunked (async torch.distributed), symmetric
+autograd), custom_ops (the same ops as torch.library custom ops, used under torch.compile), backends (the backend classes), chunked (async torch.distributed), symmetric
 (userbuffers + copier), context (workspace ownership, phases), copier (copy thread / side
 stream), checks (input validation), collectives (the plain bounded collectives).
 
@@ -25,7 +25,7 @@ __all__ = ["TPComm", "TPCommFailed", "all_gather_matmul", "matmul_reduce_scatter
            "vocab_parallel_cross_entropy", "Style", "TPPlan", "gather_grads",
            "gather_state_dict", "parallelize", "gpt2_plan", "gpt_plan", "llama_plan", "plan_for",
            "phi3_plan", "gpt_neox_plan", "opt_plan", "dtensor_state_dict",
-           "load_dtensor_state_dict"]
+           "load_dtensor_state_dict", "expose_dtensors"]
 
 
 _NN_NAMES = {"ColumnParallelLinear": "overlap.nn", "RowParallelLinear": "overlap.nn",
@@ -37,7 +37,7 @@ _NN_NAMES = {"ColumnParallelLinear": "overlap.nn", "RowParallelLinear": "overlap
              "llama_plan": "overlap.models.plans", "plan_for": "overlap.models.plans",
              "phi3_plan": "overlap.models.plans", "gpt_neox_plan": "overlap.models.plans",
              "opt_plan": "overlap.models.plans", "dtensor_state_dict": "overlap.nn",
-             "load_dtensor_state_dict": "overlap.nn"}
+             "load_dtensor_state_dict": "overlap.nn", "expose_dtensors": "overlap.nn"}
 
 
 def __getattr__(name: str):

@@ -55,8 +55,15 @@ def lookup(handle: int):
     comm = ref() if ref is not None else None
     if comm is None:
         raise RuntimeError(f"overlap custom op: TP communicator handle {handle} is not alive "
-                           "(the TPComm was garbage-collected); rebuild the layers")
+                           f"(the TPComm was garbage-collected) on rank {_rank()}; rebuild the "
+                           "layers")
     return comm
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _seq_first(t: torch.Tensor, seq_dim: int) -> torch.Tensor:

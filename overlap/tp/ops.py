@@ -155,7 +155,9 @@ def _compile_args(op: str, comm, context, return_gathered: bool) -> None:
     if comm is None or context is not None or return_gathered:
         raise NotImplementedError(
             f"{op} under torch.compile needs comm= (a TPComm) and supports neither context= nor "
-            "return_gathered=True; call it outside the compiled region for those")
+            f"return_gathered=True (rank {dist.get_rank()}; got comm={type(comm).__name__}, "
+            f"context={'given' if context is not None else None}, return_gathered="
+            f"{return_gathered}); call it outside the compiled region for those")
 
 
 def _check_seq_dim(op: str, x, seq_dim: int, at: str) -> None:
