@@ -3,8 +3,8 @@ mesh, torch's ``get_model_state_dict(full_state_dict=True)`` returns the unshard
 dict (global shapes, bit for bit), and after 2 AdamW steps on per-DP-rank batches it equals the
 unsharded model trained on both batches (1e-4 relative to max(|w|, 0.1); measured about 7e-5:
 AdamW's lr * m / sqrt(v) magnifies rounding where gradients are small). Fused layouts are
-refused by ``expose_dtensors`` with their names. Runs on plain gloo: DTensor's functional
-collectives are not forwarded by the nccl_twin transport yet.
+refused by ``expose_dtensors`` with their names. Runs on the NCCL-ordering twin like every
+test (FSDP2's coalesced all-gathers and reduce-scatters run as one ordered op there).
 """
 
 import copy
@@ -88,7 +88,7 @@ def _fsdp_job():
 
 
 def test_tp_x_fsdp2_full_state_dict_is_the_unsharded_one():
-    for rank, res in enumerate(run_ranks(_fsdp_job, 4, timeout=240, backend="gloo")):
+    for rank, res in enumerate(run_ranks(_fsdp_job, 4, timeout=240)):
         assert res["shapes"] and res["initial"], f"rank {rank}: {res}"
         assert res["trained"] <= 1e-4, (f"rank {rank}: trained rel err {res['trained']} "
                                         f"{res['worst']}")

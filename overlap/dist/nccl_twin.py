@@ -441,18 +441,50 @@ def _add_collective(name: str, result_of: Callable[[tuple], list]) -> None:
     setattr(NcclTwinGroup, name, method)
 
 
+class _Finished:
+    """The work of an op its run function already waited for."""
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+
+def _sequenced(base: str):
+    """gloo has no coalesced tensor collectives (FSDP2 and DTensor call them): run them as
+    their per-tensor ops in order, inside one op of the ordered communicator, as one NCCL
+    group call would complete them together."""
+    def run_all(inner, outputs, inputs, *opts):
+        fn = getattr(inner, base)
+        for out, inp in zip(outputs, inputs):
+            fn(out, inp, *opts).wait()
+        return _Finished()
+    return run_all
+
+
+def _add_sequenced(name: str, base: str) -> None:
+    impl = _sequenced(base)
+
+    def method(self, outputs, inputs, *opts):
+        op = self._submit(self.comm, f"{name}[{_shapes(list(outputs))}]",
+                          run=lambda: impl(self.inner, outputs, inputs, *opts))
+        return _Work(op, list(outputs))
+
+    method.__name__ = name
+    setattr(NcclTwinGroup, name, method)
+
+
 for _name, _result in {
     "allreduce": lambda a: a[0], "allreduce_coalesced": lambda a: a[0],
     "broadcast": lambda a: a[0], "reduce": lambda a: a[0],
     "allgather": lambda a: a[0][0] if a[0] else [], "allgather_coalesced": lambda a: a[0][0],
-    "_allgather_base": lambda a: [a[0]], "allgather_into_tensor_coalesced": lambda a: a[0],
+    "_allgather_base": lambda a: [a[0]],
     "reduce_scatter": lambda a: a[0], "_reduce_scatter_base": lambda a: [a[0]],
-    "reduce_scatter_tensor_coalesced": lambda a: a[0],
     "alltoall_base": lambda a: [a[0]], "alltoall": lambda a: a[0],
     "gather": lambda a: a[0][0] if a[0] else [], "scatter": lambda a: a[0],
     "barrier": lambda a: [],
 }.items():
     _add_collective(_name, _result)
+_add_sequenced("allgather_into_tensor_coalesced", "_allgather_base")
+_add_sequenced("reduce_scatter_tensor_coalesced", "_reduce_scatter_base")
 
 
 # ---------------------------------------------------------------------------------- setup
