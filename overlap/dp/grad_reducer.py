@@ -36,13 +36,18 @@ per bucket.
 
 **Main grads** (``grad_dtype=torch.float32`` with bf16/fp16 parameters): such a parameter's
 gradient lives in an fp32 buffer exposed as ``p.main_grad``; the hook adds each low-precision
-gradient into it and sets ``p.grad`` back to None, so accumulation (``no_sync``) and reduction
-run in fp32 (or the chosen ``comm_dtype``). A main grad holds the reduced gradient after
+gradient into it (divided by the DP size with ``op="avg"``, also inside ``no_sync``) and sets
+``p.grad`` back to None, so accumulation and reduction run in fp32 (or the chosen
+``comm_dtype``). A main grad holds the reduced gradient after
 ``finish()`` until the next backward, which starts it anew (``zero_grad()`` zeroes it too). The unused set may differ between
 ranks and iterations; the rebuild puts parameters unused in iteration 0 in the last buckets.
 
-**Average.** ``op="avg"`` divides each bucket by the DP size *before* a sum collective (not
-every gloo has ReduceOp.AVG, and pre-dividing keeps low-precision sums in range).
+**Average.** ``op="avg"`` divides each gradient by the DP size as the hook folds it into the
+bucket (one pass: ``torch.mul(g, 1/dp, out=view)``), so the bucket needs no pass of its own
+before its sum collective (not every gloo has ReduceOp.AVG, and pre-dividing keeps
+low-precision sums in range). During a synchronising backward ``.grad`` is detached from the
+buffer until the bucket launches; inside ``no_sync()`` it is the view holding the local
+(undivided) sum, which the next synchronising backward divides in place.
 
 **Lossy communication.** ``comm_dtype="bf16"`` or ``"int8"`` sends each bucket through
 ``overlap.comm.quant`` (async; its per-element error bound is documented there, about
@@ -159,6 +164,9 @@ class GradReducer:
         # it cannot be p.grad; it is p.main_grad. _dead[i]: the main grad's contents are stale
         # (logically zero): the next gradient overwrites instead of adding.
         self._main = [gd is not None and p.dtype != gd for p in self.params]
+        # op="avg": gradients are divided by the DP size as they are folded into the buffer.
+        self._scale = (1.0 / self.dp_size if self.config.op == "avg" and self.dp_size > 1
+                       else None)
         self._dead = [True] * len(self.params)
         self._apply_layout(list(reversed(range(len(self.params)))), copy=False)
         self.stats = IterationStats()
@@ -290,21 +298,31 @@ class GradReducer:
             self._start_backward()
         view = self._views[i]
         g = p.grad
-        if self._main[i]:  # fold the low-precision gradient into the fp32 main grad
-            if self._dead[i]:
-                view.copy_(g)
-                self._dead[i] = False
-            else:
-                view.add_(g)
+        scale = self._scale
+        if self._main[i]:  # fold the low-precision gradient into the fp32 main grad, scaled
+            _fold(view, g, scale, overwrite=self._dead[i])
+            self._dead[i] = False
             p.grad = None
-        elif g is not view and g.data_ptr() != view.data_ptr():
-            # AccumulateGrad made a new tensor (the grad was None: DDP's "steal") or added into
-            # one the user assigned: it holds the whole logical gradient, so it becomes the
-            # view's contents (no memset of the views before the backward).
-            view.copy_(g)
-            p.grad = view
-        if self._local:
+            if self._local:
+                return
+        elif self._local:
+            if g is not view and g.data_ptr() != view.data_ptr():
+                # AccumulateGrad made a new tensor (the grad was None: DDP's "steal") or added
+                # into one the user assigned: it holds the whole local gradient.
+                view.copy_(g)
+                p.grad = view
             return
+        else:
+            # A synchronising backward folds the gradient into the bucket already divided by
+            # the DP size (op="avg"), so no pass over the bucket is left before its collective,
+            # and detaches it until the bucket is launched, so a second gradient for the same
+            # parameter (reentrant checkpointing) arrives as a fresh tensor and is folded too.
+            if g is view or g.data_ptr() == view.data_ptr():
+                if scale is not None:  # accumulated in place (no_sync micro-batches before)
+                    view.mul_(scale)
+            else:
+                _fold(view, g, scale, overwrite=not self._fired[i])
+            p.grad = None
         if self._fired[i]:
             b = self._layout.param_bucket[i]
             if b < self._next:
@@ -325,8 +343,10 @@ class GradReducer:
                 self._next += 1
 
     def _settle(self, indices) -> None:
-        """Make the buffer hold the logical gradient of parameters whose gradient hook did not
-        run: a None grad (or a stale main grad) is zero, a tensor the user assigned is copied."""
+        """Fold the logical gradient of parameters whose gradient hook did not run this
+        backward into the buffer, as the hook would: a None grad (or a stale main grad) is
+        zero, a locally accumulated view is scaled, a tensor the user assigned is copied."""
+        scale = self._scale
         for i in indices:
             p, view = self.params[i], self._views[i]
             if self._main[i]:
@@ -337,8 +357,11 @@ class GradReducer:
             g = p.grad
             if g is None:
                 view.zero_()
-            elif g is not view and g.data_ptr() != view.data_ptr():
-                view.copy_(g)
+            elif g is view or g.data_ptr() == view.data_ptr():
+                if scale is not None:
+                    view.mul_(scale)
+            else:
+                _fold(view, g, scale, overwrite=True)
             p.grad = view
 
     def _start_backward(self) -> None:
@@ -364,8 +387,11 @@ class GradReducer:
     def _launch(self, b: int, *, in_backward: bool) -> None:
         bucket = self.buckets[b]
         buf = self.flat[bucket.dtype].narrow(0, bucket.offset, bucket.padded)
-        if self.config.op == "avg" and self.dp_size > 1:
-            buf.div_(self.dp_size)
+        # The hooks folded every gradient in already divided by the DP size; from here on
+        # .grad is the bucket's view again (reduced once the collective is waited for).
+        for i in bucket.params:
+            if not self._main[i]:
+                self.params[i].grad = self._views[i]
         cfg = self.config
         # Lossy comm: the first iteration also compares sizes and options across the ranks.
         extra = {} if cfg.comm_dtype == "fp32" else dict(
@@ -484,3 +510,16 @@ class GradReducer:
         for bucket in self.buckets:
             off, n = bucket.shard(self.dp_size, self.dp_rank)
             self.grad_shard(bucket).copy_(self.flat[bucket.dtype].narrow(0, off, n))
+
+
+def _fold(view: torch.Tensor, g: torch.Tensor, scale: float | None, *, overwrite: bool) -> None:
+    """``view = g * scale`` (overwrite) or ``view += g * scale``; one pass, no temporary."""
+    if overwrite:
+        if scale is None:
+            view.copy_(g)
+        else:
+            torch.mul(g, scale, out=view)
+    elif scale is None:
+        view.add_(g)
+    else:
+        view.add_(g, alpha=scale)

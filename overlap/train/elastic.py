@@ -13,6 +13,7 @@ the fault interrupted is skipped. Under torchrun, ``--max-restarts`` is torchrun
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -62,10 +63,15 @@ def run(cfg: TrainConfig) -> list[dict]:
             if attempt >= cfg.max_restarts:
                 raise
             attempt += 1
+            from overlap.train.checkpoint import latest_checkpoint
+
+            latest = latest_checkpoint(cfg.save) if cfg.save else None
+            start = (f"from {os.path.basename(latest)}" if latest else
+                     "from step 0 (no checkpoint was complete yet)")
             print(f"overlap-train: attempt {attempt} failed after "
                   f"{time.monotonic() - t0:.1f}s: {root_cause(exc).splitlines()[0]}\n"
                   f"overlap-train: every rank stopped; restart {attempt}/{cfg.max_restarts} "
-                  "from the latest complete checkpoint", file=sys.stderr, flush=True)
+                  f"{start}", file=sys.stderr, flush=True)
             continue
         for r in results:
             r["attempts"] = attempt + 1

@@ -412,8 +412,8 @@ def _maybe_resume(cfg, dims, model, stages, optimizers, tracker):
             pass
     if path is None and cfg.resume:
         path = latest_checkpoint(cfg.resume)
-    if path is None:
-        return 0, None, None
+    if path is None:  # a fault before the first checkpoint was complete: start over
+        return 0, None, fault_s
     meta = read_meta(path)
     state = _checkpoint_state(cfg, model, stages, optimizers)
     same = _layout_key(meta) == _layout_key(cfg)
