@@ -110,3 +110,34 @@ def test_async_quantized_ops_are_exact_under_stream_delays(world):
     env = {"OVERLAP_STREAM_DELAY_MS": "8", "OVERLAP_STREAM_SEED": "3"}
     for mismatches in run_ranks(_async_quant_under_delays, world, 6, env=env, timeout=120):
         assert mismatches == [0] * 6
+
+
+def test_work_on_caller_tensors_must_be_ordered_after_the_caller():
+    # On CPU the caller's writes are done before it enqueues, so a missing wait_current()
+    # would never show as wrong numbers here; on a GPU the side stream could read the tensor
+    # before the compute stream wrote it. The twin refuses it instead.
+    s = Stream(name="order-check")
+    t = torch.ones(4)
+    with pytest.raises(RuntimeError, match="not ordered after the caller"):
+        s.enqueue(lambda: t.mul_(2), (t,))
+    s.wait_current()
+    s.enqueue(lambda: t.mul_(2), (t,))
+    with pytest.raises(RuntimeError, match="not ordered after the caller"):
+        s.enqueue(lambda: t.mul_(2), (t,))  # one wait orders one enqueue of caller tensors
+    s.enqueue(lambda: None)  # work that touches no caller tensor needs no wait
+    s.synchronize()
+    assert t.tolist() == [2.0] * 4
+    s.close()
+
+
+def test_the_copier_orders_each_copy_after_the_caller(monkeypatch):
+    from overlap.tp.copier import Copier
+
+    c = Copier(torch.device("cpu"), "copier-order", timeout=5.0)
+    t = torch.zeros(3)
+    c.wait(c.submit(lambda: t.fill_(1.0), t), "ok")
+    monkeypatch.setattr(Stream, "wait_current", lambda self: None)  # the bug: no ordering
+    with pytest.raises(RuntimeError, match="not ordered after the caller"):
+        c.submit(lambda: t.fill_(2.0), t)
+    c.close()
+    assert t.tolist() == [1.0] * 3

@@ -39,7 +39,7 @@ import torch
 
 from overlap.profile import syncs
 
-__all__ = ["Stream", "Event", "StreamTimeout", "delay_ms"]
+__all__ = ["Stream", "Event", "StreamTimeout", "delay_ms", "InjectedDelay"]
 
 
 class StreamTimeout(TimeoutError):
@@ -52,6 +52,24 @@ def delay_ms() -> float:
         return float(os.environ.get("OVERLAP_STREAM_DELAY_MS", "0") or 0)
     except ValueError:
         return 0.0
+
+
+class InjectedDelay:
+    """The test mode's random wait before each work item of one twin worker (a stream, an
+    ``nccl_twin`` communicator): 0..``OVERLAP_STREAM_DELAY_MS`` ms, seeded by
+    ``OVERLAP_STREAM_SEED``, the worker's name and the pid. Settings are read once, at
+    construction; calling it is a no-op when the mode is off."""
+
+    __slots__ = ("limit_ms", "_rng")
+
+    def __init__(self, name: str):
+        self.limit_ms = delay_ms()
+        seed = int(os.environ.get("OVERLAP_STREAM_SEED", "0") or 0)
+        self._rng = random.Random(hash((seed, name, os.getpid())))
+
+    def __call__(self) -> None:
+        if self.limit_ms > 0:
+            time.sleep(self._rng.uniform(0, self.limit_ms) / 1e3)
 
 
 class Event:
@@ -114,13 +132,14 @@ class Stream:
         self.name = name
         self.cuda = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._error: BaseException | None = None
+        # Ordered after the caller since the last enqueue of caller tensors (see enqueue).
+        self._after_caller = False
         if self.cuda is None:
             self._queue: collections.deque = collections.deque()
             self._cv = threading.Condition()
             self._run = threading.Lock()  # held while an item runs (worker or helping host)
             self._closed = False
-            seed = int(os.environ.get("OVERLAP_STREAM_SEED", "0") or 0)
-            self._rng = random.Random(hash((seed, name, os.getpid())))
+            self._delay = InjectedDelay(name)
             self._thread = threading.Thread(target=self._loop, daemon=True,
                                             name=f"overlap-stream-{name}")
             self._thread.start()
@@ -130,7 +149,18 @@ class Stream:
         """Run ``fn`` on this stream after everything enqueued before it. ``tensors``: what
         ``fn`` reads or writes that the caller's stream allocated (CUDA: ``record_stream``, so
         the caching allocator does not hand their memory out again while ``fn``'s kernels
-        may still use it; the twin keeps them alive through the closure)."""
+        may still use it; the twin keeps them alive through the closure).
+
+        Work that touches caller tensors must be ordered after the caller's stream first
+        (``wait_current`` or ``wait_event``), or it may read them before they are written. On
+        CPU the caller's work is always done by then, so a missing wait could never show as
+        wrong numbers; the rule is checked on every device instead, and breaking it raises."""
+        if tensors:
+            if not self._after_caller:
+                raise RuntimeError(f"streams: work on stream {self.name!r} touches caller "
+                                   "tensors but the stream was not ordered after the caller "
+                                   "(call wait_current() or wait_event() first)")
+            self._after_caller = False
         if self.cuda is not None:
             with torch.cuda.stream(self.cuda):
                 fn()
@@ -142,11 +172,13 @@ class Stream:
     def wait_current(self) -> None:
         """Later work on this stream waits for everything the caller's stream has issued (on
         CPU the caller is the host, whose work is done when it calls)."""
+        self._after_caller = True
         if self.cuda is not None:
             self.cuda.wait_stream(torch.cuda.current_stream(self.device))
 
     def wait_event(self, event: Event) -> None:
         """Later work on this stream waits until ``event``'s point has run."""
+        self._after_caller = True
         if self.cuda is not None:
             if event._cuda is not None:
                 self.cuda.wait_event(event._cuda)
@@ -196,9 +228,7 @@ class Stream:
         elif kind == "wait":
             arg.wait()
         else:
-            limit = delay_ms()
-            if limit > 0:
-                time.sleep(self._rng.uniform(0, limit) / 1e3)
+            self._delay()
             if self._error is None:  # after an error the stream's later work is void
                 try:
                     arg()
