@@ -39,8 +39,6 @@ later with ``dist.new_group`` inherits it.
 from __future__ import annotations
 
 import collections
-import os
-import random
 import threading
 import time
 from datetime import timedelta
@@ -168,8 +166,7 @@ class _Comm:
         self._current: _Op | None = None
         self._issued = 0
         self._closed = False
-        self._delay_ms = streams.delay_ms()
-        self._rng = random.Random(hash((name, os.getpid(), self._delay_ms)))
+        self._delay = streams.InjectedDelay(name)
         self._thread = threading.Thread(target=self._loop, name=f"nccl_twin {name}",
                                         daemon=True)
         self._thread.start()
@@ -238,8 +235,7 @@ class _Comm:
                 op.finish(self._failed_error(op, failed))
                 continue
             self._current = op
-            if self._delay_ms > 0:
-                time.sleep(self._rng.uniform(0, self._delay_ms) / 1e3)
+            self._delay()
             deadline = time.monotonic() + self.timeout
             try:
                 if op.run is not None:
@@ -383,9 +379,10 @@ class NcclTwinGroup(dist.ProcessGroup):
         comm.submit(op)
         return op
 
-    def _collective(self, name: str, result: list, args: tuple, kwargs: dict) -> _Work:
-        fn = getattr(self.inner, name)
-        op = self._submit(self.comm, f"{name}[{_shapes(result)}]", run=lambda: fn(*args, **kwargs))
+    def _collective(self, name: str, result: list, run: Callable[[], Any]) -> _Work:
+        """Queue ``run`` (it issues the gloo op and returns its work) as one op of the group's
+        communicator; ``result`` is what the op's work reports."""
+        op = self._submit(self.comm, f"{name}[{_shapes(result)}]", run=run)
         return _Work(op, result)
 
     # -- point to point
@@ -435,7 +432,8 @@ class NcclTwinGroup(dist.ProcessGroup):
 
 def _add_collective(name: str, result_of: Callable[[tuple], list]) -> None:
     def method(self, *args, **kwargs):
-        return self._collective(name, result_of(args), args, kwargs)
+        fn = getattr(self.inner, name)
+        return self._collective(name, result_of(args), lambda: fn(*args, **kwargs))
 
     method.__name__ = name
     setattr(NcclTwinGroup, name, method)
@@ -464,9 +462,8 @@ def _add_sequenced(name: str, base: str) -> None:
     impl = _sequenced(base)
 
     def method(self, outputs, inputs, *opts):
-        op = self._submit(self.comm, f"{name}[{_shapes(list(outputs))}]",
-                          run=lambda: impl(self.inner, outputs, inputs, *opts))
-        return _Work(op, list(outputs))
+        return self._collective(name, list(outputs),
+                                lambda: impl(self.inner, outputs, inputs, *opts))
 
     method.__name__ = name
     setattr(NcclTwinGroup, name, method)
