@@ -142,9 +142,18 @@ class SymmetricWorkspace(abc.ABC):
     # when the record is set, and the next op on the workspace raises, naming the op, the slot
     # and the peer, without a host sync (the record is mapped host memory).
 
+    # The error record device-side waits write (csrc/signal.cuh ErrorWord), as a host-readable
+    # int64 array, in workspaces whose waits do not raise themselves; None in the others.
+    _error_np = None
+
     def raise_pending(self, op: str) -> None:
-        """Raise the first error a device-side wait recorded, naming ``op`` (no host sync).
-        Host-blocking workspaces have none: their waits raise themselves."""
+        """Raise the first error a device-side wait recorded, naming ``op``: a read of host
+        memory, no sync. The record stays set: the workspace is unusable after it."""
+        if self._error_np is None:
+            return
+        error = recorded_error(op, self.rank, self.group_name, self._error_np)
+        if error is not None:
+            raise error
 
     def poison_if_error(self, out: torch.Tensor) -> None:
         """Make ``out`` all NaN, in stream order, if a device-side wait has failed."""

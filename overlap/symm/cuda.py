@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.kernels.cuda import launch_kernel
-from overlap.symm.base import PeerDied, SignalTimeout, SymmetricWorkspace, recorded_error
+from overlap.symm.base import PeerDied, SignalTimeout, SymmetricWorkspace
 
 __all__ = ["CudaWorkspace", "enable_symm_mem", "SYMMETRIC_MEMORY", "CUDA_IPC"]
 
@@ -183,10 +183,7 @@ class CudaWorkspace(SymmetricWorkspace):
         return self._bases[r] + self._flags_off
 
     # -- signals (stream-ordered) ---------------------------------------------------------
-    def _launch(self, name: str, *args) -> None:
-        launch_kernel(_SIGNAL_CU, name, (1,), (1,), args, self.device)
-
-    def _launch_grid(self, name: str, grid, block, *args) -> None:
+    def _launch(self, name: str, *args, grid=(1,), block=(1,)) -> None:
         launch_kernel(_SIGNAL_CU, name, grid, block, args, self.device)
 
     def signal(self, peer: int, slot: int, value: int) -> None:
@@ -230,13 +227,6 @@ class CudaWorkspace(SymmetricWorkspace):
         torch.cuda.current_stream(self.device).synchronize()
         self.raise_pending("SymmetricWorkspace.wait")
 
-    def raise_pending(self, op: str) -> None:
-        """Raise the first error a wait kernel recorded, naming ``op``; reads the mapped host
-        record, no device sync. The record stays set: the workspace is unusable after it."""
-        error = recorded_error(op, self.rank, self.group_name, self._error_np)
-        if error is not None:
-            raise error
-
     def poison_if_error(self, out: torch.Tensor) -> None:
         nbytes = out.numel() * out.element_size()
         if nbytes == 0:
@@ -244,9 +234,8 @@ class CudaWorkspace(SymmetricWorkspace):
         if not out.is_contiguous():
             raise ValueError("CudaWorkspace.poison_if_error: the output must be contiguous")
         blocks = max(1, min(1024, -(-nbytes // (256 * 16))))
-        self._launch_grid("overlap_poison_if_error", (blocks,), (256,),
-                          np.uint64(self._error.data_ptr()), np.uint64(out.data_ptr()),
-                          np.uint64(nbytes))
+        self._launch("overlap_poison_if_error", np.uint64(self._error.data_ptr()),
+                     np.uint64(out.data_ptr()), np.uint64(nbytes), grid=(blocks,), block=(256,))
 
     def barrier(self, timeout: float | None = None) -> None:
         self._check_open("barrier")

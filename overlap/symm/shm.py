@@ -32,7 +32,7 @@ import torch.distributed as dist
 from overlap import _C
 from overlap.profile.timers import comm_wait
 from overlap.dist.host import boot_id, pid_alive
-from overlap.symm.base import PeerDied, SignalTimeout, SymmetricWorkspace, recorded_error
+from overlap.symm.base import PeerDied, SignalTimeout, SymmetricWorkspace
 
 __all__ = ["ShmWorkspace"]
 
@@ -217,11 +217,6 @@ class ShmWorkspace(SymmetricWorkspace):
         else:
             rec[1:5] = (slot, exc.seen, 0, peer)
             rec[0] = 1
-
-    def raise_pending(self, op: str) -> None:
-        error = recorded_error(op, self.rank, self.group_name, self._error_np)
-        if error is not None:
-            raise error
 
     def poison_if_error(self, out: torch.Tensor) -> None:
         if not out.is_contiguous():
