@@ -70,6 +70,18 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def _profiled(name: str):
+    """Run the decorated kernel entry inside the profiler range ``name`` (NVTX on CUDA):
+    every quantize and dequantize shows in traces under overlap.profile.names' scheme."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def ranged(*args, **kwargs):
+            with nvtx.range(name):
+                return fn(*args, **kwargs)
+        return ranged
+    return wrap
+
+
 def resolve_impl(impl: str, device: torch.device) -> str:
     """``auto`` is the C++ kernels on CPU tensors; on GPU tensors Triton, or the CUDA kernels
     where Triton is not installed."""
@@ -191,7 +203,8 @@ def _check_flat(op: str, numel: int, flat_row: int | None, q: torch.Tensor) -> i
     return flat_row
 
 
-def _quantize_into_impl(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, block: int,
+@_profiled(names.quant("quantize", "blocks"))
+def quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, block: int,
                   flat_row: int | None = None, stochastic: bool = False, key: int = 0,
                   index_base: int = 0, impl: str = "auto") -> None:
     """Quantize flat contiguous ``x`` (fp32/bf16/fp16) into ``q`` [rows, row_len] int8 and ``s``
@@ -222,7 +235,8 @@ def _quantize_into_impl(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, bl
                          index_base=index_base)
 
 
-def _dequantize_into_impl(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, *, block: int,
+@_profiled(names.quant("dequantize", "blocks"))
+def dequantize_into(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, *, block: int,
                     flat_row: int | None = None, impl: str = "auto") -> None:
     """The inverse layout of ``quantize_into``: row r of ``q``/``s`` dequantizes into the flat
     contiguous fp32 ``out[r*flat_row : (r+1)*flat_row]``, cut at ``out.numel()``."""
@@ -247,7 +261,8 @@ def _dequantize_into_impl(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, *
         tq.dequantize_into(q, s, out, block=block, flat_row=flat_row)
 
 
-def _dequant_reduce_into_impl(q: torch.Tensor, s: torch.Tensor, *, block: int, divisor: float = 1.0,
+@_profiled(names.quant("dequantize", "reduce"))
+def dequant_reduce_into(q: torch.Tensor, s: torch.Tensor, *, block: int, divisor: float = 1.0,
                         out: torch.Tensor | None = None, q_out: torch.Tensor | None = None,
                         s_out: torch.Tensor | None = None, stochastic: bool = False,
                         key: int = 0, index_base: int = 0, impl: str = "auto") -> None:
@@ -304,26 +319,3 @@ def dequantize(q: torch.Tensor, s: torch.Tensor, numel: int, *, block: int,
     dequantize_into(q.view(1, -1), s.view(1, -1), out, block=block, impl=impl)
     return out.to(dtype)
 
-
-# Every quantize / dequantize is a profiler range (NVTX on CUDA) named by overlap.profile.names.
-_Q_RANGE = names.quant("quantize", "blocks")
-_DQ_RANGE = names.quant("dequantize", "blocks")
-_DQR_RANGE = names.quant("dequantize", "reduce")
-
-
-def quantize_into(*args, **kwargs) -> None:
-    """``_quantize_into_impl`` inside a ``quant.blocks.quantize`` range."""
-    with nvtx.range(_Q_RANGE):
-        _quantize_into_impl(*args, **kwargs)
-
-
-def dequantize_into(*args, **kwargs) -> None:
-    """``_dequantize_into_impl`` inside a ``quant.blocks.dequantize`` range."""
-    with nvtx.range(_DQ_RANGE):
-        _dequantize_into_impl(*args, **kwargs)
-
-
-def dequant_reduce_into(*args, **kwargs) -> None:
-    """``_dequant_reduce_into_impl`` inside a ``quant.reduce.dequantize`` range."""
-    with nvtx.range(_DQR_RANGE):
-        _dequant_reduce_into_impl(*args, **kwargs)
