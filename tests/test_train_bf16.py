@@ -12,13 +12,13 @@ import os
 import re
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
 
 from overlap.train.__main__ import BF16_CHECK_REL
 from overlap.train.config import parse_args
+from test_train_checkpoint import _read
 
 # the main job's defaults (tp2 x pp2 x dp2, 1f1b, 4 x 4 sequences of 64 tokens, 4 layers of
 # width 64) with a usual recipe around them
@@ -44,20 +44,6 @@ def _check_table(out):
 def _losses(out):
     return {int(s): loss for s, loss in re.findall(r"^step +(\d+)/\d+ .* loss +([\d.]+)", out,
                                                    re.M)}
-
-
-def _read(path):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(path)
-    md = reader.read_metadata()
-    sd = {k: torch.empty(v.size, dtype=v.properties.dtype)
-          for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(sd, storage_reader=reader, no_dist=True)
-    return sd
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.symm.workspace import PeerDied, SignalTimeout, create_workspace, group_name
-from overlap.tp.copier import make_copier
+from overlap.tp.copier import Copier
 
 __all__ = ["TPContext", "align"]
 
@@ -64,7 +64,7 @@ class TPContext:
                                    timeout=timeout)
         self.copier = None
         if backend == "symmetric":
-            self.copier = make_copier(device, f"overlap-copier-{op}-{next(_ids)}", timeout)
+            self.copier = Copier(device, f"overlap-copier-{op}-{next(_ids)}", timeout)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"phase {self.phase}"

@@ -28,7 +28,7 @@ import torch
 from overlap.dist.streams import Event, Stream, StreamTimeout
 from overlap.profile.timers import comm_wait
 
-__all__ = ["Copier", "make_copier"]
+__all__ = ["Copier"]
 
 
 class Copier:
@@ -64,7 +64,3 @@ class Copier:
         if self.stream.cuda is not None:
             self.stream.cuda.synchronize()
         self.stream.close(self.timeout + 5.0)
-
-
-def make_copier(device: torch.device, name: str, timeout: float) -> Copier:
-    return Copier(device, name, timeout)
