@@ -13,7 +13,7 @@ A step is forward + backward + AdamW step + zero_grad. Variants:
 - ``reducer``: ``GradReducer`` (``--bucket-cap-mb``, default 2 MiB, first bucket 1 MiB) + AdamW,
   gradient communication in fp32 / bf16 / int8; also with DDP's 25 MiB buckets, and with
   ``bucket_cap_mb="auto"`` (buckets planned from the measured backward timeline and link,
-  ``overlap.dp.autobucket``).
+  then raced against fixed caps in warm-up steps, ``overlap.dp.autobucket``).
 - ``sharded``: ``GradReducer(shard=True)`` + ``ShardedOptimizer(AdamW)`` (reduce-scatter,
   1/dp optimizer state, parameter all-gather overlapped with the next forward).
 - ``reducer, no overlap``: the same reduction run after the backward (backward under
@@ -140,6 +140,15 @@ def _state_bytes(opt) -> int:
                if torch.is_tensor(t))
 
 
+def _describe_tuning(report: dict) -> str:
+    if report.get("frozen"):
+        return "layout frozen before the choice"
+    return ", ".join(
+        f"{'*' if k == report['chosen'] else ''}{c['source']} {c['buckets']}b"
+        + ("" if c["seconds"] is None else f" {1e3 * c['seconds']:.1f}")
+        for k, c in enumerate(report["candidates"]))
+
+
 def _bench_rank(cfg: BenchConfig) -> list[dict]:
     rank = dist.get_rank()
     if cfg.device == "cuda":
@@ -158,6 +167,8 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
     for v in variants.values():
         v["samples"], v["exposed"], v["ag_exposed"] = [], [], []
         for _ in range(cfg.warmup):
+            _step(v, idx, tgt)
+        while v["red"] is not None and v["red"].tuning:  # "auto": until the buckets are chosen
             _step(v, idx, tgt)
     tracer = Tracer(cfg, rank=rank, device=device, prefix=f"w{dist.get_world_size()}_")
     with tracer.region("rounds"):
@@ -193,6 +204,7 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
             state_bytes=_state_bytes(v["opt"]),
             ag_exposed_s=statistics.median(v["ag_exposed"]) if v["ag_exposed"] else None,
             num_buckets=len(v["red"].buckets) if v["red"] is not None else None,
+            auto_report=v["red"].auto_report if v["red"] is not None else None,
             **tracer.info(name)))
     return rows
 
@@ -209,10 +221,13 @@ def main(cfg: BenchConfig) -> None:
     numel = sum(p.numel() for p in GPT(GPTConfig(
         vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, d_model=cfg.d_model,
         n_layer=cfg.n_layer, n_head=cfg.n_head)).parameters())
+    tuned = []
     for world in cfg.world_sizes:
         rows = launch(_bench_rank, world, args=(cfg,), backend=backend, timeout=3600,
                       preload=["torch._dynamo"])[0]
         ddp_s = next(r["step_s"] for r in rows if r["variant"] == "ddp")
+        tuned += [f"{world} ranks: " + _describe_tuning(r["auto_report"]) for r in rows
+                  if r["auto_report"] is not None]
         for r in rows:
             table_rows.append(dict(
                 world=world, variant=r["variant"], step_ms=1e3 * r["step_s"],
@@ -240,6 +255,9 @@ def main(cfg: BenchConfig) -> None:
         "On CPU gloo's reduction threads share the 2 cores with the backward, so hiding comm "
         "also slows the compute it hides under; on GPUs NCCL's waits do not block the host, "
         "so exposed_ms is not measured there (use a profile).",
+        "auto buckets (the link model's plan and fixed caps taking turns in warm-up steps, a "
+        "settling round then 3 timed ones; slowest rank's median window from the first "
+        "gradient hook to the end of the reduction, ms; * chosen): " + "; ".join(tuned),
         "Command: " + command_line("bench.bench_dp", cfg),
     ]
     if cfg.profile or cfg.nsys:

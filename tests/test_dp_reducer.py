@@ -531,38 +531,142 @@ def test_planned_buckets_are_the_optimum_of_the_link_model(seed):
     assert cut == [3, 4]  # never a bucket across dtypes, even when latency says merge all
 
 
-def _auto_buckets():
+def _auto_buckets(mode):
+    """Run "auto" to its chosen layout (mode "tune"), with the link model alone ("model":
+    auto_trials=0), or freezing the layout in the middle of the timing ("freeze"); gradients
+    must be exact at every step, whichever layout each step ran with."""
     torch.manual_seed(0)
     model = gpt()
     ref = ddp_or_local(copy.deepcopy(model))
     red = GradReducer(model, dp_group=dist.group.WORLD, bucket_cap_mb="auto",
-                      first_bucket_cap_mb=0.0)
-    errs = []
-    for step in range(3):
+                      first_bucket_cap_mb=0.0, auto_trials=0 if mode == "model" else 2)
+    errs, layouts, tuning = [], [], []
+    for step in range(40):
         batch = gpt_batch(10 * step + dist.get_rank())
         loss_of(model, batch).backward()
         ref.zero_grad(set_to_none=True)
         loss_of(ref, batch).backward()
         errs.append(max(rel_err(p.grad, q.grad) for p, q in zip(model.parameters(),
                                                                 ref.parameters())))
+        layouts.append([len(b.params) for b in red.buckets])
+        tuning.append(red.tuning)
         red.zero_grad()
-    sizes = [len(b.params) for b in red.buckets]
+        if mode == "freeze" and step == 3:
+            red.freeze_layout()
+        if step > 3 and not red.tuning and layouts[-1] == layouts[-2] == layouts[-3]:
+            break
     red.close()
-    return max(errs), sizes, red.link
+    return max(errs), layouts, tuning, red.link, red.auto_report
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_auto_buckets_reduce_exactly_and_every_rank_agrees(world):
-    results = run_ranks(_auto_buckets, world)
-    for err, sizes, link in results:
+    results = run_ranks(_auto_buckets, world, "tune")
+    for err, layouts, tuning, link, report in results:
         assert err <= RTOL, err
-        assert sizes == results[0][1]  # every rank planned rank 0's buckets
-        if world > 1:
-            assert link is not None and link[0] >= 0 and link[1] >= 0
+        assert layouts == results[0][1]  # every rank ran rank 0's layouts, step by step
+        assert report == results[0][4]  # ... and chose the same one from the same timings
+        if world == 1:
+            assert link is None and report is None and not any(tuning)
+            continue
+        assert link is not None and link[0] >= 0 and link[1] >= 0
+        cands = report["candidates"]
+        assert cands[0]["source"] == "link model" and len(cands) >= 2 and not report["frozen"]
+        seconds = [c["seconds"] for c in cands]
+        assert all(0 < s < float("inf") for s in seconds)
+        assert report["chosen"] == min(range(len(cands)), key=lambda k: (seconds[k], k))
+        # The first step uses the default caps; after it (layouts[s]: the layout installed for
+        # step s + 1) each candidate runs once per round, for a settling round and
+        # auto_trials=2 timed ones, in turn; then the winner stays.
+        n = len(cands)
+        assert tuning[:3 * n] == [True] * (3 * n) and not any(tuning[3 * n:])
+        cycle = layouts[:n]
+        assert [sum(x) for x in cycle] == [len(list(gpt().parameters()))] * n
+        assert layouts[:3 * n] == cycle * 3
+        assert [len(x) for x in cycle] == [c["buckets"] for c in cands]
+        assert len(set(map(tuple, cycle))) == n  # no candidate buckets like another
+        assert all(x == cycle[report["chosen"]] for x in layouts[3 * n:])
+
+
+@pytest.mark.parametrize("mode", ["model", "freeze"])
+def test_auto_buckets_model_only_or_frozen_while_timing(mode):
+    results = run_ranks(_auto_buckets, 2, mode)
+    for err, layouts, tuning, link, report in results:
+        assert err <= RTOL, err
+        assert layouts == results[0][1] and report == results[0][4]
+        if mode == "model":  # auto_trials=0: the link model's plan, at once, untimed
+            assert report == dict(candidates=[dict(source="link model",
+                                                   buckets=len(layouts[-1]), seconds=None)],
+                                  chosen=0, frozen=False)
+            assert not any(tuning) and all(x == layouts[0] for x in layouts)
+        else:  # freeze_layout() mid-timing keeps the candidate it ran last, for good
+            assert report == dict(candidates=[], chosen=None, frozen=True)
+            assert tuning[:4] == [True] * 4 and not any(tuning[4:])
+            assert all(x == layouts[3] for x in layouts[4:])
+
+
+def test_auto_bucket_config_is_validated():
     with pytest.raises(ValueError, match="rebuild_buckets"):
         ReducerConfig(bucket_cap_mb="auto", rebuild_buckets=False)
     with pytest.raises(ValueError, match="'auto'"):
         ReducerConfig(bucket_cap_mb="big")
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="auto_trials must be an int >= 0"):
+            ReducerConfig(bucket_cap_mb="auto", auto_trials=bad)
+
+
+class _FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _tuner_choice(windows):
+    """Drive a BucketTuner with this rank's iteration windows ``windows[round][candidate]``."""
+    from overlap.dp.autobucket import BucketTuner
+
+    clock = _FakeClock()
+    n = len(windows[0])
+    tuner = BucketTuner(n, trials=len(windows) - 1, device=torch.device("cpu"), clock=clock)
+    installs = []
+    for row in windows:
+        for k, w in enumerate(row):
+            assert tuner.current == k and not tuner.done
+            tuner.start()
+            clock.t += w
+            installs.append(tuner.stop())
+    with pytest.raises(RuntimeError, match="tuning is over"):
+        tuner.stop()
+    return installs, tuner.decide(dist.group.WORLD), tuner.seconds
+
+
+# Per case, per rank: iteration windows[round][candidate]. "disagree": rank 0 alone would
+# take candidate 0, rank 1 candidate 2; the step waits for the slower rank, so candidate 1
+# wins (max over ranks 2, 5, 5). The settling round (1000) and one outlier (100) must not
+# count: the median of the timed rounds decides. "tie": the earlier candidate wins (the link
+# model's plan is candidate 0).
+_TUNER_CASES = {
+    "disagree": {0: [[9.0, 1000.0, 9.0], [1.0, 2.0, 5.0], [1.0, 100.0, 5.0], [1.0, 2.0, 5.0]],
+                 1: [[9.0, 9.0, 9.0], [5.0, 2.0, 1.0], [5.0, 2.0, 1.0], [5.0, 2.0, 1.0]]},
+    "tie": {0: [[1.0, 1.0], [3.0, 3.0]]},
+}
+
+
+def _tuner_case(case):
+    return _tuner_choice(_TUNER_CASES[case][dist.get_rank()])
+
+
+def test_bucket_tuner_takes_the_slowest_ranks_fastest_candidate():
+    for installs, best, seconds in run_ranks(_tuner_case, 2, "disagree"):
+        assert installs == [1, 2, 0] * 3 + [1, 2, 3]  # round-robin, then "all done" (3)
+        assert best == 1 and seconds == [5.0, 2.0, 5.0]
+    installs, best, seconds = run_ranks(_tuner_case, 1, "tie")[0]
+    assert installs == [1, 0, 1, 2] and best == 0 and seconds == [3.0, 3.0]
+    from overlap.dp.autobucket import BucketTuner
+    with pytest.raises(ValueError, match="trials=0"):
+        BucketTuner(2, trials=0, device=torch.device("cpu"))
 
 
 def _no_overlap():

@@ -115,14 +115,14 @@ def test_pipeline_step_makes_no_host_sync(name, v):
         assert all(n == 0 for n, _ in counts), counts
 
 
-def _data_parallel(comm_dtype, shard):
+def _data_parallel(comm_dtype, shard, cap=0):
     from overlap.dp.grad_reducer import GradReducer
     from overlap.dp.sharded_optimizer import ShardedOptimizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     red = GradReducer(model, dp_group=dist.group.WORLD, comm_dtype=comm_dtype, shard=shard,
-                      bucket_cap_mb=0, first_bucket_cap_mb=0)
+                      bucket_cap_mb=cap, first_bucket_cap_mb=0, auto_trials=1)
     opt = (ShardedOptimizer(red, torch.optim.AdamW, lr=1e-3) if shard
            else torch.optim.SGD(model.parameters(), lr=1e-3))
     x = torch.randn(6, 16) * (dist.get_rank() + 1)
@@ -132,6 +132,9 @@ def _data_parallel(comm_dtype, shard):
         opt.step()
         opt.zero_grad()
 
+    step()
+    while red.tuning:  # bucket_cap_mb="auto": the timed candidate layouts come first
+        step()
     out = _steady(step)
     if shard:
         opt.close()
@@ -139,8 +142,9 @@ def _data_parallel(comm_dtype, shard):
     return out
 
 
-@pytest.mark.parametrize("comm_dtype, shard", [("fp32", False), ("int8", False),
-                                               ("fp32", True), ("bf16", True)])
-def test_dp_buckets_and_sharded_step_make_no_host_sync(comm_dtype, shard):
-    for counts in run_ranks(_data_parallel, 2, comm_dtype, shard):
+@pytest.mark.parametrize("comm_dtype, shard, cap", [
+    ("fp32", False, 0), ("int8", False, 0), ("fp32", True, 0), ("bf16", True, 0),
+    ("fp32", False, "auto"), ("bf16", True, "auto")])
+def test_dp_buckets_and_sharded_step_make_no_host_sync(comm_dtype, shard, cap):
+    for counts in run_ranks(_data_parallel, 2, comm_dtype, shard, cap):
         assert all(n == 0 for n, _ in counts), counts

@@ -51,8 +51,11 @@ class ReducerConfig:
     defaults; 0 gives one parameter per bucket). ``bucket_cap_mb="auto"``: after the first
     synchronising backward, buckets are planned from DP rank 0's measured gradient-ready
     timeline and a measured all-reduce latency and bandwidth (``overlap.dp.autobucket``) to
-    end the reduction as early as possible; the first iteration uses ``first_bucket_cap_mb``
-    and 25 MiB. ``comm_dtype``: "fp32" (no quantization: the
+    end the reduction as early as possible, then that plan and fixed caps (1 to 16 buckets, and
+    25 MiB) take turns for a settling and ``auto_trials`` timed synchronising iterations each
+    and the fastest (slowest rank's median) is kept (``overlap.dp.autobucket.BucketTuner``;
+    ``auto_trials=0``: the plan alone); the first iteration uses ``first_bucket_cap_mb`` and
+    25 MiB. ``comm_dtype``: "fp32" (no quantization: the
     gradient dtype), "bf16" or "int8" (through ``overlap.comm.quant``); None is a deprecated
     alias of "fp32", validated once by ``overlap.comm.quant.checks.comm_dtype_arg``. ``op``:
     "avg" or "sum" over the DP group.
@@ -79,6 +82,7 @@ class ReducerConfig:
     timeout: float = 300.0
     grad_dtype: torch.dtype | None = None
     overlap: bool = True
+    auto_trials: int = 3
 
     def __post_init__(self) -> None:
         if self.grad_dtype is not None and (not isinstance(self.grad_dtype, torch.dtype)
@@ -96,6 +100,10 @@ class ReducerConfig:
                 raise ValueError(f"GradReducer: {name} must be a number >= 0"
                                  + (" or 'auto'" if name == "bucket_cap_mb" else "")
                                  + f", got {v!r}")
+        if isinstance(self.auto_trials, bool) or not isinstance(self.auto_trials, int) \
+                or self.auto_trials < 0:
+            raise ValueError(f"GradReducer: auto_trials must be an int >= 0, got "
+                             f"{self.auto_trials!r}")
         # stacklevel 4: a deprecation warning points at the GradReducer(...) call.
         self.comm_dtype = comm_dtype_arg(self.comm_dtype, where="GradReducer", stacklevel=4)
         if self.op not in ("avg", "sum"):

@@ -168,9 +168,13 @@ class GradReducer:
         self._scale = (1.0 / self.dp_size if self.config.op == "avg" and self.dp_size > 1
                        else None)
         self._dead = [True] * len(self.params)
-        self._apply_layout(list(reversed(range(len(self.params)))), copy=False)
+        self._install(self._make_layout(list(reversed(range(len(self.params))))), copy=False)
         self.stats = IterationStats()
         self.link: tuple[float, float] | None = None  # (alpha s, beta s/B) measured by "auto"
+        # bucket_cap_mb="auto": the candidate layouts being timed, and what the timing found.
+        self._tuner: autobucket.BucketTuner | None = None
+        self._candidates: list[tuple[str, Layout]] = []
+        self.auto_report: dict | None = None
         self._reset_iteration()
         self._hooks = [p.register_post_accumulate_grad_hook(
                            functools.partial(self._on_grad_ready, i))
@@ -186,6 +190,12 @@ class GradReducer:
     @property
     def buckets(self) -> list[Bucket]:
         return self._layout.buckets
+
+    @property
+    def tuning(self) -> bool:
+        """``bucket_cap_mb="auto"``: True while candidate layouts are still being timed (the
+        layout changes between synchronising iterations until then)."""
+        return self._tuner is not None
 
     def grad_shard(self, bucket: Bucket) -> torch.Tensor:
         """Sharded mode: this rank's reduced slice of ``bucket``, shape (padded / dp,)."""
@@ -218,7 +228,9 @@ class GradReducer:
         self._checked = True
         # Main grads now hold this step's reduced gradient; the next backward starts anew.
         self._dead = list(self._main)
-        if not self._final and not self._frozen:
+        if self._tuner is not None:  # "auto": the next candidate layout, or the choice
+            self._try_candidate(self._tuner.stop())
+        elif not self._final and not self._frozen:
             self._rebuild()
         if self.config.shard and not self._final_at_launch:
             self._fill_shards_from_full()
@@ -272,6 +284,9 @@ class GradReducer:
         step, when its state starts to depend on the layout)."""
         self._frozen = True
         self._final = True
+        if self._tuner is not None:  # keep the candidate installed now
+            self._tuner, self._candidates = None, []
+            self.auto_report = dict(candidates=[], chosen=None, frozen=True)
 
     def add_layout_listener(self, fn: Callable[[Layout, Layout], None]) -> None:
         """``fn(old_layout, new_layout)`` runs after the buckets are rebuilt."""
@@ -369,6 +384,8 @@ class GradReducer:
         if self._sync and (self._sync_if is None or self._sync_if()):
             self._active = True
             self.stats = IterationStats()
+            if self._tuner is not None:
+                self._tuner.start()
             engine.queue_callback(self._backward_done)
         else:
             self._local = True
@@ -441,15 +458,25 @@ class GradReducer:
 
     # ---------------------------------------------------------------- layout
 
-    def _apply_layout(self, order: list[int], *, copy: bool,
-                      sizes: list[int] | None = None) -> None:
+    def _make_layout(self, order: list[int], *, sizes: list[int] | None = None,
+                     cap_bytes: int | None = None) -> Layout:
+        """The layout of ``order`` in buckets of ``sizes`` parameters, else capped at
+        ``cap_bytes`` (default: the configured cap; "auto" starts from DDP's 25 MiB), the first
+        bucket at most ``first_bucket_cap_mb`` (and, with ``cap_bytes``, at most that)."""
         cfg = self.config
-        cap = 25.0 if cfg.bucket_cap_mb == "auto" else cfg.bucket_cap_mb
-        layout = build_layout(order, self.params, cap_bytes=int(cap * MiB), bucket_sizes=sizes,
-                              first_cap_bytes=int(cfg.first_bucket_cap_mb * MiB),
-                              pad_to=self.dp_size if cfg.shard else 1,
-                              dtypes=[cfg.grad_dtype if m else p.dtype
-                                      for m, p in zip(self._main, self.params)])
+        first = int(cfg.first_bucket_cap_mb * MiB)
+        if cap_bytes is None:
+            cap_bytes = int((25.0 if cfg.bucket_cap_mb == "auto" else cfg.bucket_cap_mb) * MiB)
+        else:
+            first = min(first, cap_bytes)
+        return build_layout(order, self.params, cap_bytes=cap_bytes, bucket_sizes=sizes,
+                            first_cap_bytes=first,
+                            pad_to=self.dp_size if cfg.shard else 1,
+                            dtypes=[cfg.grad_dtype if m else p.dtype
+                                    for m, p in zip(self._main, self.params)])
+
+    def _install(self, layout: Layout, *, copy: bool) -> None:
+        cfg = self.config
         device = self.params[0].device
         flat = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in layout.numel.items()}
         views = []
@@ -487,13 +514,63 @@ class GradReducer:
         dist.broadcast(t, src=self._src, group=self.dp_group)
         vals = t.tolist()
         order, sizes = vals[:n], [k for k in vals[n:] if k > 0]
+        if auto:
+            self._candidates = self._auto_candidates(order, sizes)
+            if len(self._candidates) > 1:  # time them; the layout is final after the choice
+                self._tuner = autobucket.BucketTuner(len(self._candidates),
+                                                     trials=self.config.auto_trials,
+                                                     device=self.flat_device)
+            else:
+                self._final = True
+                self.auto_report = dict(candidates=[dict(
+                    source=self._candidates[0][0], buckets=len(self._candidates[0][1].buckets),
+                    seconds=None)], chosen=0, frozen=False)
+            self._switch_layout(self._candidates[0][1])
+        else:
+            self._final = True
+            if order != self._layout.order:
+                self._switch_layout(self._make_layout(order))
+
+    def _switch_layout(self, layout: Layout) -> None:
+        """Install ``layout``, carrying every gradient over, and tell the listeners."""
+        self._feedbacks.clear()
+        old = self._layout
+        self._install(layout, copy=True)
+        for fn in self._layout_listeners:
+            fn(old, self._layout)
+
+    def _auto_candidates(self, order: list[int], planned: list[int]) -> list[tuple[str, Layout]]:
+        """The link model's plan first, then fixed caps splitting the gradients into about 1,
+        2, 4, 8 and 16 buckets and DDP's 25 MiB; layouts that bucket alike are dropped."""
+        first = ("link model", self._make_layout(order, sizes=planned))
+        if self.config.auto_trials == 0 or self._frozen:
+            return [first]
+        total = sum(self._layout.numel[dt] * dt.itemsize for dt in self._layout.numel)
+        caps = [max(1, -(-total // k)) for k in (1, 2, 4, 8, 16)] + [int(25 * MiB)]
+        out, seen = [first], {_bucketing(first[1])}
+        for cap in caps:
+            source = f"cap {cap / MiB:.3g} MiB" + (" (DDP)" if cap == 25 * MiB else "")
+            layout = self._make_layout(order, cap_bytes=cap)
+            key = _bucketing(layout)
+            if key not in seen:
+                seen.add(key)
+                out.append((source, layout))
+        return out
+
+    def _try_candidate(self, k: int) -> None:
+        """Tuning: install candidate ``k``, or, after the last one, the fastest (collective)."""
+        if k < len(self._candidates):
+            self._switch_layout(self._candidates[k][1])
+            return
+        best = self._tuner.decide(self.dp_group)
+        self.auto_report = dict(
+            candidates=[dict(source=source, buckets=len(layout.buckets), seconds=s)
+                        for (source, layout), s in zip(self._candidates, self._tuner.seconds)],
+            chosen=best, frozen=False)
+        if best != len(self._candidates) - 1:
+            self._switch_layout(self._candidates[best][1])
+        self._tuner, self._candidates = None, []
         self._final = True
-        if order != self._layout.order or auto:
-            self._feedbacks.clear()
-            old = self._layout
-            self._apply_layout(order, copy=True, sizes=sizes if auto else None)
-            for fn in self._layout_listeners:
-                fn(old, self._layout)
 
     def _plan_buckets(self, order: list[int], alpha: float, beta: float) -> list[int]:
         st = self.stats
@@ -510,6 +587,10 @@ class GradReducer:
         for bucket in self.buckets:
             off, n = bucket.shard(self.dp_size, self.dp_rank)
             self.grad_shard(bucket).copy_(self.flat[bucket.dtype].narrow(0, off, n))
+
+
+def _bucketing(layout: Layout) -> tuple:
+    return tuple((b.dtype, tuple(b.params)) for b in layout.buckets)
 
 
 def _fold(view: torch.Tensor, g: torch.Tensor, scale: float | None, *, overwrite: bool) -> None:
