@@ -270,3 +270,59 @@ def _fail_while_peer_reads():
 def test_a_failing_context_frees_only_after_its_peers_let_go():
     changed = run_ranks(_fail_while_peer_reads, 2)[1]
     assert changed == [0] * 20, changed
+
+
+def _close_with_stuck_copier():
+    import threading
+    import warnings
+
+    from overlap.tp import context as tp_context
+
+    ctx = tp_context.TPContext(op="all_gather_matmul", backend="symmetric",
+                               group=dist.group.WORLD, nbytes=4096, num_signals=4,
+                               device=torch.device("cpu"), timeout=10)
+    ws, rank = ctx.ws, dist.get_rank()
+    own = ws.view(rank, torch.uint8, (4096,))
+    own.fill_(7)
+    release, seen = threading.Event(), []
+
+    def copy():  # a copy still running when the owner closes (as if stuck in a signal wait)
+        release.wait(10)
+        seen.append(int((own != 7).sum()))
+
+    ctx.copier.submit(copy)
+    ctx.copier.timeout = 0.2 - 5.0  # close() joins the worker for timeout + 5 s: 0.2 s here
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ctx.close()
+    messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    kept = any(k is ws for k, _ in getattr(tp_context, "_KEPT", []))
+    release.set()
+    ctx.copier.stream.close(10)  # the worker ends once released
+    ws.close()
+    getattr(tp_context, "_KEPT", []).clear()
+    return ctx.closed, kept, messages, seen
+
+
+def test_a_context_whose_copier_is_still_running_is_not_freed():
+    # The twin's close() joins the copy worker with a bound; a worker still inside a copy
+    # after it must keep the workspace (a GPU free would wait for the stream): no byte may
+    # change under the copy, and the owner is told.
+    for closed, kept, messages, seen in run_ranks(_close_with_stuck_copier, 2):
+        assert closed and kept and seen == [0], (closed, kept, seen)
+        assert len(messages) == 1 and "is not freed" in messages[0] \
+            and "still inside a work item" in messages[0], messages
+
+
+def test_closing_a_stream_whose_worker_is_busy_raises():
+    import threading
+
+    from overlap.dist.streams import Stream, StreamStillRunning
+
+    s, release = Stream(name="busy"), threading.Event()
+    s.enqueue(lambda: release.wait(10))
+    with pytest.raises(StreamStillRunning, match="'busy'.*still inside a work item 0.1 s"):
+        s.close(0.1)
+    release.set()
+    s.close(10)
+    assert not any(t.name == "overlap-stream-busy" for t in threading.enumerate())
