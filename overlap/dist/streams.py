@@ -39,11 +39,17 @@ import torch
 
 from overlap.profile import syncs
 
-__all__ = ["Stream", "Event", "StreamTimeout", "delay_ms", "InjectedDelay"]
+__all__ = ["Stream", "Event", "StreamTimeout", "StreamStillRunning", "delay_ms",
+           "InjectedDelay"]
 
 
 class StreamTimeout(TimeoutError):
     """A host wait for an event ran out of time (the stream's own errors keep their type)."""
+
+
+class StreamStillRunning(RuntimeError):
+    """``Stream.close(timeout)`` ran out of time with the twin's worker still inside a work
+    item: memory that item may touch must not be freed (a GPU would wait for the stream)."""
 
 
 def delay_ms() -> float:
@@ -194,13 +200,20 @@ class Stream:
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the twin's worker once its queue is empty (no-op on CUDA); ``timeout`` bounds
-        the join (a worker blocked in a bounded wait ends with it)."""
+        the join (a worker blocked in a bounded wait ends with it). A worker still running
+        after ``timeout`` raises StreamStillRunning: the caller must then keep every buffer
+        the stream's work may touch (on a GPU, freeing them would wait for the stream)."""
         if self.cuda is None:
             with self._cv:
                 self._closed = True
                 self._cv.notify()
             if threading.current_thread() is not self._thread:
                 self._thread.join(timeout)
+                if self._thread.is_alive():
+                    raise StreamStillRunning(
+                        f"streams: stream {self.name!r}: its worker is still inside a work "
+                        f"item {timeout:g} s after close(); buffers that work may touch must "
+                        "not be freed")
 
     # -- twin internals
     def _put(self, item: tuple) -> None:

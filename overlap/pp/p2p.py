@@ -23,12 +23,13 @@ pp rank, the peer (pp and global rank) and what was being transferred.
 from __future__ import annotations
 
 import time
+import warnings
 from datetime import timedelta
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
-from overlap.dist.streams import Event, Stream
+from overlap.dist.streams import Event, Stream, StreamStillRunning
 from overlap.profile.timers import comm_wait
 
 __all__ = ["P2P", "P2PError", "HEADER_LEN", "encode_header", "decode_header"]
@@ -145,8 +146,15 @@ class P2P:
                 0 if c[0] == self.pp_rank else 1, self.timeout, device)
 
     def close(self) -> None:
-        """Release the channel communicators (local: each end releases its own)."""
-        self._stream.close(self.timeout.total_seconds())
+        """Release the channel communicators (local: each end releases its own). A P2P worker
+        still inside a transfer after the timeout keeps them (with a RuntimeWarning): it may
+        still use them."""
+        try:
+            self._stream.close(self.timeout.total_seconds())
+        except StreamStillRunning as exc:
+            warnings.warn(f"pp P2P: pp rank {self.pp_rank}: the channels are not released: "
+                          f"{exc}", RuntimeWarning, stacklevel=2)
+            return
         for c in self.channels.values():
             c.close()
         self.channels.clear()

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 
 import torch
 import torch.distributed as dist
 
+from overlap.dist.streams import StreamStillRunning
 from overlap.symm.workspace import PeerDied, SignalTimeout, create_workspace, group_name
 from overlap.tp.copier import Copier
 
@@ -38,6 +40,9 @@ __all__ = ["TPContext", "align"]
 DEFAULT_TIMEOUT = 30.0
 _ALIGN = 256
 _ids = itertools.count()
+# (workspace, copier) of contexts closed while their copy worker was still running: kept
+# mapped for the life of the process, since that worker may still touch them.
+_KEPT: list[tuple] = []
 
 
 def align(n: int) -> int:
@@ -111,9 +116,21 @@ class TPContext:
         if self.closed:
             return
         self.closed = True
+        free = True
         try:
             if self.copier is not None:
-                self.copier.close()
+                try:
+                    self.copier.close()
+                except StreamStillRunning as exc:
+                    # The copy worker is still inside a copy (a bounded signal wait that has
+                    # not ended): freeing now would change bytes under it, which a GPU's free
+                    # would not (it waits for the stream). Keep the workspace for good.
+                    free = False
+                    _KEPT.append((self.ws, self.copier))
+                    warnings.warn(f"{self.op}: rank {self.rank}: the workspace of "
+                                  f"{self!r} is not freed: {exc}", RuntimeWarning,
+                                  stacklevel=2)
+                    return
             if wait_for_peers:
                 limit = min(5.0, self.timeout)
                 for slot, value in self.quiesce.items():
@@ -121,7 +138,8 @@ class TPContext:
         except (SignalTimeout, PeerDied, TimeoutError):
             pass  # peers are gone or out of step: nobody will read our memory any more
         finally:
-            self.ws.close(wait_for_peers=wait_for_peers, timeout=min(5.0, self.timeout))
+            if free:
+                self.ws.close(wait_for_peers=wait_for_peers, timeout=min(5.0, self.timeout))
 
     def __del__(self) -> None:
         # A forgotten explicit context must not leave its copy thread running.
