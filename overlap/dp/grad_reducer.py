@@ -522,9 +522,7 @@ class GradReducer:
                                                      device=self.flat_device)
             else:
                 self._final = True
-                self.auto_report = dict(candidates=[dict(
-                    source=self._candidates[0][0], buckets=len(self._candidates[0][1].buckets),
-                    seconds=None)], chosen=0, frozen=False)
+                self.auto_report = self._auto_report([None], chosen=0)
             self._switch_layout(self._candidates[0][1])
         else:
             self._final = True
@@ -543,7 +541,7 @@ class GradReducer:
         """The link model's plan first, then fixed caps splitting the gradients into about 1,
         2, 4, 8 and 16 buckets and DDP's 25 MiB; layouts that bucket alike are dropped."""
         first = ("link model", self._make_layout(order, sizes=planned))
-        if self.config.auto_trials == 0 or self._frozen:
+        if self.config.auto_trials == 0:
             return [first]
         total = sum(self._layout.numel[dt] * dt.itemsize for dt in self._layout.numel)
         caps = [max(1, -(-total // k)) for k in (1, 2, 4, 8, 16)] + [int(25 * MiB)]
@@ -557,16 +555,18 @@ class GradReducer:
                 out.append((source, layout))
         return out
 
+    def _auto_report(self, seconds: list, *, chosen: int) -> dict:
+        return dict(candidates=[dict(source=source, buckets=len(layout.buckets), seconds=t)
+                                for (source, layout), t in zip(self._candidates, seconds)],
+                    chosen=chosen, frozen=False)
+
     def _try_candidate(self, k: int) -> None:
         """Tuning: install candidate ``k``, or, after the last one, the fastest (collective)."""
         if k < len(self._candidates):
             self._switch_layout(self._candidates[k][1])
             return
         best = self._tuner.decide(self.dp_group)
-        self.auto_report = dict(
-            candidates=[dict(source=source, buckets=len(layout.buckets), seconds=s)
-                        for (source, layout), s in zip(self._candidates, self._tuner.seconds)],
-            chosen=best, frozen=False)
+        self.auto_report = self._auto_report(self._tuner.seconds, chosen=best)
         if best != len(self._candidates) - 1:
             self._switch_layout(self._candidates[best][1])
         self._tuner, self._candidates = None, []

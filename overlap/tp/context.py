@@ -127,9 +127,9 @@ class TPContext:
                     # would not (it waits for the stream). Keep the workspace for good.
                     free = False
                     _KEPT.append((self.ws, self.copier))
-                    warnings.warn(f"{self.op}: rank {self.rank}: the workspace of "
-                                  f"{self!r} is not freed: {exc}", RuntimeWarning,
-                                  stacklevel=2)
+                    warnings.warn(f"{self.op}: rank {self.rank}: the {self.ws.nbytes}-byte "
+                                  f"workspace over group {group_name(self.group)} is not "
+                                  f"freed: {exc}", RuntimeWarning, stacklevel=2)
                     return
             if wait_for_peers:
                 limit = min(5.0, self.timeout)
