@@ -326,3 +326,34 @@ def test_closing_a_stream_whose_worker_is_busy_raises():
     release.set()
     s.close(10)
     assert not any(t.name == "overlap-stream-busy" for t in threading.enumerate())
+
+
+def _p2p_close_with_busy_worker():
+    import threading
+    import warnings
+
+    from overlap.pp.p2p import P2P
+
+    p2p = P2P(dist.group.WORLD, timeout=0.2, device=torch.device("cpu"), channels=[(0, 1)],
+              token="busy-close")
+    release = threading.Event()
+    p2p._stream.enqueue(lambda: release.wait(10))  # a transfer still running at close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p2p.close()
+    messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    kept = list(p2p.channels)
+    release.set()
+    p2p._stream.close(10)
+    for c in p2p.channels.values():
+        c.close()
+    return kept, messages
+
+
+def test_p2p_close_keeps_its_channels_while_a_transfer_runs():
+    # The same rule for the pipeline's P2P stream: its communicators outlive a worker that is
+    # still inside a transfer when close()'s bounded join ends.
+    for kept, messages in run_ranks(_p2p_close_with_busy_worker, 2):
+        assert kept == [(0, 1)]
+        assert len(messages) == 1 and "the channels are not released" in messages[0] \
+            and "still inside a work item 0.2 s" in messages[0], messages
