@@ -1,0 +1,271 @@
+"""Per-call agreement: a compact signature of every call travels with the data the call
+exchanges anyway, and the receiver compares it with its own.
+
+A *stamp* is ``STAMP_WORDS`` int64 words ``[MAGIC, call, op code, field words...]``: the op,
+a per-communicator call counter (so a rank that skipped or repeated a call is caught too) and
+the parameters every rank must pass alike (shapes, dtype, options), laid out by a
+:class:`Schema`. Every path carries it in its own exchange: a header slot written before the
+signal (userbuffers), a few extra words in the same batch (P2P rings), the same message
+(collectives). A mismatch raises :class:`Disagreement` on every rank that receives a foreign
+stamp, naming the op, the call number and both ranks' values of the first field that differs.
+
+The cross-rank check that gathers every rank's signature (one collective) still runs where an
+op family had it, on a call every rank reaches in the same state; stamps catch the rest at no
+extra collective, message or host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+__all__ = ["STAMP_WORDS", "MAGIC", "Agreement", "Disagreement", "Schema", "device_mismatch", "DTYPE_CODES", "dtype_name",
+           "shape_words"]
+
+STAMP_WORDS = 16
+MAGIC = 0x0F1A_57A3_0000_0001  # marks a written stamp (a zeroed slot is never one)
+_HEAD = 3  # MAGIC, call, op code
+
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4,
+               torch.int8: 5, torch.uint8: 6, torch.int32: 7, torch.int64: 8, torch.bool: 9}
+_DTYPE_NAMES = {v: str(k).replace("torch.", "") for k, v in DTYPE_CODES.items()}
+
+
+def dtype_name(code: int) -> str:
+    return _DTYPE_NAMES.get(code, f"dtype#{code}")
+
+
+def shape_words(shape: Sequence[int], n: int) -> list[int]:
+    """``shape`` as exactly ``n`` words (-1 pads; a longer shape keeps its numel in the last)."""
+    dims = [int(d) for d in shape]
+    if len(dims) > n:
+        tail = 1
+        for d in dims[n - 1:]:
+            tail *= d
+        dims = dims[:n - 1] + [tail]
+    return dims + [-1] * (n - len(dims))
+
+
+def _fmt_shape(words: Sequence[int]) -> str:
+    return str(tuple(int(w) for w in words if w >= 0))
+
+
+class Disagreement(ValueError):
+    """Ranks passed different calls to one op (found in the data the op exchanged)."""
+
+    def __init__(self, message: str, *, op: str, call: int, ranks: tuple[int, int]):
+        super().__init__(message)
+        self.op, self.call, self.ranks = op, call, ranks
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    name: str
+    words: int
+    show: Callable[[Sequence[int]], str]
+
+
+class Schema:
+    """The stamp layout of one op family: ops by code, then named fields of fixed width.
+
+    ``fields``: (name, words, kind) with kind "int", "shape" or "dtype" (how a message shows
+    it). Every rank of a communicator uses the same schema, so a peer's words decode alike.
+    """
+
+    def __init__(self, family: str, ops: Sequence[str],
+                 fields: Sequence[tuple[str, int, str]]):
+        shows = {"int": lambda w: str(int(w[0])), "shape": _fmt_shape,
+                 "dtype": lambda w: dtype_name(int(w[0])),
+                 "bool": lambda w: str(bool(w[0]))}
+        self.family = family
+        self.ops = tuple(ops)
+        self.fields = tuple(Field(n, k, shows[kind]) for n, k, kind in fields)
+        if _HEAD + sum(f.words for f in self.fields) > STAMP_WORDS:
+            raise ValueError(f"Schema {family}: fields need more than {STAMP_WORDS - _HEAD} "
+                             "words")
+
+    def words(self, op: str, call: int, values: Mapping[str, int | Sequence[int]]) -> list[int]:
+        """The stamp of call number ``call`` of ``op`` with these field values."""
+        out = [MAGIC, int(call), self.ops.index(op)]
+        for f in self.fields:
+            v = values[f.name]
+            seq = [int(x) for x in v] if isinstance(v, (list, tuple)) else [int(v)]
+            if len(seq) != f.words:
+                raise ValueError(f"Schema {self.family}: field {f.name} takes {f.words} words, "
+                                 f"got {seq}")
+            out += seq
+        return out + [0] * (STAMP_WORDS - len(out))
+
+    def tensor(self, words: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.tensor(list(words), dtype=torch.int64, device=device)
+
+    def describe(self, words: Sequence[int]) -> str:
+        """``op call c: name=value, ...`` for messages."""
+        words = [int(w) for w in words]
+        if words[0] != MAGIC:
+            return "no stamp (the peer did not send one: a different op or an older call)"
+        parts, at = [], _HEAD
+        for f in self.fields:
+            parts.append(f"{f.name}={f.show(words[at:at + f.words])}")
+            at += f.words
+        return f"{self._op(words[2])} call {words[1]}: " + ", ".join(parts)
+
+    def _op(self, code: int) -> str:
+        return self.ops[code] if 0 <= code < len(self.ops) else f"op#{code}"
+
+    def _first_difference(self, a: list[int], b: list[int]) -> tuple[str, str, str]:
+        if a[0] != MAGIC or b[0] != MAGIC:
+            return "stamp", self.describe(a), self.describe(b)
+        if a[2] != b[2]:
+            return "op", self._op(a[2]), self._op(b[2])
+        if a[1] != b[1]:
+            return "call number", str(a[1]), str(b[1])
+        at = _HEAD
+        for f in self.fields:
+            wa, wb = a[at:at + f.words], b[at:at + f.words]
+            if wa != wb:
+                return f.name, f.show(wa), f.show(wb)
+            at += f.words
+        return "padding", str(a[at:]), str(b[at:])
+
+    def check(self, op: str, mine: Sequence[int], theirs: Mapping[int, Sequence[int]], *,
+              rank: int, where: str) -> None:
+        """Raise Disagreement if any peer's stamp differs from ``mine`` (host values)."""
+        mine = [int(w) for w in mine]
+        for peer in sorted(theirs):
+            other = [int(w) for w in theirs[peer]]
+            if other == mine:
+                continue
+            field, a, b = self._first_difference(mine, other)
+            raise Disagreement(
+                f"{op}: call {mine[1]}: ranks disagree on {field}: rank {rank}={a}, "
+                f"rank {peer}={b}{where}; every rank of the group must make the same call "
+                f"(rank {rank}: {self.describe(mine)}; rank {peer}: {self.describe(other)})",
+                op=op, call=mine[1], ranks=(rank, peer))
+
+    def check_tensors(self, op: str, mine: torch.Tensor, theirs: Mapping[int, torch.Tensor], *,
+                      rank: int, where: str) -> None:
+        """Compare received stamp tensors with ours. On the CPU the words are host memory and
+        are compared here; on a device this would be a host sync, so callers there compare with
+        :func:`device_mismatch` instead and poison / record."""
+        self.check(op, mine.tolist(), {p: t.tolist() for p, t in theirs.items()}, rank=rank,
+                   where=where)
+
+
+def device_mismatch(mine: torch.Tensor, theirs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A 0-d bool tensor on the stamps' device: True if any received stamp differs from ours.
+    No host sync: the caller poisons outputs with it and keeps it for the next host-visible
+    point."""
+    flag = torch.zeros((), dtype=torch.bool, device=mine.device)
+    for t in theirs:
+        flag = flag | (t != mine).any()
+    return flag
+
+
+class Agreement:
+    """One communicator's stamps: its call counter, the buffers stamps travel in, and the
+    comparison where they are received.
+
+        agree = Agreement(schema, rank=r, world=n, device=dev, where=" (rank r of group g)")
+        words = agree.next(op, {"x shape": ..., ...})   # every call, on every rank
+        ... send agree.send, receive into agree.recv[q] (or read a peer's header slot) ...
+        agree.verify(op, peers)                          # once the stamps have landed
+
+    CPU: the received words are host memory; ``verify`` compares them at once (a read of host
+    memory through numpy views made once, so no tensor method: on a GPU this path does not
+    exist) and raises Disagreement. GPU: the comparison runs on the device into a sticky record
+    (the first mismatch wins) that an async copy mirrors into pinned host memory; ``verify``
+    and every later call read that host mirror without a sync and raise once it shows the
+    mismatch, and ``poison`` turns the call's outputs to NaN on the device meanwhile, so no
+    output computed from mismatched data is ever returned as valid.
+    """
+
+    _RING = 4  # pinned staging buffers for the GPU send stamp (a copy may still be pending)
+
+    def __init__(self, schema: Schema, *, rank: int, world: int, device: torch.device,
+                 where: str):
+        from overlap.profile.syncs import not_a_device_sync
+
+        self.schema, self.rank, self.world, self.where = schema, rank, world, where
+        self.device = torch.device(device)
+        self.calls = 0
+        self.mine: list[int] = [0] * STAMP_WORDS
+        self.send = torch.zeros(STAMP_WORDS, dtype=torch.int64, device=self.device)
+        self.recv = torch.zeros(world, STAMP_WORDS, dtype=torch.int64, device=self.device)
+        self._gpu = self.device.type == "cuda"
+        with not_a_device_sync("views of host memory made once: on a GPU these are pinned "
+                               "host buffers, read without a sync"):
+            if self._gpu:
+                self._staging = [torch.zeros(STAMP_WORDS, dtype=torch.int64).pin_memory()
+                                 for _ in range(self._RING)]
+                self._staging_np = [s.numpy() for s in self._staging]
+                # record: [flag, peer, mine x16, theirs x16]
+                self._record = torch.zeros(2 + 2 * STAMP_WORDS, dtype=torch.int64,
+                                           device=self.device)
+                self._record_host = torch.zeros_like(self._record, device="cpu").pin_memory()
+                self._record_np = self._record_host.numpy()
+                self._flag = torch.zeros((), dtype=torch.bool, device=self.device)
+            else:
+                self._send_np = self.send.numpy()
+                self._recv_np = self.recv.numpy()
+
+    def next(self, op: str, values: Mapping[str, int | Sequence[int]]) -> list[int]:
+        """Count the call and write its stamp into ``send``."""
+        self.calls += 1
+        self.mine = self.schema.words(op, self.calls, values)
+        if self._gpu:
+            stage = self._staging_np[self.calls % self._RING]
+            stage[:] = self.mine
+            self.send.copy_(self._staging[self.calls % self._RING], non_blocking=True)
+        else:
+            self._send_np[:] = self.mine
+        return self.mine
+
+    def clear_received(self) -> None:
+        """Zero the receive rows (no stale stamp of an earlier call can pass for this one)."""
+        if self._gpu:
+            self.recv.zero_()
+        else:
+            self._recv_np[:] = 0
+
+    def verify(self, op: str, peers: Sequence[int], rows=None) -> None:
+        """Compare the stamps received from ``peers`` (``recv[q]``, or ``rows[q]``: arrays or
+        tensors of STAMP_WORDS words, e.g. views of a peer's header slot) with ours."""
+        if self._gpu:
+            self._verify_on_device(peers, rows)
+            self.raise_recorded(op)
+            return
+        got = {q: (self._recv_np[q] if rows is None else rows[q]) for q in peers}
+        bad = {q: w for q, w in got.items() if list(w) != self.mine}
+        if bad:
+            self.schema.check(op, self.mine, {q: list(w) for q, w in bad.items()},
+                              rank=self.rank, where=self.where)
+
+    def _verify_on_device(self, peers: Sequence[int], rows) -> None:
+        theirs = torch.stack([self.recv[q] if rows is None else rows[q] for q in peers])
+        bad_rows = (theirs != self.send).any(dim=1)
+        first = torch.argmax(bad_rows.to(torch.int64))
+        new = torch.cat([bad_rows.any().to(torch.int64).view(1),
+                         torch.tensor(list(peers), device=self.device)[first].view(1),
+                         self.send, theirs[first]])
+        self._record = torch.where(self._record[0] != 0, self._record, new)
+        self._flag = self._record[0] != 0
+        self._record_host.copy_(self._record, non_blocking=True)
+
+    def poison(self, *outs: torch.Tensor | None) -> None:
+        """GPU: NaN the outputs of a call whose stamps disagreed (device-side; CPU raised)."""
+        if not self._gpu:
+            return
+        for t in outs:
+            if t is not None and t.is_floating_point():
+                t.masked_fill_(self._flag, float("nan"))
+
+    def raise_recorded(self, op: str) -> None:
+        """Raise a mismatch the device recorded, once the host mirror shows it (no sync)."""
+        if not self._gpu or not self._record_np[0]:
+            return
+        rec = [int(v) for v in self._record_np]
+        self.schema.check(op, rec[2:2 + STAMP_WORDS], {rec[1]: rec[2 + STAMP_WORDS:]},
+                          rank=self.rank, where=self.where)
