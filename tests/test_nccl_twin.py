@@ -239,3 +239,86 @@ def test_destroy_stops_every_communicator_thread():
     # World and subgroup communicators plus the world's pair communicator: 3 threads per rank.
     for before, left in run_ranks(_threads_after_destroy, 2, backend="nccl_twin"):
         assert before == 3 and left == []
+
+
+# ---------------------------------------------------------------------------------- sizes
+# gloo aborts the process when a receive is smaller than its send and truncates silently the
+# other way; NCCL hangs or reads garbage. The twin raises a clear error on every rank instead.
+
+def _p2p_sizes(world, sender_bigger):
+    from overlap.dist.nccl_twin import SizeMismatch
+
+    r = dist.get_rank()
+    n = 6 if (r == 0) == sender_bigger else 4  # rank 0's size differs from everyone else's
+    send, recv = torch.ones(n), torch.zeros(n)
+    t0 = time.monotonic()
+    try:
+        for w in _batch([(dist.isend, send, (r + 1) % world),
+                         (dist.irecv, recv, (r - 1) % world)]):
+            w.wait(timeout=SHORT)
+    except SizeMismatch as exc:
+        return "size", str(exc), time.monotonic() - t0
+    return "ok", recv.tolist(), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("world", (2, 4))
+@pytest.mark.parametrize("sender_bigger", (True, False))
+def test_p2p_size_disagreement_raises_on_both_sides(world, sender_bigger):
+    res = run_ranks(_p2p_sizes, world, world, sender_bigger, backend="nccl_twin", timeout=30)
+    # Rank 0 sends to rank 1 and receives from rank world-1: both pairs disagree.
+    for r in (0, 1, world - 1):
+        kind, msg, elapsed = res[r]
+        assert kind == "size", (r, res[r])
+        assert "bytes" in msg and elapsed < 2.0
+    for r in range(2, world - 1):  # pairs of equal sizes are untouched
+        assert res[r][0] == "ok" and res[r][1] == [1.0] * (4 if sender_bigger else 6)
+
+
+def _collective_sizes(kind):
+    from overlap.dist.nccl_twin import SizeMismatch
+
+    r, world = dist.get_rank(), dist.get_world_size()
+    n = 8 if r == 1 else 4
+    t0 = time.monotonic()
+    try:
+        if kind == "all_reduce":
+            dist.all_reduce(torch.ones(n))
+        elif kind == "all_gather":
+            dist.all_gather_into_tensor(torch.empty(world * n), torch.ones(n))
+        elif kind == "all_to_all":
+            dist.all_to_all_single(torch.empty(world * n), torch.ones(world * n))
+        else:
+            dist.reduce_scatter_tensor(torch.empty(n), torch.ones(world * n))
+    except SizeMismatch as exc:
+        later = None
+        try:
+            dist.all_reduce(torch.ones(1))
+        except Exception as again:  # noqa: BLE001 - a failed communicator stays failed
+            later = str(again)
+        return str(exc), time.monotonic() - t0, later
+    return None
+
+
+@pytest.mark.parametrize("kind", ("all_reduce", "all_gather", "all_to_all", "reduce_scatter"))
+@pytest.mark.parametrize("world", (2, 4))
+def test_collective_size_disagreement_raises_on_every_rank(kind, world):
+    for msg, elapsed, later in run_ranks(_collective_sizes, world, kind, backend="nccl_twin",
+                                         timeout=30):
+        assert "ranks disagree on the sizes" in msg and "rank 1:" in msg and elapsed < 2.0
+        assert later is not None and "failed earlier" in later
+
+
+def _uneven_all_to_all():
+    r, world = dist.get_rank(), dist.get_world_size()
+    # rank r sends r + j + 1 elements to rank j: legal uneven splits must still pass
+    send_splits = [r + j + 1 for j in range(world)]
+    recv_splits = [j + r + 1 for j in range(world)]
+    out = torch.empty(sum(recv_splits))
+    dist.all_to_all_single(out, torch.full((sum(send_splits),), float(r)), recv_splits,
+                           send_splits)
+    return out.tolist()
+
+
+def test_uneven_all_to_all_with_matching_splits_runs():
+    res = run_ranks(_uneven_all_to_all, 2, backend="nccl_twin", timeout=30)
+    assert res[0] == [0.0] * 1 + [1.0] * 2 and res[1] == [0.0] * 2 + [1.0] * 3

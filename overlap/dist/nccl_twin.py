@@ -131,9 +131,10 @@ class _Op:
     """One unit of a communicator's queue: a collective, or a P2P batch of ``items``."""
 
     def __init__(self, comm: "_Comm", desc: str, *, run: Callable[[], Any] | None = None,
-                 items: list[tuple[bool, torch.Tensor, int, int]] | None = None):
+                 items: list[tuple[bool, torch.Tensor, int, int]] | None = None,
+                 sizes: list[int] | None = None):
         self.comm, self.desc = comm, desc
-        self.run, self.items = run, items
+        self.run, self.items, self.sizes = run, items, sizes
         self.done = threading.Event()
         self.lock = threading.Lock()
         self.error: BaseException | None = None
@@ -151,7 +152,15 @@ class _Op:
             work._settle(fut)
 
 
-_TOKEN = torch.ones(1, dtype=torch.uint8)
+_POISON = 0xFF  # NaN in every float dtype: what a receive gets from a send of the wrong size
+
+
+class SizeMismatch(RuntimeError):
+    """Ranks passed different sizes to one collective or to a send and its receive."""
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class _Comm:
@@ -240,12 +249,14 @@ class _Comm:
             try:
                 if op.run is not None:
                     op.state = "waiting for every rank of the group to join"
+                    if op.sizes is not None:
+                        self._agree_sizes(op, deadline)
                     self._wait(op.run(), deadline, op)
                 else:
                     self._run_batch(op, deadline)
                 op.finish()
             except BaseException as exc:  # noqa: BLE001 - the error belongs to the op
-                err = exc if isinstance(exc, NcclOrderTimeout) else RuntimeError(
+                err = exc if isinstance(exc, (NcclOrderTimeout, SizeMismatch)) else RuntimeError(
                     f"nccl_twin: {op.desc} on {self.name} (rank {self.group.rank()}) failed: "
                     f"{exc}")
                 self.fail(err)
@@ -268,37 +279,73 @@ class _Comm:
         if ok is False:
             raise RuntimeError("the gloo op reported failure")
 
-    def _tag(self, tag: int, cts: bool) -> int:
-        return (tag * 4 + self.tag_base) * 2 + int(cts)
+    def _agree_sizes(self, op: _Op, deadline: float) -> None:
+        """gloo kills the process (a receive smaller than the send) or truncates silently
+        when ranks pass different sizes, and NCCL hangs or reads garbage: so before a
+        collective every rank shares its size vector and all raise if any differ."""
+        n = self.group.size()
+        mine = torch.tensor(op.sizes, dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(n)]
+        self._wait(self.group.inner.allgather([every], [mine]), deadline, op)
+        rows = [t.tolist() for t in every]
+        if op.sizes[0] == _ALLTOALL:  # [kind, dtype, sent to 0..n-1, received from 0..n-1]
+            ok = all(rows[i][2 + j] == rows[j][2 + n + i] and rows[i][1] == rows[j][1]
+                     for i in range(n) for j in range(n))
+        else:
+            ok = all(r == rows[0] for r in rows)
+        if not ok:
+            shown = "; ".join(f"rank {r}: {_describe_sizes(row, n)}" for r, row in
+                              enumerate(rows))
+            raise SizeMismatch(f"nccl_twin: {op.desc} on {self.name} (rank "
+                               f"{self.group.rank()}): ranks disagree on the sizes ({shown}); "
+                               "NCCL would hang or read garbage, gloo would abort the process")
+
+    def _tag(self, tag: int, kind: int) -> int:
+        # kind: 0 payload, 1 clear-to-send (the receive's byte count), 2 the sender's count
+        return (tag * 4 + self.tag_base) * 4 + kind
 
     def _run_batch(self, op: _Op, deadline: float) -> None:
         inner = self.group.inner
-        works = []
-        # Receives first: post them, then tell each sender its receive has started.
+        works, counts = [], []
+        # Receives first: post them (and the sender's byte count that precedes the payload),
+        # then tell each sender its receive has started and how many bytes it takes.
         for is_send, t, peer, tag in op.items:
             if not is_send:
-                works.append(inner.recv([t], peer, self._tag(tag, False)))
-                works.append(inner.send([_TOKEN], peer, self._tag(tag, True)))
+                theirs = torch.zeros(1, dtype=torch.int64)
+                works.append(inner.recv([t], peer, self._tag(tag, 0)))
+                counts.append((inner.recv([theirs], peer, self._tag(tag, 2)), theirs, t, peer))
+                works.append(inner.send([torch.tensor([_nbytes(t)])], peer, self._tag(tag, 1)))
         # Rendezvous: a payload goes out only after its receiver's clear-to-send token. gloo
         # reports completion only from wait(), so each token is awaited by a thread of its
         # own when there are several (the sends of one batch progress together, as in NCCL).
         sends = [(t, peer, tag) for is_send, t, peer, tag in op.items if is_send]
+        errors: list[BaseException] = []
         if sends:
             peers = sorted({peer for _, peer, _ in sends})
             op.state = (f"waiting for rank(s) {peers} to start the matching receive "
                         "(rendezvous send)")
             posted: list = [None] * len(sends)
-            errors: list[BaseException] = []
 
             def release(i: int) -> None:
                 t, peer, tag = sends[i]
-                token = torch.zeros(1, dtype=torch.uint8)
+                wanted = torch.zeros(1, dtype=torch.int64)
                 try:
-                    self._wait(inner.recv([token], peer, self._tag(tag, True)), deadline, op,
+                    self._wait(inner.recv([wanted], peer, self._tag(tag, 1)), deadline, op,
                                f"rank {peer} did not start the matching receive within "
                                f"{self.timeout:g}s (a send completes only once its receive "
                                "has started)")
-                    posted[i] = inner.send([t], peer, self._tag(tag, False))
+                    mine, theirs = _nbytes(t), int(wanted[0])
+                    posted[i] = [inner.send([torch.tensor([mine])], peer, self._tag(tag, 2))]
+                    if mine == theirs:
+                        posted[i].append(inner.send([t], peer, self._tag(tag, 0)))
+                        return
+                    # gloo would abort the receiver (or truncate); poison its buffer instead.
+                    poison = torch.full((theirs,), _POISON, dtype=torch.uint8)
+                    posted[i].append(inner.send([poison], peer, self._tag(tag, 0)))
+                    errors.append(SizeMismatch(
+                        f"nccl_twin: {op.desc} on {self.name} (rank {self.group.rank()}): a "
+                        f"send of {mine} bytes to group rank {peer}, whose matching receive "
+                        f"takes {theirs} bytes; NCCL would truncate, hang or read garbage"))
                 except BaseException as exc:  # noqa: BLE001 - reported by the op
                     errors.append(exc)
 
@@ -311,12 +358,21 @@ class _Comm:
                     h.start()
                 for h in helpers:
                     h.join()
-            if errors:
-                raise errors[0]
-            works += posted
+            works += [w for ws in posted if ws for w in ws]
         op.state = "transferring"
+        # Every transfer of the batch completes (so no peer is left waiting) before an error.
         for w in works:
             self._wait(w, deadline, op)
+        for w, theirs, t, peer in counts:
+            self._wait(w, deadline, op)
+            if int(theirs[0]) != _nbytes(t):
+                errors.append(SizeMismatch(
+                    f"nccl_twin: {op.desc} on {self.name} (rank {self.group.rank()}): a "
+                    f"receive of {_nbytes(t)} bytes from group rank {peer}, which sent "
+                    f"{int(theirs[0])} bytes (the buffer holds poison, 0xFF bytes); NCCL would "
+                    "truncate, hang or read garbage"))
+        if errors:
+            raise errors[0]
 
 
 # ---------------------------------------------------------------------------------- group
@@ -379,10 +435,12 @@ class NcclTwinGroup(dist.ProcessGroup):
         comm.submit(op)
         return op
 
-    def _collective(self, name: str, result: list, run: Callable[[], Any]) -> _Work:
+    def _collective(self, name: str, result: list, run: Callable[[], Any],
+                    sizes: list[int] | None = None) -> _Work:
         """Queue ``run`` (it issues the gloo op and returns its work) as one op of the group's
-        communicator; ``result`` is what the op's work reports."""
-        op = self._submit(self.comm, f"{name}[{_shapes(result)}]", run=run)
+        communicator; ``result`` is what the op's work reports; ``sizes`` (if given) must
+        agree across the ranks before the op runs."""
+        op = self._submit(self.comm, f"{name}[{_shapes(result)}]", run=run, sizes=sizes)
         return _Work(op, result)
 
     # -- point to point
@@ -430,10 +488,61 @@ class NcclTwinGroup(dist.ProcessGroup):
         self.shutdown()
 
 
-def _add_collective(name: str, result_of: Callable[[tuple], list]) -> None:
+_ALLTOALL = 1
+_ROOTED = ("gather", "scatter", "barrier")  # per-rank arguments differ by design
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+def _size_vector(name: str, args: tuple, world: int) -> list[int] | None:
+    """What every rank must pass alike to collective ``name``: [kind, dtype, bytes...]."""
+    if name in _ROOTED:
+        return None
+    ts = _tensors(args)
+    if not ts:
+        return None
+    dtype = _DTYPES.get(ts[0].dtype, 0)
+    if name == "alltoall_base":
+        out, inp, out_splits, in_splits = args[:4]
+        return [_ALLTOALL, dtype, *_split_bytes(inp, in_splits, world),
+                *_split_bytes(out, out_splits, world)]
+    if name == "alltoall":
+        return [_ALLTOALL, dtype, *(_nbytes(t) for t in args[1]), *(_nbytes(t) for t in args[0])]
+    return [0, dtype, sum(_nbytes(t) for t in ts)]
+
+
+def _split_bytes(t: torch.Tensor, splits, world: int) -> list[int]:
+    if not splits:
+        return [_nbytes(t) // world] * world
+    row = _nbytes(t) // max(1, t.shape[0]) if t.dim() else _nbytes(t)
+    return [int(s) * row for s in splits]
+
+
+def _describe_sizes(row: list[int], world: int) -> str:
+    if row[0] == _ALLTOALL:
+        return f"sends {row[2:2 + world]} bytes, receives {row[2 + world:]} bytes"
+    return f"{row[2]} bytes of dtype #{row[1]}"
+
+
+_DTYPES = {dt: i + 1 for i, dt in enumerate(
+    (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+     torch.int16, torch.int32, torch.int64, torch.bool))}
+
+
+def _add_collective(name: str, result_of: Callable[[tuple], list], inner: str | None = None
+                    ) -> None:
+    """``name`` on the twin group runs gloo's ``inner`` (default: the same name) as one op of
+    the ordered communicator."""
     def method(self, *args, **kwargs):
-        fn = getattr(self.inner, name)
-        return self._collective(name, result_of(args), lambda: fn(*args, **kwargs))
+        fn = getattr(self.inner, inner or name)
+        return self._collective(name, result_of(args), lambda: fn(*args, **kwargs),
+                                _size_vector(inner or name, args, self.size()))
 
     method.__name__ = name
     setattr(NcclTwinGroup, name, method)
@@ -463,7 +572,8 @@ def _add_sequenced(name: str, base: str) -> None:
 
     def method(self, outputs, inputs, *opts):
         return self._collective(name, list(outputs),
-                                lambda: impl(self.inner, outputs, inputs, *opts))
+                                lambda: impl(self.inner, outputs, inputs, *opts),
+                                _size_vector(name, (outputs, inputs), self.size()))
 
     method.__name__ = name
     setattr(NcclTwinGroup, name, method)
@@ -480,8 +590,15 @@ for _name, _result in {
     "barrier": lambda a: [],
 }.items():
     _add_collective(_name, _result)
+# torch >= 2.12 calls the tensor collectives by these names; gloo has them as the *_base ops.
+# (Without these the calls reached the plain gloo backend, outside the ordered communicator.)
+_add_collective("all_gather_single", lambda a: [a[0]], "_allgather_base")
+_add_collective("reduce_scatter_single", lambda a: [a[0]], "_reduce_scatter_base")
+_add_collective("all_to_all_single", lambda a: [a[0]], "alltoall_base")
 _add_sequenced("allgather_into_tensor_coalesced", "_allgather_base")
 _add_sequenced("reduce_scatter_tensor_coalesced", "_reduce_scatter_base")
+_add_sequenced("all_gather_single_coalesced", "_allgather_base")
+_add_sequenced("reduce_scatter_single_coalesced", "_reduce_scatter_base")
 
 
 # ---------------------------------------------------------------------------------- setup
