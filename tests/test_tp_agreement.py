@@ -1,0 +1,136 @@
+"""Per-call agreement of the fused TP ops: when the first call agrees and a later one does not,
+every rank raises within 2 s, naming the op, the call number and both ranks' values, and the
+communicator stays failed. Before stamps, a later disagreement waited out the whole timeout
+(the first-call check was cached per shape, so one rank ran a check collective its peer
+skipped). The stamp rides in the data each backend exchanges anyway (overlap.tp.stamps)."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+BACKENDS = ("chunked", "symmetric", "triton")
+K, N = 16, 8
+
+
+def _reference(opname, xs, ws, rank, world):
+    """The unfused product from every rank's inputs (same seeds on every rank)."""
+    if opname == "all_gather_matmul":
+        return torch.cat(xs) @ ws[rank]
+    full = sum(x @ w for x, w in zip(xs, ws))
+    if opname == "matmul_reduce_scatter":
+        m = full.shape[0] // world
+        return full[rank * m:(rank + 1) * m]
+    return full
+
+
+def _inputs(rows, dtype, world, seed):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(rows, K, generator=g).to(dtype) for _ in range(world)]
+    ws = [torch.randn(K, N, generator=g).to(dtype) for _ in range(world)]
+    return xs, ws
+
+
+def _disagree(backend, opname, kind, check_inputs):
+    from overlap import tp
+    from overlap.dist.stamp import Disagreement
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = tp.TPComm(dist.group.WORLD, backend=backend, timeout=60, check_inputs=check_inputs)
+    fn = getattr(tp, opname)
+    rows = 4 * world
+    xs, ws = _inputs(rows, torch.float32, world, 0)
+    y = fn(xs[rank], ws[rank], comm=comm)
+    first_err = (y - _reference(opname, xs, ws, rank, world)).abs().max().item()
+    # Second call: rank 1 disagrees, in rows (sizes differ) or in dtype (same sizes).
+    if kind == "rows":
+        rows2, dtype = (6 * world if rank == 1 else rows), torch.float32
+    else:
+        rows2, dtype = rows, (torch.float16 if rank == 1 else torch.bfloat16)
+    xs2, ws2 = _inputs(rows2, dtype, world, 1)
+    t0 = time.monotonic()
+    try:
+        fn(xs2[rank], ws2[rank], comm=comm)
+        return first_err, None, time.monotonic() - t0, None
+    except Disagreement as exc:
+        elapsed, msg = time.monotonic() - t0, str(exc)
+    try:
+        fn(xs[rank], ws[rank], comm=comm)
+        later = None
+    except tp.TPCommFailed as exc:
+        later = str(exc)
+    comm.close()
+    return first_err, msg, elapsed, later
+
+
+@pytest.mark.parametrize("opname", OPS)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world", (2, 4))
+def test_later_disagreement_raises_on_every_rank(world, backend, opname):
+    res = run_ranks(_disagree, world, backend, opname, "rows", True, timeout=90)
+    for rank, (first_err, msg, elapsed, later) in enumerate(res):
+        assert first_err <= 1e-5 * K, (rank, first_err)  # fp32 sums of K products, |x|,|w|~1
+        assert msg is not None, f"rank {rank} returned from a call its peers disagreed on"
+        assert elapsed < 2.0, (rank, elapsed)
+        assert opname in msg and "call 2" in msg and "x shape" in msg
+        # both signatures: this rank's rows and the disagreeing rank's
+        assert f"({4 * world}, {K})" in msg or f"({6 * world}, {K})" in msg
+        assert "rank 1" in msg
+        assert later is not None and "failed earlier" in later and "call 2" in later
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_same_size_disagreement_is_caught(backend):
+    # bf16 on one rank, fp16 on the other: the same bytes on the wire, so only the stamp can
+    # tell; with check_inputs=False the stamp still runs.
+    res = run_ranks(_disagree, 2, backend, "matmul_reduce_scatter", "dtype", False, timeout=90)
+    for rank, (first_err, msg, elapsed, later) in enumerate(res):
+        assert first_err <= 1e-5 * K
+        assert msg is not None and "dtype" in msg and "bfloat16" in msg and "float16" in msg
+        assert elapsed < 2.0 and later is not None
+
+
+def _skipped_call(backend):
+    """Rank 1 skips a call: its next call's number differs from its peer's."""
+    from overlap import tp
+    from overlap.dist.stamp import Disagreement
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = tp.TPComm(dist.group.WORLD, backend=backend, timeout=60)
+    xs, ws = _inputs(4 * world, torch.float32, world, 0)
+    tp.matmul_all_reduce(xs[rank], ws[rank], comm=comm)
+    if rank == 0:  # rank 0 makes an extra call of another op that rank 1 never makes
+        try:
+            tp.all_gather_matmul(xs[rank], ws[rank], comm=comm)
+        except Disagreement as exc:
+            return str(exc)
+    try:
+        tp.matmul_all_reduce(xs[rank], ws[rank], comm=comm)
+    except Disagreement as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_extra_call_on_one_rank_is_named(backend):
+    msgs = run_ranks(_skipped_call, 2, backend, timeout=90)
+    assert all(m is not None and "call 2" in m and "op" in m for m in msgs), msgs
+
+
+def _backends_differ():
+    from overlap import tp
+
+    try:
+        tp.TPComm(dist.group.WORLD, backend="chunked" if dist.get_rank() else "symmetric")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_that_pick_different_backends_are_refused_at_construction():
+    for msg in run_ranks(_backends_differ, 2, timeout=60):
+        assert msg is not None and "disagree on backend" in msg
