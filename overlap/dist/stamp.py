@@ -21,8 +21,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["STAMP_WORDS", "MAGIC", "Agreement", "Disagreement", "Schema", "device_mismatch", "DTYPE_CODES", "dtype_name",
-           "shape_words"]
+__all__ = ["STAMP_WORDS", "MAGIC", "Agreement", "Disagreement", "Schema", "device_mismatch",
+           "DTYPE_CODES", "dtype_name", "shape_words"]
 
 STAMP_WORDS = 16
 MAGIC = 0x0F1A_57A3_0000_0001  # marks a written stamp (a zeroed slot is never one)
@@ -48,6 +48,10 @@ def shape_words(shape: Sequence[int], n: int) -> list[int]:
     return dims + [-1] * (n - len(dims))
 
 
+def _choice(names: tuple[str, ...]) -> Callable[[Sequence[int]], str]:
+    return lambda w: names[w[0]] if 0 <= w[0] < len(names) else f"#{w[0]}"
+
+
 def _fmt_shape(words: Sequence[int]) -> str:
     return str(tuple(int(w) for w in words if w >= 0))
 
@@ -70,8 +74,9 @@ class Field:
 class Schema:
     """The stamp layout of one op family: ops by code, then named fields of fixed width.
 
-    ``fields``: (name, words, kind) with kind "int", "shape" or "dtype" (how a message shows
-    it). Every rank of a communicator uses the same schema, so a peer's words decode alike.
+    ``fields``: (name, words, kind) with kind "int", "shape", "dtype", "bool" or a tuple of
+    names (the word indexes it): how a message shows it. Every rank of a communicator uses the
+    same schema, so a peer's words decode alike.
     """
 
     def __init__(self, family: str, ops: Sequence[str],
@@ -81,7 +86,8 @@ class Schema:
                  "bool": lambda w: str(bool(w[0]))}
         self.family = family
         self.ops = tuple(ops)
-        self.fields = tuple(Field(n, k, shows[kind]) for n, k, kind in fields)
+        self.fields = tuple(Field(n, k, shows[kind] if isinstance(kind, str) else
+                                  _choice(tuple(kind))) for n, k, kind in fields)
         if _HEAD + sum(f.words for f in self.fields) > STAMP_WORDS:
             raise ValueError(f"Schema {family}: fields need more than {STAMP_WORDS - _HEAD} "
                              "words")
@@ -182,8 +188,6 @@ class Agreement:
     output computed from mismatched data is ever returned as valid.
     """
 
-    _RING = 4  # pinned staging buffers for the GPU send stamp (a copy may still be pending)
-
     def __init__(self, schema: Schema, *, rank: int, world: int, device: torch.device,
                  where: str):
         from overlap.profile.syncs import not_a_device_sync
@@ -198,27 +202,31 @@ class Agreement:
         with not_a_device_sync("views of host memory made once: on a GPU these are pinned "
                                "host buffers, read without a sync"):
             if self._gpu:
-                self._staging = [torch.zeros(STAMP_WORDS, dtype=torch.int64).pin_memory()
-                                 for _ in range(self._RING)]
-                self._staging_np = [s.numpy() for s in self._staging]
-                # record: [flag, peer, mine x16, theirs x16]
-                self._record = torch.zeros(2 + 2 * STAMP_WORDS, dtype=torch.int64,
-                                           device=self.device)
-                self._record_host = torch.zeros_like(self._record, device="cpu").pin_memory()
-                self._record_np = self._record_host.numpy()
-                self._flag = torch.zeros((), dtype=torch.bool, device=self.device)
+                self._init_device_record()
             else:
                 self._send_np = self.send.numpy()
                 self._recv_np = self.recv.numpy()
+
+    def _init_device_record(self) -> None:
+        """The device path's state (also built on CPU tensors by the tests that check it):
+        a sticky record [flag, peer, mine x16, theirs x16] on the device and its host mirror
+        (pinned on a GPU), read through a numpy view made once."""
+        self._peer_ids: dict[tuple[int, ...], torch.Tensor] = {}
+        self._record = torch.zeros(2 + 2 * STAMP_WORDS, dtype=torch.int64, device=self.device)
+        host = torch.zeros(2 + 2 * STAMP_WORDS, dtype=torch.int64)
+        self._record_host = host.pin_memory() if self.device.type == "cuda" else host
+        self._record_np = self._record_host.numpy()
+        self._flag = torch.zeros((), dtype=torch.bool, device=self.device)
 
     def next(self, op: str, values: Mapping[str, int | Sequence[int]]) -> list[int]:
         """Count the call and write its stamp into ``send``."""
         self.calls += 1
         self.mine = self.schema.words(op, self.calls, values)
         if self._gpu:
-            stage = self._staging_np[self.calls % self._RING]
-            stage[:] = self.mine
-            self.send.copy_(self._staging[self.calls % self._RING], non_blocking=True)
+            # A fresh pinned block from torch's caching host allocator: it is not handed out
+            # again before this async copy has run, however far the host runs ahead.
+            staged = torch.tensor(self.mine, dtype=torch.int64).pin_memory()
+            self.send.copy_(staged, non_blocking=True)
         else:
             self._send_np[:] = self.mine
         return self.mine
@@ -230,14 +238,19 @@ class Agreement:
         else:
             self._recv_np[:] = 0
 
-    def verify(self, op: str, peers: Sequence[int], rows=None) -> None:
+    def verify(self, op: str, peers: Sequence[int], rows=None, *,
+               arrived_only: bool = False) -> None:
         """Compare the stamps received from ``peers`` (``recv[q]``, or ``rows[q]``: arrays or
-        tensors of STAMP_WORDS words, e.g. views of a peer's header slot) with ours."""
+        tensors of STAMP_WORDS words, e.g. views of a peer's header slot) with ours.
+        ``arrived_only`` (after a failed transfer, CPU): ignore rows no stamp has reached,
+        so a peer that never sent is reported by the transport error, not as a disagreement."""
         if self._gpu:
             self._verify_on_device(peers, rows)
             self.raise_recorded(op)
             return
         got = {q: (self._recv_np[q] if rows is None else rows[q]) for q in peers}
+        if arrived_only:
+            got = {q: w for q, w in got.items() if int(w[0]) == MAGIC}
         bad = {q: w for q, w in got.items() if list(w) != self.mine}
         if bad:
             self.schema.check(op, self.mine, {q: list(w) for q, w in bad.items()},
@@ -247,8 +260,11 @@ class Agreement:
         theirs = torch.stack([self.recv[q] if rows is None else rows[q] for q in peers])
         bad_rows = (theirs != self.send).any(dim=1)
         first = torch.argmax(bad_rows.to(torch.int64))
-        new = torch.cat([bad_rows.any().to(torch.int64).view(1),
-                         torch.tensor(list(peers), device=self.device)[first].view(1),
+        key = tuple(peers)
+        peer_ids = self._peer_ids.get(key)
+        if peer_ids is None:  # once per peer set: a host-to-device copy of a few ints
+            peer_ids = self._peer_ids[key] = torch.tensor(key, device=self.device)
+        new = torch.cat([bad_rows.any().to(torch.int64).view(1), peer_ids[first].view(1),
                          self.send, theirs[first]])
         self._record = torch.where(self._record[0] != 0, self._record, new)
         self._flag = self._record[0] != 0

@@ -155,6 +155,11 @@ class SymmetricWorkspace(abc.ABC):
         if error is not None:
             raise error
 
+    def pending(self) -> bool:
+        """True once a device-side wait has recorded an error (a host read, no sync; on a GPU
+        it turns True only after the stream has run the wait)."""
+        return self._error_np is not None and bool(self._error_np[0])
+
     def poison_if_error(self, out: torch.Tensor) -> None:
         """Make ``out`` all NaN, in stream order, if a device-side wait has failed."""
 

@@ -68,15 +68,17 @@ class ChunkedBackend(Backend):
 
     def ag(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
         return chunked.all_gather_matmul(x_shard, w, group=comm.group, chunks=chunks,
-                                         return_gathered=return_gathered, timeout=comm.timeout)
+                                         return_gathered=return_gathered, timeout=comm.timeout,
+                                         agree=comm.agree)
 
     def rs(self, comm, ctx, x, w, *, chunks, overlap_with):
         return chunked.matmul_reduce_scatter(x, w, group=comm.group, chunks=chunks,
-                                             overlap_with=overlap_with, timeout=comm.timeout)
+                                             overlap_with=overlap_with, timeout=comm.timeout,
+                                             agree=comm.agree)
 
     def ar(self, comm, ctx, x, w, *, chunks):
         return chunked.matmul_all_reduce(x, w, group=comm.group, chunks=chunks,
-                                         timeout=comm.timeout)
+                                         timeout=comm.timeout, agree=comm.agree)
 
 
 class SymmetricBackend(Backend):
@@ -97,24 +99,25 @@ class SymmetricBackend(Backend):
         if ctx is None:
             return _BACKENDS["chunked"].ag(comm, None, x_shard, w, chunks=chunks,
                                        return_gathered=return_gathered)
-        return _poisoned(ctx, "all_gather_matmul", lambda: symmetric.all_gather_matmul(
+        return _poisoned(comm, ctx, "all_gather_matmul", lambda: symmetric.all_gather_matmul(
             ctx, x_shard, w, chunks=chunks, return_gathered=return_gathered))
 
     def rs(self, comm, ctx, x, w, *, chunks, overlap_with):
         if ctx is None:
             return _BACKENDS["chunked"].rs(comm, None, x, w, chunks=chunks,
                                        overlap_with=overlap_with)
-        return _poisoned(ctx, "matmul_reduce_scatter", lambda: symmetric.matmul_reduce_scatter(
-            ctx, x, w, chunks=chunks, overlap_with=overlap_with))
+        return _poisoned(comm, ctx, "matmul_reduce_scatter",
+                         lambda: symmetric.matmul_reduce_scatter(ctx, x, w, chunks=chunks,
+                                                                 overlap_with=overlap_with))
 
     def ar(self, comm, ctx, x, w, *, chunks):
         if ctx is None:
             return _BACKENDS["chunked"].ar(comm, None, x, w, chunks=chunks)
-        return _poisoned(ctx, "matmul_all_reduce",
+        return _poisoned(comm, ctx, "matmul_all_reduce",
                          lambda: symmetric.matmul_all_reduce(ctx, x, w, chunks=chunks))
 
 
-def _poisoned(ctx, op: str, run):
+def _poisoned(comm, ctx, op: str, run):
     """Run a symmetric op with the workspace's poisoned-output contract (overlap.symm.base):
     first raise what a device-side wait of an earlier op recorded (no host sync), then, after
     the op, poison its outputs in stream order if one of its own waits gave up."""
@@ -123,6 +126,18 @@ def _poisoned(ctx, op: str, run):
     for t in (out if isinstance(out, tuple) else (out,)):
         if t is not None:
             ctx.ws.poison_if_error(t)
+    return _stamp_poisoned(comm, out)
+
+
+def _stamp_poisoned(comm, out):
+    """Poison a workspace backend's outputs if this call's stamp wait gave up or (GPU) the
+    device found a peer's stamp foreign; the next call raises (overlap.tp.stamps)."""
+    outs = [t for t in (out if isinstance(out, tuple) else (out,)) if t is not None]
+    if comm.header is not None:
+        for t in outs:
+            comm.header.poison(t)
+    if comm.agree is not None:
+        comm.agree.poison(*outs)
     return out
 
 
@@ -152,9 +167,9 @@ class TritonBackend(Backend):
                                  x_shard.dtype)
         ctx.require("all_gather_matmul", need, f"a shard of {m} x {k} {x_shard.dtype}")
         # sync=False: no host read of the status word per call (see tp_sync.finish_call).
-        return self._kernels().ag_gemm(ctx.ws, x_shard.contiguous(), w.contiguous(),
-                                       phase=ctx.next_phase(), return_gathered=return_gathered,
-                                       sync=False)
+        return _stamp_poisoned(comm, self._kernels().ag_gemm(
+            ctx.ws, x_shard.contiguous(), w.contiguous(), phase=ctx.next_phase(),
+            return_gathered=return_gathered, sync=False))
 
     def rs(self, comm, ctx, x, w, *, chunks, overlap_with, op="matmul_reduce_scatter"):
         need, _ = self.workspace("matmul_reduce_scatter", x.shape[0], x.shape[1], w.shape[1],
@@ -164,7 +179,7 @@ class TritonBackend(Backend):
                                     phase=ctx.next_phase(), sync=False)
         if overlap_with is not None:
             overlap_with()
-        return y
+        return _stamp_poisoned(comm, y)
 
     def ar(self, comm, ctx, x, w, *, chunks):
         rows, world = x.shape[0], ctx.world

@@ -16,8 +16,15 @@ Shape legend (per rank; ``world`` ranks in ``group``, ``r`` = this rank):
   world - 1 hops each block has been summed by every rank and lands on its owner. The GEMM of
   step j + 1 runs while step j's sum travels. Partial sums travel in the input dtype (bf16 sums
   round at every hop, as NCCL's ring does).
-- ``matmul_all_reduce``: M split into ``chunks`` row blocks; block i's async all_reduce runs
-  while block i + 1 is multiplied (one reduction in flight at a time).
+- ``matmul_all_reduce``: the reduce-scatter ring above (M padded to a multiple of world with
+  zero rows), then a ring all-gather of the reduced shards (no GEMM): NCCL's ring all-reduce,
+  with the GEMMs under the first half.
+
+Per-call agreement: with ``agree`` (the communicator's overlap.dist.stamp.Agreement) the first
+batch of a call also sends this call's stamp to every peer and receives theirs (tiny messages
+in the same batch, so every rank holds every stamp after one hop); they are compared once that
+batch has landed, before any received data is used, and also when the batch failed (ranks
+whose sizes differ make the transport fail: the stamps still name the disagreement).
 
 Every chunk's comm and GEMM sits in an ``overlap.profile.nvtx`` range named
 ``<op>.chunked.comm[i]`` / ``.gemm[i]`` (the comm range covers the launch and, separately, the
@@ -32,6 +39,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from overlap.dist.stamp import Agreement, Disagreement
 from overlap.profile import nvtx
 from overlap.profile.timers import comm_wait
 
@@ -50,8 +58,12 @@ def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
+_STAMP_TAG = 1 << 20  # apart from the pieces' tags (the step numbers)
+
+
 def _exchange(group: dist.ProcessGroup, send: torch.Tensor | None, to: int,
-              recv: torch.Tensor | None, frm: int, tag: int) -> list:
+              recv: torch.Tensor | None, frm: int, tag: int,
+              agree: Agreement | None = None) -> list:
     # One batch so NCCL posts the send and the receive together: every rank sends first, and
     # unbatched blocking sends would wait on receives queued behind them.
     ops = []
@@ -59,7 +71,33 @@ def _exchange(group: dist.ProcessGroup, send: torch.Tensor | None, to: int,
         ops.append(dist.P2POp(dist.isend, send, to, group, tag))
     if recv is not None:
         ops.append(dist.P2POp(dist.irecv, recv, frm, group, tag))
+    if agree is not None:  # the call's stamp to and from every peer, in the same batch
+        agree.clear_received()  # a row left from an earlier call must not pass for this one
+        me = dist.get_rank(group)
+        for q in range(dist.get_world_size(group)):
+            if q != me:
+                peer = dist.get_global_rank(group, q)
+                ops.append(dist.P2POp(dist.isend, agree.send, peer, group, _STAMP_TAG))
+                ops.append(dist.P2POp(dist.irecv, agree.recv[q], peer, group, _STAMP_TAG))
     return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait_first(works: list, agree: Agreement | None, *, op: str, group: dist.ProcessGroup,
+                timeout: float, what: str) -> None:
+    """Wait for a call's first batch, then compare the stamps it carried. A transport error
+    (ranks whose sizes differ) is reported as the disagreement when the stamps show one."""
+    peers = [q for q in range(dist.get_world_size(group)) if q != dist.get_rank(group)]
+    try:
+        _wait(works, op=op, group=group, timeout=timeout, what=what)
+    except RuntimeError as exc:
+        if agree is not None:
+            try:
+                agree.verify(op, peers, arrived_only=True)
+            except Disagreement as named:
+                raise named from exc
+        raise
+    if agree is not None:
+        agree.verify(op, peers)
 
 
 def _wait(works: list, *, op: str, group: dist.ProcessGroup, timeout: float, what: str) -> None:
@@ -85,20 +123,23 @@ def _neighbours(group: dist.ProcessGroup) -> tuple[int, int, int, int]:
     return rank, world, right, left
 
 
-def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGroup,
-                      chunks: int, return_gathered: bool, timeout: float,
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """y [M, N] = all_gather(x_shard [m, K], dim 0) @ w [K, N]; also x [M, K] if asked."""
+def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
+                      group: dist.ProcessGroup, chunks: int, return_gathered: bool,
+                      timeout: float, agree: Agreement | None = None,
+                      op: str = "all_gather_matmul",
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """y [M, N] = all_gather(x_shard [m, K], dim 0) @ w [K, N]; also x [M, K] if asked.
+    ``w=None`` only gathers (y is None)."""
     rank, world, right, left = _neighbours(group)
     if world == 1:
-        with nvtx.range("all_gather_matmul.chunked.gemm[0]"):
-            return x_shard @ w, (x_shard if return_gathered else None)
+        with nvtx.range(f"{op}.chunked.gemm[0]"):
+            return (None if w is None else x_shard @ w), (x_shard if return_gathered else None)
     x_shard = x_shard.contiguous()
     m, k = x_shard.shape
     pieces = split_bounds(m, chunks // world)
     s = len(pieces)
     gathered = x_shard.new_empty(world * m, k)
-    y = x_shard.new_empty(world * m, w.shape[1])
+    y = None if w is None else x_shard.new_empty(world * m, w.shape[1])
 
     def rows(t: int) -> tuple[int, int]:
         j, p = divmod(t, s)
@@ -115,34 +156,40 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, *, group: dist.Pro
     inflight: dict[int, list] = {}
     for t in range(world * s):
         if t in inflight:
-            with nvtx.range(f"all_gather_matmul.chunked.comm[{t}].wait"):
-                _wait(inflight.pop(t), op="all_gather_matmul", group=group, timeout=timeout,
-                      what=f"receive of piece {t} from the left neighbour (rank "
-                           f"{(rank - 1) % world})")
+            with nvtx.range(f"{op}.chunked.comm[{t}].wait"):
+                _wait_first(inflight.pop(t), agree if t == s else None, op=op, group=group,
+                            timeout=timeout, what=f"receive of piece {t} from the left "
+                                                  f"neighbour (rank {(rank - 1) % world})")
         if t + s < world * s:
             # Forward this piece and receive the one we multiply s steps from now.
             lo, hi = rows(t + s)
-            with nvtx.range(f"all_gather_matmul.chunked.comm[{t + s}]"):
-                works = _exchange(group, piece(t), right, gathered[lo:hi], left, tag=t)
+            with nvtx.range(f"{op}.chunked.comm[{t + s}]"):
+                works = _exchange(group, piece(t), right, gathered[lo:hi], left, tag=t,
+                                  agree=agree if t == 0 else None)
             inflight[t + s] = works
-        lo, hi = rows(t)
-        with nvtx.range(f"all_gather_matmul.chunked.gemm[{t}]"):
-            torch.matmul(piece(t), w, out=y[lo:hi])
-    if return_gathered:
+        if w is not None:
+            lo, hi = rows(t)
+            with nvtx.range(f"{op}.chunked.gemm[{t}]"):
+                torch.matmul(piece(t), w, out=y[lo:hi])
+    if return_gathered or w is None:
         gathered[rank * m:(rank + 1) * m].copy_(x_shard)
-    return y, (gathered if return_gathered else None)
+    if agree is not None:
+        agree.poison(y, gathered)
+    return y, (gathered if return_gathered or w is None else None)
 
 
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGroup,
                           chunks: int, timeout: float,
-                          overlap_with: Callable[[], None] | None = None) -> torch.Tensor:
+                          overlap_with: Callable[[], None] | None = None,
+                          agree: Agreement | None = None,
+                          op: str = "matmul_reduce_scatter") -> torch.Tensor:
     """y_shard [m, N] = reduce_scatter(x [M, K] @ w [K, N], dim 0), summed over ranks.
 
     ``overlap_with`` (e.g. the weight-gradient GEMM of a backward) runs once every GEMM of this
     op is done and only the last hop's transfers are in flight, then the op waits for them."""
     rank, world, right, left = _neighbours(group)
     if world == 1:
-        with nvtx.range("matmul_reduce_scatter.chunked.gemm[0]"):
+        with nvtx.range(f"{op}.chunked.gemm[0]"):
             y = x @ w
         if overlap_with is not None:
             overlap_with()
@@ -160,15 +207,15 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
         j, p = divmod(t, s)
         d = (rank - 1 - j) % world
         lo, hi = d * m + pieces[p][0], d * m + pieces[p][1]
-        with nvtx.range(f"matmul_reduce_scatter.chunked.gemm[{t}]"):
+        with nvtx.range(f"{op}.chunked.gemm[{t}]"):
             return x[lo:hi] @ w
 
     def add_received(t: int, part: torch.Tensor) -> None:
         works, buf, _sent = inflight.pop(t)
-        with nvtx.range(f"matmul_reduce_scatter.chunked.comm[{t}].wait"):
-            _wait(works, op="matmul_reduce_scatter", group=group, timeout=timeout,
-                  what=f"receive of partial sum {t} from the left neighbour (rank "
-                       f"{(rank - 1) % world})")
+        with nvtx.range(f"{op}.chunked.comm[{t}].wait"):
+            _wait_first(works, agree if t == s else None, op=op, group=group,
+                        timeout=timeout, what=f"receive of partial sum {t} from the left "
+                                              f"neighbour (rank {(rank - 1) % world})")
         part += buf
 
     for t in range((world - 1) * s):
@@ -177,8 +224,9 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
             add_received(t, part)
         lo, hi = pieces[t % s]  # piece t + s has the same rows within its block
         buf = x.new_empty(hi - lo, n)
-        with nvtx.range(f"matmul_reduce_scatter.chunked.comm[{t + s}]"):
-            works = _exchange(group, part, right, buf, left, tag=t)
+        with nvtx.range(f"{op}.chunked.comm[{t + s}]"):
+            works = _exchange(group, part, right, buf, left, tag=t,
+                              agree=agree if t == 0 else None)
         inflight[t + s] = (works, buf, part)
     # Last step: our own block. Its GEMMs need no data from peers, so they and the caller's
     # extra work run while the final hop's partial sums are still travelling.
@@ -189,29 +237,28 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
         add_received(t, part)
         lo, hi = pieces[t % s]
         out[lo:hi] = part
+    if agree is not None:
+        agree.poison(out)
     return out
 
 
 def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGroup,
-                      chunks: int, timeout: float) -> torch.Tensor:
-    """y [M, N] = all_reduce(x [M, K] @ w [K, N]), row block by row block."""
-    y = x.new_empty(x.shape[0], w.shape[1])
-    if dist.get_world_size(group) == 1:
-        with nvtx.range("matmul_all_reduce.chunked.gemm[0]"):
-            return torch.matmul(x, w, out=y)
-    inflight = None
-    for i, (lo, hi) in enumerate(split_bounds(x.shape[0], chunks)):
-        with nvtx.range(f"matmul_all_reduce.chunked.gemm[{i}]"):
-            torch.matmul(x[lo:hi], w, out=y[lo:hi])
-        # One reduction in flight at a time: block i - 1's ran under GEMM i. (Several
-        # outstanding gloo collectives contend for its worker threads and finish later.)
-        if inflight is not None:
-            with nvtx.range(f"matmul_all_reduce.chunked.comm[{i - 1}].wait"):
-                _wait([inflight], op="matmul_all_reduce", group=group, timeout=timeout,
-                      what=f"all-reduce of row block {i - 1}")
-        with nvtx.range(f"matmul_all_reduce.chunked.comm[{i}]"):
-            inflight = dist.all_reduce(y[lo:hi], group=group, async_op=True)
-    with nvtx.range("matmul_all_reduce.chunked.comm.wait"):
-        _wait([inflight], op="matmul_all_reduce", group=group, timeout=timeout,
-              what="all-reduce of the last row block")
-    return y
+                      chunks: int, timeout: float, agree: Agreement | None = None
+                      ) -> torch.Tensor:
+    """y [M, N] = all_reduce(x [M, K] @ w [K, N]) as a reduce-scatter ring (the GEMMs under
+    it) and a ring all-gather of the reduced shards; every rank ends with the same bytes."""
+    op = "matmul_all_reduce"
+    world = dist.get_world_size(group)
+    if world == 1:
+        with nvtx.range(f"{op}.chunked.gemm[0]"):
+            return x @ w
+    rows = x.shape[0]
+    m = -(-rows // world)
+    if rows % world:  # zero rows make M divisible; they reduce to zeros and are dropped
+        x = torch.cat([x, x.new_zeros(m * world - rows, x.shape[1])])
+    s = max(1, chunks // world)
+    y_shard = matmul_reduce_scatter(x, w, group=group, chunks=s * world, timeout=timeout,
+                                    agree=agree, op=op)
+    _, y = all_gather_matmul(y_shard, None, group=group, chunks=world, return_gathered=True,
+                             timeout=timeout, op=op)
+    return y[:rows]

@@ -14,8 +14,12 @@ What it owns, so nothing of it lives in module-level state:
   signal wait run through it;
 - the workspaces of the symmetric/triton backends (one ``TPContext`` per op and shape, at most
   ``MAX_CONTEXTS``, least recently used closed first) with their phase counters and copiers;
-- the shape signatures already agreed across ranks (the cross-rank check runs once per
-  signature, so steady-state calls make no collective for it);
+- its **per-call agreement** (overlap.tp.stamps): every call counts and carries a stamp of its
+  op, shapes, dtype and options in the data it exchanges (the first P2P batch; a header slot of
+  a small userbuffer for the workspace backends), compared where it is received, so ranks that
+  disagree on any call raise at once on every rank; the full cross-rank check (one small
+  all-gather with named fields) runs on the communicator's first call only, which every rank
+  reaches alike;
 - its **failure state**. Any error inside an op, local or remote, fails the communicator: it
   aborts its workspaces (peers waiting on this rank raise at once, with this rank's reason) and
   every later call on it, on every rank, raises ``TPCommFailed`` carrying the first error, as
@@ -40,7 +44,9 @@ import torch
 import torch.distributed as dist
 
 from overlap.dist.host import host_id
+from overlap.dist.stamp import Agreement
 from overlap.symm.workspace import group_name
+from overlap.tp import stamps
 
 __all__ = ["TPComm", "TPCommFailed", "BACKENDS", "DEFAULT_TIMEOUT", "MAX_CONTEXTS",
            "default_comm", "owned_comm", "close_default_comms"]
@@ -91,7 +97,14 @@ class TPComm:
         self.closed = False
         self._failed: BaseException | None = None
         self._contexts: collections.OrderedDict[tuple, object] = collections.OrderedDict()
-        self._agreed: set[tuple] = set()
+        self.agree: Agreement | None = None
+        self.header: stamps.HeaderBlock | None = None
+        if self.world > 1:
+            self.agree = Agreement(stamps.SCHEMA, rank=self.rank, world=self.world,
+                                   device=self.device, where=at)
+            if self.backend in ("symmetric", "triton"):
+                self.header = stamps.HeaderBlock(group, device=self.device,
+                                                 timeout=self.timeout)
 
     def _resolve(self, backend: str, at: str) -> str:
         from overlap.tp.backends import have_triton_tp
@@ -100,15 +113,23 @@ class TPComm:
             raise ValueError(f"TPComm: backend='triton' needs overlap.kernels.triton.tp_gemm, "
                              f"which this build lacks; use 'auto', 'symmetric' or "
                              f"'chunked'{at}")
+        if self.world == 1:
+            return "chunked" if backend == "auto" else backend
+        # One small collective at construction (which is collective anyway): the ranks must
+        # agree on the backend, since each backend exchanges its stamps its own way.
+        every: list = [None] * self.world
+        dist.all_gather_object(every, (backend, self.chunks, host_id()), group=self.group)
+        for field, i in (("backend", 0), ("chunks", 1)):
+            values = [e[i] for e in every]
+            if len(set(values)) > 1:
+                shown = ", ".join(f"rank {r}={v!r}" for r, v in enumerate(values))
+                raise ValueError(f"TPComm: ranks disagree on {field}: {shown}{at}; every rank "
+                                 f"of the group must pass the same {field}")
         if backend != "auto":
             return backend
-        if self.world == 1:
-            return "chunked"
         if self.device.type == "cuda" and have_triton_tp():
             return "triton"
-        hosts: list = [None] * self.world
-        dist.all_gather_object(hosts, host_id(), group=self.group)
-        return "symmetric" if len(set(hosts)) == 1 else "chunked"
+        return "symmetric" if len({e[2] for e in every}) == 1 else "chunked"
 
     def __repr__(self) -> str:
         state = ("closed" if self.closed else f"failed: {self._failed}" if self._failed
@@ -142,13 +163,29 @@ class TPComm:
         for ctx in list(self._contexts.values()):
             ctx.fail(exc)
         self._contexts.clear()
+        if self.header is not None:
+            try:
+                self.header.fail(f"{exc}")
+            except Exception:
+                pass
 
     # ------------------------------------------------------------------ per-op state
-    def agreed(self, key: tuple) -> bool:
-        return key in self._agreed
+    def first_call(self) -> bool:
+        """True before the first op call: the one call every rank reaches in the same state,
+        so the full cross-rank check may run there without desynchronising the ranks."""
+        return self.agree is None or self.agree.calls == 0
 
-    def mark_agreed(self, key: tuple) -> None:
-        self._agreed.add(key)
+    def stamp(self, op: str, x: torch.Tensor, w: torch.Tensor | None, chunks: int,
+              flags: int, timeout: float | None = None) -> None:
+        """Count this call and publish its stamp; the workspace backends compare every
+        peer's at once (the chunked backend compares in its first batch). ``timeout``: an
+        explicit context's, which bounds the whole call."""
+        if self.agree is None:
+            return
+        self.agree.next(op, stamps.stamp_values(x, w, chunks, flags,
+                                                BACKENDS.index(self.backend)))
+        if self.header is not None:
+            self.header.exchange(op, self.agree, timeout)
 
     def context(self, key: tuple, create):
         """The workspace context for ``key``, created (collectively) by ``create()`` once."""
@@ -178,6 +215,8 @@ class TPComm:
         for ctx in list(self._contexts.values()):
             ctx.close(wait_for_peers=self._failed is None)
         self._contexts.clear()
+        if self.header is not None:
+            self.header.close(wait_for_peers=self._failed is None)
 
     def __enter__(self) -> "TPComm":
         return self
@@ -189,6 +228,8 @@ class TPComm:
         try:
             for ctx in list(self._contexts.values()):
                 ctx.close(wait_for_peers=False)
+            if self.header is not None:
+                self.header.close(wait_for_peers=False)
         except Exception:
             pass
 

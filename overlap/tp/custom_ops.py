@@ -121,7 +121,8 @@ def _ag_mm_bwd(dy: torch.Tensor, gathered: torch.Tensor, w: torch.Tensor, handle
     wt = w.t()
     op = "matmul_reduce_scatter"
     dx2 = run.guarded(op, lambda: run.backend.rs(run.comm, run.ctx_for(op, dy2, wt), dy2, wt,
-                                                 chunks=run.chunks, overlap_with=wgrad))
+                                                 chunks=run.chunks, overlap_with=wgrad),
+                      dy2, wt)
     if dw is None:  # a backend that ran the GEMM without calling back
         wgrad()
     lead = (g_sf.shape[0] // comm.world, *g_sf.shape[1:-1])

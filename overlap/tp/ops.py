@@ -25,11 +25,12 @@ relative; bf16/fp16 reduce-scatter sums are rounded to the input dtype at every 
 (chunked, like NCCL) or summed in fp32 then rounded once (symmetric, triton).
 
 ``check_inputs`` (default True): local checks always run before any communication (shapes,
-K, dtypes, divisibility; overlap.tp.checks). On top, ranks compare their shapes with one small
-all_gather of int64 metadata, once per shape signature per communicator (so steady-state calls
-cost no collective and no host sync). A disagreement raises ValueError on every rank naming the
-ranks. A rank that diverges later surfaces as a timeout within the comm's timeout. Pass False
-to skip the collective.
+K, dtypes, divisibility; overlap.tp.checks). On top, the communicator's first call compares
+every rank's shapes with one small all_gather of int64 metadata. Every call, the first and
+every later one and also with ``check_inputs=False``, carries a stamp (op, call number,
+shapes, dtype, options) in the data it exchanges (overlap.tp.stamps): ranks that disagree on
+any call raise ``Disagreement`` (a ValueError) on every rank at once, naming the op, the call
+number and both ranks' values, at no extra collective and no host sync.
 
 Failures stay failures: any error inside an op (a refused input, a timeout, a dead peer) fails
 its communicator, and every later call on it raises TPCommFailed with the first error.
@@ -72,10 +73,16 @@ class _Run:
             return self.context
         return backends.context_for(self.comm, self.backend, op, x, w, on_create)
 
-    def guarded(self, op: str, fn):
-        """Run ``fn``; any error fails the communicator (peers blocked on us raise now)."""
+    def guarded(self, op: str, fn, x: torch.Tensor | None = None, w: torch.Tensor | None = None,
+                flags: int = 0):
+        """Run ``fn``; any error fails the communicator (peers blocked on us raise now).
+        With ``x`` (the backend's 2-D input) the call is counted and stamped first
+        (overlap.tp.stamps), so ranks that disagree on it raise before anything else."""
         self.comm.ensure_usable(op)
         try:
+            if x is not None:
+                self.comm.stamp(op, x, w, self.chunks, flags,
+                                None if self.context is None else self.context.timeout)
             return fn()
         except TPCommFailed:
             raise
@@ -140,11 +147,12 @@ def _prepare(op: str, x, w, *, comm, group, backend: str, chunks, check_inputs: 
         validate(op, xs, w, group=c.group, backend=c.backend, chunks=chunks)
         run.backend = backends.backend_for(c, x.dtype)
         run.chunks = chunks or c.chunks or c.world
-        if check and c.world > 1:
-            sig = signature(op, c.backend, xs, w, chunks, flags)
-            if not c.agreed(tuple(sig)):
-                check_across_ranks(op, sig, group=c.group, device=x.device)
-                c.mark_agreed(tuple(sig))
+        # The named all-gather check runs on the communicator's first call only: every rank
+        # reaches that call alike, so no rank can run a collective its peers skip. Every call
+        # (this one included) is then compared through its stamp (overlap.tp.stamps).
+        if check and c.world > 1 and c.first_call():
+            check_across_ranks(op, signature(op, c.backend, xs, w, chunks, flags),
+                               group=c.group, device=x.device)
         return run
 
     return run.guarded(op, setup)
@@ -173,7 +181,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         op = "all_gather_matmul"
         y, gathered = run.guarded(op, lambda: run.backend.ag(
             run.comm, run.ctx_for(op, x_shard, w), x_shard, w, chunks=run.chunks,
-            return_gathered=True))
+            return_gathered=True), x_shard, w, flags=1)
         if gathered is x_shard:  # one rank: an output must not alias an input
             gathered = gathered.clone()
         ctx.run = run
@@ -200,9 +208,10 @@ class _AllGatherMatmul(torch.autograd.Function):
                 wt = w.t()
                 dx_shard = run.guarded(op, lambda: run.backend.rs(
                     run.comm, run.ctx_for(op, dy, wt), dy, wt, chunks=run.chunks,
-                    overlap_with=wgrad if need_dw else None))
+                    overlap_with=wgrad if need_dw else None), dy, wt)
         if need_dx and dgathered is not None:
-            extra = run.guarded(op, lambda: backends.scatter(run.comm, dgathered))
+            extra = run.guarded("reduce_scatter (tp backward)",
+                                lambda: backends.scatter(run.comm, dgathered), dgathered)
             dx_shard = extra if dx_shard is None else dx_shard + extra
         return dx_shard, dw, None
 
@@ -214,7 +223,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w)
         op = "matmul_reduce_scatter"
         return run.guarded(op, lambda: run.backend.rs(
-            run.comm, run.ctx_for(op, x, w), x, w, chunks=run.chunks, overlap_with=None))
+            run.comm, run.ctx_for(op, x, w), x, w, chunks=run.chunks, overlap_with=None), x, w)
 
     @staticmethod
     def backward(ctx, dy_shard):
@@ -228,9 +237,10 @@ class _MatmulReduceScatter(torch.autograd.Function):
             wt = w.t()
             dx, dy = run.guarded(op, lambda: run.backend.ag(
                 run.comm, run.ctx_for(op, dy_shard, wt), dy_shard, wt, chunks=run.chunks,
-                return_gathered=need_dw))
+                return_gathered=need_dw), dy_shard, wt, flags=int(need_dw))
         else:
-            dy = run.guarded(op, lambda: backends.gather(run.comm, dy_shard))
+            dy = run.guarded("all_gather (tp backward)",
+                             lambda: backends.gather(run.comm, dy_shard), dy_shard)
         if need_dw:
             dw = x.t() @ dy
         return dx, dw, None
@@ -242,7 +252,7 @@ class _MatmulAllReduce(torch.autograd.Function):
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w)
         op = "matmul_all_reduce"
         return run.guarded(op, lambda: run.backend.ar(
-            run.comm, run.ctx_for(op, x, w), x, w, chunks=run.chunks))
+            run.comm, run.ctx_for(op, x, w), x, w, chunks=run.chunks), x, w)
 
     @staticmethod
     def backward(ctx, dy):

@@ -1,0 +1,107 @@
+"""Per-call agreement for the fused TP ops (overlap.dist.stamp applied to a TPComm).
+
+Every op call on a communicator of more than one rank publishes a stamp: the op, the
+communicator's call number, the 2-D shapes the backend sees, the dtype, ``chunks``, flags and
+the backend. Where it travels:
+
+- ``chunked``: in the first P2P batch of the call, one tiny send to and receive from every peer
+  beside the first piece, so every rank holds every rank's stamp after one hop;
+- ``symmetric`` and ``triton``: in a :class:`HeaderBlock`, a small userbuffer the communicator
+  maps once: a rank writes its stamp into its own ring slot, then signals every peer; before
+  anything that depends on the shapes (a workspace for a new shape is created collectively),
+  each rank waits for every peer's stamp of this call and compares. A peer that takes another
+  path (a new shape, another op) still publishes first, so both sides raise at once.
+
+The comparison and the error are overlap.dist.stamp's (``Agreement.verify``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from overlap.dist.stamp import STAMP_WORDS, Agreement, Schema, shape_words
+from overlap.symm.workspace import create_workspace
+
+__all__ = ["SCHEMA", "HeaderBlock", "stamp_values"]
+
+SCHEMA = Schema("tp", ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
+                       "all_gather (tp backward)", "reduce_scatter (tp backward)"),
+                (("x shape", 3, "shape"), ("w shape", 2, "shape"), ("dtype", 1, "dtype"),
+                 ("chunks", 1, "int"), ("flags", 1, "int"),
+                 ("backend", 1, ("auto", "chunked", "symmetric", "triton", "unfused"))))
+
+_RING = 4  # a rank is at most one call ahead of any peer (every call waits for all stamps)
+
+
+def stamp_values(x: torch.Tensor, w: torch.Tensor | None, chunks: int, flags: int,
+                 backend_code: int) -> dict:
+    from overlap.dist.stamp import DTYPE_CODES
+
+    return {"x shape": shape_words(x.shape, 3),
+            "w shape": shape_words(() if w is None else w.shape, 2),
+            "dtype": DTYPE_CODES.get(x.dtype, 0), "chunks": chunks, "flags": flags,
+            "backend": backend_code}
+
+
+class HeaderBlock:
+    """A ring of stamp slots per rank in a userbuffer, with one signal per peer (slot q: the
+    last call whose stamp rank q has published). Collective to create, like any workspace."""
+
+    def __init__(self, group, *, device: torch.device, timeout: float):
+        from overlap.profile.syncs import not_a_device_sync
+
+        self.ws = create_workspace(group, _RING * STAMP_WORDS * 8, num_signals=max(
+            1, torch.distributed.get_world_size(group)), device=device, timeout=timeout)
+        self.rank, self.world = self.ws.rank, self.ws.world
+        self.peers = [q for q in range(self.world) if q != self.rank]
+        self._rings = [self.ws.view(q, torch.int64, (_RING, STAMP_WORDS))
+                       for q in range(self.world)]
+        self._gpu = self.ws.device.type == "cuda"
+        self._lock = threading.Lock()
+        self._closed = False
+        if not self._gpu:
+            with not_a_device_sync("numpy views of shared host memory, made once"):
+                self._rings_np = [r.numpy() for r in self._rings]
+
+    def exchange(self, op: str, agree: Agreement, timeout: float | None = None) -> None:
+        """Publish this call's stamp, wait for every peer's, compare (raise on mismatch).
+
+        With device-side waits (CUDA; the shm twin with OVERLAP_SHM_DEVICE_WAITS=1) a wait
+        that gives up records its error and returns: the stamps are then not compared (they
+        are stale), the op's outputs are poisoned with this block's record (``poison``) and
+        the next call raises it, as every symmetric op does with its own workspace."""
+        self.ws.raise_pending(op)
+        c = agree.calls
+        slot = c % _RING
+        if self._gpu:
+            self._rings[self.rank][slot].copy_(agree.send)
+        else:
+            self._rings_np[self.rank][slot] = agree.mine
+        for q in self.peers:
+            self.ws.signal(q, self.rank, c)
+        for q in self.peers:
+            self.ws.wait(q, c, timeout, peer=q)
+        if not self._gpu and self.ws.pending():
+            return  # a wait gave up (device-wait mode): outputs are poisoned, next call raises
+        rows = self._rings if self._gpu else self._rings_np
+        agree.verify(op, self.peers, {q: rows[q][slot] for q in self.peers})
+
+    def poison(self, out: torch.Tensor) -> None:
+        self.ws.poison_if_error(out)
+
+    def fail(self, reason: str) -> None:
+        """Wake peers waiting on this rank's stamp (they raise with ``reason``), then free the
+        block on a thread of its own once they have let go of it: a peer may still be reading
+        this call's stamp, and a freed block is poisoned (as freed GPU memory is reused)."""
+        self.ws.abort(reason)
+        threading.Thread(target=self.close, kwargs={"wait_for_peers": True}, daemon=True,
+                         name="overlap-deferred-free-tp-stamps").start()
+
+    def close(self, *, wait_for_peers: bool) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.ws.close(wait_for_peers=wait_for_peers, timeout=min(5.0, self.ws.timeout))
