@@ -39,6 +39,7 @@ later with ``dist.new_group`` inherits it.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import threading
 import time
 from datetime import timedelta
@@ -176,6 +177,7 @@ class _Comm:
         self._issued = 0
         self._closed = False
         self._delay = streams.InjectedDelay(name)
+        self._senders: concurrent.futures.ThreadPoolExecutor | None = None  # made on demand
         self._thread = threading.Thread(target=self._loop, name=f"nccl_twin {name}",
                                         daemon=True)
         self._thread.start()
@@ -214,6 +216,17 @@ class _Comm:
         with self._cv:
             self._closed = True
             self._cv.notify()
+            senders, self._senders = self._senders, None
+        if senders is not None:  # idle between batches; a running release ends at its deadline
+            senders.shutdown(wait=False, cancel_futures=True)
+
+    def _sender_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        # Reused threads: a batch with several sends would otherwise start a thread per send.
+        with self._cv:
+            if self._senders is None:
+                self._senders = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=8, thread_name_prefix=f"nccl_twin sender {self.name}")
+            return self._senders
 
     def blocked_report(self, op: _Op, waited: float) -> str:
         head = self._current
@@ -352,12 +365,9 @@ class _Comm:
             if len(sends) == 1:
                 release(0)
             else:
-                helpers = [threading.Thread(target=release, args=(i,), daemon=True)
-                           for i in range(len(sends))]
-                for h in helpers:
-                    h.start()
-                for h in helpers:
-                    h.join()
+                pool = self._sender_pool()
+                for done in [pool.submit(release, i) for i in range(len(sends))]:
+                    done.result()
             works += [w for ws in posted if ws for w in ws]
         op.state = "transferring"
         # Every transfer of the batch completes (so no peer is left waiting) before an error.

@@ -195,6 +195,7 @@ class Agreement:
         self.schema, self.rank, self.world, self.where = schema, rank, world, where
         self.device = torch.device(device)
         self.calls = 0
+        self._layouts: dict[tuple, list[int]] = {}
         self.mine: list[int] = [0] * STAMP_WORDS
         self.send = torch.zeros(STAMP_WORDS, dtype=torch.int64, device=self.device)
         self.recv = torch.zeros(world, STAMP_WORDS, dtype=torch.int64, device=self.device)
@@ -218,10 +219,21 @@ class Agreement:
         self._record_np = self._record_host.numpy()
         self._flag = torch.zeros((), dtype=torch.bool, device=self.device)
 
-    def next(self, op: str, values: Mapping[str, int | Sequence[int]]) -> list[int]:
-        """Count the call and write its stamp into ``send``."""
+    def next(self, op: str, values: Mapping[str, int | Sequence[int]] | None = None, *,
+             key: tuple | None = None,
+             make: Callable[[], Mapping[str, int | Sequence[int]]] | None = None) -> list[int]:
+        """Count the call and write its stamp into ``send``. Either ``values``, or a hashable
+        ``key`` of them with ``make()`` building them on a key's first call (the layout is
+        then reused: the per-call host work is a copy and the call number)."""
         self.calls += 1
-        self.mine = self.schema.words(op, self.calls, values)
+        if values is None:
+            base = self._layouts.get(key)
+            if base is None:
+                base = self._layouts[key] = self.schema.words(op, 0, make())
+            self.mine = list(base)
+            self.mine[1] = self.calls
+        else:
+            self.mine = self.schema.words(op, self.calls, values)
         if self._gpu:
             # A fresh pinned block from torch's caching host allocator: it is not handed out
             # again before this async copy has run, however far the host runs ahead.
@@ -251,7 +263,8 @@ class Agreement:
         got = {q: (self._recv_np[q] if rows is None else rows[q]) for q in peers}
         if arrived_only:
             got = {q: w for q, w in got.items() if int(w[0]) == MAGIC}
-        bad = {q: w for q, w in got.items() if list(w) != self.mine}
+        mine = self._send_np.tobytes()  # ``send`` holds this call's words
+        bad = {q: w for q, w in got.items() if w.tobytes() != mine}
         if bad:
             self.schema.check(op, self.mine, {q: list(w) for q, w in bad.items()},
                               rank=self.rank, where=self.where)

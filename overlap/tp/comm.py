@@ -182,8 +182,10 @@ class TPComm:
         explicit context's, which bounds the whole call."""
         if self.agree is None:
             return
-        self.agree.next(op, stamps.stamp_values(x, w, chunks, flags,
-                                                BACKENDS.index(self.backend)))
+        self.agree.next(op, key=(op, x.shape, None if w is None else w.shape, x.dtype, chunks,
+                                 flags),
+                        make=lambda: stamps.stamp_values(x, w, chunks, flags,
+                                                         BACKENDS.index(self.backend)))
         if self.header is not None:
             self.header.exchange(op, self.agree, timeout)
 
