@@ -383,9 +383,13 @@ def _rank_wire_bytes(numels):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_bytes_on_the_wire(world_size):
     rows = run_ranks(_rank_wire_bytes, world_size, [1024, 4096 * world_size, 3 * 128 * 4 * 22])[0]
+    # Every call's stamp (issue 23) is a fixed STAMP_BYTES per row of its first exchange, not
+    # a fraction of the payload: at 1024 elements it is 2% of an all-gather row, so the ratios
+    # allow it on top (the fp32 side carries its own stamp too).
+    stamp = (world_size - 1) * paths.STAMP_BYTES
     for N, opname, comm, sent, documented, fp32 in rows:
         assert sent == documented, (N, opname, comm, sent, documented)
         if comm == "int8":
-            assert sent <= 0.27 * fp32, (N, opname, sent / fp32)
+            assert sent <= 0.27 * fp32 + stamp, (N, opname, sent / fp32)
         else:
-            assert sent <= 0.5 * fp32 + 2 * world_size, (N, opname, sent / fp32)
+            assert sent <= 0.5 * fp32 + 2 * world_size + stamp, (N, opname, sent / fp32)

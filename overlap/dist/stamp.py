@@ -22,7 +22,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 __all__ = ["STAMP_WORDS", "MAGIC", "Agreement", "Disagreement", "Schema", "device_mismatch",
-           "DTYPE_CODES", "dtype_name", "shape_words"]
+           "DTYPE_CODES", "dtype_name", "shape_words", "sum_tail_bits", "sum_tail_chunks",
+           "pack_sum_tail", "unpack_sum_tail"]
 
 STAMP_WORDS = 16
 MAGIC = 0x0F1A_57A3_0000_0001  # marks a written stamp (a zeroed slot is never one)
@@ -298,3 +299,50 @@ class Agreement:
         rec = [int(v) for v in self._record_np]
         self.schema.check(op, rec[2:2 + STAMP_WORDS], {rec[1]: rec[2 + STAMP_WORDS:]},
                           rank=self.rank, where=self.where)
+
+
+# ---- stamps in the tail of a SUM-reduced buffer ---------------------------------------------
+# A reduction cannot carry bytes, but it carries small integers exactly: each rank writes its
+# stamp, split into ``bits``-bit chunks, into its own row of a [world, words * chunks] tail and
+# zeros into every other row, so after the SUM every rank holds every rank's stamp (a sum of one
+# chunk and zeros is exact in any dtype that holds the chunk). Ops that reduce (the plain
+# all-reduce and reduce-scatter) append such a tail to the buffer they reduce anyway.
+
+_EXACT_INT = {torch.float32: 2**24, torch.float64: 2**53, torch.bfloat16: 2**8,
+              torch.float16: 2**11, torch.uint8: 255, torch.int8: 127, torch.int16: 2**15 - 1,
+              torch.int32: 2**31 - 1, torch.int64: 2**63 - 1, torch.bool: 1}
+
+
+def sum_tail_bits(dtype: torch.dtype) -> int:
+    """Bits per chunk of a stamp in a SUM tail of ``dtype``: the largest of 32, 16, 8, 4, 2, 1
+    whose chunks (< 2^bits) the dtype holds exactly (0 if none: a dtype that cannot carry one).
+    fp32/int32 16, bf16/fp16/uint8 8, int8 4, fp64/int64 32, bool 1."""
+    top = _EXACT_INT.get(dtype, 0)
+    for bits in (32, 16, 8, 4, 2, 1):
+        if 2**bits - 1 <= top:
+            return bits
+    return 0
+
+
+def sum_tail_chunks(bits: int) -> int:
+    """Chunks per 64-bit word."""
+    return -(-64 // bits)
+
+
+def pack_sum_tail(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int64 words [W] -> their chunks [W * chunks] (least significant first), int64 values in
+    [0, 2^bits), on the words' device (no host sync); copy them into the tail in its dtype."""
+    k = sum_tail_chunks(bits)
+    shifts = torch.arange(k, dtype=torch.int64, device=words.device) * bits
+    return ((words.view(-1, 1) >> shifts) & (2**bits - 1)).view(-1)
+
+
+def unpack_sum_tail(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Reduced tail values [..., W * chunks] (any dtype) -> int64 words [..., W] (inverse of
+    :func:`pack_sum_tail`; values are rounded, so a division by the world size and back is
+    harmless). Device-side, no host sync."""
+    k = sum_tail_chunks(bits)
+    chunks = values.to(torch.float64).round().to(torch.int64)
+    chunks = chunks.view(*chunks.shape[:-1], -1, k)
+    shifts = torch.arange(k, dtype=torch.int64, device=values.device) * bits
+    return (chunks << shifts).sum(-1)

@@ -16,6 +16,12 @@ group run in call order, and a plain ``torch.distributed`` call on that group mu
 them (``wait()`` or ``drain(group)``; see ``work``). Do not modify ``t`` before ``wait()``.
 The phases and wire sizes are in ``paths``, the kernels in ``kernels``.
 
+Agreement (``stamps``): every call carries a stamp (op, the group's call number, numel, dim,
+rows, dtype, comm_dtype, op, block_size) in the data it exchanges anyway, compared on receipt
+before the result is used, so ranks that disagree on a call (or a rank that skipped one) raise
+``Disagreement`` (a ValueError) on every rank naming the op, the call and both ranks' values,
+at no extra collective or host sync; sizes the transport refuses are named the same way.
+
 Failures (``state``): ``timeout`` (seconds, default 300) bounds every wait of an op. Any error
 in an op, on any rank, fails the group: every later call on it raises ``QuantCommFailed``
 ("communicator failed earlier: <first error>"); peers waiting on the failed rank raise
@@ -42,16 +48,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from overlap.comm.quant import checks, paths
+from overlap.comm.quant import checks, paths, stamps
 from overlap.comm.quant.checks import COMM_DTYPES
 from overlap.comm.quant.feedback import ErrorFeedback
 from overlap.comm.quant.state import (GroupState, QuantCommError, QuantCommFailed, QuantTimeout,
                                       failing, state_for)
 from overlap.comm.quant.work import DEFAULT_TIMEOUT, OpRun, QuantWork, drain, submit
+from overlap.dist.stamp import Disagreement
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "ErrorFeedback", "QuantWork", "drain",
            "DEFAULT_BLOCK_SIZE", "DEFAULT_TIMEOUT", "COMM_DTYPES", "wire_bytes",
-           "QuantCommError", "QuantCommFailed", "QuantTimeout"]
+           "QuantCommError", "QuantCommFailed", "QuantTimeout", "Disagreement"]
 
 # 128: relative RMS error of a 4-rank INT8 all-reduce of N(0,1) data 0.9e-2 (64: 0.8e-2,
 # 256: 1.0e-2) for 1 + 4/128 = 1.031 bytes per element (64: 1.062 -> 0.266x fp32, too close to
@@ -73,18 +80,24 @@ def _state(opname: str, group) -> GroupState:
 def _launch(opname, state, group, t, body, *, async_op, check_ranks, comm_dtype, op, block_size,
             timeout):
     device = t.device
-
-    # The cross-rank check runs once per shape signature of the group; afterwards a call
-    # costs no extra collective and no host sync (it reads the gathered table on the host).
-    signature = (opname, t.numel(), t.dim(), tuple(t.shape[:1]), t.dtype, comm_dtype, op,
-                 block_size)
+    key = (opname, t.numel(), t.dim(), t.shape[0] if t.dim() else 1, t.dtype, comm_dtype, op,
+           block_size)
 
     def checked_body():
         run = OpRun(state, group, opname, timeout, device)
-        if check_ranks and signature not in state.agreed:
-            checks.check_across_ranks(opname, run, state.rank, state.size, t, comm_dtype, op,
-                                      block_size)
-            state.agreed.add(signature)
+        if state.size > 1:
+            # Every call counts itself and carries its stamp in the data it exchanges (paths);
+            # the layout is built once per key, a call only copies it and sets its number.
+            agree = stamps.agreement(state, device)
+            first = agree.calls == 0
+            run.agree = agree
+            run.stamp = agree.next(opname, key=key, make=lambda: stamps.values(
+                t, comm_dtype, op, block_size))
+            # The named check: on the group's first call only, which every rank reaches in the
+            # same state (a per-shape cache let one rank run it while its peer ran the op).
+            if first and check_ranks:
+                paths.exchange_stamps(run, what="the cross-rank check's all_gather",
+                                      named=True)
         return body(run)
 
     return submit(opname, state, checked_body, async_op=async_op, device=device, timeout=timeout)
@@ -99,8 +112,17 @@ def all_reduce(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "s
 
     ``stochastic``/``seed``: stochastic rounding for INT8, with noise keyed by (seed, rank,
     phase): pass a new seed each step. ``error_feedback``: carries the quantization residual to
-    the next call. ``check_ranks``: compare shape, dtype and options across the ranks (one small
-    all-gather) the first time the group sees this signature; later calls skip it.
+    the next call. ``check_ranks``: on the group's first call, compare every rank's call
+    (numel, dim, rows, dtype, comm_dtype, op, block_size) with one small all-gather of stamps
+    before the op runs, so a first call whose sizes differ raises naming both ranks' calls even
+    on a transport that cannot refuse sizes (NCCL hangs on them). With or without it, every
+    call carries a stamp of itself (op, the group's call number, the same fields) in the data
+    it exchanges anyway (``stamps``, ``paths``) and compares its peers' before using the
+    result: so ``check_ranks=False`` still guarantees that a call that differs between ranks in
+    any of those fields, or a rank that skipped a call, raises ``Disagreement`` on every rank
+    naming the op, the call and both ranks' values, and never returns numbers; sizes that
+    differ are refused by the transport on every rank (nccl_twin; on NCCL they hang until its
+    watchdog) and raise naming the op and the calls. It adds no collective, no host sync.
     ``impl``: which INT8 kernels ("auto": C++ on CPU, Triton on GPU; "torch", "triton").
     ``timeout``: seconds each wait may take. Returns ``t``, or with ``async_op`` a QuantWork
     whose ``wait()`` returns ``t``."""
@@ -116,7 +138,10 @@ def all_reduce(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "s
 
         def body(run):
             x = t.view(-1)
-            if x.numel() == 0 or n == 1:
+            if n == 1:
+                return t
+            if x.numel() == 0:
+                paths.exchange_stamps(run)  # a peer with data must not wait for this rank
                 return t
             if comm_dtype == "int8":
                 paths.int8_all_reduce(x, run, state.rank, n, divisor, block_size, stochastic,
@@ -155,7 +180,10 @@ def reduce_scatter(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str 
 
         def body(run):
             x = t.reshape(-1).contiguous()
-            if x.numel() == 0 or n == 1:
+            if n == 1:
+                return t.clone().view(out_shape)
+            if x.numel() == 0:
+                paths.exchange_stamps(run)  # a peer with data must not wait for this rank
                 return t.clone().view(out_shape)
             if comm_dtype == "int8":
                 out = paths.int8_reduce_scatter(x, run, state.rank, n, divisor, block_size,
@@ -193,7 +221,10 @@ def all_gather(t: torch.Tensor, *, group, comm_dtype: str = "fp32",
 
         def body(run):
             x = t.reshape(-1).contiguous()
-            if x.numel() == 0 or n == 1:
+            if n == 1:
+                return t.clone().view(out_shape)
+            if x.numel() == 0:
+                paths.exchange_stamps(run)  # a peer with data must not wait for this rank
                 return t.clone().view(out_shape)
             if comm_dtype == "int8":
                 out = paths.int8_all_gather(x, run, state.rank, n, block_size, stochastic, seed,

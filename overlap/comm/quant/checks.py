@@ -5,8 +5,8 @@
 ``None`` is accepted at the public edge as a deprecated alias of "fp32" (older calls and the
 first README used it) and normalised here, so nothing below this module ever sees it.
 
-Local checks raise before any collective; ``check_across_ranks`` compares what must agree
-between ranks with one small all-gather, so a mismatch raises on every rank instead of hanging.
+Local checks raise before any collective. What must agree between ranks is compared by the
+stamps every call carries (``stamps``), and on the group's first call by the named check.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import torch.distributed as dist
 from overlap.comm.quant.feedback import ErrorFeedback
 from overlap.comm.quant import kernels as qk
 
-__all__ = ["COMM_DTYPES", "comm_dtype_arg", "timeout_arg", "op_name", "validate",
-           "check_across_ranks"]
+__all__ = ["COMM_DTYPES", "OPS", "comm_dtype_arg", "timeout_arg", "op_name", "validate"]
 
 COMM_DTYPES = ("fp32", "bf16", "int8")
 OPS = ("sum", "avg")
@@ -96,29 +95,3 @@ def validate(opname: str, rank: int, t, comm_dtype: str, op: str, block_size: in
             raise ValueError(f"{where} argument 'error_feedback' must be an "
                              f"ErrorFeedback({t.numel()}) on {t.device}, got {error_feedback!r} "
                              f"with numel {getattr(error_feedback, 'numel', None)}")
-
-
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
-           torch.int8, torch.uint8]
-
-
-def check_across_ranks(opname: str, run, rank: int, n: int, t: torch.Tensor, comm_dtype: str,
-                       op: str, block_size: int) -> None:
-    """One small all-gather (through ``run``, so bounded) so that a mismatch raises on every
-    rank instead of hanging or pairing mismatched buffers."""
-    fields = {"t.numel()": t.numel(), "t.dim()": t.dim(),
-              "t.shape[0]": t.shape[0] if t.dim() else 1,
-              "t.dtype": _DTYPES.index(t.dtype) if t.dtype in _DTYPES else 99,
-              "comm_dtype": COMM_DTYPES.index(comm_dtype), "op": OPS.index(op),
-              "block_size": block_size}
-    mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=t.device)
-    table = torch.empty(n, len(fields), dtype=torch.int64, device=t.device)
-    run.all_gather(table.view(-1), mine, what="the cross-rank check's all_gather")
-    for col, name in enumerate(fields):
-        values = table[:, col].tolist()
-        if len(set(values)) > 1:
-            shown = [_DTYPES[v] if name == "t.dtype" and v < len(_DTYPES) else
-                     COMM_DTYPES[v] if name == "comm_dtype" else
-                     OPS[v] if name == "op" else v for v in values]
-            raise ValueError(f"{opname}: rank {rank}: {name} differs across the ranks of the "
-                             f"group (rank order): {shown}; every rank must pass the same")

@@ -90,7 +90,7 @@ class GroupState:
         self.name = _group_name(group) or f"<unnamed, global ranks {self.global_ranks}>"
         self.where = f"rank {self.rank} of group {self.name!r} (global ranks {self.global_ranks})"
         self.lock = threading.Lock()
-        self.agreed: set[tuple] = set()  # shape signatures the ranks have compared
+        self.agree: Any = None  # the group's per-call stamps (``stamps.agreement``)
         self.tail: Any = None  # the last async op submitted, until it completes
         self.stream_: Any = None  # the group's communication stream (overlap.dist.streams)
         # The first error as text: an exception object would keep its traceback's frames, and

@@ -82,6 +82,11 @@ class OpRun:
                  device: torch.device):
         self.state, self.group, self.op = state, group, op
         self.timeout, self.device = timeout, device
+        # Set by the op for a group of more than one rank (``stamps``): the group's Agreement
+        # and this call's stamp words, so a refused size can still name both calls.
+        self.agree = None
+        self.stamp: list[int] | None = None
+        self.peers = [q for q in range(state.size) if q != state.rank]
 
     def buffer(self, slot: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return self.state.buffer(slot, shape, dtype, self.device)
@@ -107,11 +112,13 @@ class OpRun:
         try:
             work = issue()
         except Exception as exc:  # noqa: BLE001 - e.g. a communicator that failed earlier
+            self._raise_if_sizes_differ(exc)
             raise self._transport_error(what, exc) from exc
         if self.device.type == "cuda":
             try:
                 work.wait()
             except Exception as exc:  # noqa: BLE001
+                self._raise_if_sizes_differ(exc)
                 raise self._transport_error(what, exc) from exc
             return
         done, finish = _completion(work)
@@ -123,7 +130,19 @@ class OpRun:
         try:
             finish()
         except Exception as exc:  # noqa: BLE001
+            self._raise_if_sizes_differ(exc)
             raise self._transport_error(what, exc) from exc
+
+    def _raise_if_sizes_differ(self, exc: BaseException) -> None:
+        """The transport refused sizes that differ between ranks (nccl_twin raises so on every
+        rank): no stamp crossed, so exchange them through the store and name both calls."""
+        if self.stamp is None:
+            return
+        if type(exc).__name__ != "SizeMismatch" and "disagree on the sizes" not in str(exc):
+            return
+        from overlap.comm.quant.stamps import exchange_on_failure
+
+        exchange_on_failure(self.state, self.op, self.stamp, exc)
 
     def _raise_if_peer_failed(self, what: str, done=None) -> None:
         """Raise naming the culprit: a peer's own published error first (it may have exited
