@@ -207,3 +207,50 @@ def test_same_size_disagreement_after_the_first_call_is_caught_by_the_stamp(
         assert kind == "Disagreement" and "quant.all_gather" in msg, (rank, first_bs)
         assert "block_size=64" in msg and "block_size=128" in msg, msg
         assert seconds < LIMIT_S, (rank, seconds)
+
+
+# ---- the carriers ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                   torch.int8, torch.uint8, torch.int32, torch.int64,
+                                   torch.bool])
+def test_a_stamp_survives_a_sum_tail_exactly(dtype):
+    """Each rank's stamp in its own row of the tail, zeros elsewhere: after the SUM (in the
+    dtype, in any order) every row decodes to that rank's words exactly."""
+    from overlap.dist.stamp import (MAGIC, pack_sum_tail, sum_tail_bits, sum_tail_chunks,
+                                    unpack_sum_tail)
+
+    n, bits = 4, sum_tail_bits(dtype)
+    assert bits >= 1
+    words = torch.tensor([[MAGIC, 2**40 + r, r, 3 * 10**12, 0, 7, 2**63 - 1, -1, 1, 4096]
+                          for r in range(n)], dtype=torch.int64)
+    k = words.shape[1] * sum_tail_chunks(bits)
+    per_rank = []
+    for r in range(n):
+        tail = torch.zeros(n, k, dtype=dtype)
+        tail[r] = pack_sum_tail(words[r], bits).to(dtype)
+        per_rank.append(tail)
+    total = per_rank[0]
+    for t in per_rank[1:]:
+        total = total | t if dtype == torch.bool else total + t
+    assert torch.equal(unpack_sum_tail(total, bits), words)
+
+
+def _empty_on_one_rank(comm: str):
+    """A rank with nothing to send still exchanges its stamp: its peer raises, it does too."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    g = dist.new_group(list(range(n)))
+    ok = _attempt(lambda: quant.all_reduce(_x(rank, 2 * n), group=g, comm_dtype=comm))[0]
+    got = _attempt(lambda: quant.all_gather(_x(rank, 0 if rank == 1 else 2), group=g,
+                                            comm_dtype=comm, timeout=20.0))
+    return ok, got[:3]
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_an_empty_call_on_one_rank_raises_on_every_rank(comm):
+    for rank, (ok, (kind, msg, seconds)) in enumerate(run_ranks(_empty_on_one_rank, 2, comm,
+                                                                 timeout=60)):
+        assert ok == "numbers", (rank, ok)
+        assert kind == "Disagreement" and "quant.all_gather" in msg, (rank, kind, msg)
+        assert "rows=0" in msg and "rows=2" in msg and seconds < LIMIT_S, (rank, msg, seconds)
