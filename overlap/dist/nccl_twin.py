@@ -39,7 +39,6 @@ later with ``dist.new_group`` inherits it.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import threading
 import time
 from datetime import timedelta
@@ -177,7 +176,6 @@ class _Comm:
         self._issued = 0
         self._closed = False
         self._delay = streams.InjectedDelay(name)
-        self._senders: concurrent.futures.ThreadPoolExecutor | None = None  # made on demand
         self._thread = threading.Thread(target=self._loop, name=f"nccl_twin {name}",
                                         daemon=True)
         self._thread.start()
@@ -216,17 +214,6 @@ class _Comm:
         with self._cv:
             self._closed = True
             self._cv.notify()
-            senders, self._senders = self._senders, None
-        if senders is not None:  # idle between batches; a running release ends at its deadline
-            senders.shutdown(wait=False, cancel_futures=True)
-
-    def _sender_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        # Reused threads: a batch with several sends would otherwise start a thread per send.
-        with self._cv:
-            if self._senders is None:
-                self._senders = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=8, thread_name_prefix=f"nccl_twin sender {self.name}")
-            return self._senders
 
     def blocked_report(self, op: _Op, waited: float) -> str:
         head = self._current
@@ -362,12 +349,27 @@ class _Comm:
                 except BaseException as exc:  # noqa: BLE001 - reported by the op
                     errors.append(exc)
 
-            if len(sends) == 1:
-                release(0)
+            # Sends to one peer are released in order (its receives were all posted, and its
+            # tokens sent, when its worker reached its batch); sends to different peers
+            # progress together, each peer on a thread of its own.
+            by_peer: dict[int, list[int]] = {}
+            for i, (_, peer, _) in enumerate(sends):
+                by_peer.setdefault(peer, []).append(i)
+
+            def release_all(indexes: list[int]) -> None:
+                for i in indexes:
+                    release(i)
+
+            groups = list(by_peer.values())
+            if len(groups) == 1:
+                release_all(groups[0])
             else:
-                pool = self._sender_pool()
-                for done in [pool.submit(release, i) for i in range(len(sends))]:
-                    done.result()
+                helpers = [threading.Thread(target=release_all, args=(g,), daemon=True)
+                           for g in groups]
+                for h in helpers:
+                    h.start()
+                for h in helpers:
+                    h.join()
             works += [w for ws in posted if ws for w in ws]
         op.state = "transferring"
         # Every transfer of the batch completes (so no peer is left waiting) before an error.

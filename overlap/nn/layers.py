@@ -100,7 +100,6 @@ class TPModule(nn.Module):
         self.tp_group = self.comm.group
         self.tp_size = self.comm.world
         self.tp_rank = self.comm.rank
-        custom_ops.handle_for(self.comm)  # the name torch.compile's custom ops use for it
 
     def full_state_dict(self, prefix: str = "", *, grads: bool = False) -> dict[str, torch.Tensor]:
         """Unsharded parameters (or their gradients, zeros where None) keyed like the source

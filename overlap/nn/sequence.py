@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 from overlap.nn.layers import resolve_comm
 from overlap.nn.regions import copy_to_tp, scatter_to_tp
-from overlap.tp import custom_ops
 
 __all__ = ["SequenceParallelLayerNorm", "SequenceParallelRMSNorm", "SequenceShardedPositions",
            "sequence_parallel_norm"]
@@ -42,7 +41,6 @@ class _FromNorm:
         _adopt(self, norm)
         self.comm = resolve_comm(cls.__name__, comm, tp_group, dims)
         self.tp_group = self.comm.group
-        custom_ops.handle_for(self.comm)
         return self
 
 
@@ -87,7 +85,6 @@ class SequenceShardedPositions(nn.Embedding):
         _adopt(self, embedding)
         self.comm = resolve_comm(cls.__name__, comm, tp_group, dims)
         self.tp_group = self.comm.group
-        custom_ops.handle_for(self.comm)
         return self
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,10 @@
 
     from overlap.tp import all_gather_matmul, matmul_reduce_scatter, matmul_all_reduce
 
-Modules: comm (TPComm: backend, settings, workspaces, failure state), ops (public API +
-autograd), custom_ops (the same ops as torch.library custom ops, used under torch.compile), backends (the backend classes), chunked (async torch.distributed), symmetric
+Modules: comm (TPComm: backend, settings, workspaces, failure state), ops (public API, the
+one implementation of each fused op, its autograd and its custom op), custom_ops (the region
+collectives and column linear as custom ops), stamps (per-call agreement), backends (the
+backend classes), chunked (async torch.distributed), symmetric
 (userbuffers + copier), context (workspace ownership, phases), copier (copy thread / side
 stream), checks (input validation), collectives (the plain bounded collectives).
 
@@ -15,11 +17,11 @@ import time.
 
 from overlap.tp.comm import TPComm, TPCommFailed
 from overlap.tp.context import TPContext
-from overlap.tp.ops import (all_gather_matmul, close_all_contexts, make_context,
-                            matmul_all_reduce, matmul_reduce_scatter, resolve_backend)
+from overlap.tp.ops import (all_gather_matmul, close_all_contexts, matmul_all_reduce,
+                            matmul_reduce_scatter, resolve_backend)
 
 __all__ = ["TPComm", "TPCommFailed", "all_gather_matmul", "matmul_reduce_scatter",
-           "matmul_all_reduce", "make_context", "close_all_contexts", "resolve_backend",
+           "matmul_all_reduce", "close_all_contexts", "resolve_backend",
            "TPContext", "ColumnParallelLinear",
            "RowParallelLinear", "column_parallel_shared", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "Style", "TPPlan", "gather_grads",

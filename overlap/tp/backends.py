@@ -226,8 +226,8 @@ def backend_for(comm, dtype: torch.dtype) -> Backend:
     return _BACKENDS[comm.backend]
 
 
-def context_for(comm, backend: Backend, op: str, x: torch.Tensor, w: torch.Tensor,
-                on_create: Callable[[], None]) -> TPContext | None:
+def context_for(comm, backend: Backend, op: str, x: torch.Tensor,
+                w: torch.Tensor) -> TPContext | None:
     """The comm's workspace context for this op and shape (None for no-workspace backends)."""
     rows, k, n = x.shape[0], x.shape[1], w.shape[1]
     need = backend.workspace(op, rows, k, n, comm.world, x.dtype)
@@ -235,7 +235,6 @@ def context_for(comm, backend: Backend, op: str, x: torch.Tensor, w: torch.Tenso
         return None
 
     def create() -> TPContext:
-        on_create()  # ranks compare shapes when (and only when) they create it
         return TPContext(op=op, backend=backend.name, group=comm.group, nbytes=need[0],
                          num_signals=need[1], device=x.device, timeout=comm.timeout)
 

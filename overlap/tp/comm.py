@@ -42,6 +42,8 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch._library.opaque_object import MemberType, register_opaque_type
+from torch._opaque_base import OpaqueBase
 
 from overlap.dist.host import host_id
 from overlap.dist.stamp import Agreement
@@ -66,8 +68,9 @@ def _default_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-class TPComm:
-    """A TP group's fused-op communicator (see the module docstring)."""
+class TPComm(OpaqueBase):
+    """A TP group's fused-op communicator (see the module docstring). Custom ops take it as an
+    opaque object (torch.compile passes the object itself; no registry of communicators)."""
 
     def __init__(self, group: dist.ProcessGroup, *, backend: str = "auto",
                  chunks: int | None = None, timeout: float = DEFAULT_TIMEOUT,
@@ -234,6 +237,13 @@ class TPComm:
                 self.header.close(wait_for_peers=False)
         except Exception:
             pass
+
+
+# What torch.compile may read while tracing (constants of a communicator's life).
+register_opaque_type(TPComm, typ="reference", members={
+    "world": MemberType.USE_REAL, "rank": MemberType.USE_REAL,
+    "chunks": MemberType.USE_REAL, "check_inputs": MemberType.USE_REAL,
+    "backend": MemberType.USE_REAL, "group": MemberType.USE_REAL})
 
 
 # ---------------------------------------------------------------------- the group= form

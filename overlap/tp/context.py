@@ -8,14 +8,11 @@ ops of a context in the same order (each call takes the next phase, and phases p
 signals). Back-to-back calls are safe: the workspace is double-buffered by phase parity and a
 buffer is rewritten only after every peer has acknowledged reading it two phases ago.
 
-Two ways to get one:
-
-- implicitly: a TPComm (overlap.tp.comm) keeps one per ``(op, backend, x shape, N, dtype,
-  device)``, sized exactly for that call, created collectively by every rank at the same call;
-  the comm closes them (least recently used first past ``MAX_CONTEXTS``, all at ``close()``).
-- explicitly: ``make_context(op, x, w, group=..., nbytes=...)`` (pass it as ``context=`` and
-  ``close()`` it yourself). A call whose shapes need more bytes than the context has raises
-  ValueError before touching the workspace.
+A TPComm (overlap.tp.comm) keeps one per ``(op, backend, x shape, N, dtype, device)``, sized
+exactly for that call and created collectively by every rank at the same call (after the
+call's stamps agreed, overlap.tp.stamps); the comm closes them (least recently used first past
+``MAX_CONTEXTS``, all at ``close()``). A call whose shapes need more bytes than its context
+has raises ValueError before touching the workspace.
 
 On any error inside an op the comm fails, and with it every context: ``fail`` aborts the
 workspace (peers waiting on this rank raise PeerDied at once, with this rank's reason, instead

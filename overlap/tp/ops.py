@@ -1,47 +1,25 @@
 """Fused tensor-parallel collective matmuls: the collective runs chunk by chunk under the GEMM.
 
-    all_gather_matmul(x_shard, w, *, group)      y       = all_gather(x_shard) @ w
-    matmul_reduce_scatter(x, w, *, group)        y_shard = reduce_scatter(x @ w)
-    matmul_all_reduce(x, w, *, group)            y       = all_reduce(x @ w)
+    all_gather_matmul(x_shard, w, *, comm)       y       = all_gather(x_shard) @ w
+    matmul_reduce_scatter(x, w, *, comm)         y_shard = reduce_scatter(x @ w)
+    matmul_all_reduce(x, w, *, comm)             y       = all_reduce(x @ w)
 
-Shape legend (``world`` = size of ``group``; every rank passes the same shapes):
-    M = rows of the full (gathered / unscattered) activation, m = M / world = rows of a shard,
-    K = input features (the GEMM reduction dim), N = output features of this rank's w.
-    2-D activations are [rows, features]. 3-D activations are *sequence-first* [S, B, features]
-    (Megatron's layout): they are flattened to [S*B, features], so gathering/scattering rows is
-    gathering/scattering along dim 0 (S), and the 3-D result is [S_out, B, N]. Batch-first
-    [B, S, H] tensors: pass ``seq_dim=1`` (all_gather_matmul, matmul_reduce_scatter), which
-    transposes to [S, B, H] around the op (one copy each way; autograd follows).
-    ``w`` is [K, N]: an nn.Linear keeps weight as [N, K], so layers pass ``weight.t()``.
+Shape legend (``world`` ranks; every rank passes the same shapes): M rows of the full
+activation, m = M / world rows of a shard, K input features, N output features of this rank's
+``w`` [K, N] (an nn.Linear passes ``weight.t()``). 3-D activations are sequence-first
+[S, B, K] and are gathered/scattered along S (``seq_dim=1``: batch-first [B, S, K]).
 
-Every op runs on a TP communicator (overlap.tp.comm.TPComm): ``comm=`` passes one; the
-``group=`` form (with ``backend=``, ``chunks=``, ``check_inputs=``) is a thin wrapper that uses
-the default communicator of that group and settings. Backends: "chunked" (async
-torch.distributed, any transport), "symmetric" (userbuffers over a SymmetricWorkspace, one
-host), "triton" (fused kernels over the same workspace), "auto" (resolved once by the comm; see
-overlap.tp.comm and overlap.tp.backends for the rule and the default ``chunks``).
-Accuracy: the result equals the unfused reference up to summation order: fp32 within 1e-5
-relative; bf16/fp16 reduce-scatter sums are rounded to the input dtype at every ring hop
-(chunked, like NCCL) or summed in fp32 then rounded once (symmetric, triton).
+Each op is implemented once: one autograd Function whose forward and backward call one
+implementation function each (validation, backend, failure handling). Eager calls them
+directly; under ``torch.compile`` the same functions are reached through their
+``torch.library`` custom ops (``overlap::<op>``, with fake implementations), which take the
+TPComm itself as an opaque object, so ``fullgraph=True`` works for every op and gradient
+pattern and no registry of communicators exists. docs/design/engine.md explains the shape.
 
-``check_inputs`` (default True): local checks always run before any communication (shapes,
-K, dtypes, divisibility; overlap.tp.checks). On top, the communicator's first call compares
-every rank's shapes with one small all_gather of int64 metadata. Every call, the first and
-every later one and also with ``check_inputs=False``, carries a stamp (op, call number,
-shapes, dtype, options) in the data it exchanges (overlap.tp.stamps): ranks that disagree on
-any call raise ``Disagreement`` (a ValueError) on every rank at once, naming the op, the call
-number and both ranks' values, at no extra collective and no host sync.
-
-Failures stay failures: any error inside an op (a refused input, a timeout, a dead peer) fails
-its communicator, and every later call on it raises TPCommFailed with the first error.
-
-``context=``: an explicit TPContext from :func:`make_context` (see overlap.tp.context);
-otherwise the communicator keeps one per (op, backend, shapes, dtype, device).
-
-``torch.compile``: while compiling, each op is one ``torch.library`` custom op
-(overlap.tp.custom_ops: fake implementation, registered autograd) whose real implementation
-is the eager path below, so ``fullgraph=True`` works and the checks and failure handling run
-at run time; it needs ``comm=``.
+Contract: local checks before any communication (ValueError/TypeError naming op, argument,
+rank); every call carries a stamp compared by every peer (overlap.tp.stamps); any error fails
+the communicator (later calls raise TPCommFailed). fp32 results equal the unfused product
+within 1e-5 relative (summation order).
 """
 
 from __future__ import annotations
@@ -50,28 +28,25 @@ import torch
 import torch.distributed as dist
 
 from overlap.symm.workspace import PeerDied, group_name
-from overlap.tp import backends, custom_ops
+from overlap.tp import backends
 from overlap.tp.checks import check_across_ranks, signature, validate
 from overlap.tp.comm import TPComm, TPCommFailed, close_default_comms, default_comm
-from overlap.tp.context import TPContext
 
-__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "make_context",
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
            "close_all_contexts", "resolve_backend"]
 
 
 class _Run:
-    """One call's communicator, backend, chunks and (explicit) context; kept on the autograd
-    ctx for the backward."""
+    """One call's communicator, backend and chunks."""
 
-    __slots__ = ("comm", "backend", "chunks", "context")
+    __slots__ = ("comm", "backend", "chunks")
 
-    def __init__(self, comm: TPComm, backend, chunks: int, context: TPContext | None):
-        self.comm, self.backend, self.chunks, self.context = comm, backend, chunks, context
+    def __init__(self, comm: TPComm, chunks: int, dtype: torch.dtype):
+        self.comm, self.chunks = comm, chunks
+        self.backend = backends.backend_for(comm, dtype)
 
-    def ctx_for(self, op: str, x: torch.Tensor, w: torch.Tensor, on_create=lambda: None):
-        if self.context is not None and self.context.op == op:
-            return self.context
-        return backends.context_for(self.comm, self.backend, op, x, w, on_create)
+    def ctx_for(self, op: str, x: torch.Tensor, w: torch.Tensor):
+        return backends.context_for(self.comm, self.backend, op, x, w)
 
     def guarded(self, op: str, fn, x: torch.Tensor | None = None, w: torch.Tensor | None = None,
                 flags: int = 0):
@@ -81,16 +56,13 @@ class _Run:
         self.comm.ensure_usable(op)
         try:
             if x is not None:
-                self.comm.stamp(op, x, w, self.chunks, flags,
-                                None if self.context is None else self.context.timeout)
+                self.comm.stamp(op, x, w, self.chunks, flags)
             return fn()
         except TPCommFailed:
             raise
         except BaseException as exc:
             _name_the_op(exc, op, self.comm)
             self.comm.fail(exc)
-            if self.context is not None:  # an explicit context fails with its op too
-                self.context.fail(exc)
             raise
 
 
@@ -106,8 +78,200 @@ def _name_the_op(exc: BaseException, op: str, comm: TPComm) -> None:
     exc.args = (f"{op} ({comm.backend}){comm.where()} {kind}: {text}", *exc.args[1:])
 
 
-def _comm_for(op: str, comm, group, backend: str, chunks, check_inputs: bool,
-              context) -> TPComm:
+def _start(op: str, comm: TPComm, x2: torch.Tensor, w: torch.Tensor, chunks: int, check: bool,
+           x_shape: list[int], flags: int) -> _Run:
+    """Validate a call (its original shape ``x_shape``, sequence-first) and, on the
+    communicator's first call, compare every rank's shapes by name. Errors fail the comm."""
+    run = _Run(comm, chunks, x2.dtype)
+
+    def setup() -> None:
+        xs = x2.view(x_shape)
+        validate(op, xs, w, group=comm.group, backend=comm.backend, chunks=chunks or None)
+        # The named all-gather runs on the first call only: every rank reaches it alike, so
+        # no rank runs a collective its peers skip. Stamps compare every call after it.
+        if check and comm.world > 1 and comm.first_call():
+            check_across_ranks(op, signature(op, comm.backend, xs, w, chunks or None, flags),
+                               group=comm.group, device=x2.device)
+
+    run.guarded(op, setup)
+    run.chunks = chunks or comm.chunks or comm.world
+    return run
+
+
+def _empty(t: torch.Tensor) -> torch.Tensor:
+    return t.new_empty(0)
+
+
+# ---------------------------------------------------------------- the implementations
+
+def _ag_forward(x2: torch.Tensor, w: torch.Tensor, comm: TPComm, chunks: int, check: bool,
+                x_shape: list[int], flags: int) -> tuple[torch.Tensor, torch.Tensor]:
+    op = "all_gather_matmul"
+    run = _start(op, comm, x2, w, chunks, check, x_shape, flags)
+    y, gathered = run.guarded(op, lambda: run.backend.ag(
+        comm, run.ctx_for(op, x2, w), x2, w, chunks=run.chunks, return_gathered=True),
+        x2, w, flags=1)
+    return y, (gathered.clone() if gathered is x2 else gathered)  # no output aliases an input
+
+
+def _ag_backward(dy: torch.Tensor, gathered: torch.Tensor | None, w: torch.Tensor,
+                 dgathered: torch.Tensor | None, comm: TPComm, chunks: int, need_dx: bool,
+                 need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx_shard = reduce_scatter(dy @ w.T) (+ reduce_scatter(dgathered)); dw = gathered.T @ dy,
+    computed while the dgrad's last transfers are in flight (``gathered`` is saved only when
+    w needs a gradient)."""
+    run = _Run(comm, chunks, dy.dtype)
+    dx = dw = None
+    if need_dw and not need_dx:
+        dw = gathered.t() @ dy
+    if need_dx:
+        def wgrad() -> None:
+            nonlocal dw
+            dw = gathered.t() @ dy
+        op, wt = "matmul_reduce_scatter", w.t()
+        dx = run.guarded(op, lambda: run.backend.rs(
+            comm, run.ctx_for(op, dy, wt), dy, wt, chunks=run.chunks,
+            overlap_with=wgrad if need_dw else None), dy, wt)
+        if need_dw and dw is None:  # a backend that ran its GEMMs without calling back
+            wgrad()
+        if dgathered is not None:
+            extra = run.guarded("reduce_scatter (tp backward)",
+                                lambda: backends.scatter(comm, dgathered), dgathered)
+            dx = dx + extra
+    return (dx if dx is not None else _empty(dy)), (dw if dw is not None else _empty(w))
+
+
+def _rs_forward(x2: torch.Tensor, w: torch.Tensor, comm: TPComm, chunks: int, check: bool,
+                x_shape: list[int], flags: int) -> torch.Tensor:
+    op = "matmul_reduce_scatter"
+    run = _start(op, comm, x2, w, chunks, check, x_shape, flags)
+    return run.guarded(op, lambda: run.backend.rs(
+        comm, run.ctx_for(op, x2, w), x2, w, chunks=run.chunks, overlap_with=None), x2, w)
+
+
+def _rs_backward(dy_shard: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, comm: TPComm,
+                 chunks: int, need_dx: bool, need_dw: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx = all_gather(dy_shard) @ w.T (fused); dw = x.T @ all_gather(dy_shard) (reused)."""
+    run = _Run(comm, chunks, dy_shard.dtype)
+    dx = dy = None
+    if need_dx:
+        op, wt = "all_gather_matmul", w.t()
+        dx, dy = run.guarded(op, lambda: run.backend.ag(
+            comm, run.ctx_for(op, dy_shard, wt), dy_shard, wt, chunks=run.chunks,
+            return_gathered=need_dw), dy_shard, wt, flags=int(need_dw))
+    elif need_dw:
+        dy = run.guarded("all_gather (tp backward)",
+                         lambda: backends.gather(comm, dy_shard), dy_shard)
+    dw = x2.t() @ dy if need_dw else None
+    return (dx if dx is not None else _empty(dy_shard)), (dw if dw is not None else _empty(w))
+
+
+def _ar_forward(x2: torch.Tensor, w: torch.Tensor, comm: TPComm, chunks: int, check: bool,
+                x_shape: list[int], flags: int) -> torch.Tensor:
+    op = "matmul_all_reduce"
+    run = _start(op, comm, x2, w, chunks, check, x_shape, flags)
+    return run.guarded(op, lambda: run.backend.ar(
+        comm, run.ctx_for(op, x2, w), x2, w, chunks=run.chunks), x2, w)
+
+
+# ---------------------------------------------------------------- the same, as custom ops
+
+def _grown(rows: int, comm: TPComm) -> int:
+    return rows * comm.world
+
+
+def _define(name: str, fn, fake) -> None:
+    op = torch.library.custom_op(f"overlap::{name}", fn, mutates_args=())
+    op.register_fake(fake)
+
+
+_define("all_gather_matmul", _ag_forward, lambda x2, w, comm, chunks, check, x_shape, flags: (
+    x2.new_empty(_grown(x2.shape[0], comm), w.shape[1]),
+    x2.new_empty(_grown(x2.shape[0], comm), x2.shape[1])))
+_define("all_gather_matmul_backward", _ag_backward,
+        lambda dy, g, w, dg, comm, chunks, need_dx, need_dw: (
+            dy.new_empty(dy.shape[0] // comm.world, w.shape[0]) if need_dx else dy.new_empty(0),
+            w.new_empty(w.shape) if need_dw else w.new_empty(0)))
+_define("matmul_reduce_scatter", _rs_forward,
+        lambda x2, w, comm, chunks, check, x_shape, flags:
+        x2.new_empty(x2.shape[0] // comm.world, w.shape[1]))
+_define("matmul_reduce_scatter_backward", _rs_backward,
+        lambda dy, x2, w, comm, chunks, need_dx, need_dw: (
+            dy.new_empty(dy.shape[0] * comm.world, w.shape[0]) if need_dx
+            else dy.new_empty(0), w.new_empty(w.shape) if need_dw else w.new_empty(0)))
+_define("matmul_all_reduce", _ar_forward, lambda x2, w, comm, chunks, check, x_shape, flags:
+        x2.new_empty(x2.shape[0], w.shape[1]))
+
+
+def _call(name: str, fn, *args):
+    """Run implementation ``fn``: directly in eager, through its custom op ``name`` (the
+    same function behind the dispatcher, opaque to the tracer) while torch.compile traces.
+    This picks an entry point, not an implementation: there is one of each op."""
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops.overlap, name)(*args)
+    return fn(*args)
+
+
+# ---------------------------------------------------------------- autograd: one backward each
+
+class _AllGatherMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, w, comm, chunks, check, x_shape, flags):
+        ctx.set_materialize_grads(False)
+        y, gathered = _call("all_gather_matmul", _ag_forward, x2, w, comm, chunks, check, x_shape, flags)
+        ctx.comm, ctx.chunks, ctx.used_gathered = comm, chunks, bool(flags)
+        ctx.save_for_backward(gathered if ctx.needs_input_grad[1] else None, w)
+        return y, gathered
+
+    @staticmethod
+    def backward(ctx, dy, dgathered):
+        gathered, w = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if dy is None:  # only the gathered output was used
+            dy = torch.zeros(gathered.shape[0], w.shape[1], dtype=w.dtype, device=w.device)
+        dx, dw = _call("all_gather_matmul_backward", _ag_backward, dy.contiguous(), gathered, w,
+                       dgathered if ctx.used_gathered else None, ctx.comm, ctx.chunks,
+                       need_dx, need_dw)
+        return ((dx if need_dx else None), (dw if need_dw else None),
+                None, None, None, None, None)
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, w, comm, chunks, check, x_shape, flags):
+        ctx.comm, ctx.chunks = comm, chunks
+        ctx.save_for_backward(x2 if ctx.needs_input_grad[1] else None, w)
+        return _call("matmul_reduce_scatter", _rs_forward, x2, w, comm, chunks, check, x_shape, flags)
+
+    @staticmethod
+    def backward(ctx, dy_shard):
+        x2, w = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx, dw = _call("matmul_reduce_scatter_backward", _rs_backward, dy_shard.contiguous(), x2 if need_dw else w.new_empty(0),
+                       w, ctx.comm, ctx.chunks, need_dx, need_dw)
+        return ((dx if need_dx else None), (dw if need_dw else None),
+                None, None, None, None, None)
+
+
+class _MatmulAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, w, comm, chunks, check, x_shape, flags):
+        ctx.save_for_backward(x2 if ctx.needs_input_grad[1] else None, w)
+        return _call("matmul_all_reduce", _ar_forward, x2, w, comm, chunks, check, x_shape, flags)
+
+    @staticmethod
+    def backward(ctx, dy):
+        # No communication: dy is the same on every rank, as everything after y is replicated.
+        x2, w = ctx.saved_tensors
+        dx = dy @ w.t() if ctx.needs_input_grad[0] else None
+        dw = x2.t() @ dy if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None, None, None
+
+
+# ---------------------------------------------------------------- the public functions
+
+def _comm_for(op: str, comm, group, backend: str) -> TPComm:
     if comm is not None:
         if not isinstance(comm, TPComm):
             raise TypeError(f"{op}: comm must be a TPComm, got {type(comm).__name__}")
@@ -115,253 +279,118 @@ def _comm_for(op: str, comm, group, backend: str, chunks, check_inputs: bool,
             raise ValueError(f"{op}: pass comm= or group=, not both (comm is on group "
                              f"{group_name(comm.group)}, group= is {group_name(group)})")
         return comm
-    if context is not None:
-        if not isinstance(context, TPContext):
-            raise TypeError(f"{op}: context must be a TPContext from make_context, got "
-                            f"{type(context).__name__}")
-        if group is not None and context.group is not group:
-            raise ValueError(f"{op}: context= belongs to group {group_name(context.group)}, "
-                             f"but the call passes group {group_name(group)}")
-        if backend not in ("auto", context.backend):
-            raise ValueError(f"{op}: context= belongs to backend {context.backend!r}, but the "
-                             f"call passes backend {backend!r}")
-        backend, group = context.backend, context.group
     return default_comm(group, backend=backend, op=op)
 
 
-def _prepare(op: str, x, w, *, comm, group, backend: str, chunks, check_inputs: bool,
-             context, flags: int = 0, seq_dim: int = 0) -> _Run:
-    c = _comm_for(op, comm, group, backend, chunks, check_inputs, context)
-    c.ensure_usable(op)
-    if context is not None and context.op != op:
-        err = ValueError(f"{op}: context= was made for {context.op}, not {op}{c.where()}")
-        c.fail(err)
-        raise err
-    run = _Run(c, None, 0, context)
-    # comm= carries the settings; the group= form's per-call knobs apply to this call.
-    check = c.check_inputs if comm is not None else check_inputs
-
-    def setup() -> _Run:
-        _check_seq_dim(op, x, seq_dim, c.where())
-        xs = x.transpose(0, 1) if seq_dim == 1 else x
-        validate(op, xs, w, group=c.group, backend=c.backend, chunks=chunks)
-        run.backend = backends.backend_for(c, x.dtype)
-        run.chunks = chunks or c.chunks or c.world
-        # The named all-gather check runs on the communicator's first call only: every rank
-        # reaches that call alike, so no rank can run a collective its peers skip. Every call
-        # (this one included) is then compared through its stamp (overlap.tp.stamps).
-        if check and c.world > 1 and c.first_call():
-            check_across_ranks(op, signature(op, c.backend, xs, w, chunks, flags),
-                               group=c.group, device=x.device)
-        return run
-
-    return run.guarded(op, setup)
+def _sequence_first(op: str, comm: TPComm, x, w, seq_dim: int) -> torch.Tensor:
+    """``x`` sequence-first, after the checks a reshape needs (the rest run in _start). A
+    refused call fails the communicator, as every error of an op does."""
+    try:
+        _check_reshapable(op, comm, x, w, seq_dim)
+    except (TypeError, ValueError) as exc:
+        comm.fail(exc)
+        raise
+    return x.transpose(0, 1) if seq_dim == 1 else x
 
 
-def _compile_args(op: str, comm, context, return_gathered: bool) -> None:
-    """Under torch.compile each op is one custom op (overlap.tp.custom_ops) on a TPComm."""
-    if comm is None or context is not None or return_gathered:
-        raise NotImplementedError(
-            f"{op} under torch.compile needs comm= (a TPComm) and supports neither context= nor "
-            f"return_gathered=True (rank {dist.get_rank()}; got comm={type(comm).__name__}, "
-            f"context={'given' if context is not None else None}, return_gathered="
-            f"{return_gathered}); call it outside the compiled region for those")
-
-
-def _check_seq_dim(op: str, x, seq_dim: int, at: str) -> None:
-    if seq_dim not in (0, 1) or (seq_dim == 1 and getattr(x, "dim", lambda: 0)() != 3):
+def _check_reshapable(op: str, comm: TPComm, x, w, seq_dim: int) -> None:
+    xname = "x_shard" if op == "all_gather_matmul" else "x"
+    for name, t in ((xname, x), ("w", w)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got "
+                            f"{type(t).__name__}{comm.where()}")
+    if seq_dim not in (0, 1) or (seq_dim == 1 and x.dim() != 3):
         raise ValueError(f"{op}: seq_dim must be 0, or 1 for a batch-first 3-D [B, S, K] input, "
-                         f"got seq_dim={seq_dim!r} for shape {tuple(getattr(x, 'shape', ()))}{at}")
+                         f"got seq_dim={seq_dim!r} for shape {tuple(x.shape)}{comm.where()}")
+    if x.dim() == 0:
+        raise ValueError(f"{op}: {xname} must be 2-D [M, K] or 3-D sequence-first [S, B, K], "
+                         f"got a 0-d tensor{comm.where()}")
 
 
-class _AllGatherMatmul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_shard, w, run: _Run):
-        ctx.set_materialize_grads(False)
-        op = "all_gather_matmul"
-        y, gathered = run.guarded(op, lambda: run.backend.ag(
-            run.comm, run.ctx_for(op, x_shard, w), x_shard, w, chunks=run.chunks,
-            return_gathered=True), x_shard, w, flags=1)
-        if gathered is x_shard:  # one rank: an output must not alias an input
-            gathered = gathered.clone()
-        ctx.run = run
-        ctx.save_for_backward(gathered if ctx.needs_input_grad[1] else None, w)
-        return y, gathered
-
-    @staticmethod
-    def backward(ctx, dy, dgathered):
-        gathered, w = ctx.saved_tensors
-        run = _Run(ctx.run.comm, ctx.run.backend, ctx.run.chunks, None)
-        op = "matmul_reduce_scatter"
-        dx_shard = dw = None
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if dy is not None:
-            dy = dy.contiguous()
-            if need_dw and not need_dx:
-                dw = gathered.t() @ dy
-            if need_dx:
-                def wgrad() -> None:
-                    nonlocal dw
-                    dw = gathered.t() @ dy
-                # dgrad's reduce-scatter is launched first; the wgrad GEMM runs while its last
-                # transfers are in flight, then the op waits for them.
-                wt = w.t()
-                dx_shard = run.guarded(op, lambda: run.backend.rs(
-                    run.comm, run.ctx_for(op, dy, wt), dy, wt, chunks=run.chunks,
-                    overlap_with=wgrad if need_dw else None), dy, wt)
-        if need_dx and dgathered is not None:
-            extra = run.guarded("reduce_scatter (tp backward)",
-                                lambda: backends.scatter(run.comm, dgathered), dgathered)
-            dx_shard = extra if dx_shard is None else dx_shard + extra
-        return dx_shard, dw, None
-
-
-class _MatmulReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, run: _Run):
-        ctx.run = run
-        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w)
-        op = "matmul_reduce_scatter"
-        return run.guarded(op, lambda: run.backend.rs(
-            run.comm, run.ctx_for(op, x, w), x, w, chunks=run.chunks, overlap_with=None), x, w)
-
-    @staticmethod
-    def backward(ctx, dy_shard):
-        x, w = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        run = _Run(ctx.run.comm, ctx.run.backend, ctx.run.chunks, None)
-        op = "all_gather_matmul"
-        dy_shard = dy_shard.contiguous()
-        dx = dw = None
-        if need_dx:
-            wt = w.t()
-            dx, dy = run.guarded(op, lambda: run.backend.ag(
-                run.comm, run.ctx_for(op, dy_shard, wt), dy_shard, wt, chunks=run.chunks,
-                return_gathered=need_dw), dy_shard, wt, flags=int(need_dw))
-        else:
-            dy = run.guarded("all_gather (tp backward)",
-                             lambda: backends.gather(run.comm, dy_shard), dy_shard)
-        if need_dw:
-            dw = x.t() @ dy
-        return dx, dw, None
-
-
-class _MatmulAllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, run: _Run):
-        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w)
-        op = "matmul_all_reduce"
-        return run.guarded(op, lambda: run.backend.ar(
-            run.comm, run.ctx_for(op, x, w), x, w, chunks=run.chunks), x, w)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        dx = dy @ w.t() if ctx.needs_input_grad[0] else None
-        dw = x.t() @ dy if ctx.needs_input_grad[1] else None
-        return dx, dw, None
+def _settings(comm: TPComm, comm_given: bool, chunks, check_inputs: bool) -> tuple[int, bool]:
+    # comm= carries the settings; the group= form's per-call knobs apply to this call.
+    return (chunks if chunks is not None else 0), (comm.check_inputs if comm_given
+                                                   else bool(check_inputs))
 
 
 def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, *, comm: TPComm | None = None,
                       group: dist.ProcessGroup | None = None, backend: str = "auto",
                       chunks: int | None = None, return_gathered: bool = False,
-                      check_inputs: bool = True, context: TPContext | None = None,
-                      seq_dim: int = 0):
+                      check_inputs: bool = True, seq_dim: int = 0):
     """Sequence-parallel column-parallel GEMM with the all-gather hidden under it.
 
-    Shapes: x_shard [m, K] or [s, B, K] (this rank's rows), w [K, N] -> y [M, N] or
-    [world*s, B, N]; with ``return_gathered`` also x [M, K] (or [world*s, B, K]), the gathered
-    input, e.g. to feed more GEMMs without gathering again.
+    x_shard [m, K] or [s, B, K], w [K, N] -> y [M, N] or [world*s, B, N]; with
+    ``return_gathered`` also the gathered input [M, K] (its gradient flows back).
 
-        forward  y       = all_gather(x_shard) @ w
-        dgrad    dx_shard = reduce_scatter(dy @ w.T)       (matmul_reduce_scatter, fused)
-                          (+ reduce_scatter(d_gathered) if the gathered output is used)
-        wgrad    dw      = all_gather(x_shard).T @ dy      (runs while dgrad's last transfers
-                                                            are in flight; reuses the forward's
-                                                            gathered x)
+        forward  y        = all_gather(x_shard) @ w
+        dgrad    dx_shard = reduce_scatter(dy @ w.T) (+ reduce_scatter(d_gathered))
+        wgrad    dw       = gathered.T @ dy     (under dgrad's last transfers)
 
-    ``chunks``: pieces along M, a multiple of world (default world: one per rank's shard).
-    ``seq_dim=1``: x_shard is batch-first [B, s, K], gathered along dim 1 (outputs likewise).
-    ``comm``, ``group``/``backend``/``check_inputs`` and ``context``: see the module docstring.
-    Returns y, or (y, gathered) when ``return_gathered``.
+    ``chunks``: pieces along M, a multiple of world (default world). ``comm=`` a TPComm, or
+    ``group=`` (with ``backend``, ``check_inputs``) for that group's default communicator.
+    Returns y, or (y, gathered) with ``return_gathered``.
     """
     op = "all_gather_matmul"
-    if torch.compiler.is_compiling():
-        _compile_args(op, comm, context, return_gathered)
-        return custom_ops.all_gather_matmul(x_shard, w, comm, chunks, seq_dim)
-    run = _prepare(op, x_shard, w, comm=comm, group=group, backend=backend, chunks=chunks,
-                   check_inputs=check_inputs, context=context, flags=int(return_gathered),
-                   seq_dim=seq_dim)
-    if seq_dim == 1:  # batch-first [B, s, K]: gather along s via the sequence-first layout
-        x_shard = x_shard.transpose(0, 1)
-    world = run.comm.world
-    x2 = x_shard.reshape(-1, x_shard.shape[-1])
-    y2, g2 = _AllGatherMatmul.apply(x2, w, run)
-    lead = (world * x_shard.shape[0], *x_shard.shape[1:-1])
-    y = y2.view(*lead, w.shape[1])
-    g = g2.view(*lead, x_shard.shape[-1]) if return_gathered else None
+    c = _comm_for(op, comm, group, backend)
+    xs = _sequence_first(op, c, x_shard, w, seq_dim)
+    n, check = _settings(c, comm is not None, chunks, check_inputs)
+    x2 = xs.reshape(-1, xs.shape[-1])
+    y2, g2 = _AllGatherMatmul.apply(x2, w, c, n, check, list(xs.shape), int(return_gathered))
+    lead = (c.world * xs.shape[0], *xs.shape[1:-1])
+    y = y2.view(*lead, w.shape[-1])
     if seq_dim == 1:
         y = y.transpose(0, 1)
-        g = None if g is None else g.transpose(0, 1)
-    return (y, g) if return_gathered else y
+    if not return_gathered:
+        return y
+    g = g2.view(*lead, xs.shape[-1])
+    return y, (g.transpose(0, 1) if seq_dim == 1 else g)
 
 
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, comm: TPComm | None = None,
                           group: dist.ProcessGroup | None = None, backend: str = "auto",
                           chunks: int | None = None, check_inputs: bool = True,
-                          context: TPContext | None = None, seq_dim: int = 0) -> torch.Tensor:
+                          seq_dim: int = 0) -> torch.Tensor:
     """Row-parallel GEMM with sequence parallelism: the reduce-scatter hidden under the GEMM.
 
-    Shapes: x [M, K] or [S, B, K] (M = S*B; S divisible by world), w [K, N] ->
-    y_shard [M/world, N] or [S/world, B, N]: rows r*m..(r+1)*m of the sum over ranks.
+    x [M, K] or [S, B, K] (S divisible by world), w [K, N] -> y_shard [M/world, N] or
+    [S/world, B, N]: rows r*m..(r+1)*m of the sum over ranks.
 
-        forward  y_shard = reduce_scatter(x @ w)           (summed over ranks, dim 0)
-        dgrad    dx      = all_gather(dy_shard) @ w.T      (all_gather_matmul, fused)
-        wgrad    dw      = x.T @ all_gather(dy_shard)      (reuses dgrad's gathered dy)
+        forward  y_shard = reduce_scatter(x @ w)
+        dgrad    dx      = all_gather(dy_shard) @ w.T     (all_gather_matmul, fused)
+        wgrad    dw      = x.T @ all_gather(dy_shard)     (reuses dgrad's gathered dy)
 
-    ``chunks``: pieces along M, a multiple of world (default world: one per destination rank).
-    ``seq_dim=1``: x is batch-first [B, S, K], scattered along dim 1 -> [B, S/world, N].
-    ``comm``, ``group``/``backend``/``check_inputs`` and ``context``: see the module docstring.
+    ``chunks``, ``comm``/``group``: as in all_gather_matmul.
     """
     op = "matmul_reduce_scatter"
-    if torch.compiler.is_compiling():
-        _compile_args(op, comm, context, False)
-        return custom_ops.matmul_reduce_scatter(x, w, comm, chunks, seq_dim)
-    run = _prepare(op, x, w, comm=comm, group=group, backend=backend, chunks=chunks,
-                   check_inputs=check_inputs, context=context, seq_dim=seq_dim)
-    if seq_dim == 1:  # batch-first [B, S, K]: scatter along S via the sequence-first layout
-        x = x.transpose(0, 1)
-    world = run.comm.world
-    y2 = _MatmulReduceScatter.apply(x.reshape(-1, x.shape[-1]), w, run)
-    y = y2.view(x.shape[0] // world, *x.shape[1:-1], w.shape[1])
+    c = _comm_for(op, comm, group, backend)
+    xs = _sequence_first(op, c, x, w, seq_dim)
+    n, check = _settings(c, comm is not None, chunks, check_inputs)
+    y2 = _MatmulReduceScatter.apply(xs.reshape(-1, xs.shape[-1]), w, c, n, check,
+                                    list(xs.shape), 0)
+    y = y2.view(xs.shape[0] // c.world, *xs.shape[1:-1], w.shape[-1])
     return y.transpose(0, 1) if seq_dim == 1 else y
 
 
 def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, comm: TPComm | None = None,
                       group: dist.ProcessGroup | None = None, backend: str = "auto",
-                      chunks: int | None = None, check_inputs: bool = True,
-                      context: TPContext | None = None) -> torch.Tensor:
+                      chunks: int | None = None, check_inputs: bool = True) -> torch.Tensor:
     """Row-parallel GEMM without sequence parallelism: the all-reduce hidden under the GEMM.
 
-    Shapes: x [M, K] or [S, B, K] (K = this rank's input features), w [K, N] -> y [M, N] or
-    [S, B, N], identical on every rank.
+    x [M, K] or [S, B, K], w [K, N] -> y [M, N] or [S, B, N], identical on every rank.
 
         forward  y  = all_reduce(x @ w)
-        dgrad    dx = dy @ w.T           (no communication: dy is the same on every rank, as
-        wgrad    dw = x.T @ dy            it is when everything after y is replicated)
+        dgrad    dx = dy @ w.T      (no communication: dy is replicated, as everything
+        wgrad    dw = x.T @ dy       after y is)
 
-    ``chunks``: row blocks of M (default world). Any M works (symmetric/triton pad M to a
-    multiple of world internally). ``comm``, ``group``/``backend``/``check_inputs`` and ``context``:
-    see the module docstring.
+    ``chunks``: row blocks of M (default world); any M works. ``comm``/``group``: as above.
     """
     op = "matmul_all_reduce"
-    if torch.compiler.is_compiling():
-        _compile_args(op, comm, context, False)
-        return custom_ops.matmul_all_reduce(x, w, comm, chunks)
-    run = _prepare(op, x, w, comm=comm, group=group, backend=backend, chunks=chunks,
-                   check_inputs=check_inputs, context=context)
-    y2 = _MatmulAllReduce.apply(x.reshape(-1, x.shape[-1]), w, run)
-    return y2.view(*x.shape[:-1], w.shape[1])
+    c = _comm_for(op, comm, group, backend)
+    xs = _sequence_first(op, c, x, w, 0)
+    n, check = _settings(c, comm is not None, chunks, check_inputs)
+    y2 = _MatmulAllReduce.apply(xs.reshape(-1, xs.shape[-1]), w, c, n, check,
+                                list(xs.shape), 0)
+    return y2.view(*xs.shape[:-1], w.shape[-1])
 
 
 def resolve_backend(x: torch.Tensor | None = None, *, group: dist.ProcessGroup,
@@ -369,25 +398,6 @@ def resolve_backend(x: torch.Tensor | None = None, *, group: dist.ProcessGroup,
     """What ``backend`` resolves to on ``group`` (the default communicator's choice; collective
     on first use). ``TPComm(group, backend=...).backend`` is the same answer."""
     return default_comm(group, backend=backend, op=op).backend
-
-
-def make_context(op: str, x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGroup,
-                 backend: str = "auto", nbytes: int | None = None,
-                 timeout: float = 30.0) -> TPContext:
-    """An explicit context for ``op`` (collective over ``group``), sized for ``x`` and ``w``
-    (shapes as the op takes them) or ``nbytes`` per rank. Pass it as ``context=``; close() it.
-    """
-    comm = default_comm(group, backend=backend, op=op)
-    validate(op, x, w, group=group, backend=comm.backend, chunks=None)
-    be = backends.backend_for(comm, x.dtype)
-    x2 = x.reshape(-1, x.shape[-1])
-    need = be.workspace(op, x2.shape[0], x2.shape[1], w.shape[1], comm.world, x.dtype)
-    if need is None:
-        raise ValueError(f"{op}: make_context needs a workspace backend ('symmetric' or "
-                         f"'triton') on more than one rank, got {backend!r} -> "
-                         f"{comm.backend!r}{comm.where()}")
-    return TPContext(op=op, backend=be.name, group=group, nbytes=nbytes or need[0],
-                     num_signals=need[1], device=x.device, timeout=timeout)
 
 
 def close_all_contexts() -> None:
