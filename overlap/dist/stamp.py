@@ -197,6 +197,7 @@ class Agreement:
         self.device = torch.device(device)
         self.calls = 0
         self._layouts: dict[tuple, list[int]] = {}
+        self.transport: dict[str, object] = {}  # what a transport builds once for the stamps
         self.mine: list[int] = [0] * STAMP_WORDS
         self.send = torch.zeros(STAMP_WORDS, dtype=torch.int64, device=self.device)
         self.recv = torch.zeros(world, STAMP_WORDS, dtype=torch.int64, device=self.device)

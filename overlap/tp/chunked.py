@@ -73,13 +73,23 @@ def _exchange(group: dist.ProcessGroup, send: torch.Tensor | None, to: int,
         ops.append(dist.P2POp(dist.irecv, recv, frm, group, tag))
     if agree is not None:  # the call's stamp to and from every peer, in the same batch
         agree.clear_received()  # a row left from an earlier call must not pass for this one
-        me = dist.get_rank(group)
+        ops += _stamp_ops(group, agree)
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _stamp_ops(group: dist.ProcessGroup, agree: Agreement) -> list:
+    """The stamp sends and receives, built once per communicator: they always move the same
+    two buffers (``send``, ``recv[q]``), so every call reuses them."""
+    cached = agree.transport.get("chunked")
+    if cached is None:
+        me, cached = dist.get_rank(group), []
         for q in range(dist.get_world_size(group)):
             if q != me:
                 peer = dist.get_global_rank(group, q)
-                ops.append(dist.P2POp(dist.isend, agree.send, peer, group, _STAMP_TAG))
-                ops.append(dist.P2POp(dist.irecv, agree.recv[q], peer, group, _STAMP_TAG))
-    return dist.batch_isend_irecv(ops) if ops else []
+                cached.append(dist.P2POp(dist.isend, agree.send, peer, group, _STAMP_TAG))
+                cached.append(dist.P2POp(dist.irecv, agree.recv[q], peer, group, _STAMP_TAG))
+        agree.transport["chunked"] = cached
+    return cached
 
 
 def _wait_first(works: list, agree: Agreement | None, *, op: str, group: dist.ProcessGroup,
