@@ -42,8 +42,9 @@ def test_profile_column_matches_overlap_analyze(tmp_path):
     region = prof / "measured"
     assert sorted(p.name for p in region.iterdir()) == ["trace_rank0.json", "trace_rank1.json"]
 
-    cli = subprocess.run(["overlap-analyze", str(region), "--json"], capture_output=True,
-                         text=True, timeout=300)
+    # As a user without the venv on PATH runs it: by the interpreter, not the console script.
+    cli = subprocess.run([sys.executable, "-m", "overlap.profile.analyze", str(region), "--json"],
+                         capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0, cli.stderr
     report = json.loads(cli.stdout)
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
