@@ -3,8 +3,9 @@ the same layout, resharded resume on other layouts, and export to a plain state 
 
 References: the uninterrupted run (bit-identical, fp32), the single-process model trained the
 same steps (``reference_model``: same init, data, param groups, schedule and clipping).
-Tolerances: resharded runs sum in another order, so params match the reference within
-PARAM_ATOL (measured about 4e-9 after 3 AdamW steps) and the next-step loss within 1e-5."""
+Tolerances: resharded runs sum in another order (and the order depends on the CPU's vector
+width), so parameters match the reference within PARAM_ATOL, derived below, and the next-step
+loss within 1e-5."""
 
 import os
 import re
@@ -19,7 +20,7 @@ from overlap.train.config import parse_args
 
 TINY = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
         "--timeout", "240", "--clip-grad", "0.5", "--weight-decay", "0.1",
-        "--lr-schedule", "cosine", "--warmup-steps", "1"]
+        "--lr-schedule", "cosine", "--warmup-steps", "1", "--adam-eps", "1e-3"]
 LAYOUT_A = ["--tp", "2", "--pp", "2", "--dp", "2", "--micro-batches", "2",
             "--micro-batch-size", "2"]
 # the same global batch (8 sequences of 16 tokens) on other layouts
@@ -27,11 +28,19 @@ RESHARDED = {"tp1xpp2xdp4": ["--tp", "1", "--pp", "2", "--dp", "4", "--micro-bat
                              "--micro-batch-size", "1"],
              "tp2xpp1xdp1": ["--tp", "2", "--pp", "1", "--dp", "1", "--micro-batches", "4",
                              "--micro-batch-size", "2"]}
+# Why PARAM_ATOL holds on any CPU. Two runs see gradients g and g + d, d the rounding noise of a
+# different summation order. With AdamW's default eps (1e-8) a gradient that is 0 in exact
+# arithmetic (the key bias: softmax ignores it) or merely tiny is all noise, and the update
+# lr * m/(sqrt(v) + eps) is then +-lr whatever the noise: a summation order alone moves such a
+# parameter by up to 2 lr per step (5e-6 seen on an AVX2 machine against 4e-9 here). So the
+# test trains with eps = 1e-3, which makes the update Lipschitz in g: per step and element
+# |change| <= lr * 2|d| / eps (the m term contributes |d|/eps, the v term at most as much, with
+# |m|/sqrt(v) <= 1.01 in the first three bias-corrected steps). The gradients are clipped to a
+# global norm of 0.5, so |g| <= 0.5, and fp32 summation of the few hundred terms of each element
+# keeps |d| <= 1e-5 * 0.5 (a relative error of ~n * 2^-24 for n <= 160 terms).
+# Over 3 steps at lr <= 3e-3: |change| <= 3 * 3e-3 * 2 * 5e-6 / 1e-3 = 9e-8; PARAM_ATOL leaves
+# a factor 10 for the weight decay and the rare longer sum.
 PARAM_ATOL = 1e-6
-# The key-projection bias has an exactly-zero gradient in exact arithmetic (softmax is invariant
-# to it), so AdamW turns its rounding noise into +-lr steps: not comparable across summation
-# orders. Every other parameter is compared.
-NOISE_ONLY = ("k_proj.bias",)
 
 
 def _run(args, timeout=300):
@@ -99,9 +108,7 @@ def test_resharded_resume_matches(run_a, layout):
     cfg = parse_args([*TINY, *LAYOUT_A, "--steps", "3"])
     ref, _ = reference_model(cfg)
     got = _read(str(root / layout / "step_3"))
-    for name, p in ref.named_parameters():
-        if name.endswith(NOISE_ONLY):
-            continue
+    for name, p in ref.named_parameters():  # every parameter: no noise-only exception
         torch.testing.assert_close(got[f"model.{name}"], p.detach(), rtol=0, atol=PARAM_ATOL,
                                    msg=name)
         # the fp32 masters were resharded too (over dp 4 or dp 1): equal to the parameters
@@ -126,6 +133,4 @@ def test_export_loads_into_unsharded_gpt(run_a, tmp_path):
     model.load_state_dict(sd, strict=True)  # every key, every shape of the unsharded GPT
     ref, _ = reference_model(cfg)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        if name.endswith(NOISE_ONLY):
-            continue
         torch.testing.assert_close(p, q, rtol=0, atol=PARAM_ATOL, msg=name)

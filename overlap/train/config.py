@@ -52,6 +52,9 @@ class TrainConfig:
                               choices=LR_SCHEDULES)
     warmup_steps: int = _field(0, "linear learning-rate warm-up steps (from lr/warmup)")
     min_lr_ratio: float = _field(0.1, "cosine schedule: final lr as a fraction of --lr")
+    adam_eps: float = _field(1e-8, "AdamW epsilon; a larger one bounds how far rounding noise in "
+                                   "a near-zero gradient can move a parameter (about lr x "
+                                   "noise / eps per step instead of up to lr)")
     weight_decay: float = _field(0.0, "AdamW weight decay of matrix weights (norms, biases and "
                                       "embeddings get none)")
     clip_grad: float = _field(0.0, "clip the global gradient L2 norm (over every TP/PP/DP "
@@ -118,6 +121,7 @@ class TrainConfig:
             if not isinstance(v, int) or v < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v}")
         _check_number("lr", self.lr, low=0.0, low_open=True)
+        _check_number("adam_eps", self.adam_eps, low=0.0, low_open=True)
         _check_number("weight_decay", self.weight_decay, low=0.0)
         _check_number("clip_grad", self.clip_grad, low=0.0)
         _check_number("min_lr_ratio", self.min_lr_ratio, low=0.0, high=1.0)

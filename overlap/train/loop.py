@@ -172,11 +172,12 @@ def _build(cfg: TrainConfig, dims, device: torch.device, dtype: torch.dtype, *,
         groups = param_groups(model, red.params, cfg.weight_decay)
         if cfg.sharded_optimizer:  # fp32 masters of this rank's shard
             optimizers.append(ShardedOptimizer(red, torch.optim.AdamW, param_groups=groups,
-                                               lr=cfg.lr))
+                                               lr=cfg.lr, eps=cfg.adam_eps))
         elif dtype != torch.float32:  # fp32 masters of every parameter, stepped from main_grad
-            optimizers.append(MasterOptimizer(groups, torch.optim.AdamW, lr=cfg.lr))
+            optimizers.append(MasterOptimizer(groups, torch.optim.AdamW, lr=cfg.lr,
+                                              eps=cfg.adam_eps))
         else:
-            optimizers.append(torch.optim.AdamW(groups, lr=cfg.lr))
+            optimizers.append(torch.optim.AdamW(groups, lr=cfg.lr, eps=cfg.adam_eps))
     replicated = _tp_replicated(model, reducers)
     return SimpleNamespace(model=model, tp_comm=tp_comm, tracker=tracker, stages=stages,
                            schedule=schedule, pipe=pipe, reducers=reducers,
@@ -489,7 +490,7 @@ def reference_model(cfg: TrainConfig, *, steps: int | None = None, dropout: floa
     torch.manual_seed(cfg.seed)
     model = GPT(model_config(cfg, dropout=dropout))
     opt = torch.optim.AdamW(param_groups(model, list(model.parameters()), cfg.weight_decay),
-                            lr=cfg.lr)
+                            lr=cfg.lr, eps=cfg.adam_eps)
     batches = Batches(load_tokens(cfg.data), seq_len=cfg.seq_len,
                       micro_batch_size=cfg.micro_batch_size, micro_batches=cfg.micro_batches,
                       dp=cfg.dp, seed=cfg.seed)
