@@ -18,6 +18,8 @@ Written against transformers 5.x module names (checked against 4.46+ too where t
   (``view(..., -1, head_dim)``) and ``num_key_value_groups`` (q heads per kv head) is unchanged
   by sharding, so no attribute is divided, but both ``num_attention_heads`` and
   ``num_key_value_heads`` must be divisible by tp (each rank keeps whole kv groups).
+- Qwen3: the Llama plan plus its per-head ``q_norm``/``k_norm`` (replicated RMSNorms that run
+  on this rank's heads) as ``sum_grads``: their gradients are summed over TP.
 
 - Gemma, Gemma2: the Llama plan; their ``embed_tokens`` (a scaled ``nn.Embedding`` subclass
   with its own forward) is wrapped so the sqrt(d) scale is kept (overlap.nn.wrap).
@@ -131,7 +133,7 @@ def gpt2_plan(model: nn.Module) -> TPPlan:
 
 
 def llama_plan(model: nn.Module) -> TPPlan:
-    """Plan for transformers Llama, Qwen2, Mistral, Gemma or Gemma2 (same module names; the
+    """Plan for transformers Llama, Qwen2, Qwen3, Mistral, Gemma or Gemma2 (same module names; the
     Gemma embedding multiplies by sqrt(d) in its own forward, which parallelize keeps by
     wrapping it, see overlap.nn.wrap)."""
     p = _hf_prefix(model)
@@ -147,6 +149,13 @@ def llama_plan(model: nn.Module) -> TPPlan:
     }
     if _has_head(model):
         layers["lm_head"] = "head"
+    # Qwen3 (and Gemma3-style) per-head RMSNorms on q and k: replicated, run on this rank's
+    # heads, so their gradients are summed over TP (parallelize would find them on the probe
+    # anyway; naming them keeps it so with verify=False)
+    names = {n for n, _ in model.named_modules()}
+    for norm in ("q_norm", "k_norm"):
+        if any(n.endswith(f"self_attn.{norm}") for n in names):
+            layers[f"{p}layers.*.self_attn.{norm}"] = "sum_grads"
 
     def check(m: nn.Module, tp: int) -> list[str]:
         cfg, problems = m.config, []
@@ -243,14 +252,16 @@ def opt_plan(model: nn.Module) -> TPPlan:
                   check=_heads_check("num_attention_heads"))
 
 
-_HF_PLANS = {"gpt2": gpt2_plan, "llama": llama_plan, "qwen2": llama_plan, "mistral": llama_plan,
+_HF_PLANS = {"gpt2": gpt2_plan, "llama": llama_plan, "qwen2": llama_plan, "qwen3": llama_plan,
+             "mistral": llama_plan,
              "gemma": llama_plan, "gemma2": llama_plan, "phi3": phi3_plan,
              "gpt_neox": gpt_neox_plan, "opt": opt_plan}
 
 
 def plan_for(model: nn.Module) -> TPPlan:
     """The shipped plan for ``model``: overlap GPT, or a transformers model by its
-    ``config.model_type`` (gpt2, llama, qwen2, mistral, gemma, gemma2, phi3, gpt_neox, opt).
+    ``config.model_type`` (gpt2, llama, qwen2, qwen3, mistral, gemma, gemma2, phi3, gpt_neox,
+    opt).
     ValueError for anything else."""
     if isinstance(model, GPT):
         return gpt_plan()

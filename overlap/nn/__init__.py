@@ -13,11 +13,12 @@ from overlap.nn.layers import ColumnParallelLinear, RowParallelLinear, column_pa
 from overlap.nn.parallelize import gather_grads, gather_state_dict, parallelize
 from overlap.nn.plan import STYLES, Style, TPPlan
 from overlap.nn.sequence import (SequenceParallelLayerNorm, SequenceParallelRMSNorm,
-                                 SequenceShardedPositions, sequence_parallel_norm)
+                                 SequenceShardedPositions, sequence_parallel_norm,
+                                 sum_grads_over_tp)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_parallel_shared",
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "parallelize",
            "gather_state_dict", "gather_grads", "Style", "STYLES", "TPPlan",
            "SequenceParallelLayerNorm", "SequenceParallelRMSNorm", "SequenceShardedPositions",
-           "sequence_parallel_norm", "dtensor_state_dict", "load_dtensor_state_dict",
+           "sequence_parallel_norm", "sum_grads_over_tp", "dtensor_state_dict", "load_dtensor_state_dict",
            "expose_dtensors"]

@@ -122,7 +122,8 @@ def _all_reduce(t: torch.Tensor, op, *, group, name: str) -> torch.Tensor:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, ignore_index, mean, group):
-        x = logits.float().contiguous()
+        # at least fp32 (16-bit logits are upcast; float64 keeps its precision)
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32)).contiguous()
         m = _all_reduce(x.max(-1).values, dist.ReduceOp.MAX, group=group,
                         name="vocab_parallel_cross_entropy max")
         x = x - m.unsqueeze(-1)
@@ -153,7 +154,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         own = (is_local & valid).reshape(-1)
         idx = torch.arange(rows.shape[0], device=rows.device)[own]
         rows[idx, local.reshape(-1)[own]] -= 1.0
-        scale = dloss.float() / count if ctx.mean else dloss.float().unsqueeze(-1)
+        dloss = dloss.to(softmax.dtype)
+        scale = dloss / count if ctx.mean else dloss.unsqueeze(-1)
         return (grad * scale).to(ctx.dtype), None, None, None, None, None
 
 

@@ -14,7 +14,18 @@ style; the first pattern that matches a module wins. Styles (strings or ``Style`
 ``head``           like vocab_head, then gathers full logits (for a loss that wants them)
 ``sp_norm``        LayerNorm/RMSNorm on sequence shards (only with sequence_parallel=True)
 ``sp_positions``   position table cut to the local sequence shard (only with SP)
+``sum_grads``      the module stays as it is (replicated) but runs on TP-sharded activations
+                   (Qwen3's per-head ``q_norm``): its parameters' gradients are summed over TP
 =================  =========================================================================
+
+Replicated parameters inside a sharded region: a module the plan leaves alone that runs on
+activations sharded over TP (its input on the probe has another shape than in the unsharded
+model: a per-head norm between the column-parallel q/k projections and the row-parallel
+output, a norm on sequence shards) sees only this rank's part, so its parameters' gradients
+would be partial sums. ``parallelize`` finds these modules on the probe and makes them sum
+their gradients over TP (``overlap.nn.sum_grads_over_tp``), whether or not the plan names them
+with ``sum_grads``; a replicated parameter used that way in its own region's forward (no
+module of its own to mark) is refused by verification, by name.
 
 Fused layouts are data on a ``Style``: ``parts=(q, k, v)`` (unequal block sizes, in features,
 or in heads with ``head_dim=``) and ``layout="per_head"`` with ``heads=`` (q, k, v interleaved
@@ -58,7 +69,8 @@ from overlap.nn.embedding import VocabParallelEmbedding
 from overlap.nn.layers import (ColumnParallelLinear, RowParallelLinear, TPModule, linear_weight,
                                resolve_comm)
 from overlap.nn.plan import STYLES, Style, TPPlan
-from overlap.nn.sequence import SequenceShardedPositions, sequence_parallel_norm
+from overlap.nn.sequence import (SequenceShardedPositions, sequence_parallel_norm,
+                                 sum_grads_over_tp, undo_sum_grads_over_tp)
 from overlap.nn.verify import check_same_weights
 from overlap.nn.verifier import Verifier
 from overlap.nn.wrap import SUBCLASS_MODES, base_of, overridden, wrap_subclass
@@ -150,6 +162,11 @@ def _check_module(name: str, module: nn.Module, style: Style, tp: int,
         if type(module) not in style.accepts:
             return [f"{name}: custom style accepts {[t.__name__ for t in style.accepts]}, got "
                     f"{type(module).__name__}"]
+        return []
+    if kind == "sum_grads":
+        if not any(True for _ in module.parameters(recurse=False)):
+            return [f"{name}: style 'sum_grads' on a {type(module).__name__} without "
+                    "parameters of its own"]
         return []
     if kind == "sp_norm":
         if not isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
@@ -267,8 +284,16 @@ def _build(module, style: Style, comm: TPComm, sequence_parallel) -> nn.Module:
     return SequenceShardedPositions.from_embedding(module, comm=comm)
 
 
+def _sum_grads(module: nn.Module, comm: TPComm, undo) -> None:
+    sum_grads_over_tp(module, comm=comm)
+    undo.append(lambda m=module: undo_sum_grads_over_tp(m))
+
+
 def _replace(model, chosen, comm, sequence_parallel, subclasses, undo) -> None:
     for name, style in chosen.items():
+        if style.kind == "sum_grads":
+            _sum_grads(model.get_submodule(name), comm, undo)
+            continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child)
@@ -383,6 +408,8 @@ def parallelize(model: nn.Module, *, dims=None, tp_group=None, comm: TPComm | No
             setattr(holder, pname, shared)
     _divide(model, divide, tp, undo)
     if checker is not None:
+        for name in checker.sharded_inputs(model):
+            _sum_grads(model.get_submodule(name), comm, undo)
         failure = checker.run(model)
         if failure is not None:
             for step in reversed(undo):

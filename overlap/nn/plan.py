@@ -15,7 +15,8 @@ __all__ = ["Style", "STYLES", "TPPlan"]
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class Style:
     """How one module is parallelized. ``kind``: column, row, embedding, sp_norm,
-    sp_positions, or custom (``build(module, comm=, sequence_parallel=) -> module``, a
+    sp_positions, sum_grads (a replicated module that runs on TP-sharded activations, e.g. a
+    per-head norm: kept as it is, its parameters' gradients summed over TP), or custom (``build(module, comm=, sequence_parallel=) -> module``, a
     model-specific replacement of a module whose exact type is in ``accepts``). ``uneven``:
     the sharded size need not be divisible by tp (vocabularies). ``sp_only``: applied only
     with sequence_parallel=True.
@@ -80,6 +81,7 @@ STYLES: dict[str, Style] = {
     "head": Style(kind="column", uneven=True, gather_output=True),
     "sp_norm": Style(kind="sp_norm", sp_only=True),
     "sp_positions": Style(kind="sp_positions", sp_only=True),
+    "sum_grads": Style(kind="sum_grads"),
 }
 
 

@@ -13,6 +13,14 @@ SequenceParallelLayerNorm / SequenceParallelRMSNorm, weight and bias replicated:
 SequenceShardedPositions (an ``nn.Embedding`` of positions, replicated), positions (..., t):
   forward  p_shard_s = scatter_s(weight[positions])       this rank's t/tp positions
   wgrad    dweight = scatter-add of all_gather_s(dp_shard_s)   (full on every rank)
+
+The same holds inside a TP region without sequence parallelism: a replicated parameter that
+acts on activations sharded over heads or features (Qwen3's per-head ``q_norm``/``k_norm``
+between the column-parallel q/k projections and the row-parallel output) sees only this rank's
+heads, so its gradient is this rank's share. ``sum_grads_over_tp(module)`` makes any module
+(of any class) use ``copy_to_tp(p)`` for each of its own parameters during its forward, so the
+gradients become the sum over the TP group. ``parallelize`` applies it to every module it finds
+in that position (and the style ``"sum_grads"`` names one explicitly).
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ from overlap.nn.layers import resolve_comm
 from overlap.nn.regions import copy_to_tp, scatter_to_tp
 
 __all__ = ["SequenceParallelLayerNorm", "SequenceParallelRMSNorm", "SequenceShardedPositions",
-           "sequence_parallel_norm"]
+           "sequence_parallel_norm", "sum_grads_over_tp", "sums_grads_over_tp",
+           "undo_sum_grads_over_tp"]
 
 
 def _adopt(new: nn.Module, old: nn.Module) -> None:
@@ -90,3 +99,61 @@ class SequenceShardedPositions(nn.Embedding):
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         p = super().forward(positions)
         return scatter_to_tp(p, positions.dim() - 1, comm=self.comm)
+
+
+class _SumsGradsOverTP:
+    """Put in front of a module's own class by ``sum_grads_over_tp``: during the forward each
+    of the module's own parameters is read through ``copy_to_tp`` (identity forward, all-reduce
+    of its gradient over TP), and restored afterwards even if the forward raises."""
+
+    def forward(self, *args, **kwargs):
+        params = self._parameters
+        saved = {n: p for n, p in params.items() if p is not None and p.requires_grad}
+        if not (saved and torch.is_grad_enabled()):
+            return super().forward(*args, **kwargs)
+        comm = self.__dict__["_overlap_sum_grads_comm"]
+        try:
+            for name, p in saved.items():
+                params[name] = copy_to_tp(p, comm=comm)
+            return super().forward(*args, **kwargs)
+        finally:
+            params.update(saved)
+
+
+_summed_classes: dict[type, type] = {}
+
+
+def _summed_class(cls: type) -> type:
+    if cls not in _summed_classes:
+        _summed_classes[cls] = type(cls.__name__, (_SumsGradsOverTP, cls),
+                                    {"__module__": cls.__module__,
+                                     "__qualname__": cls.__qualname__})
+    return _summed_classes[cls]
+
+
+def sums_grads_over_tp(module: nn.Module) -> bool:
+    return isinstance(module, _SumsGradsOverTP)
+
+
+def sum_grads_over_tp(module: nn.Module, *, comm=None, tp_group=None, dims=None) -> nn.Module:
+    """Make ``module`` (in place; returned) sum the gradients of its own parameters (not its
+    submodules') over the TP group: for a replicated module that runs on TP-sharded activations
+    (a per-head norm between column- and row-parallel layers, a bias added to a sharded
+    activation). Parameter names, types, state dicts and ``isinstance`` stay as they were.
+    Costs one all-reduce of the parameters' size per backward. Idempotent for the same
+    communicator; ``undo_sum_grads_over_tp`` reverts it."""
+    comm = resolve_comm("sum_grads_over_tp", comm, tp_group, dims)
+    if sums_grads_over_tp(module):
+        if module.__dict__["_overlap_sum_grads_comm"] is not comm:
+            raise ValueError(f"sum_grads_over_tp: {type(module).__name__} already sums its "
+                             "gradients over another TP communicator")
+        return module
+    module.__class__ = _summed_class(type(module))
+    module.__dict__["_overlap_sum_grads_comm"] = comm
+    return module
+
+
+def undo_sum_grads_over_tp(module: nn.Module) -> None:
+    if sums_grads_over_tp(module):
+        module.__class__ = type(module).__mro__[2]
+        del module.__dict__["_overlap_sum_grads_comm"]

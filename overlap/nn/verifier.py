@@ -9,10 +9,10 @@ import re
 
 import torch.nn as nn
 
-from overlap.nn.layers import linear_weight
+from overlap.nn.layers import TPModule, linear_weight
 from overlap.nn.plan import Style
-from overlap.nn.verify import (HEAD_ATTR, LeafProbe, UnitProbe, all_max, default_probe,
-                               user_probe)
+from overlap.nn.verify import (HEAD_ATTR, GradProbe, LeafProbe, UnitProbe, all_max,
+                               default_probe, user_probe)
 from overlap.nn.wrap import base_of, overridden
 
 __all__ = ["Verifier", "default_tol"]
@@ -51,6 +51,13 @@ def _read_in_forward(module: nn.Module) -> dict[str, set[str]] | None:
 
 def _within(name: str, unit: str) -> bool:
     return unit == "" or name == unit or name.startswith(unit + ".")
+
+
+def _shard_spec(model: nn.Module, name: str):
+    """The ShardSpec of parameter ``name`` if a TP layer holds it sharded, else None."""
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner)
+    return module.shard_specs.get(attr) if isinstance(module, TPModule) else None
 
 
 class Verifier:
@@ -92,6 +99,17 @@ class Verifier:
             if whole_model:
                 units.add("")
             run = user_probe(probe) if probe is not None else default_probe(model, tp)
+            self.grads = None
+            if run is not None:
+                # The whole model once more: every parameter's gradient and which modules
+                # see which input shapes (replicated modules on sharded activations)
+                try:
+                    self.grads = GradProbe(model, run, skip=set(chosen))
+                except Exception as exc:
+                    if whole_model or probe is not None:
+                        raise ValueError(f"{head}: the verification probe failed on the "
+                                         f"unsharded model (pass probe=, the model's input): "
+                                         f"{type(exc).__name__}: {exc}") from exc
             self.units, self.unit_names = None, sorted(units)
             if run is None:
                 if whole_model:
@@ -111,6 +129,15 @@ class Verifier:
                                    if self.units is not None and n in self.units.records]
 
     # ------------------------------------------------------------------ run
+    def sharded_inputs(self, model: nn.Module) -> list[str]:
+        """Modules outside the replaced ones, with parameters of their own, that now run on
+        TP-sharded activations (their inputs changed shape on the probe). Same on every rank
+        (the shapes follow from the plan, not from the data)."""
+        if self.grads is None:
+            return []
+        with _EvalMode(model):
+            return self.grads.sharded_inputs(model)
+
     def run(self, model: nn.Module) -> str | None:
         """None if the parallel model matches, else the error message (same on every rank)."""
         labels: list[tuple[str, str]] = []
@@ -133,11 +160,60 @@ class Verifier:
                 except Exception as exc:
                     errors.append(float("inf"))
                     notes[name] = f"{type(exc).__name__}: {exc}"
+            if self.grads is not None:
+                try:
+                    grads = self.grads.errors(model, rank, tp, lambda n: _shard_spec(model, n))
+                except Exception as exc:
+                    grads = {"<output>": float("inf")}
+                    notes["<output>"] = f"{type(exc).__name__}: {exc}"
+                # the same list on every rank: every name of the reference, in its order
+                for name in ["<output>", *self.grads.grads]:
+                    labels.append(("grad", name))
+                    errors.append(grads.get(name, 0.0))
         device = self.comm.device if self.comm.device.type != "cpu" else None
         errors = all_max(errors, self.comm.group, timeout=self.comm.timeout, device=device)
-        failing = {name: err for (_, name), err in zip(labels, errors) if not err <= self.tol}
-        if not failing:
+        failing = {name: err for (kind, name), err in zip(labels, errors)
+                   if kind != "grad" and not err <= self.tol}
+        bad_grads = {name: err for (kind, name), err in zip(labels, errors)
+                     if kind == "grad" and not err <= self.tol}
+        if not failing and not bad_grads:
             return None
+        if failing:
+            return self._report(model, failing, notes)
+        return self._report_grads(model, bad_grads, notes)
+
+    def _report_grads(self, model: nn.Module, bad: dict[str, float], notes) -> str:
+        if "<output>" in bad:
+            why = notes.get("<output>", "its output could not be matched with the unsharded "
+                            "model's (not one shard of it along one dim)")
+            return (f"{self.head}: verification failed: the parameter gradients could not be "
+                    f"compared on the probe: {why}. Pass probe= (the model's input), or check "
+                    "the plan (the model was restored unsharded)")
+        lines = []
+        for name, err in bad.items():
+            sharded = _shard_spec(model, name) is not None
+            owner = name.rpartition(".")[0]
+            unit = next((u for u in sorted(self.unit_names, key=len, reverse=True)
+                         if _within(owner, u)), None)
+            where = f" in {unit or '<model>'}" if unit is not None else ""
+            if sharded:
+                cause = ("its TP layer computes a different weight gradient (a fused layout "
+                         "or a style that does not match how the module uses it)")
+            else:
+                cause = ("a replicated parameter used on activations sharded over TP (heads "
+                         "or features) inside its module's own forward, so each rank's "
+                         "gradient is a partial sum: move that use into a submodule (which "
+                         "parallelize then sums over TP), mark it with the style 'sum_grads', "
+                         "or shard the parameter with a custom Style")
+            lines.append(f"gradient of {name} ({'sharded' if sharded else 'replicated'}"
+                         f"{where}) off by {err:.3g} (relative; tolerance {self.tol:g}); "
+                         f"likely cause: {cause}")
+        listed = "\n  - ".join(lines)
+        return (f"{self.head}: verification failed, the parallel model's parameter gradients "
+                f"differ from the unsharded model's (outputs and input gradients match; the "
+                f"model was restored unsharded):\n  - {listed}")
+
+    def _report(self, model: nn.Module, failing: dict[str, float], notes) -> str:
         # Report where it happens: a failing module that contains another failing one (a
         # layer or a smaller region) is left out.
         deepest = [n for n in failing

@@ -38,8 +38,8 @@ from overlap.nn.layers import linear_weight
 from overlap.nn.sharding import ShardSpec
 from overlap.tp.collectives import all_gather_dim, wait
 
-__all__ = ["check_same_weights", "default_probe", "LeafProbe", "UnitProbe", "tensor_hash",
-           "rel_err", "primary_output", "HEAD_ATTR", "all_max", "user_probe"]
+__all__ = ["check_same_weights", "default_probe", "LeafProbe", "UnitProbe", "GradProbe",
+           "tensor_hash", "rel_err", "primary_output", "HEAD_ATTR", "all_max", "user_probe"]
 
 HEAD_ATTR = re.compile(r"(^|_)heads?$|^num_.*heads$|^split_size$|^embed_dim$|^all_head_size$")
 _SEED = 20251123
@@ -347,6 +347,101 @@ class UnitProbe:
             dx = torch.autograd.grad(y, x, narrow(cot), allow_unused=True)[0]
         return out_err, (0.0 if dx is None and dx_want.abs().max() == 0
                          else float("inf") if dx is None else rel_err(dx, dx_want))
+
+
+def _within(name: str, unit: str) -> bool:
+    return unit == "" or name == unit or name.startswith(unit + ".")
+
+
+class GradProbe:
+    """The whole model on the probe: which modules see which input shapes, and the gradient of
+    every parameter for a fixed cotangent on the output.
+
+    Built on the unsharded model; then ``sharded_inputs(parallel)`` names the modules with
+    parameters of their own (outside the replaced ones) whose inputs changed shape, i.e. that
+    now run on activations sharded over TP (a per-head norm inside the attention region, a
+    norm on sequence shards): their replicated parameters get partial gradients unless summed
+    over TP. ``errors(parallel)`` compares every parameter's gradient, a sharded one with this
+    rank's shard of the reference, a replicated one with the whole of it."""
+
+    def __init__(self, model: nn.Module, run: Callable[[nn.Module], Any], skip: set[str]):
+        self.run, self.skip = run, skip
+        self.shapes = self._shapes(model)
+        with torch.enable_grad():
+            y = primary_output(run(model))
+            if y is None or not y.requires_grad:
+                raise ValueError("the probe's output has no gradient")
+            self.y = y.detach()
+            self.cot = _randn(y.shape, y, _SEED + 4)
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            grads = torch.autograd.grad(y, [p for _, p in named], self.cot, allow_unused=True)
+        self.grads = {n: None if g is None else g.detach() for (n, _), g in zip(named, grads)}
+        present = [g.abs().max().item() for g in self.grads.values()
+                   if g is not None and g.numel()]
+        self.largest = max(present, default=0.0)
+
+    def _holders(self, model: nn.Module) -> dict[str, nn.Module]:
+        return {n: m for n, m in model.named_modules()
+                if any(p.requires_grad for p in m.parameters(recurse=False))
+                and not any(_within(n, s) for s in self.skip if s)}
+
+    def _shapes(self, model: nn.Module) -> dict[str, list]:
+        seen: dict[str, list] = {}
+        handles = []
+        for name, module in self._holders(model).items():
+            def hook(module, args, kwargs, name=name):
+                shapes = []
+                _tree((args, kwargs), lambda t: shapes.append(tuple(t.shape))
+                      if t.is_floating_point() else None)
+                seen.setdefault(name, []).append(shapes)
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        try:
+            with torch.no_grad():
+                self.run(model)
+        finally:
+            for h in handles:
+                h.remove()
+        return seen
+
+    def sharded_inputs(self, model: nn.Module) -> list[str]:
+        now = self._shapes(model)
+        return sorted(n for n, shapes in now.items()
+                      if n in self.shapes and shapes != self.shapes[n])
+
+    def errors(self, model: nn.Module, rank: int, tp: int, shard_of) -> dict[str, float]:
+        """{parameter name: gradient error} on this rank. ``shard_of(name)`` is the ShardSpec
+        of a sharded parameter (None for a replicated one). The error is max |got - want|
+        over the larger of max |want| (the whole parameter's) and 1% of the largest gradient
+        of the model: a gradient that is zero in exact arithmetic (a key bias under softmax)
+        is rounding noise on both sides and must not count as a relative error of 1."""
+        floor = max(1e-2 * self.largest, 1e-30)
+        with torch.enable_grad():
+            y = primary_output(self.run(model))
+            want_y, narrow = _local_view(self.y, y, rank, tp) if y is not None else (None, None)
+            if want_y is None or not y.requires_grad:
+                return {"<output>": float("inf")}
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            grads = torch.autograd.grad(y, [p for _, p in named], narrow(self.cot),
+                                        allow_unused=True)
+        out = {}
+        for (name, _), got in zip(named, grads):
+            if name not in self.grads:
+                continue
+            want = self.grads[name]
+            if want is None or got is None:
+                nonzero = [g for g in (want, got) if g is not None and g.abs().max() > 0]
+                out[name] = float("inf") if nonzero else 0.0
+                continue
+            scale = max(want.abs().max().item(), floor)
+            spec = shard_of(name)
+            if spec is not None:
+                want = sharding.shard(want, spec, rank, tp)
+            if got.shape != want.shape:
+                out[name] = float("inf")
+                continue
+            err = (got.double() - want.double()).abs().max().item() / scale
+            out[name] = err if err == err else float("inf")
+        return out
 
 
 def _local_view(want: torch.Tensor, got: torch.Tensor, rank: int, tp: int):

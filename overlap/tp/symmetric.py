@@ -158,7 +158,7 @@ def matmul_reduce_scatter(ctx: TPContext, x: torch.Tensor, w: torch.Tensor, *, c
         overlap_with()
     # Our pushes first: peers are waiting for them (on CPU the waiter may run them itself).
     copier.drain(f"{op} (rank {rank}, pushing partial blocks)")
-    acc = acc.float()
+    acc = acc.to(torch.promote_types(acc.dtype, torch.float32))  # fp32 or wider: fp64 stays
     for j in range(1, world):
         q = (rank - j) % world
         with nvtx.range(f"{op}.symmetric.comm[{q}].reduce"):
