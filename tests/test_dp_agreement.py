@@ -1,0 +1,111 @@
+"""Per-call agreement of GradReducer buckets (issue 23 item 2), on 2 and 4 ranks under nccl_twin.
+
+The first synchronising step agrees (its gradients equal the reference average); before the
+second, the last rank's reducer is switched to another bucket layout (a fault injected through
+the private ``_switch_layout``: what a rank-local layout change, a tuner that decided alone or a
+model built differently would do). Every rank must raise within 2 s of the second backward,
+naming the reducer's bucket op and both ranks' values, for
+
+- "size": bucket 0 holds a different number of elements on the last rank;
+- "same-size": bucket 0 holds the same number of elements but other parameters (two weights of
+  the same shape swapped), which no size check can see: without a stamp the ranks would sum
+  one parameter's gradient into the other's.
+
+comm_dtype "fp32" carries the stamp in a tail of each bucket's flat buffer (summed with it) and
+is tested in both cases; "int8" carries the quantized collective's own stamp (numel, dtype,
+call number), which sees the size case only: a same-size swap under int8/bf16 is not caught yet
+(overlap/dp/stamps.py says so)."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tests.harness import run_ranks
+
+LIMIT_S = 2.0
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 8, bias=False),
+                         nn.Tanh(), nn.Linear(8, 4))
+
+
+def _loss(model, rank, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(4, 8, generator=g)
+    return model(x).square().mean()
+
+
+def _job(case, comm_dtype):
+    from overlap.dp import GradReducer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    red = GradReducer(model, dp_group=dist.group.WORLD, bucket_cap_mb=0, first_bucket_cap_mb=0,
+                      rebuild_buckets=False, comm_dtype=comm_dtype, timeout=30)
+    out = {}
+    try:
+        _loss(model, rank, 1).backward()
+        # step 1 agrees: the gradients are the average over ranks
+        refs = []
+        for r in range(world):
+            m = _model()
+            _loss(m, r, 1).backward()
+            refs.append([p.grad for p in m.parameters()])
+        want = [sum(g[i] for g in refs) / world for i in range(len(refs[0]))]
+        scale = max(w.abs().max().item() for w in want)
+        out["step1_err"] = max((p.grad - w).abs().max().item() / scale
+                               for p, w in zip(model.parameters(), want))
+        # step 2: the last rank lays its buckets out differently
+        if rank == world - 1:
+            order = list(red._layout.order)
+            if case == "size":  # params 0 and 1 (two weights) share bucket 0
+                layout = red._make_layout(order, sizes=[2] + [1] * (len(order) - 2))
+            else:  # bucket 0 and 1 hold the two 8x8 weights, swapped
+                first = [i for i in order if red.params[i].shape == (8, 8)]
+                a, b = order.index(first[0]), order.index(first[1])
+                order[a], order[b] = order[b], order[a]
+                layout = red._make_layout(order, sizes=[1] * len(order))
+            red._switch_layout(layout)
+        model.zero_grad(set_to_none=True)
+        t0 = time.monotonic()
+        try:
+            _loss(model, rank, 2).backward()
+            red.finish()
+            out["raised"] = None
+        except Exception as exc:  # noqa: BLE001 - the test reads the message
+            out["raised"] = f"{type(exc).__name__}: {exc}"
+        out["seconds"] = time.monotonic() - t0
+        # the reducer stays failed: the next step raises again, at once
+        try:
+            _loss(model, rank, 3).backward()
+            red.finish()
+            out["again"] = None
+        except Exception as exc:  # noqa: BLE001
+            out["again"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        red.close()
+    return out
+
+
+CASES = [(w, c, d) for w in (2, 4) for c, d in (("size", "fp32"), ("same-size", "fp32"),
+                                                ("size", "int8"))]
+
+
+@pytest.mark.parametrize("world,case,comm_dtype", CASES,
+                         ids=[f"w{w}-{c}-{d}" for w, c, d in CASES])
+def test_bucket_disagreement_after_first_step_raises_everywhere(world, case, comm_dtype):
+    results = run_ranks(_job, world, case, comm_dtype, timeout=90)
+    for rank, res in enumerate(results):
+        tol = 1e-6 if comm_dtype == "fp32" else 2e-2  # int8: S/127 of the block's scale
+        assert res["step1_err"] <= tol, (rank, res)
+        msg = res["raised"]
+        assert msg is not None, f"rank {rank} did not raise on the disagreeing step: {res}"
+        assert res["seconds"] < LIMIT_S, (rank, res)
+        assert "bucket" in msg and "GradReducer" in msg, msg
+        assert "rank" in msg and "disagree" in msg, msg
+        assert res["again"] is not None, res
