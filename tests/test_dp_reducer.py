@@ -79,14 +79,15 @@ def ddp_or_local(model: nn.Module, **kw) -> nn.Module:
 
 
 def check_views(red: GradReducer) -> None:
-    """Every .grad is a view of the flat buffer at its layout offset; buckets tile the buffer."""
+    """Every .grad is a view of the flat buffer at its layout offset; buckets (with their stamp
+    tails, overlap.dp.stamps) tile the buffer."""
     for i, p in enumerate(red.params):
         dt, off = red.layout.param_offset[i]
         assert p.grad.data_ptr() == red.flat[dt].data_ptr() + off * p.element_size()
     ends: dict = {}
     for b in red.buckets:
         assert b.offset == ends.get(b.dtype, 0) and b.padded >= b.numel
-        ends[b.dtype] = b.offset + b.padded
+        ends[b.dtype] = b.offset + b.span
 
 
 # ------------------------------------------------------------------------------- rank bodies

@@ -253,34 +253,42 @@ class Agreement:
             self._recv_np[:] = 0
 
     def verify(self, op: str, peers: Sequence[int], rows=None, *,
-               arrived_only: bool = False) -> None:
+               arrived_only: bool = False,
+               mine: tuple[list[int], torch.Tensor | None] | None = None) -> None:
         """Compare the stamps received from ``peers`` (``recv[q]``, or ``rows[q]``: arrays or
         tensors of STAMP_WORDS words, e.g. views of a peer's header slot) with ours.
         ``arrived_only`` (after a failed transfer, CPU): ignore rows no stamp has reached,
-        so a peer that never sent is reported by the transport error, not as a disagreement."""
+        so a peer that never sent is reported by the transport error, not as a disagreement.
+        ``mine``: (words, device copy of ``send`` or None on CPU) of an earlier call still in
+        flight when several overlap (GradReducer buckets); default: this call's ``send``."""
         if self._gpu:
-            self._verify_on_device(peers, rows)
+            self._verify_on_device(peers, rows, None if mine is None else mine[1])
             self.raise_recorded(op)
             return
         got = {q: (self._recv_np[q] if rows is None else rows[q]) for q in peers}
         if arrived_only:
             got = {q: w for q, w in got.items() if int(w[0]) == MAGIC}
-        mine = self._send_np.tobytes()  # ``send`` holds this call's words
-        bad = {q: w for q, w in got.items() if w.tobytes() != mine}
+        if mine is None:
+            words, ref = self.mine, self._send_np.tobytes()  # ``send``: this call's words
+            bad = {q: w for q, w in got.items() if w.tobytes() != ref}
+        else:
+            words = list(mine[0])
+            bad = {q: w for q, w in got.items() if [int(v) for v in w] != words}
         if bad:
-            self.schema.check(op, self.mine, {q: list(w) for q, w in bad.items()},
+            self.schema.check(op, words, {q: list(w) for q, w in bad.items()},
                               rank=self.rank, where=self.where)
 
-    def _verify_on_device(self, peers: Sequence[int], rows) -> None:
+    def _verify_on_device(self, peers: Sequence[int], rows, send=None) -> None:
+        send = self.send if send is None else send
         theirs = torch.stack([self.recv[q] if rows is None else rows[q] for q in peers])
-        bad_rows = (theirs != self.send).any(dim=1)
+        bad_rows = (theirs != send).any(dim=1)
         first = torch.argmax(bad_rows.to(torch.int64))
         key = tuple(peers)
         peer_ids = self._peer_ids.get(key)
         if peer_ids is None:  # once per peer set: a host-to-device copy of a few ints
             peer_ids = self._peer_ids[key] = torch.tensor(key, device=self.device)
         new = torch.cat([bad_rows.any().to(torch.int64).view(1), peer_ids[first].view(1),
-                         self.send, theirs[first]])
+                         send, theirs[first]])
         self._record = torch.where(self._record[0] != 0, self._record, new)
         self._flag = self._record[0] != 0
         self._record_host.copy_(self._record, non_blocking=True)

@@ -128,6 +128,12 @@ class Bucket:
     offset: int
     numel: int
     padded: int
+    tail: int = 0  # elements after ``padded`` that carry the call's stamp (summed with it)
+
+    @property
+    def span(self) -> int:
+        """Elements the collective covers: the padded gradients and the stamp tail."""
+        return self.padded + self.tail
 
     def shard(self, num_shards: int, shard: int) -> tuple[int, int]:
         """(offset, length) of shard ``shard`` of ``num_shards`` inside the dtype's flat buffer."""
@@ -150,13 +156,16 @@ class Layout:
 def build_layout(order: Sequence[int], params: Sequence[torch.Tensor], *, cap_bytes: int,
                  first_cap_bytes: int, pad_to: int = 1,
                  dtypes: Sequence[torch.dtype] | None = None,
-                 bucket_sizes: Sequence[int] | None = None) -> Layout:
+                 bucket_sizes: Sequence[int] | None = None,
+                 tails: dict[torch.dtype, int] | None = None) -> Layout:
     """Assign ``params[i]`` for ``i`` in ``order`` to buckets and lay the buckets out flat.
 
     ``order`` must be a permutation of ``range(len(params))``. ``dtypes[i]``: the buffer dtype
     of parameter i's gradient (default: the parameter's dtype); byte caps count in it.
     ``bucket_sizes``: instead of the caps, consecutive runs of ``order`` with these many
-    parameters each (one dtype per run), e.g. from ``overlap.dp.autobucket``.
+    parameters each (one dtype per run), e.g. from ``overlap.dp.autobucket``. ``tails``:
+    elements reserved after each bucket of a dtype for the stamp the bucket's all-reduce
+    carries (``Bucket.tail``; the collective covers ``span``).
     """
     if sorted(order) != list(range(len(params))):
         raise ValueError(f"build_layout: order must be a permutation of range({len(params)}), "
@@ -215,9 +224,10 @@ def build_layout(order: Sequence[int], params: Sequence[torch.Tensor], *, cap_by
             cursor += params[i].numel()
         n = cursor - start
         padded = -(-n // pad_to) * pad_to if n else pad_to
+        tail = (tails or {}).get(dtype, 0)
         buckets.append(Bucket(index=index, dtype=dtype, params=list(ids), offset=start,
-                              numel=n, padded=padded))
-        numel[dtype] = start + padded
+                              numel=n, padded=padded, tail=tail))
+        numel[dtype] = start + padded + tail
     return Layout(buckets=buckets, param_offset=param_offset, numel=numel,
                   param_bucket=param_bucket, order=list(order))
 

@@ -85,6 +85,8 @@ from overlap.dp import autobucket
 from overlap.dp import buckets as dp_comm
 from overlap.dp.buckets import (MiB, Bucket, Layout, ReducerConfig, broadcast_params,
                                  build_layout, check_same_params)
+from overlap.dp.stamps import BucketStamps, tail_elements
+from overlap.dist.stamp import Disagreement
 from overlap.profile import names, nvtx
 from overlap.profile.timers import comm_wait
 
@@ -168,6 +170,15 @@ class GradReducer:
         self._scale = (1.0 / self.dp_size if self.config.op == "avg" and self.dp_size > 1
                        else None)
         self._dead = [True] * len(self.params)
+        # Per-call agreement of the plain all-reduce (overlap.dp.stamps): a stamp in a tail of
+        # each bucket's buffer. The quantized collectives carry their own stamp.
+        self._stamps = (BucketStamps(rank=self.dp_rank, world=self.dp_size,
+                                     device=self.flat_device,
+                                     where=f" (GradReducer on DP group "
+                                           f"{dist.get_process_group_ranks(dp_group)})")
+                        if self.dp_size > 1 and self.config.comm_dtype == "fp32"
+                        and not self.config.shard else None)
+        self._failed: BaseException | None = None
         self._install(self._make_layout(list(reversed(range(len(self.params))))), copy=False)
         self.stats = IterationStats()
         self.link: tuple[float, float] | None = None  # (alpha s, beta s/B) measured by "auto"
@@ -209,6 +220,7 @@ class GradReducer:
 
         Runs automatically at the end of every synchronising backward; a no-op when nothing
         happened since the last call, or inside ``no_sync()``."""
+        self._raise_if_failed()
         if not self._sync or not (self._active or self._forward_seen):
             return
         if not self._active:  # an explicit finish() after a forward without backward hooks
@@ -401,9 +413,21 @@ class GradReducer:
 
     # ---------------------------------------------------------------- comm
 
+    def _tail(self, bucket: Bucket) -> torch.Tensor:
+        return self.flat[bucket.dtype].narrow(0, bucket.offset + bucket.padded, bucket.tail)
+
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"GradReducer: rank {self.rank}: the reducer failed earlier and "
+                               f"stays failed: {type(self._failed).__name__}: "
+                               f"{self._failed}") from self._failed
+
     def _launch(self, b: int, *, in_backward: bool) -> None:
+        self._raise_if_failed()
         bucket = self.buckets[b]
-        buf = self.flat[bucket.dtype].narrow(0, bucket.offset, bucket.padded)
+        buf = self.flat[bucket.dtype].narrow(0, bucket.offset, bucket.span)
+        if self._stamps is not None:
+            self._stamps.write(bucket, self._tail(bucket), self.params, self.config.op)
         # The hooks folded every gradient in already divided by the DP size; from here on
         # .grad is the bucket's view again (reduced once the collective is waited for).
         for i in bucket.params:
@@ -438,11 +462,29 @@ class GradReducer:
         for b, work in enumerate(self._works):
             if work is None:
                 continue
-            with comm_wait("dp.grads"), nvtx.range(names.dp_bucket("grads", b, wait=True)):
-                work.wait(self.config.timeout, group=self.dp_group,
-                          what=f"GradReducer: rank {self.rank}: bucket {b} of "
-                               f"{len(self._works)}")
+            what = f"GradReducer: rank {self.rank}: bucket {b} of {len(self._works)}"
+            try:
+                with comm_wait("dp.grads"), nvtx.range(names.dp_bucket("grads", b, wait=True)):
+                    work.wait(self.config.timeout, group=self.dp_group, what=what)
+                if self._stamps is not None:
+                    self._stamps.verify(self.buckets[b], self._tail(self.buckets[b]))
+            except Disagreement as exc:
+                self._fail(exc)
+                raise Disagreement(f"{what}: {exc}", op=exc.op, call=exc.call,
+                                   ranks=exc.ranks) from exc
+            except BaseException as exc:
+                self._fail(exc)
+                raise
             self._works[b] = None
+
+    def _fail(self, exc: BaseException) -> None:
+        """A failed bucket fails the reducer: later launches and finishes raise at once. The
+        other buckets in flight are dropped (their collectives are abandoned, as a failed
+        communicator's)."""
+        if self._failed is None:
+            self._failed = exc
+        self._works = [None] * len(self._works)
+        self._active = False
 
     def _reset_iteration(self) -> None:
         n = len(self.buckets)
@@ -469,11 +511,13 @@ class GradReducer:
             cap_bytes = int((25.0 if cfg.bucket_cap_mb == "auto" else cfg.bucket_cap_mb) * MiB)
         else:
             first = min(first, cap_bytes)
+        dtypes = [cfg.grad_dtype if m else p.dtype for m, p in zip(self._main, self.params)]
+        tails = (None if self._stamps is None else
+                 {dt: tail_elements(dt, self.dp_size) for dt in set(dtypes)})
         return build_layout(order, self.params, cap_bytes=cap_bytes, bucket_sizes=sizes,
                             first_cap_bytes=first,
                             pad_to=self.dp_size if cfg.shard else 1,
-                            dtypes=[cfg.grad_dtype if m else p.dtype
-                                    for m, p in zip(self._main, self.params)])
+                            dtypes=dtypes, tails=tails)
 
     def _install(self, layout: Layout, *, copy: bool) -> None:
         cfg = self.config
@@ -491,6 +535,8 @@ class GradReducer:
                 p.grad = view
             views.append(view)
         self.flat, self._views, self._layout = flat, views, layout
+        if self._stamps is not None:
+            self._stamps.new_layout()
         if cfg.shard:
             self._grad_shard = {dt: torch.zeros(n // self.dp_size, dtype=dt, device=device)
                                 for dt, n in layout.numel.items()}
