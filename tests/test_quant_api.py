@@ -138,11 +138,11 @@ def test_one_comm_dtype_vocabulary_across_the_library():
         ReducerConfig(comm_dtype="float32")
     with pytest.raises(ValueError, match="error_feedback"):
         ReducerConfig(comm_dtype="fp32", error_feedback=True)
-    # fp32 carries each call's stamp: a SUM tail of 4 ranks x 10 words x 4 chunks (16-bit,
-    # exact in fp32) for the all-reduce, 80 bytes (after the 8-byte-aligned row) per gather row.
+    # fp32 carries each call's stamp: a SUM tail of 4 ranks x 11 words x 4 chunks (16-bit,
+    # exact in fp32) for the all-reduce, 88 bytes (after the 8-byte-aligned row) per gather row.
     assert quant.wire_bytes("all_reduce", 1024, 4, "fp32", 4, 128) == \
-        2 * 3 * (1024 + 4 * 10 * 4) * 4 // 4
+        2 * 3 * (1024 + 4 * 11 * 4) * 4 // 4
     with pytest.warns(DeprecationWarning):
-        assert quant.wire_bytes("all_gather", 64, 4, None, 2, 128) == 64 * 4 + 80
+        assert quant.wire_bytes("all_gather", 64, 4, None, 2, 128) == 64 * 4 + 88
     with pytest.raises(ValueError, match="quant.wire_bytes: argument 'comm_dtype'"):
         quant.wire_bytes("all_gather", 64, 4, "fp8", 2, 128)

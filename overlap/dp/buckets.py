@@ -275,27 +275,27 @@ class BucketWork:
 
 def all_reduce_async(buf: torch.Tensor, *, group: dist.ProcessGroup, comm_dtype: str,
                      error_feedback=None, check_ranks: bool = False,
-                     timeout: float = 300.0) -> BucketWork:
+                     timeout: float = 300.0, tag: int = 0) -> BucketWork:
     """In place ``buf = sum over group of buf``; "bf16"/"int8" go through overlap.comm.quant
     (whose error bound is documented there)."""
     if comm_dtype == "fp32":
         return BucketWork(dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True))
     work = quant.all_reduce(buf, group=group, comm_dtype=comm_dtype, op="sum",
                             error_feedback=error_feedback, check_ranks=check_ranks,
-                            async_op=True, timeout=timeout)
+                            async_op=True, timeout=timeout, tag=tag)
     return BucketWork(work, quant=True)
 
 
 def reduce_scatter_async(out: torch.Tensor, buf: torch.Tensor, *, group: dist.ProcessGroup,
                          comm_dtype: str, error_feedback=None, check_ranks: bool = False,
-                         timeout: float = 300.0) -> BucketWork:
+                         timeout: float = 300.0, tag: int = 0) -> BucketWork:
     """``out (n/dp,) = sum over group of buf[r*n/dp : (r+1)*n/dp]`` for group rank ``r``."""
     if comm_dtype == "fp32":
         return BucketWork(_reduce_scatter(out, buf, op=dist.ReduceOp.SUM, group=group,
                                           async_op=True))
     work = quant.reduce_scatter(buf, group=group, comm_dtype=comm_dtype, op="sum",
                                 error_feedback=error_feedback, check_ranks=check_ranks,
-                                async_op=True, timeout=timeout)
+                                async_op=True, timeout=timeout, tag=tag)
     return BucketWork(work, out=out, quant=True)
 
 

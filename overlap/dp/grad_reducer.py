@@ -85,7 +85,7 @@ from overlap.dp import autobucket
 from overlap.dp import buckets as dp_comm
 from overlap.dp.buckets import (MiB, Bucket, Layout, ReducerConfig, broadcast_params,
                                  build_layout, check_same_params)
-from overlap.dp.stamps import BucketStamps, tail_elements
+from overlap.dp.stamps import BucketStamps, bucket_tag, tail_elements
 from overlap.dist.stamp import Disagreement
 from overlap.profile import names, nvtx
 from overlap.profile.timers import comm_wait
@@ -413,6 +413,12 @@ class GradReducer:
 
     # ---------------------------------------------------------------- comm
 
+    def _tag(self, bucket: Bucket) -> int:
+        tag = self._tags.get(bucket.index)
+        if tag is None:
+            tag = self._tags[bucket.index] = bucket_tag(bucket, self.params)
+        return tag
+
     def _tail(self, bucket: Bucket) -> torch.Tensor:
         return self.flat[bucket.dtype].narrow(0, bucket.offset + bucket.padded, bucket.tail)
 
@@ -437,7 +443,7 @@ class GradReducer:
         # Lossy comm: the first iteration also compares sizes and options across the ranks.
         extra = {} if cfg.comm_dtype == "fp32" else dict(
             error_feedback=self._feedback(b, buf.numel()), check_ranks=not self._checked,
-            timeout=cfg.timeout)
+            timeout=cfg.timeout, tag=self._tag(bucket))
         with nvtx.range(names.dp_bucket("grads", b)):  # the launch only
             if cfg.shard and self._final:
                 self._works[b] = dp_comm.reduce_scatter_async(
@@ -535,6 +541,7 @@ class GradReducer:
                 p.grad = view
             views.append(view)
         self.flat, self._views, self._layout = flat, views, layout
+        self._tags: dict[int, int] = {}
         if self._stamps is not None:
             self._stamps.new_layout()
         if cfg.shard:

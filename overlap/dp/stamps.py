@@ -15,10 +15,11 @@ or another size, or that skipped or repeated a bucket, raises ``Disagreement`` n
 bucket, the first differing field and both ranks' values; with sizes that differ the transport
 refuses the all-reduce on every rank first (nccl_twin) and its error names the sizes.
 
-Not stamped yet: the reduce-scatter of ``shard=True`` (a SUM tail would land in one rank's shard
-only; the flat buffer has no room in every shard without a copy), and the bf16 / int8
-collectives carry the quantized collective's own stamp (numel, dtype, call), which does not
-include the parameter signature.
+The bf16 / int8 buckets go through ``overlap.comm.quant``, whose own stamp carries the call's
+sizes, dtype and call number, and ``tag=bucket_tag(...)``: the bucket index and parameter
+signature. Not stamped yet: the fp32 reduce-scatter of ``shard=True`` (a SUM tail would land in
+one rank's shard only, and the flat buffer has no room in every shard without a copy); there
+the transport's size check and the first-call parameter check remain.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from overlap.dist.stamp import (DTYPE_CODES, Agreement, Schema, pack_sum_tail, sum_tail_bits,
                                 sum_tail_chunks, unpack_sum_tail)
 
-__all__ = ["SCHEMA", "WORDS", "OP", "tail_elements", "BucketStamps"]
+__all__ = ["SCHEMA", "WORDS", "OP", "tail_elements", "BucketStamps", "bucket_tag"]
 
 SCHEMA = Schema("dp", ("GradReducer bucket all_reduce",),
                 (("bucket", 1, "int"), ("numel", 1, "int"), ("padded", 1, "int"),
@@ -48,6 +49,12 @@ def tail_elements(dtype: torch.dtype, world: int) -> int:
 def _params_signature(ids: Sequence[int], params: Sequence[torch.Tensor]) -> int:
     text = ";".join(f"{i}:{tuple(params[i].shape)}" for i in ids)
     return zlib.crc32(text.encode()) & 0x7FFF_FFFF
+
+
+def bucket_tag(bucket, params: Sequence[torch.Tensor]) -> int:
+    """The ``tag`` a quantized bucket collective carries in its stamp: the bucket's index and
+    parameter signature (what its sizes alone do not show)."""
+    return (bucket.index << 31) | _params_signature(bucket.params, params)
 
 
 class BucketStamps:

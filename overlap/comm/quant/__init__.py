@@ -78,10 +78,13 @@ def _state(opname: str, group) -> GroupState:
 
 
 def _launch(opname, state, group, t, body, *, async_op, check_ranks, comm_dtype, op, block_size,
-            timeout):
+            timeout, tag):
     device = t.device
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < 2**62:
+        raise TypeError(f"{opname}: tag must be an int in [0, 2**62), got {tag!r} (rank "
+                        f"{state.rank})")
     key = (opname, t.numel(), t.dim(), t.shape[0] if t.dim() else 1, t.dtype, comm_dtype, op,
-           block_size)
+           block_size, tag)
 
     def checked_body():
         run = OpRun(state, group, opname, timeout, device)
@@ -92,7 +95,7 @@ def _launch(opname, state, group, t, body, *, async_op, check_ranks, comm_dtype,
             first = agree.calls == 0
             run.agree = agree
             run.stamp = agree.next(opname, key=key, make=lambda: stamps.values(
-                t, comm_dtype, op, block_size))
+                t, comm_dtype, op, block_size, tag))
             # The named check: on the group's first call only, which every rank reaches in the
             # same state (a per-shape cache let one rank run it while its peer ran the op).
             if first and check_ranks:
@@ -107,7 +110,7 @@ def all_reduce(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "s
                block_size: int = DEFAULT_BLOCK_SIZE, stochastic: bool = False, seed: int = 0,
                error_feedback: ErrorFeedback | None = None, check_ranks: bool = True,
                async_op: bool = False, impl: str = "auto",
-               timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor | QuantWork:
+               timeout: float = DEFAULT_TIMEOUT, tag: int = 0) -> torch.Tensor | QuantWork:
     """All-reduce ``t`` (contiguous, any shape) in place: t = sum_r t_r (or the mean).
 
     ``stochastic``/``seed``: stochastic rounding for INT8, with noise keyed by (seed, rank,
@@ -124,7 +127,10 @@ def all_reduce(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "s
     differ are refused by the transport on every rank (nccl_twin; on NCCL they hang until its
     watchdog) and raise naming the op and the calls. It adds no collective, no host sync.
     ``impl``: which INT8 kernels ("auto": C++ on CPU, Triton on GPU; "torch", "triton").
-    ``timeout``: seconds each wait may take. Returns ``t``, or with ``async_op`` a QuantWork
+    ``timeout``: seconds each wait may take. ``tag``: an int in [0, 2**62) every rank must
+    pass alike, carried in the stamp (a caller's own signature of the call: GradReducer passes
+    one of the bucket's parameters, so a same-size bucket holding other parameters on one rank
+    is caught). Returns ``t``, or with ``async_op`` a QuantWork
     whose ``wait()`` returns ``t``."""
     opname = "quant.all_reduce"
     state = _state(opname, group)
@@ -154,14 +160,14 @@ def all_reduce(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "s
 
         return _launch(opname, state, group, t, body, async_op=async_op,
                        check_ranks=check_ranks, comm_dtype=comm_dtype, op=op,
-                       block_size=block_size, timeout=timeout)
+                       block_size=block_size, timeout=timeout, tag=tag)
 
 
 def reduce_scatter(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "sum",
                    block_size: int = DEFAULT_BLOCK_SIZE, stochastic: bool = False, seed: int = 0,
                    error_feedback: ErrorFeedback | None = None, check_ranks: bool = True,
                    async_op: bool = False, impl: str = "auto",
-                   timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor | QuantWork:
+                   timeout: float = DEFAULT_TIMEOUT, tag: int = 0) -> torch.Tensor | QuantWork:
     """Reduce ``t`` [n*m0, *rest] over the group and return this rank's slice [m0, *rest] of
     the sum (or mean): out_shard_r = sum_k t_k[r*m0 : (r+1)*m0]. Options as in ``all_reduce``."""
     opname = "quant.reduce_scatter"
@@ -196,13 +202,13 @@ def reduce_scatter(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str 
 
         return _launch(opname, state, group, t, body, async_op=async_op,
                        check_ranks=check_ranks, comm_dtype=comm_dtype, op=op,
-                       block_size=block_size, timeout=timeout)
+                       block_size=block_size, timeout=timeout, tag=tag)
 
 
 def all_gather(t: torch.Tensor, *, group, comm_dtype: str = "fp32",
                block_size: int = DEFAULT_BLOCK_SIZE, stochastic: bool = False, seed: int = 0,
                check_ranks: bool = True, async_op: bool = False, impl: str = "auto",
-               timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor | QuantWork:
+               timeout: float = DEFAULT_TIMEOUT, tag: int = 0) -> torch.Tensor | QuantWork:
     """Gather ``t`` [m0, *rest] from every rank into [n*m0, *rest] (rank r's at rows
     r*m0 : (r+1)*m0). With a lossy ``comm_dtype`` every rank's part, its own included, is the
     dequantized one, so all ranks hold the same result. Options as in ``all_reduce``."""
@@ -237,7 +243,7 @@ def all_gather(t: torch.Tensor, *, group, comm_dtype: str = "fp32",
 
         return _launch(opname, state, group, t, body, async_op=async_op,
                        check_ranks=check_ranks, comm_dtype=comm_dtype, op="sum",
-                       block_size=block_size, timeout=timeout)
+                       block_size=block_size, timeout=timeout, tag=tag)
 
 
 def _common(opname: str, state: GroupState, comm_dtype, op, timeout) -> tuple[str, str, float]:

@@ -7,8 +7,8 @@ shard, L = ceil(m / B) * B (a shard padded to whole blocks), C = L + 4 L / B (by
 quantized shard on the wire: L int8 codes then L / B fp32 scales).
 
 Every call carries its stamp (``stamps``: op, call number, numel/dim/rows, dtype, comm_dtype,
-op, block_size; STAMP_BYTES = 80 bytes) in its first exchange, compared before the received
-data is used; S = ceil(C / 8) * 8 + 80 is a stamped row (payload padded to 8 bytes, then the
+op, block_size, the caller's tag; STAMP_BYTES = 88 bytes) in its first exchange, compared before the received
+data is used; S = ceil(C / 8) * 8 + 88 is a stamped row (payload padded to 8 bytes, then the
 stamp).
 
 INT8 all-reduce (two-shot; reduction in fp32, never in int8), m = ceil(N / n):
@@ -25,9 +25,9 @@ BF16 (comm_dtype="bf16"): the same shapes with a bf16 cast (RNE) instead of quan
 2m bytes, stamped the same way); sums in fp32 in rank order. "fp32": the plain
 torch.distributed collective in the input's own dtype; the all-gather sends stamped byte rows,
 the all-reduce and reduce-scatter reduce (SUM; "avg" divides afterwards) a copy of the input
-with a tail of n * 10 * 64/bits stamp chunks (see the comment above ``plain_all_reduce``).
-Cost of the stamp: 80 bytes (+ up to 7 of padding) per row of the first exchange; for "fp32"
-SUMs n * 40 elements in fp32 (n * 80 in bf16), per shard for reduce-scatter, plus a copy of the
+with a tail of n * 11 * 64/bits stamp chunks (see the comment above ``plain_all_reduce``).
+Cost of the stamp: 88 bytes (+ up to 7 of padding) per row of the first exchange; for "fp32"
+SUMs n * 44 elements in fp32 (n * 88 in bf16), per shard for reduce-scatter, plus a copy of the
 input into the scratch and back. No extra collective, message or host sync.
 
 Wire buffers are the group's scratch (``state.GroupState.buffer``), reused across calls. That
@@ -335,7 +335,7 @@ def bf16_all_gather(x, run, n):
 # A SUM cannot carry bytes, so the all-reduce and the reduce-scatter carry the stamp as small
 # integers in a tail of the buffer they reduce (overlap.dist.stamp.pack_sum_tail: each rank's
 # chunks in its own row, zeros elsewhere, exact in the dtype). That is the cheapest carrier: no
-# extra message, n * 40 fp32 elements (n * 80 bf16) per all-reduce, which costs one copy of the
+# extra message, n * 44 fp32 elements (n * 88 bf16) per all-reduce, which costs one copy of the
 # input into the scratch and one back (a plain collective cannot be lengthened in place); a
 # separate stamp collective would cost a launch and a latency per call, a hash would not name
 # the values. "avg" reduces as SUM and divides afterwards (gloo's AVG is that very sum and

@@ -2,7 +2,8 @@
 
 Every call on a group of more than one rank counts itself (a per-group call counter) and
 carries a stamp: the op, the call number and what every rank must pass alike (numel, dim,
-rows, dtype, comm_dtype, op, block_size), ``WORDS`` int64 words. The stamp rides in the data
+rows, dtype, comm_dtype, op, block_size, and the caller's ``tag``: GradReducer passes a
+signature of the bucket's parameters), ``WORDS`` int64 words. The stamp rides in the data
 the call exchanges anyway and is compared where it is received, before the result is used
 (``paths`` says where, per op and comm dtype):
 
@@ -34,22 +35,23 @@ __all__ = ["SCHEMA", "WORDS", "STAMP_BYTES", "values", "agreement", "check_table
 SCHEMA = Schema("quant", ("quant.all_reduce", "quant.reduce_scatter", "quant.all_gather"),
                 (("numel", 1, "int"), ("dim", 1, "int"), ("rows", 1, "int"),
                  ("dtype", 1, "dtype"), ("comm_dtype", 1, COMM_DTYPES), ("op", 1, OPS),
-                 ("block_size", 1, "int")))
-WORDS = 3 + 7  # MAGIC, call, op code, the fields: the rest of a stamp's 16 words is zero
-STAMP_BYTES = WORDS * 8  # what a byte row carries (80)
+                 ("block_size", 1, "int"), ("tag", 1, "int")))
+WORDS = 3 + 8  # MAGIC, call, op code, the fields: the rest of a stamp's 16 words is zero
+STAMP_BYTES = WORDS * 8  # what a byte row carries (88)
 
 _EXCHANGE_S = 1.0  # how long a failing rank looks for its peers' stamps in the store
 
 
-def values(t: torch.Tensor, comm_dtype: str, op: str, block_size: int) -> dict:
+def values(t: torch.Tensor, comm_dtype: str, op: str, block_size: int, tag: int = 0) -> dict:
     return {"numel": t.numel(), "dim": t.dim(), "rows": t.shape[0] if t.dim() else 1,
             "dtype": DTYPE_CODES.get(t.dtype, 0), "comm_dtype": COMM_DTYPES.index(comm_dtype),
-            "op": OPS.index(op), "block_size": int(block_size)}
+            "op": OPS.index(op), "block_size": int(block_size), "tag": int(tag)}
 
 
 _NAMED = (("the op", 2, None), ("the call number", 1, None), ("t.numel()", 3, None),
           ("t.dim()", 4, None), ("t.shape[0]", 5, None), ("t.dtype", 6, "dtype"),
-          ("comm_dtype", 7, COMM_DTYPES), ("op", 8, OPS), ("block_size", 9, None))
+          ("comm_dtype", 7, COMM_DTYPES), ("op", 8, OPS), ("block_size", 9, None),
+          ("tag", 10, None))
 
 
 def check_table(op: str, rank: int, table: list[list[int]]) -> None:
