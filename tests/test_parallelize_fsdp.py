@@ -1,8 +1,16 @@
 """TP x FSDP2 with the TP parameters exposed as DTensors (``expose_dtensors``): on a dp=2 x tp=2
 mesh, torch's ``get_model_state_dict(full_state_dict=True)`` returns the unsharded model's state
 dict (global shapes, bit for bit), and after 2 AdamW steps on per-DP-rank batches it equals the
-unsharded model trained on both batches (1e-4 relative to max(|w|, 0.1); measured about 7e-5:
-AdamW's lr * m / sqrt(v) magnifies rounding where gradients are small). Fused layouts are
+unsharded model trained on both batches within TRAINED_TOL relative to max(|w|, 0.1). Why that
+holds on any CPU: the two runs see gradients g and g + d, d the rounding of another summation
+order (the TP split, the FSDP reduce-scatter over 2 DP ranks, the vector width): an fp32 sum of
+n <= 256 terms is off by at most n * 2^-24 = 1.5e-5 of the sum of their magnitudes, which the
+mean cross-entropy keeps below 1, so |d| <= 1.5e-5. AdamW runs with eps = 1e-3, so its update
+is Lipschitz in g (|change| <= lr * 2|d| / eps per step in the first bias-corrected steps; with
+the default eps 1e-8 a near-zero gradient is all noise and moves by +-lr whatever the noise):
+2 steps at lr 1e-2 give <= 2 * 1e-2 * 2 * 1.5e-5 / 1e-3 = 6e-4, i.e. 6e-3 relative to the 0.1
+floor, under TRAINED_TOL = 1e-2. A wrong layout is off by about lr per step (0.2 relative).
+Fused layouts are
 refused by ``expose_dtensors`` with their names. Runs on the NCCL-ordering twin like every
 test (FSDP2's coalesced all-gathers and reduce-scatters run as one ordered op there).
 """
@@ -12,6 +20,8 @@ import copy
 import torch
 
 from harness import run_ranks
+
+TRAINED_TOL = 1e-2  # derived in the docstring
 
 
 def _llama(vocab=64):
@@ -56,8 +66,8 @@ def _fsdp_job():
     out["shapes"] = {k: tuple(v.shape) for k, v in full.items()} == {
         k: tuple(v.shape) for k, v in want.items()}
     out["initial"] = all(torch.equal(full[k], want[k]) for k in want)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3)
     for step in range(2):
         ids = _batch(step, dp_rank)
         model(input_ids=ids, labels=ids).loss.backward()
@@ -90,7 +100,7 @@ def _fsdp_job():
 def test_tp_x_fsdp2_full_state_dict_is_the_unsharded_one():
     for rank, res in enumerate(run_ranks(_fsdp_job, 4, timeout=240)):
         assert res["shapes"] and res["initial"], f"rank {rank}: {res}"
-        assert res["trained"] <= 1e-4, (f"rank {rank}: trained rel err {res['trained']} "
+        assert res["trained"] <= TRAINED_TOL, (f"rank {rank}: trained rel err {res['trained']} "
                                         f"{res['worst']}")
         msg = res["refused"] or ""
         assert "transformer.h.0.attn.c_attn.weight (Conv1D, stored transposed)" in msg, msg

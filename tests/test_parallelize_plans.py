@@ -6,10 +6,14 @@ and weights of 3 AdamW steps. Every style's state dict round-trips bit for bit (
 
 Tolerances (fp32, max-relative): logits 1e-5; gradients 1e-4 (relative to the parameter's
 largest entry, floored at 1% of the model's largest gradient entry); losses 1e-5 absolute;
-weights after 3 steps 1e-3 relative to max(|weight|, 0.1) per tensor: AdamW's update is about
-lr * m / sqrt(v), so entries whose gradient is near zero (Gemma's zero-initialised norms,
-Gemma2's key projection: measured 2.1e-4) turn rounding-level gradient differences into
-visible update differences; a wrong layout is off by O(1).
+weights after 3 AdamW steps 1e-2 relative to max(|weight|, 0.1) per tensor, every parameter.
+Why the last holds on any CPU: the runs see gradients g and g + d, d the rounding of another
+summation order; an fp32 sum of n <= 256 terms is off by at most n * 2^-24 = 1.5e-5 of the sum
+of their magnitudes (below 1 under the mean cross-entropy), so |d| <= 1.5e-5. AdamW runs with
+eps = 1e-3, which makes its update Lipschitz in g (|change| <= lr * 2|d| / eps per step in the
+first bias-corrected steps; with the default eps 1e-8 a near-zero gradient, Gemma's zero norms
+or a key bias, is all noise and moves by +-lr whatever the noise): 3 steps at lr 1e-2 give
+<= 9e-4, i.e. 9e-3 relative to the 0.1 floor. A wrong layout is off by about lr per step.
 """
 
 import copy
@@ -23,7 +27,7 @@ from harness import run_ranks
 
 VOCAB = 61  # uneven vocabulary shards at tp 2 and 4
 ARCHS = ("phi3", "gemma", "gemma2", "gpt_neox", "opt")
-TOL = {"logits": 1e-5, "grads": 1e-4, "state": 0.0, "losses": 1e-5, "trained": 1e-3}
+TOL = {"logits": 1e-5, "grads": 1e-4, "state": 0.0, "losses": 1e-5, "trained": 1e-2}
 
 
 def hf_model(arch: str, **overrides):
@@ -82,9 +86,6 @@ def _compare(ref, model, world, out, prefix):
     loss.backward()
     grads = gather_grads(model)
     floor = 1e-2 * max(p.grad.abs().max().item() for p in ref.parameters())
-    # Zero in exact arithmetic (a key bias cannot change a softmax): AdamW turns its rounding
-    # noise into lr-sized steps of either sign, so it is left out of the trained comparison.
-    null = {n for n, p in ref.named_parameters() if p.grad.abs().max() < 1e-4 * floor}
     out[f"{prefix}-grads"] = max(_rel(grads[n], p.grad, floor)
                                  for n, p in ref.named_parameters())
     full, want = gather_state_dict(model), ref.state_dict()
@@ -93,7 +94,7 @@ def _compare(ref, model, world, out, prefix):
     losses = []
     for m in (ref, model):
         m.zero_grad(set_to_none=True)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-3)  # eps: see the docstring
         steps = []
         for step in range(3):
             _, loss = _run(m, _batch(step + 1, world))
@@ -104,8 +105,7 @@ def _compare(ref, model, world, out, prefix):
         losses.append(steps)
     out[f"{prefix}-losses"] = max(abs(a - b) for a, b in zip(*losses))
     trained, want = gather_state_dict(model), ref.state_dict()
-    errs = {k: _rel(trained[k], want[k], 0.1) for k in want
-            if want[k].is_floating_point() and k not in null}
+    errs = {k: _rel(trained[k], want[k], 0.1) for k in want if want[k].is_floating_point()}
     out[f"{prefix}-trained"] = max(errs.values())
     out[f"{prefix}-trained-worst"] = max(errs, key=errs.get)
 

@@ -14,8 +14,10 @@ below 1e-12 relative to the largest gradient; the partial gradient this file exi
 by about 1 - 1/tp, i.e. >= 0.5. GRAD_TOL = 1e-9 leaves a factor 1000 for the chain of layers.
 AdamW runs with eps = 1e-3, so its update is Lipschitz in the gradient (|change| <= lr * 2|d| /
 eps per step, d the gradient difference): 3 steps at lr 1e-2 move the weights apart by at most
-3 * 1e-2 * 2 * 1e-12 / 1e-3 = 6e-11, under WEIGHT_TOL = 1e-9. The Qwen3 RMSNorm casts to float32
-internally; that rounding is the same on both sides (a head's norm is computed whole on one rank).
+3 * 1e-2 * 2 * 1e-12 / 1e-3 = 6e-11, under WEIGHT_TOL = 1e-9. The Qwen3 RMSNorm casts its input
+to float32 internally: inputs that differ by ~1e-16 round to the same float32 unless one sits
+within 1e-16 of a rounding boundary (probability ~1e-16 / 2^-24 ~ 2e-9 per element, a few
+thousand elements per run), so the float32 steps match too.
 """
 
 import copy
