@@ -96,7 +96,7 @@ def _wait_first(works: list, agree: Agreement | None, *, op: str, group: dist.Pr
                 timeout: float, what: str) -> None:
     """Wait for a call's first batch, then compare the stamps it carried. A transport error
     (ranks whose sizes differ) is reported as the disagreement when the stamps show one."""
-    peers = [q for q in range(dist.get_world_size(group)) if q != dist.get_rank(group)]
+    peers = _topology(group)[4]
     try:
         _wait(works, op=op, group=group, timeout=timeout, what=what)
     except RuntimeError as exc:
@@ -126,11 +126,24 @@ def _wait(works: list, *, op: str, group: dist.ProcessGroup, timeout: float, wha
                            f"rank {dist.get_rank(group)} of group {ranks}: {text}") from exc
 
 
+_topologies: dict[int, tuple] = {}
+
+
+def _topology(group: dist.ProcessGroup) -> tuple:
+    """(group, rank, world, right, left, peers) of this rank in ``group``, looked up once per
+    group: a dozen c10d queries per call were a fifth of the op's host time on tiny shapes."""
+    topo = _topologies.get(id(group))
+    if topo is None or topo[0] is not group:  # an id reused by a newer group
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        right = dist.get_global_rank(group, (rank + 1) % world)
+        left = dist.get_global_rank(group, (rank - 1) % world)
+        topo = _topologies[id(group)] = (group, rank, world, right, left,
+                                         [q for q in range(world) if q != rank])
+    return topo[1:]
+
+
 def _neighbours(group: dist.ProcessGroup) -> tuple[int, int, int, int]:
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    right = dist.get_global_rank(group, (rank + 1) % world)
-    left = dist.get_global_rank(group, (rank - 1) % world)
-    return rank, world, right, left
+    return _topology(group)[:4]
 
 
 def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
@@ -258,7 +271,7 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGr
     """y [M, N] = all_reduce(x [M, K] @ w [K, N]) as a reduce-scatter ring (the GEMMs under
     it) and a ring all-gather of the reduced shards; every rank ends with the same bytes."""
     op = "matmul_all_reduce"
-    world = dist.get_world_size(group)
+    world = _topology(group)[1]
     if world == 1:
         with nvtx.range(f"{op}.chunked.gemm[0]"):
             return x @ w
