@@ -107,3 +107,43 @@ def test_bucket_disagreement_after_first_step_raises_everywhere(world, case, com
         assert "bucket" in msg and "GradReducer" in msg, msg
         assert "rank" in msg and "disagree" in msg, msg
         assert res["again"] is not None, res
+
+
+def _device_stamps(rank, world):
+    """BucketStamps whose comparison takes the device path (what a GPU runs) on CPU tensors;
+    the stamp is written the CPU way (staging it through pinned memory needs a GPU)."""
+    from overlap.dp.stamps import BucketStamps
+
+    st = BucketStamps(rank=rank, world=world, device=torch.device("cpu"), where="")
+    st._gpu = True  # keeps a device copy of each in-flight stamp, as on a GPU
+    st.agree._init_device_record()
+    return st
+
+
+def test_device_path_poisons_a_disagreeing_bucket_and_raises():
+    """On a GPU the comparison cannot raise before the optimizer reads the gradients (that would
+    be a host sync): the reduced bucket must be NaN on the device meanwhile, and the record
+    raises from the host mirror. A bucket whose stamps agree is left alone."""
+    from overlap.dist.stamp import Disagreement
+    from overlap.dp.buckets import Bucket
+    from overlap.dp.stamps import tail_elements
+
+    bucket = Bucket(index=0, dtype=torch.float32, params=[0], offset=0, numel=4, padded=4,
+                    tail=tail_elements(torch.float32, 2))
+    params = [torch.zeros(4)]
+    for agree in (True, False):
+        st = _device_stamps(0, 2)
+        tail = torch.zeros(bucket.tail)
+        st.write(bucket, tail, params, "avg")
+        rows = tail.view(2, -1)
+        if agree:  # the peer's row: the same stamp (what the SUM delivers when ranks agree)
+            rows[1].copy_(rows[0])
+        grads = torch.ones(4)
+        st.agree._gpu = True  # compare, record and poison on the device
+        if agree:
+            st.verify(bucket, tail, grads)
+            assert torch.equal(grads, torch.ones(4))
+        else:  # the peer wrote nothing this rank recognises
+            with pytest.raises(Disagreement, match="GradReducer bucket all_reduce"):
+                st.verify(bucket, tail, grads)
+            assert torch.isnan(grads).all()

@@ -473,7 +473,9 @@ class GradReducer:
                 with comm_wait("dp.grads"), nvtx.range(names.dp_bucket("grads", b, wait=True)):
                     work.wait(self.config.timeout, group=self.dp_group, what=what)
                 if self._stamps is not None:
-                    self._stamps.verify(self.buckets[b], self._tail(self.buckets[b]))
+                    bucket = self.buckets[b]
+                    self._stamps.verify(bucket, self._tail(bucket), self.flat[bucket.dtype]
+                                        .narrow(0, bucket.offset, bucket.padded))
             except Disagreement as exc:
                 self._fail(exc)
                 raise Disagreement(f"{what}: {exc}", op=exc.op, call=exc.call,

@@ -85,12 +85,16 @@ class BucketStamps:
                                             sum_tail_bits(bucket.dtype)))
         self._mine[bucket.index] = (list(words), self.agree.send.clone() if self._gpu else None)
 
-    def verify(self, bucket, tail: torch.Tensor) -> None:
-        """After the all-reduce: compare every rank's row with this rank's stamp (raises
-        Disagreement on the CPU; on a GPU records it on the device and raises at the next
-        host-visible point, the gradients poisoned meanwhile)."""
+    def verify(self, bucket, tail: torch.Tensor, grads: torch.Tensor) -> None:
+        """After the all-reduce: compare every rank's row with this rank's stamp. CPU: raises
+        Disagreement. GPU: the comparison is recorded on the device and raised at the next
+        host-visible point, and the bucket's reduced ``grads`` are NaN on the device meanwhile
+        (the optimizer never steps on mismatched sums as if they were valid)."""
         mine = self._mine.pop(bucket.index)
         rows = unpack_sum_tail(tail.view(self.world, -1), sum_tail_bits(bucket.dtype))
         self.agree.recv[:, :WORDS].copy_(rows)
-        self.agree.verify(OP, self.peers, mine=mine)
+        try:
+            self.agree.verify(OP, self.peers, mine=mine)
+        finally:
+            self.agree.poison(grads)  # device path only; a no-op where verify raised at once
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from overlap.nn.layers import TPModule, linear_weight
 from overlap.nn.plan import Style
-from overlap.nn.verify import (HEAD_ATTR, GradProbe, LeafProbe, UnitProbe, all_max,
+from overlap.nn.verify import (HEAD_ATTR, GradProbe, LeafProbe, UnitProbe, _within, all_max,
                                default_probe, user_probe)
 from overlap.nn.wrap import base_of, overridden
 
@@ -47,10 +47,6 @@ def _read_in_forward(module: nn.Module) -> dict[str, set[str]] | None:
         return None
     return {"self": set(re.findall(r"self\.(\w+)", src)),
             "config": set(re.findall(r"self\.config\.(\w+)", src))}
-
-
-def _within(name: str, unit: str) -> bool:
-    return unit == "" or name == unit or name.startswith(unit + ".")
 
 
 def _shard_spec(model: nn.Module, name: str):
