@@ -147,3 +147,48 @@ def test_device_path_poisons_a_disagreeing_bucket_and_raises():
             with pytest.raises(Disagreement, match="GradReducer bucket all_reduce"):
                 st.verify(bucket, tail, grads)
             assert torch.isnan(grads).all()
+
+
+def _launch_after_failure_job():
+    from overlap.comm import quant
+    from overlap.dp import GradReducer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    red = GradReducer(model, dp_group=dist.group.WORLD, bucket_cap_mb=0, first_bucket_cap_mb=0,
+                      rebuild_buckets=False, comm_dtype="int8", timeout=30)
+    out = {}
+    try:
+        _loss(model, rank, 1).backward()
+        red.finish()
+        # the group's quantized exchange fails outside the reducer: ranks pass different sizes
+        try:
+            quant.all_reduce(torch.ones(4 + 4 * (rank == world - 1)), group=dist.group.WORLD,
+                             comm_dtype="int8", timeout=30)
+            out["direct"] = None
+        except Exception as exc:  # noqa: BLE001
+            out["direct"] = f"{type(exc).__name__}: {exc}"
+        # the next bucket launch raises at once, naming the reducer and its bucket
+        model.zero_grad(set_to_none=True)
+        try:
+            _loss(model, rank, 2).backward()
+            red.finish()
+            out["raised"] = None
+        except Exception as exc:  # noqa: BLE001
+            out["raised"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        red.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_launch_on_a_failed_group_names_the_bucket(world):
+    """A bucket launched after the group's quantized exchange failed (an earlier bucket found
+    the ranks disagreeing while the backward was still launching: a race the full test above
+    hits now and then) raises with the reducer and bucket in front of the first error."""
+    for rank, res in enumerate(run_ranks(_launch_after_failure_job, world, timeout=90)):
+        assert res["direct"] is not None and "disagree" in res["direct"], (rank, res)
+        msg = res["raised"]
+        assert msg is not None, (rank, res)
+        assert msg.startswith("QuantCommFailed: GradReducer: rank"), msg
+        assert "bucket" in msg and "disagree on numel" in msg, msg

@@ -80,7 +80,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from overlap.comm.quant import ErrorFeedback
+from overlap.comm.quant import ErrorFeedback, QuantCommError
 from overlap.dp import autobucket
 from overlap.dp import buckets as dp_comm
 from overlap.dp.buckets import (MiB, Bucket, Layout, ReducerConfig, broadcast_params,
@@ -91,6 +91,19 @@ from overlap.profile import names, nvtx
 from overlap.profile.timers import comm_wait
 
 __all__ = ["GradReducer", "ReducerConfig", "IterationStats"]  # ReducerConfig: re-exported
+
+def _reraise(what: str, exc: BaseException) -> NoReturn:
+    """Raise ``exc`` again with ``what`` (the reducer, rank and bucket) in front of its message,
+    as the same type. Disagreements and quantized-collective failures are rebuilt (a launch
+    raises the latter when an earlier bucket's exchange found the ranks disagreeing); other
+    errors (timeouts that already name their op and ranks, interrupts) pass through as they are."""
+    if isinstance(exc, Disagreement):
+        raise Disagreement(f"{what}: {exc}", op=exc.op, call=exc.call, ranks=exc.ranks) from exc
+    if isinstance(exc, QuantCommError):
+        raise type(exc)(f"{what}: {exc}", op=exc.op, group=exc.group, rank=exc.rank,
+                        peer=exc.peer, kind=exc.kind) from exc
+    raise exc
+
 
 @dataclasses.dataclass(slots=True)
 class IterationStats:
@@ -444,14 +457,18 @@ class GradReducer:
         extra = {} if cfg.comm_dtype == "fp32" else dict(
             error_feedback=self._feedback(b, buf.numel()), check_ranks=not self._checked,
             timeout=cfg.timeout, tag=self._tag(bucket))
-        with nvtx.range(names.dp_bucket("grads", b)):  # the launch only
-            if cfg.shard and self._final:
-                self._works[b] = dp_comm.reduce_scatter_async(
-                    self.grad_shard(bucket), buf, group=self.dp_group,
-                    comm_dtype=cfg.comm_dtype, **extra)
-            else:
-                self._works[b] = dp_comm.all_reduce_async(buf, group=self.dp_group,
-                                                          comm_dtype=cfg.comm_dtype, **extra)
+        try:  # a launch raises when an earlier bucket's exchange found the ranks disagreeing
+            with nvtx.range(names.dp_bucket("grads", b)):  # the launch only
+                if cfg.shard and self._final:
+                    self._works[b] = dp_comm.reduce_scatter_async(
+                        self.grad_shard(bucket), buf, group=self.dp_group,
+                        comm_dtype=cfg.comm_dtype, **extra)
+                else:
+                    self._works[b] = dp_comm.all_reduce_async(buf, group=self.dp_group,
+                                                              comm_dtype=cfg.comm_dtype, **extra)
+        except BaseException as exc:
+            self._fail(exc)
+            _reraise(self._where(b), exc)
         self._final_at_launch = self._final
         self.stats.launch_times.append(time.perf_counter())
         self.stats.launched_in_backward.append(in_backward)
@@ -468,7 +485,7 @@ class GradReducer:
         for b, work in enumerate(self._works):
             if work is None:
                 continue
-            what = f"GradReducer: rank {self.rank}: bucket {b} of {len(self._works)}"
+            what = self._where(b)
             try:
                 with comm_wait("dp.grads"), nvtx.range(names.dp_bucket("grads", b, wait=True)):
                     work.wait(self.config.timeout, group=self.dp_group, what=what)
@@ -476,14 +493,13 @@ class GradReducer:
                     bucket = self.buckets[b]
                     self._stamps.verify(bucket, self._tail(bucket), self.flat[bucket.dtype]
                                         .narrow(0, bucket.offset, bucket.padded))
-            except Disagreement as exc:
-                self._fail(exc)
-                raise Disagreement(f"{what}: {exc}", op=exc.op, call=exc.call,
-                                   ranks=exc.ranks) from exc
             except BaseException as exc:
                 self._fail(exc)
-                raise
+                _reraise(what, exc)
             self._works[b] = None
+
+    def _where(self, b: int) -> str:
+        return f"GradReducer: rank {self.rank}: bucket {b} of {len(self.buckets)}"
 
     def _fail(self, exc: BaseException) -> None:
         """A failed bucket fails the reducer: later launches and finishes raise at once. The
