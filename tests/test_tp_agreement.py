@@ -134,3 +134,17 @@ def _backends_differ():
 def test_ranks_that_pick_different_backends_are_refused_at_construction():
     for msg in run_ranks(_backends_differ, 2, timeout=60):
         assert msg is not None and "disagree on backend" in msg
+
+
+@pytest.mark.parametrize("opname", OPS)
+@pytest.mark.parametrize("world", (2, 4))
+def test_chunked_on_plain_gloo(world, opname):
+    """The chunked backend on a plain gloo group (what bench_host runs, and a CPU user without
+    the twin) posts its transfers on the group directly: the products match the reference and
+    a same-size disagreement (only the stamps can tell) still raises on every rank."""
+    res = run_ranks(_disagree, world, "chunked", opname, "dtype", False, timeout=90,
+                    backend="gloo")
+    for rank, (first_err, msg, elapsed, later) in enumerate(res):
+        assert first_err <= 1e-5 * K, (rank, first_err)
+        assert msg is not None and "dtype" in msg and "bfloat16" in msg and "float16" in msg
+        assert elapsed < 2.0 and later is not None and "failed earlier" in later

@@ -145,6 +145,10 @@ class SymmetricWorkspace(abc.ABC):
     # The error record device-side waits write (csrc/signal.cuh ErrorWord), as a host-readable
     # int64 array, in workspaces whose waits do not raise themselves; None in the others.
     _error_np = None
+    # Called by a wait's slow path (a wait not satisfied within a slice) on the host twin;
+    # may raise to end the wait (overlap.tp.stamps.HeaderBlock.watch). A device-side wait has
+    # no host to call it.
+    watch = None
 
     def raise_pending(self, op: str) -> None:
         """Raise the first error a device-side wait recorded, naming ``op``: a read of host

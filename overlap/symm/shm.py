@@ -32,6 +32,7 @@ import torch.distributed as dist
 from overlap import _C
 from overlap.profile.timers import comm_wait
 from overlap.dist.host import boot_id, pid_alive
+from overlap.dist.stamp import Disagreement
 from overlap.symm.base import PeerDied, SignalTimeout, SymmetricWorkspace
 
 __all__ = ["ShmWorkspace"]
@@ -205,6 +206,14 @@ class ShmWorkspace(SymmetricWorkspace):
                 if not self.device_waits:
                     raise
                 self._record(exc, slot, -1 if peer is None else peer)
+            except Disagreement:  # from ``watch``: a peer's stamp of this call differs
+                if not self.device_waits:
+                    raise
+                # The device wait gives up as on a timeout; the op's own comparison of the
+                # stamps raises before the call returns, with both signatures.
+                self._record(SignalTimeout("stamps disagree", group=self.group_name, slot=slot,
+                                           expected=value, seen=-1), slot,
+                             -1 if peer is None else peer)
 
     def _record(self, exc: Exception, slot: int, peer: int) -> None:
         """Device-wait mode: write the error record as the CUDA wait kernel does."""
@@ -233,6 +242,8 @@ class ShmWorkspace(SymmetricWorkspace):
             reached, seen = _C.signal_wait(addr, value, max(0.0, min(_SLICE_S, remaining)))
             if reached:
                 return
+            if self.watch is not None:  # first: a peer that disagreed may have aborted since
+                self.watch()
             self._check_peers(what)
             if time.monotonic() >= deadline:
                 raise SignalTimeout(

@@ -64,19 +64,25 @@ class Backend:
 
 
 class ChunkedBackend(Backend):
+    """Also the fallback of the workspace backends (no workspace for the shape): their
+    header-block stamps are settled first (overlap.tp.stamps)."""
+
     name = "chunked"
 
     def ag(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
+        comm.settle()
         return chunked.all_gather_matmul(x_shard, w, group=comm.group, chunks=chunks,
                                          return_gathered=return_gathered, timeout=comm.timeout,
                                          agree=comm.agree)
 
     def rs(self, comm, ctx, x, w, *, chunks, overlap_with):
+        comm.settle()
         return chunked.matmul_reduce_scatter(x, w, group=comm.group, chunks=chunks,
                                              overlap_with=overlap_with, timeout=comm.timeout,
                                              agree=comm.agree)
 
     def ar(self, comm, ctx, x, w, *, chunks):
+        comm.settle()
         return chunked.matmul_all_reduce(x, w, group=comm.group, chunks=chunks,
                                          timeout=comm.timeout, agree=comm.agree)
 
@@ -130,8 +136,10 @@ def _poisoned(comm, ctx, op: str, run):
 
 
 def _stamp_poisoned(comm, out):
-    """Poison a workspace backend's outputs if this call's stamp wait gave up or (GPU) the
-    device found a peer's stamp foreign; the next call raises (overlap.tp.stamps)."""
+    """Compare this call's stamps (overlap.tp.stamps; raises on CPU), then poison a workspace
+    backend's outputs if the stamp wait gave up or (GPU) the device found a peer's stamp
+    foreign; the next call raises."""
+    comm.settle()
     outs = [t for t in (out if isinstance(out, tuple) else (out,)) if t is not None]
     if comm.header is not None:
         for t in outs:
@@ -162,6 +170,7 @@ class TritonBackend(Backend):
         return kern.gemm_rs_workspace_bytes(m, n, world, dtype), kern.gemm_rs_num_signals(world)
 
     def ag(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
+        comm.settle()  # the kernels wait on the device: no host slow path to watch from
         m, k = x_shard.shape
         need, _ = self.workspace("all_gather_matmul", m, k, w.shape[1], ctx.world,
                                  x_shard.dtype)
@@ -172,6 +181,7 @@ class TritonBackend(Backend):
             return_gathered=return_gathered, sync=False))
 
     def rs(self, comm, ctx, x, w, *, chunks, overlap_with, op="matmul_reduce_scatter"):
+        comm.settle()
         need, _ = self.workspace("matmul_reduce_scatter", x.shape[0], x.shape[1], w.shape[1],
                                  ctx.world, x.dtype)
         ctx.require(op, need, f"a {x.shape[0]} x {w.shape[1]} {x.dtype} product")
@@ -243,11 +253,13 @@ def context_for(comm, backend: Backend, op: str, x: torch.Tensor,
 
 def gather(comm, x_shard: torch.Tensor) -> torch.Tensor:
     """all_gather along dim 0 with no GEMM (a backward that needs only the gathered tensor)."""
+    comm.settle()
     return all_gather_dim(x_shard, 0, group=comm.group, op="all_gather (tp backward)",
                           timeout=comm.timeout)
 
 
 def scatter(comm, x: torch.Tensor) -> torch.Tensor:
     """reduce_scatter along dim 0 with no GEMM."""
+    comm.settle()
     return reduce_scatter_dim(x, 0, group=comm.group, op="reduce_scatter (tp backward)",
                               timeout=comm.timeout)

@@ -34,7 +34,7 @@ wait).
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -61,18 +61,34 @@ def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
 _STAMP_TAG = 1 << 20  # apart from the pieces' tags (the step numbers)
 
 
-def _exchange(group: dist.ProcessGroup, send: torch.Tensor | None, to: int,
-              recv: torch.Tensor | None, frm: int, tag: int,
-              agree: Agreement | None = None) -> list:
+def _exchange(group: dist.ProcessGroup, send: torch.Tensor | None, recv: torch.Tensor | None,
+              tag: int, agree: Agreement | None = None) -> list:
+    """Send ``send`` to the right neighbour and receive ``recv`` from the left one (with
+    ``agree``, also this call's stamp to and from every peer), as one batch."""
+    topo = _topology(group)
+    if agree is not None:
+        agree.clear_received()  # a row left from an earlier call must not pass for this one
+    if topo.direct:
+        # gloo: torch's batch_isend_irecv only loops over isend/irecv there, each paying
+        # c10d's argument handling; the group's own send/recv do the same transfers.
+        works = []
+        if send is not None:
+            works.append(group.send([send], topo.right, tag))
+        if recv is not None:
+            works.append(group.recv([recv], topo.left, tag))
+        if agree is not None:
+            for q in topo.peers:
+                works.append(group.send([agree.send], q, _STAMP_TAG))
+                works.append(group.recv([agree.recv[q]], q, _STAMP_TAG))
+        return works
     # One batch so NCCL posts the send and the receive together: every rank sends first, and
     # unbatched blocking sends would wait on receives queued behind them.
     ops = []
     if send is not None:
-        ops.append(dist.P2POp(dist.isend, send, to, group, tag))
+        ops.append(dist.P2POp(dist.isend, send, topo.right_global, group, tag))
     if recv is not None:
-        ops.append(dist.P2POp(dist.irecv, recv, frm, group, tag))
+        ops.append(dist.P2POp(dist.irecv, recv, topo.left_global, group, tag))
     if agree is not None:  # the call's stamp to and from every peer, in the same batch
-        agree.clear_received()  # a row left from an earlier call must not pass for this one
         ops += _stamp_ops(group, agree)
     return dist.batch_isend_irecv(ops) if ops else []
 
@@ -82,12 +98,11 @@ def _stamp_ops(group: dist.ProcessGroup, agree: Agreement) -> list:
     two buffers (``send``, ``recv[q]``), so every call reuses them."""
     cached = agree.transport.get("chunked")
     if cached is None:
-        me, cached = dist.get_rank(group), []
-        for q in range(dist.get_world_size(group)):
-            if q != me:
-                peer = dist.get_global_rank(group, q)
-                cached.append(dist.P2POp(dist.isend, agree.send, peer, group, _STAMP_TAG))
-                cached.append(dist.P2POp(dist.irecv, agree.recv[q], peer, group, _STAMP_TAG))
+        cached = []
+        for q in _topology(group).peers:
+            peer = dist.get_global_rank(group, q)
+            cached.append(dist.P2POp(dist.isend, agree.send, peer, group, _STAMP_TAG))
+            cached.append(dist.P2POp(dist.irecv, agree.recv[q], peer, group, _STAMP_TAG))
         agree.transport["chunked"] = cached
     return cached
 
@@ -96,7 +111,7 @@ def _wait_first(works: list, agree: Agreement | None, *, op: str, group: dist.Pr
                 timeout: float, what: str) -> None:
     """Wait for a call's first batch, then compare the stamps it carried. A transport error
     (ranks whose sizes differ) is reported as the disagreement when the stamps show one."""
-    peers = _topology(group)[4]
+    peers = _topology(group).peers
     try:
         _wait(works, op=op, group=group, timeout=timeout, what=what)
     except RuntimeError as exc:
@@ -126,24 +141,33 @@ def _wait(works: list, *, op: str, group: dist.ProcessGroup, timeout: float, wha
                            f"rank {dist.get_rank(group)} of group {ranks}: {text}") from exc
 
 
-_topologies: dict[int, tuple] = {}
+class _Topology(NamedTuple):
+    group: dist.ProcessGroup
+    rank: int
+    world: int
+    right: int  # group ranks of the neighbours
+    left: int
+    right_global: int  # and their global ranks (what P2POp takes)
+    left_global: int
+    peers: list[int]  # every other group rank
+    direct: bool  # plain gloo: post sends and receives on the group itself
 
 
-def _topology(group: dist.ProcessGroup) -> tuple:
-    """(group, rank, world, right, left, peers) of this rank in ``group``, looked up once per
-    group: a dozen c10d queries per call were a fifth of the op's host time on tiny shapes."""
+_topologies: dict[int, _Topology] = {}
+
+
+def _topology(group: dist.ProcessGroup) -> _Topology:
+    """This rank's place in ``group``, looked up once per group: a dozen c10d queries per call
+    were a fifth of the op's host time on tiny shapes."""
     topo = _topologies.get(id(group))
-    if topo is None or topo[0] is not group:  # an id reused by a newer group
+    if topo is None or topo.group is not group:  # an id reused by a newer group
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        right = dist.get_global_rank(group, (rank + 1) % world)
-        left = dist.get_global_rank(group, (rank - 1) % world)
-        topo = _topologies[id(group)] = (group, rank, world, right, left,
-                                         [q for q in range(world) if q != rank])
-    return topo[1:]
-
-
-def _neighbours(group: dist.ProcessGroup) -> tuple[int, int, int, int]:
-    return _topology(group)[:4]
+        right, left = (rank + 1) % world, (rank - 1) % world
+        direct = type(group) is dist.ProcessGroup and dist.get_backend(group) == "gloo"
+        topo = _topologies[id(group)] = _Topology(
+            group, rank, world, right, left, dist.get_global_rank(group, right),
+            dist.get_global_rank(group, left), [q for q in range(world) if q != rank], direct)
+    return topo
 
 
 def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
@@ -153,7 +177,8 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """y [M, N] = all_gather(x_shard [m, K], dim 0) @ w [K, N]; also x [M, K] if asked.
     ``w=None`` only gathers (y is None)."""
-    rank, world, right, left = _neighbours(group)
+    topo = _topology(group)
+    rank, world = topo.rank, topo.world
     if world == 1:
         with nvtx.range(f"{op}.chunked.gemm[0]"):
             return (None if w is None else x_shard @ w), (x_shard if return_gathered else None)
@@ -187,7 +212,7 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
             # Forward this piece and receive the one we multiply s steps from now.
             lo, hi = rows(t + s)
             with nvtx.range(f"{op}.chunked.comm[{t + s}]"):
-                works = _exchange(group, piece(t), right, gathered[lo:hi], left, tag=t,
+                works = _exchange(group, piece(t), gathered[lo:hi], tag=t,
                                   agree=agree if t == 0 else None)
             inflight[t + s] = works
         if w is not None:
@@ -210,7 +235,8 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
 
     ``overlap_with`` (e.g. the weight-gradient GEMM of a backward) runs once every GEMM of this
     op is done and only the last hop's transfers are in flight, then the op waits for them."""
-    rank, world, right, left = _neighbours(group)
+    topo = _topology(group)
+    rank, world = topo.rank, topo.world
     if world == 1:
         with nvtx.range(f"{op}.chunked.gemm[0]"):
             y = x @ w
@@ -248,7 +274,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
         lo, hi = pieces[t % s]  # piece t + s has the same rows within its block
         buf = x.new_empty(hi - lo, n)
         with nvtx.range(f"{op}.chunked.comm[{t + s}]"):
-            works = _exchange(group, part, right, buf, left, tag=t,
+            works = _exchange(group, part, buf, tag=t,
                               agree=agree if t == 0 else None)
         inflight[t + s] = (works, buf, part)
     # Last step: our own block. Its GEMMs need no data from peers, so they and the caller's
@@ -271,7 +297,7 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGr
     """y [M, N] = all_reduce(x [M, K] @ w [K, N]) as a reduce-scatter ring (the GEMMs under
     it) and a ring all-gather of the reduced shards; every rank ends with the same bytes."""
     op = "matmul_all_reduce"
-    world = _topology(group)[1]
+    world = _topology(group).world
     if world == 1:
         with nvtx.range(f"{op}.chunked.gemm[0]"):
             return x @ w

@@ -181,8 +181,8 @@ class TPComm(OpaqueBase):
     def stamp(self, op: str, x: torch.Tensor, w: torch.Tensor | None, chunks: int,
               flags: int, timeout: float | None = None) -> None:
         """Count this call and publish its stamp; the workspace backends compare every
-        peer's at once (the chunked backend compares in its first batch). ``timeout``: an
-        explicit context's, which bounds the whole call."""
+        peer's in ``settle`` (the chunked backend compares in its first batch). ``timeout``:
+        an explicit context's, which bounds the whole call."""
         if self.agree is None:
             return
         self.agree.next(op, key=(op, x.shape, None if w is None else w.shape, x.dtype, chunks,
@@ -190,7 +190,14 @@ class TPComm(OpaqueBase):
                         make=lambda: stamps.stamp_values(x, w, chunks, flags,
                                                          BACKENDS.index(self.backend)))
         if self.header is not None:
-            self.header.exchange(op, self.agree, timeout)
+            self.header.publish(op, self.agree, timeout)
+
+    def settle(self) -> None:
+        """Wait for every peer's stamp of the open call and compare them (no-op when none is
+        open or there is no header block). Called before the call returns, and before it
+        blocks on anything a watched workspace wait does not cover (overlap.tp.stamps)."""
+        if self.header is not None:
+            self.header.settle()
 
     def context(self, key: tuple, create):
         """The workspace context for ``key``, created (collectively) by ``create()`` once."""
@@ -198,7 +205,10 @@ class TPComm(OpaqueBase):
         if ctx is not None and not ctx.closed:
             self._contexts.move_to_end(key)
             return ctx
+        self.settle()  # creating is collective: a peer on another path must be named first
         ctx = create()
+        if self.header is not None and ctx.backend == "symmetric":
+            ctx.ws.watch = self.header.watch
         self._contexts[key] = ctx
         while len(self._contexts) > MAX_CONTEXTS:
             # Every rank evicts the same one (same call sequence), and close() waits until

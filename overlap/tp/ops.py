@@ -57,7 +57,9 @@ class _Run:
         try:
             if x is not None:
                 self.comm.stamp(op, x, w, self.chunks, flags)
-            return fn()
+            out = fn()
+            self.comm.settle()  # a no-op once the backend has settled (before poisoning)
+            return out
         except TPCommFailed:
             raise
         except BaseException as exc:

@@ -7,10 +7,15 @@ the backend. Where it travels:
 - ``chunked``: in the first P2P batch of the call, one tiny send to and receive from every peer
   beside the first piece, so every rank holds every rank's stamp after one hop;
 - ``symmetric`` and ``triton``: in a :class:`HeaderBlock`, a small userbuffer the communicator
-  maps once: a rank writes its stamp into its own ring slot, then signals every peer; before
-  anything that depends on the shapes (a workspace for a new shape is created collectively),
-  each rank waits for every peer's stamp of this call and compares. A peer that takes another
-  path (a new shape, another op) still publishes first, so both sides raise at once.
+  maps once: a rank writes its stamp into its own ring slot, then signals every peer (no wait).
+  The symmetric data phase of a call whose workspace exists already runs at once; every peer
+  publishes its stamp before any signal of its data, so when the data has arrived the stamps
+  have too, and they are compared before the call returns (``settle``: no extra round trip).
+  Anything else waits for every peer's stamp and compares first: a workspace for a new shape
+  (created collectively), the triton kernels (their waits run on the device), the plain
+  backward collectives. A data wait that is not satisfied for a while compares the stamps
+  already published (``watch``, the wait's slow path), so a peer that took another path (a
+  new shape, another op) is named at once instead of waited for.
 
 The comparison and the error are overlap.dist.stamp's (``Agreement.verify``).
 """
@@ -32,7 +37,7 @@ SCHEMA = Schema("tp", ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all
                  ("chunks", 1, "int"), ("flags", 1, "int"),
                  ("backend", 1, ("auto", "chunked", "symmetric", "triton", "unfused"))))
 
-_RING = 4  # a rank is at most one call ahead of any peer (every call waits for all stamps)
+_RING = 4  # a rank is at most one call ahead of any peer (every call settles all stamps)
 
 
 def stamp_values(x: torch.Tensor, w: torch.Tensor | None, chunks: int, flags: int,
@@ -61,17 +66,21 @@ class HeaderBlock:
         self._gpu = self.ws.device.type == "cuda"
         self._lock = threading.Lock()
         self._closed = False
+        self._open: tuple | None = None  # (op, agreement, call, timeout) published, not settled
         if not self._gpu:
             with not_a_device_sync("numpy views of shared host memory, made once"):
                 self._rings_np = [r.numpy() for r in self._rings]
 
     def exchange(self, op: str, agree: Agreement, timeout: float | None = None) -> None:
-        """Publish this call's stamp, wait for every peer's, compare (raise on mismatch).
+        """Publish this call's stamp, wait for every peer's, compare (raise on mismatch)."""
+        self.publish(op, agree, timeout)
+        self.settle()
 
-        With device-side waits (CUDA; the shm twin with OVERLAP_SHM_DEVICE_WAITS=1) a wait
-        that gives up records its error and returns: the stamps are then not compared (they
-        are stale), the op's outputs are poisoned with this block's record (``poison``) and
-        the next call raises it, as every symmetric op does with its own workspace."""
+    def publish(self, op: str, agree: Agreement, timeout: float | None = None) -> None:
+        """Write this call's stamp into our ring slot and signal every peer; no wait. The call
+        is then *open*: ``settle`` (before the call returns, or before it blocks on anything
+        but a watched workspace wait) waits for the peers' stamps and compares them, and
+        ``watch`` compares the ones already published from a blocked wait's slow path."""
         self.ws.raise_pending(op)
         c = agree.calls
         slot = c % _RING
@@ -81,12 +90,42 @@ class HeaderBlock:
             self._rings_np[self.rank][slot] = agree.mine
         for q in self.peers:
             self.ws.signal(q, self.rank, c)
+        self._open = (op, agree, c, timeout)
+
+    def settle(self) -> None:
+        """Wait for every peer's stamp of the open call and compare (raise on mismatch); a
+        no-op when no call is open. A peer publishes its stamp before any signal of the call's
+        data, so after the data phase this wait is already satisfied.
+
+        With device-side waits (CUDA; the shm twin with OVERLAP_SHM_DEVICE_WAITS=1) a wait
+        that gives up records its error and returns: the stamps are then not compared (they
+        are stale), the op's outputs are poisoned with this block's record (``poison``) and
+        the next call raises it, as every symmetric op does with its own workspace."""
+        if self._open is None:
+            return
+        op, agree, c, timeout = self._open
+        self._open = None
         for q in self.peers:
             self.ws.wait(q, c, timeout, peer=q)
         if not self._gpu and self.ws.pending():
             return  # a wait gave up (device-wait mode): outputs are poisoned, next call raises
+        slot = c % _RING
         rows = self._rings if self._gpu else self._rings_np
         agree.verify(op, self.peers, {q: rows[q][slot] for q in self.peers})
+
+    def watch(self) -> None:
+        """Called by a workspace wait that has not been satisfied for a while (the slow path
+        only): raise if a peer has published its stamp of the open call and it differs from
+        ours. A peer that disagrees may be blocked elsewhere (creating another context, or
+        waiting on another workspace), so the data this rank waits for would never come."""
+        current = self._open
+        if current is None or self._gpu:
+            return
+        op, agree, c, _ = current
+        slot = c % _RING
+        for q in self.peers:
+            if self.ws.read_signal(q) >= c:
+                agree.verify(op, [q], {q: self._rings_np[q][slot]})
 
     def poison(self, out: torch.Tensor) -> None:
         self.ws.poison_if_error(out)
