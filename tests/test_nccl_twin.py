@@ -243,22 +243,23 @@ def test_destroy_stops_every_communicator_thread():
 
 # ---------------------------------------------------------------------------------- sizes
 # gloo aborts the process when a receive is smaller than its send and truncates silently the
-# other way; NCCL hangs or reads garbage. The twin raises a clear error on every rank instead.
+# other way; NCCL hangs or reads garbage. The twin raises a clear error on every rank instead,
+# after delivering the front of the message as NCCL does (a stamp there can name the cause).
 
 def _p2p_sizes(world, sender_bigger):
     from overlap.dist.nccl_twin import SizeMismatch
 
     r = dist.get_rank()
     n = 6 if (r == 0) == sender_bigger else 4  # rank 0's size differs from everyone else's
-    send, recv = torch.ones(n), torch.zeros(n)
+    send, recv = torch.arange(1.0, n + 1), torch.zeros(n)
     t0 = time.monotonic()
     try:
         for w in _batch([(dist.isend, send, (r + 1) % world),
                          (dist.irecv, recv, (r - 1) % world)]):
             w.wait(timeout=SHORT)
     except SizeMismatch as exc:
-        return "size", str(exc), time.monotonic() - t0
-    return "ok", recv.tolist(), time.monotonic() - t0
+        return "size", str(exc), time.monotonic() - t0, recv.tolist()
+    return "ok", recv.tolist(), time.monotonic() - t0, recv.tolist()
 
 
 @pytest.mark.parametrize("world", (2, 4))
@@ -267,11 +268,19 @@ def test_p2p_size_disagreement_raises_on_both_sides(world, sender_bigger):
     res = run_ranks(_p2p_sizes, world, world, sender_bigger, backend="nccl_twin", timeout=30)
     # Rank 0 sends to rank 1 and receives from rank world-1: both pairs disagree.
     for r in (0, 1, world - 1):
-        kind, msg, elapsed = res[r]
+        kind, msg, elapsed, got = res[r]
         assert kind == "size", (r, res[r])
         assert "bytes" in msg and elapsed < 2.0
+    # The receiver holds what fit of the front of the message (as NCCL delivers it), then
+    # poison (NaN): rank 1 receives rank 0's message, rank 0 rank world-1's.
+    for r, sent in ((1, 6 if sender_bigger else 4), (0, 4 if sender_bigger else 6)):
+        got = res[r][3]
+        front = min(sent, len(got))
+        assert got[:front] == [float(i) for i in range(1, front + 1)], (r, got)
+        assert all(v != v for v in got[front:]), (r, got)
     for r in range(2, world - 1):  # pairs of equal sizes are untouched
-        assert res[r][0] == "ok" and res[r][1] == [1.0] * (4 if sender_bigger else 6)
+        assert res[r][0] == "ok" and res[r][1] == [float(i) for i in
+                                                   range(1, (4 if sender_bigger else 6) + 1)]
 
 
 def _collective_sizes(kind):

@@ -339,8 +339,12 @@ class _Comm:
                     if mine == theirs:
                         posted[i].append(inner.send([t], peer, self._tag(tag, 0)))
                         return
-                    # gloo would abort the receiver (or truncate); poison its buffer instead.
+                    # gloo would abort the receiver. NCCL delivers what fits of the front of
+                    # the message (a larger receive then hangs); so does the twin, with poison
+                    # after it, and both sides raise.
                     poison = torch.full((theirs,), _POISON, dtype=torch.uint8)
+                    front = min(mine, theirs)
+                    poison[:front].copy_(t.reshape(-1).view(torch.uint8)[:front])
                     posted[i].append(inner.send([poison], peer, self._tag(tag, 0)))
                     errors.append(SizeMismatch(
                         f"nccl_twin: {op.desc} on {self.name} (rank {self.group.rank()}): a "
@@ -381,8 +385,8 @@ class _Comm:
                 errors.append(SizeMismatch(
                     f"nccl_twin: {op.desc} on {self.name} (rank {self.group.rank()}): a "
                     f"receive of {_nbytes(t)} bytes from group rank {peer}, which sent "
-                    f"{int(theirs[0])} bytes (the buffer holds poison, 0xFF bytes); NCCL would "
-                    "truncate, hang or read garbage"))
+                    f"{int(theirs[0])} bytes (the buffer holds what fit of the front of the message, "
+                    "then poison, 0xFF bytes); NCCL would truncate, hang or read garbage"))
         if errors:
             raise errors[0]
 

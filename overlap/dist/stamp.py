@@ -5,7 +5,7 @@ A *stamp* is ``STAMP_WORDS`` int64 words ``[MAGIC, call, op code, field words...
 a per-communicator call counter (so a rank that skipped or repeated a call is caught too) and
 the parameters every rank must pass alike (shapes, dtype, options), laid out by a
 :class:`Schema`. Every path carries it in its own exchange: a header slot written before the
-signal (userbuffers), a few extra words in the same batch (P2P rings), the same message
+signal (userbuffers), the front of the first message (P2P rings), the same message
 (collectives). A mismatch raises :class:`Disagreement` on every rank that receives a foreign
 stamp, naming the op, the call number and both ranks' values of the first field that differs.
 

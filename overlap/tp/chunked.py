@@ -21,10 +21,13 @@ Shape legend (per rank; ``world`` ranks in ``group``, ``r`` = this rank):
   with the GEMMs under the first half.
 
 Per-call agreement: with ``agree`` (the communicator's overlap.dist.stamp.Agreement) the first
-batch of a call also sends this call's stamp to every peer and receives theirs (tiny messages
-in the same batch, so every rank holds every stamp after one hop); they are compared once that
-batch has landed, before any received data is used, and also when the batch failed (ranks
-whose sizes differ make the transport fail: the stamps still name the disagreement).
+hop of a call carries this call's stamp in front of the piece it sends right (a staged copy of
+the piece for the all-gather; the reduce-scatter computes its partial sum behind the stamp),
+and tiny stamp messages in the same batch reach the peers that are not neighbours (none at
+world 2), so every rank holds every stamp after one hop. They are compared once that hop has
+landed, before any received data is used, and also when it failed (ranks whose sizes differ
+make the transport fail; the front of the message, the stamp, still arrives and names the
+disagreement).
 
 Every chunk's comm and GEMM sits in an ``overlap.profile.nvtx`` range named
 ``<op>.chunked.comm[i]`` / ``.gemm[i]`` (the comm range covers the launch and, separately, the
@@ -39,7 +42,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from overlap.dist.stamp import Agreement, Disagreement
+from overlap.dist.stamp import STAMP_WORDS, Agreement, Disagreement
 from overlap.profile import nvtx
 from overlap.profile.timers import comm_wait
 
@@ -59,12 +62,41 @@ def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
 
 
 _STAMP_TAG = 1 << 20  # apart from the pieces' tags (the step numbers)
+_STAMP_BYTES = STAMP_WORDS * 8
+
+
+def _staged(like: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(message, body): a byte buffer holding a stamp, then ``rows x cols`` of ``like``'s
+    dtype, and the typed view of that body."""
+    msg = torch.empty(_STAMP_BYTES + rows * cols * like.element_size(), dtype=torch.uint8,
+                      device=like.device)
+    return msg, msg[_STAMP_BYTES:].view(like.dtype).view(rows, cols)
+
+
+class _First:
+    """The first hop of a call with stamps: the message to the right neighbour carries this
+    rank's stamp in front of the piece, the one from the left carries the left neighbour's;
+    the other peers' stamps travel in tiny messages of the same batch (none at world 2). A
+    size mismatch still delivers the front of a message (NCCL's receives keep the prefix;
+    nccl_twin does the same), so the stamps name a disagreement the transport reports only as
+    a byte count."""
+
+    __slots__ = ("agree", "send", "recv")
+
+    def __init__(self, agree: Agreement, send: torch.Tensor, recv: torch.Tensor):
+        self.agree, self.send, self.recv = agree, send, recv
+        send[:_STAMP_BYTES].view(torch.int64).copy_(agree.send)
+        recv[:_STAMP_BYTES].zero_()  # no stale stamp passes for this call's
+
+    def land(self, left: int) -> None:
+        self.agree.recv[left].copy_(self.recv[:_STAMP_BYTES].view(torch.int64))
 
 
 def _exchange(group: dist.ProcessGroup, send: torch.Tensor | None, recv: torch.Tensor | None,
               tag: int, agree: Agreement | None = None) -> list:
-    """Send ``send`` to the right neighbour and receive ``recv`` from the left one (with
-    ``agree``, also this call's stamp to and from every peer), as one batch."""
+    """Send ``send`` to the right neighbour and receive ``recv`` from the left one as one
+    batch; with ``agree`` (the first hop: ``send`` and ``recv`` are a :class:`_First`'s, with
+    the neighbours' stamps in front), also this call's stamp to and from every other peer."""
     topo = _topology(group)
     if agree is not None:
         agree.clear_received()  # a row left from an earlier call must not pass for this one
@@ -78,8 +110,10 @@ def _exchange(group: dist.ProcessGroup, send: torch.Tensor | None, recv: torch.T
             works.append(group.recv([recv], topo.left, tag))
         if agree is not None:
             for q in topo.peers:
-                works.append(group.send([agree.send], q, _STAMP_TAG))
-                works.append(group.recv([agree.recv[q]], q, _STAMP_TAG))
+                if q != topo.right:
+                    works.append(group.send([agree.send], q, _STAMP_TAG))
+                if q != topo.left:
+                    works.append(group.recv([agree.recv[q]], q, _STAMP_TAG))
         return works
     # One batch so NCCL posts the send and the receive together: every rank sends first, and
     # unbatched blocking sends would wait on receives queued behind them.
@@ -88,41 +122,45 @@ def _exchange(group: dist.ProcessGroup, send: torch.Tensor | None, recv: torch.T
         ops.append(dist.P2POp(dist.isend, send, topo.right_global, group, tag))
     if recv is not None:
         ops.append(dist.P2POp(dist.irecv, recv, topo.left_global, group, tag))
-    if agree is not None:  # the call's stamp to and from every peer, in the same batch
+    if agree is not None:
         ops += _stamp_ops(group, agree)
     return dist.batch_isend_irecv(ops) if ops else []
 
 
 def _stamp_ops(group: dist.ProcessGroup, agree: Agreement) -> list:
-    """The stamp sends and receives, built once per communicator: they always move the same
-    two buffers (``send``, ``recv[q]``), so every call reuses them."""
+    """The stamp messages to and from the peers that are not the neighbours the pieces carry
+    them to and from, built once per communicator (the same buffers every call)."""
     cached = agree.transport.get("chunked")
     if cached is None:
-        cached = []
-        for q in _topology(group).peers:
+        topo, cached = _topology(group), []
+        for q in topo.peers:
             peer = dist.get_global_rank(group, q)
-            cached.append(dist.P2POp(dist.isend, agree.send, peer, group, _STAMP_TAG))
-            cached.append(dist.P2POp(dist.irecv, agree.recv[q], peer, group, _STAMP_TAG))
+            if q != topo.right:
+                cached.append(dist.P2POp(dist.isend, agree.send, peer, group, _STAMP_TAG))
+            if q != topo.left:
+                cached.append(dist.P2POp(dist.irecv, agree.recv[q], peer, group, _STAMP_TAG))
         agree.transport["chunked"] = cached
     return cached
 
 
-def _wait_first(works: list, agree: Agreement | None, *, op: str, group: dist.ProcessGroup,
+def _wait_first(works: list, first: _First | None, *, op: str, group: dist.ProcessGroup,
                 timeout: float, what: str) -> None:
-    """Wait for a call's first batch, then compare the stamps it carried. A transport error
+    """Wait for a call's first hop, then compare the stamps it carried. A transport error
     (ranks whose sizes differ) is reported as the disagreement when the stamps show one."""
-    peers = _topology(group).peers
+    topo = _topology(group)
     try:
         _wait(works, op=op, group=group, timeout=timeout, what=what)
     except RuntimeError as exc:
-        if agree is not None:
+        if first is not None:
+            first.land(topo.left)
             try:
-                agree.verify(op, peers, arrived_only=True)
+                first.agree.verify(op, topo.peers, arrived_only=True)
             except Disagreement as named:
                 raise named from exc
         raise
-    if agree is not None:
-        agree.verify(op, peers)
+    if first is not None:
+        first.land(topo.left)
+        first.agree.verify(op, topo.peers)
 
 
 def _wait(works: list, *, op: str, group: dist.ProcessGroup, timeout: float, what: str) -> None:
@@ -202,18 +240,27 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
 
     # Every work is waited exactly once (a gloo send work waited twice waits for a second send).
     inflight: dict[int, list] = {}
+    first = landing = None  # the first hop's messages (with stamps) and where its piece goes
     for t in range(world * s):
         if t in inflight:
             with nvtx.range(f"{op}.chunked.comm[{t}].wait"):
-                _wait_first(inflight.pop(t), agree if t == s else None, op=op, group=group,
+                _wait_first(inflight.pop(t), first if t == s else None, op=op, group=group,
                             timeout=timeout, what=f"receive of piece {t} from the left "
                                                   f"neighbour (rank {(rank - 1) % world})")
+            if t == s and first is not None:
+                landing[0].copy_(landing[1])
         if t + s < world * s:
             # Forward this piece and receive the one we multiply s steps from now.
             lo, hi = rows(t + s)
+            send, recv = piece(t), gathered[lo:hi]
+            if t == 0 and agree is not None:  # staged behind this call's stamp
+                msg_out, body = _staged(x_shard, send.shape[0], k)
+                body.copy_(send)
+                msg_in, body_in = _staged(x_shard, hi - lo, k)
+                first, landing = _First(agree, msg_out, msg_in), (recv, body_in)
+                send, recv = msg_out, msg_in
             with nvtx.range(f"{op}.chunked.comm[{t + s}]"):
-                works = _exchange(group, piece(t), gathered[lo:hi], tag=t,
-                                  agree=agree if t == 0 else None)
+                works = _exchange(group, send, recv, tag=t, agree=agree if t == 0 else None)
             inflight[t + s] = works
         if w is not None:
             lo, hi = rows(t)
@@ -252,31 +299,39 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
     # sent, kept alive until the works are waited; each work is waited exactly once)
     inflight: dict[int, tuple[list, torch.Tensor, torch.Tensor]] = {}
 
-    def gemm(t: int) -> torch.Tensor:
+    first = None  # the first hop's messages, with this call's stamps in front
+
+    def gemm(t: int, out: torch.Tensor | None = None) -> torch.Tensor:
         j, p = divmod(t, s)
         d = (rank - 1 - j) % world
         lo, hi = d * m + pieces[p][0], d * m + pieces[p][1]
         with nvtx.range(f"{op}.chunked.gemm[{t}]"):
-            return x[lo:hi] @ w
+            return torch.matmul(x[lo:hi], w, out=out)
 
     def add_received(t: int, part: torch.Tensor) -> None:
         works, buf, _sent = inflight.pop(t)
         with nvtx.range(f"{op}.chunked.comm[{t}].wait"):
-            _wait_first(works, agree if t == s else None, op=op, group=group,
+            _wait_first(works, first if t == s else None, op=op, group=group,
                         timeout=timeout, what=f"receive of partial sum {t} from the left "
                                               f"neighbour (rank {(rank - 1) % world})")
         part += buf
 
     for t in range((world - 1) * s):
-        part = gemm(t)
-        if t >= s:
-            add_received(t, part)
         lo, hi = pieces[t % s]  # piece t + s has the same rows within its block
-        buf = x.new_empty(hi - lo, n)
+        if t == 0 and agree is not None:  # the partial sum is computed behind the stamp
+            msg_out, part = _staged(x, hi - lo, n)
+            gemm(t, out=part)
+            msg_in, buf = _staged(x, hi - lo, n)
+            first = _First(agree, msg_out, msg_in)
+            send, recv = msg_out, msg_in
+        else:
+            part = send = gemm(t)
+            if t >= s:
+                add_received(t, part)
+            buf = recv = x.new_empty(hi - lo, n)
         with nvtx.range(f"{op}.chunked.comm[{t + s}]"):
-            works = _exchange(group, part, buf, tag=t,
-                              agree=agree if t == 0 else None)
-        inflight[t + s] = (works, buf, part)
+            works = _exchange(group, send, recv, tag=t, agree=agree if t == 0 else None)
+        inflight[t + s] = (works, buf, send)
     # Last step: our own block. Its GEMMs need no data from peers, so they and the caller's
     # extra work run while the final hop's partial sums are still travelling.
     last = [(t, gemm(t)) for t in range((world - 1) * s, world * s)]

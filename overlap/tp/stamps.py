@@ -4,8 +4,9 @@ Every op call on a communicator of more than one rank publishes a stamp: the op,
 communicator's call number, the 2-D shapes the backend sees, the dtype, ``chunks``, flags and
 the backend. Where it travels:
 
-- ``chunked``: in the first P2P batch of the call, one tiny send to and receive from every peer
-  beside the first piece, so every rank holds every rank's stamp after one hop;
+- ``chunked``: in front of the first piece each rank sends to its right neighbour, plus a tiny
+  message to and from every peer that is not a neighbour (none at world 2) in the same batch,
+  so every rank holds every rank's stamp after one hop;
 - ``symmetric`` and ``triton``: in a :class:`HeaderBlock`, a small userbuffer the communicator
   maps once: a rank writes its stamp into its own ring slot, then signals every peer (no wait).
   The symmetric data phase of a call whose workspace exists already runs at once; every peer
