@@ -31,6 +31,10 @@ all alike; the table shows the median over rounds and both ranks of the per-call
   three), includes spin-waits.
 - ``*_x``: this impl / the baseline of the same op (1.0 on the baseline row).
 
+``--without-stamps`` adds rows "<backend> (no stamps)": the same backend on a communicator
+whose per-call agreement stamps are switched off (and its first-call check, which the stamped
+one runs only once), so the stamps' own cost is read in the same run.
+
 Triton runs under its interpreter on CPU (seconds per call, nothing to do with a GPU launch);
 its rows use ``triton_inner`` calls per round. ``--profile DIR`` / ``--nsys`` add
 ``trace_overlap%`` of each (op, impl)'s timed calls (bench.runner.TraceOptions).
@@ -71,6 +75,7 @@ class BenchConfig(TraceOptions):
     warmup: int = 3
     device: str = "cpu"
     out: str = "bench/results/host"
+    without_stamps: bool = False
 
 
 def _baseline(op: str, x: torch.Tensor, w: torch.Tensor, group):
@@ -114,6 +119,13 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
     w = (torch.randn(cfg.k, cfg.n, generator=gen) / cfg.k ** 0.5).to(device)
     backends = [b for b in cfg.backends if b != "triton" or have_triton_tp()]
     comms = {b: tp.TPComm(group, backend=b) for b in backends}
+    headers = []
+    if cfg.without_stamps:  # the same backends with the per-call stamps switched off
+        for b in [b for b in backends if b != "unfused"]:
+            comm = comms[f"{b} (no stamps)"] = tp.TPComm(group, backend=b, check_inputs=False)
+            headers.append(comm.header)
+            comm.agree = comm.header = None  # private: what the stamps cost, nothing else
+        backends = list(comms)
     fused = {"all_gather_matmul": tp.all_gather_matmul,
              "matmul_reduce_scatter": tp.matmul_reduce_scatter,
              "matmul_all_reduce": tp.matmul_all_reduce}
@@ -122,7 +134,8 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
         x = x_shard if op == "all_gather_matmul" else x_full
         calls.append((op, BASELINE, _baseline(op, x, w, group), cfg.inner))
         for b in backends:
-            inner = cfg.triton_inner if b == "triton" and device.type == "cpu" else cfg.inner
+            slow = b.startswith("triton") and device.type == "cpu"
+            inner = cfg.triton_inner if slow else cfg.inner
             calls.append((op, b, lambda op=op, x=x, b=b: fused[op](x, w, comm=comms[b]), inner))
     tracer = Tracer(cfg, rank=rank, device=device)
 
@@ -155,6 +168,9 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
     finally:
         for c in comms.values():
             c.close()
+        for h in headers:
+            if h is not None:
+                h.close(wait_for_peers=True)
     return [dict(op=op, impl=impl, wall=s[0], cpu=s[1], waited=s[2],
                  **tracer.info(f"{op}_{impl}")) for (op, impl), s in samples.items()]
 

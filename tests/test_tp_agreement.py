@@ -148,3 +148,36 @@ def test_chunked_on_plain_gloo(world, opname):
         assert first_err <= 1e-5 * K, (rank, first_err)
         assert msg is not None and "dtype" in msg and "bfloat16" in msg and "float16" in msg
         assert elapsed < 2.0 and later is not None and "failed earlier" in later
+
+
+@pytest.mark.parametrize("device_path", (False, True))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64))
+def test_chunked_first_message_carries_the_stamp(device_path, dtype):
+    """The chunked first hop's message holds the stamp's bytes in front of the piece (CPU: a
+    byte move; GPU: a device copy, run here on CPU tensors) and lands the left neighbour's
+    stamp where Agreement.verify reads it; the receive's front starts zeroed."""
+    from overlap.dist.stamp import STAMP_WORDS, Agreement
+    from overlap.tp import chunked, stamps
+
+    agree = Agreement(stamps.SCHEMA, rank=0, world=2, device=torch.device("cpu"), where="")
+    # written the CPU way (staging it through pinned memory needs a GPU)
+    agree.next("all_gather_matmul", stamps.stamp_values(torch.zeros(4, K), torch.zeros(K, N),
+                                                        2, 0, 1))
+    if device_path:
+        agree._gpu = True
+        agree._init_device_record()
+    mine = agree.send.clone()
+    x = torch.randn(3, 5).to(dtype)
+    send, body = chunked._message(x, 3, 5)
+    body.copy_(x)
+    recv, _ = chunked._message(x, 3, 5)
+    recv.view(torch.uint8).fill_(0xAB)  # stale bytes
+    first = chunked._First(agree, send, recv)
+    assert torch.equal(chunked._words(send), mine)
+    assert torch.equal(send[-15:].view(3, 5), x)  # the piece follows the stamp untouched
+    assert int(chunked._words(recv).abs().sum()) == 0
+    theirs = mine.clone()
+    theirs[1] += 7  # another call number
+    chunked._words(recv).copy_(theirs)
+    first.land(1)
+    assert torch.equal(agree.recv[1], theirs) and agree.recv.shape[1] == STAMP_WORDS

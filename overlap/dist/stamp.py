@@ -209,6 +209,18 @@ class Agreement:
             else:
                 self._send_np = self.send.numpy()
                 self._recv_np = self.recv.numpy()
+                # Host addresses for byte moves by a transport (chunked's first message).
+                self.send_address = self.send.data_ptr()
+                self._recv_address = self.recv.data_ptr()
+
+    @property
+    def device_path(self) -> bool:
+        """True when stamps are compared on the device (GPU, or the tests that emulate it)."""
+        return self._gpu
+
+    def recv_address(self, q: int) -> int:
+        """Host address of ``recv[q]`` (CPU path only)."""
+        return self._recv_address + q * STAMP_WORDS * 8
 
     def _init_device_record(self) -> None:
         """The device path's state (also built on CPU tensors by the tests that check it):

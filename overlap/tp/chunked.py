@@ -36,6 +36,7 @@ wait).
 
 from __future__ import annotations
 
+import ctypes
 from datetime import timedelta
 from typing import Callable, NamedTuple
 
@@ -65,12 +66,20 @@ _STAMP_TAG = 1 << 20  # apart from the pieces' tags (the step numbers)
 _STAMP_BYTES = STAMP_WORDS * 8
 
 
-def _staged(like: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(message, body): a byte buffer holding a stamp, then ``rows x cols`` of ``like``'s
-    dtype, and the typed view of that body."""
-    msg = torch.empty(_STAMP_BYTES + rows * cols * like.element_size(), dtype=torch.uint8,
-                      device=like.device)
-    return msg, msg[_STAMP_BYTES:].view(like.dtype).view(rows, cols)
+def _header_elems(dtype: torch.dtype) -> int:
+    return _STAMP_BYTES // torch.empty((), dtype=dtype).element_size()
+
+
+_HEADER_ELEMS = {d: _header_elems(d) for d in (torch.float32, torch.bfloat16, torch.float16,
+                                                torch.float64)}
+
+
+def _message(like: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(message, body): a flat buffer of ``like``'s dtype holding a stamp (its first
+    ``_STAMP_BYTES``), then ``rows x cols`` elements, and the 2-D view of that body."""
+    hdr = _HEADER_ELEMS.get(like.dtype) or _header_elems(like.dtype)
+    msg = like.new_empty(hdr + rows * cols)
+    return msg, msg.as_strided((rows, cols), (cols, 1), msg.storage_offset() + hdr)
 
 
 class _First:
@@ -79,17 +88,31 @@ class _First:
     the other peers' stamps travel in tiny messages of the same batch (none at world 2). A
     size mismatch still delivers the front of a message (NCCL's receives keep the prefix;
     nccl_twin does the same), so the stamps name a disagreement the transport reports only as
-    a byte count."""
+    a byte count. On CPU the stamp bytes move with ``ctypes.memmove`` between buffers whose
+    size is known (a tensor op per move costs more than the whole stamp); on a GPU they are
+    device copies in stream order."""
 
-    __slots__ = ("agree", "send", "recv")
+    __slots__ = ("agree", "recv", "cpu")
 
     def __init__(self, agree: Agreement, send: torch.Tensor, recv: torch.Tensor):
-        self.agree, self.send, self.recv = agree, send, recv
-        send[:_STAMP_BYTES].view(torch.int64).copy_(agree.send)
-        recv[:_STAMP_BYTES].zero_()  # no stale stamp passes for this call's
+        self.agree, self.recv, self.cpu = agree, recv, not agree.device_path
+        if self.cpu:
+            ctypes.memmove(send.data_ptr(), agree.send_address, _STAMP_BYTES)
+            ctypes.memset(recv.data_ptr(), 0, _STAMP_BYTES)  # no stale stamp passes for this one
+        else:
+            _words(send).copy_(agree.send)
+            _words(recv).zero_()
 
     def land(self, left: int) -> None:
-        self.agree.recv[left].copy_(self.recv[:_STAMP_BYTES].view(torch.int64))
+        """Copy the left neighbour's stamp to where ``Agreement.verify`` reads it."""
+        if self.cpu:
+            ctypes.memmove(self.agree.recv_address(left), self.recv.data_ptr(), _STAMP_BYTES)
+        else:
+            self.agree.recv[left].copy_(_words(self.recv))
+
+
+def _words(msg: torch.Tensor) -> torch.Tensor:
+    return msg[:_HEADER_ELEMS.get(msg.dtype) or _header_elems(msg.dtype)].view(torch.int64)
 
 
 def _exchange(group: dist.ProcessGroup, send: torch.Tensor | None, recv: torch.Tensor | None,
@@ -224,7 +247,14 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
     m, k = x_shard.shape
     pieces = split_bounds(m, chunks // world)
     s = len(pieces)
-    gathered = x_shard.new_empty(world * m, k)
+    # With stamps, the first piece from the left lands in place behind its stamp: ``flat``
+    # has room for one stamp in front of ``gathered``, and the stamp of the piece at rows
+    # [lo, hi) overwrites the elements just before lo, which belong to sources received at
+    # later hops (or to our own shard, copied last): nothing there is read or sent before.
+    hdr = 0 if agree is None else _HEADER_ELEMS.get(x_shard.dtype) or _header_elems(
+        x_shard.dtype)
+    flat = x_shard.new_empty(hdr + world * m * k)
+    gathered = flat.as_strided((world * m, k), (k, 1), flat.storage_offset() + hdr)
     y = None if w is None else x_shard.new_empty(world * m, w.shape[1])
 
     def rows(t: int) -> tuple[int, int]:
@@ -240,25 +270,22 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
 
     # Every work is waited exactly once (a gloo send work waited twice waits for a second send).
     inflight: dict[int, list] = {}
-    first = landing = None  # the first hop's messages (with stamps) and where its piece goes
+    first = None  # the first hop's messages, with the neighbours' stamps in front
     for t in range(world * s):
         if t in inflight:
             with nvtx.range(f"{op}.chunked.comm[{t}].wait"):
                 _wait_first(inflight.pop(t), first if t == s else None, op=op, group=group,
                             timeout=timeout, what=f"receive of piece {t} from the left "
                                                   f"neighbour (rank {(rank - 1) % world})")
-            if t == s and first is not None:
-                landing[0].copy_(landing[1])
         if t + s < world * s:
             # Forward this piece and receive the one we multiply s steps from now.
             lo, hi = rows(t + s)
             send, recv = piece(t), gathered[lo:hi]
-            if t == 0 and agree is not None:  # staged behind this call's stamp
-                msg_out, body = _staged(x_shard, send.shape[0], k)
+            if t == 0 and agree is not None:  # our first piece goes behind our stamp
+                msg, body = _message(x_shard, send.shape[0], k)
                 body.copy_(send)
-                msg_in, body_in = _staged(x_shard, hi - lo, k)
-                first, landing = _First(agree, msg_out, msg_in), (recv, body_in)
-                send, recv = msg_out, msg_in
+                send, recv = msg, flat[lo * k:hdr + hi * k]
+                first = _First(agree, send, recv)
             with nvtx.range(f"{op}.chunked.comm[{t + s}]"):
                 works = _exchange(group, send, recv, tag=t, agree=agree if t == 0 else None)
             inflight[t + s] = works
@@ -319,9 +346,9 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
     for t in range((world - 1) * s):
         lo, hi = pieces[t % s]  # piece t + s has the same rows within its block
         if t == 0 and agree is not None:  # the partial sum is computed behind the stamp
-            msg_out, part = _staged(x, hi - lo, n)
+            msg_out, part = _message(x, hi - lo, n)
             gemm(t, out=part)
-            msg_in, buf = _staged(x, hi - lo, n)
+            msg_in, buf = _message(x, hi - lo, n)
             first = _First(agree, msg_out, msg_in)
             send, recv = msg_out, msg_in
         else:
