@@ -121,8 +121,10 @@ def _exchange(group: dist.ProcessGroup, send: torch.Tensor | None, recv: torch.T
     batch; with ``agree`` (the first hop: ``send`` and ``recv`` are a :class:`_First`'s, with
     the neighbours' stamps in front), also this call's stamp to and from every other peer."""
     topo = _topology(group)
-    if agree is not None:
-        agree.clear_received()  # a row left from an earlier call must not pass for this one
+    if agree is not None and len(topo.peers) > 1:
+        # A row left from an earlier call must not pass for this one (the left neighbour's
+        # row is rewritten from the message, whatever arrived).
+        agree.clear_received()
     if topo.direct:
         # gloo: torch's batch_isend_irecv only loops over isend/irecv there, each paying
         # c10d's argument handling; the group's own send/recv do the same transfers.

@@ -27,6 +27,7 @@ import threading
 
 import torch
 
+from overlap import _C
 from overlap.dist.stamp import STAMP_WORDS, Agreement, Schema, shape_words
 from overlap.symm.workspace import create_workspace
 
@@ -71,6 +72,10 @@ class HeaderBlock:
         if not self._gpu:
             with not_a_device_sync("numpy views of shared host memory, made once"):
                 self._rings_np = [r.numpy() for r in self._rings]
+            # Signal addresses, looked up once: this rank's slot in each peer's flags (where
+            # it publishes) and each peer's slot in its own flags (where it reads them).
+            self._publish_at = [(q, self.ws.signal_ptr(q) + 8 * self.rank) for q in self.peers]
+            self._seen_at = [(q, self.ws.signal_ptr(self.rank) + 8 * q) for q in self.peers]
 
     def exchange(self, op: str, agree: Agreement, timeout: float | None = None) -> None:
         """Publish this call's stamp, wait for every peer's, compare (raise on mismatch)."""
@@ -82,16 +87,25 @@ class HeaderBlock:
         is then *open*: ``settle`` (before the call returns, or before it blocks on anything
         but a watched workspace wait) waits for the peers' stamps and compares them, and
         ``watch`` compares the ones already published from a blocked wait's slow path."""
-        self.ws.raise_pending(op)
+        if self._gpu or self.ws.pending():
+            self.ws.raise_pending(op)
         c = agree.calls
         slot = c % _RING
         if self._gpu:
             self._rings[self.rank][slot].copy_(agree.send)
+            for q in self.peers:
+                self.ws.signal(q, self.rank, c)
         else:
-            self._rings_np[self.rank][slot] = agree.mine
-        for q in self.peers:
-            self.ws.signal(q, self.rank, c)
+            self._check_open(op)
+            self._rings_np[self.rank][slot] = agree._send_np
+            for _, addr in self._publish_at:  # shared host memory: a store per peer
+                _C.signal_store(addr, c)
         self._open = (op, agree, c, timeout)
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{op}: the communicator's stamp block is closed (rank "
+                               f"{self.rank})")
 
     def settle(self) -> None:
         """Wait for every peer's stamp of the open call and compare (raise on mismatch); a
@@ -106,7 +120,11 @@ class HeaderBlock:
             return
         op, agree, c, timeout = self._open
         self._open = None
-        for q in self.peers:
+        if not self._gpu:
+            self._check_open(op)
+        for q, addr in (self._seen_at if not self._gpu else ((q, None) for q in self.peers)):
+            if addr is not None and _C.signal_load(addr) >= c:
+                continue  # published already (the usual case after the data phase)
             self.ws.wait(q, c, timeout, peer=q)
         if not self._gpu and self.ws.pending():
             return  # a wait gave up (device-wait mode): outputs are poisoned, next call raises
@@ -120,16 +138,17 @@ class HeaderBlock:
         ours. A peer that disagrees may be blocked elsewhere (creating another context, or
         waiting on another workspace), so the data this rank waits for would never come."""
         current = self._open
-        if current is None or self._gpu:
+        if current is None or self._gpu or self._closed:
             return
         op, agree, c, _ = current
         slot = c % _RING
-        for q in self.peers:
-            if self.ws.read_signal(q) >= c:
+        for q, addr in self._seen_at:
+            if _C.signal_load(addr) >= c:
                 agree.verify(op, [q], {q: self._rings_np[q][slot]})
 
     def poison(self, out: torch.Tensor) -> None:
-        self.ws.poison_if_error(out)
+        if self._gpu or self.ws.pending():  # on a GPU the record is not visible to the host
+            self.ws.poison_if_error(out)
 
     def fail(self, reason: str) -> None:
         """Wake peers waiting on this rank's stamp (they raise with ``reason``), then free the
