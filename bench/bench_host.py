@@ -224,6 +224,11 @@ def main(cfg: BenchConfig) -> None:
         "call that say nothing about a GPU launch.",
         "Command: " + command_line("bench.bench_host", cfg),
     ]
+    if cfg.without_stamps:
+        notes.insert(-1, "Rows '<backend> (no stamps)': the same backend on a communicator "
+                     "with the per-call agreement stamps switched off (and its first-call "
+                     "check); the difference from the stamped row is what the stamps cost. "
+                     "spread: (max - min) / median of the wall times over the rounds.")
     if cfg.profile or cfg.nsys:
         notes.insert(-1, "trace_overlap% = 100 * hidden / communication time over the timed "
                      "calls on every rank, by overlap-analyze's code; times of a traced run "
