@@ -39,6 +39,16 @@ def _loss(model, rank, step):
     return model(x).square().mean()
 
 
+def _step_error(model, red, rank, step):
+    """What a backward + finish of ``step`` raised ("Type: message"), or None."""
+    try:
+        _loss(model, rank, step).backward()
+        red.finish()
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def _job(case, comm_dtype):
     from overlap.dp import GradReducer
 
@@ -72,20 +82,10 @@ def _job(case, comm_dtype):
             red._switch_layout(layout)
         model.zero_grad(set_to_none=True)
         t0 = time.monotonic()
-        try:
-            _loss(model, rank, 2).backward()
-            red.finish()
-            out["raised"] = None
-        except Exception as exc:  # noqa: BLE001 - the test reads the message
-            out["raised"] = f"{type(exc).__name__}: {exc}"
+        out["raised"] = _step_error(model, red, rank, 2)
         out["seconds"] = time.monotonic() - t0
         # the reducer stays failed: the next step raises again, at once
-        try:
-            _loss(model, rank, 3).backward()
-            red.finish()
-            out["again"] = None
-        except Exception as exc:  # noqa: BLE001
-            out["again"] = f"{type(exc).__name__}: {exc}"
+        out["again"] = _step_error(model, red, rank, 3)
     finally:
         red.close()
     return out
@@ -170,12 +170,7 @@ def _launch_after_failure_job():
             out["direct"] = f"{type(exc).__name__}: {exc}"
         # the next bucket launch raises at once, naming the reducer and its bucket
         model.zero_grad(set_to_none=True)
-        try:
-            _loss(model, rank, 2).backward()
-            red.finish()
-            out["raised"] = None
-        except Exception as exc:  # noqa: BLE001
-            out["raised"] = f"{type(exc).__name__}: {exc}"
+        out["raised"] = _step_error(model, red, rank, 2)
     finally:
         red.close()
     return out
