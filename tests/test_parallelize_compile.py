@@ -1,5 +1,5 @@
 """torch.compile(fullgraph=True) on a parallelized decoder block: the fused TP ops and region
-collectives are torch.library custom ops (overlap.tp.custom_ops), so the block compiles as one
+collectives reach torch.library custom ops (overlap.tp.ops.call_op), so the block compiles as one
 graph (fullgraph=True fails on any graph break) and matches the eager block, forward and
 backward (input and parameter gradients), for the chunked and symmetric backends: overlap's GPT
 block with sequence parallelism (all_gather_matmul, matmul_reduce_scatter, the sequence-parallel

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from overlap.nn import sharding
-from overlap.tp import custom_ops
 from overlap.tp.comm import BACKENDS, TPComm, default_comm
-from overlap.tp.ops import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+from overlap.tp.ops import (all_gather_matmul, call_op, define_op, matmul_all_reduce,
+                            matmul_reduce_scatter)
 from overlap.nn.regions import (all_reduce_async, copy_to_tp, gather_from_tp, scatter_to_tp,
                                 wait)
 from overlap.nn.sharding import ShardSpec
@@ -135,9 +135,36 @@ class TPModule(nn.Module):
                              f"(b, t, K) input on tp rank {self.tp_rank}, got {tuple(x.shape)}")
 
 
+def _column_linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                            comm: TPComm, need_dx: bool, need_dw: bool, need_db: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dx = all_reduce(dy @ w), launched first; dw and db computed while it is in flight.
+    A gradient not needed is an empty tensor (custom ops return no None)."""
+    op = "ColumnParallelLinear dgrad all_reduce"
+    dx = work = None
+    if need_dx:
+        comm.ensure_usable(op)
+        dx = dy.matmul(weight).contiguous()
+        work = all_reduce_async(dx, group=comm.group)
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    dw = dy2.t().matmul(x.reshape(-1, x.shape[-1])) if need_dw else weight.new_empty(0)
+    db = dy2.sum(0) if need_db else weight.new_empty(0)
+    if work is not None:
+        wait(work, op=op, group=comm.group, timeout=comm.timeout)
+    return (dx if dx is not None else dy.new_empty(0)), dw, db
+
+
+define_op("column_linear_backward", _column_linear_backward,
+          lambda dy, x, w, comm, need_dx, need_dw, need_db: (
+              x.new_empty(x.shape) if need_dx else dy.new_empty(0),
+              w.new_empty(w.shape) if need_dw else w.new_empty(0),
+              w.new_empty(w.shape[0]) if need_db else w.new_empty(0)))
+
+
 class _ColumnLinearAllReduceDgrad(torch.autograd.Function):
     """y_shard_n = x @ w_shard_n.T + b_shard_n with x replicated; backward all-reduces dx
-    asynchronously and computes the weight gradient while it is in flight."""
+    asynchronously and computes the weight gradient while it is in flight (one
+    implementation, reached directly in eager and through its custom op under compile)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, comm):
@@ -148,26 +175,15 @@ class _ColumnLinearAllReduceDgrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dx = work = None
-        if ctx.needs_input_grad[0]:
-            dx = dy.matmul(weight)
-            # Launch first: the all-reduce of dgrad runs while wgrad is computed below.
-            work = all_reduce_async(dx, group=ctx.comm.group)
-        dw = db = None
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        if ctx.needs_input_grad[1]:
-            dw = dy2.t().matmul(x.reshape(-1, x.shape[-1]))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy2.sum(0)
-        if work is not None:
-            wait(work, op="ColumnParallelLinear dgrad all_reduce", group=ctx.comm.group,
-                 timeout=ctx.comm.timeout)
-        return dx, dw, db, None
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_db = ctx.has_bias and ctx.needs_input_grad[2]
+        dx, dw, db = call_op("column_linear_backward", _column_linear_backward, dy.contiguous(),
+                             x, weight, ctx.comm, need_dx, need_dw, need_db)
+        return (dx if need_dx else None), (dw if need_dw else None), \
+            (db if need_db else None), None
 
 
 def _column_linear(x, weight, bias, comm):
-    if torch.compiler.is_compiling():
-        return custom_ops.column_linear(x, weight, bias, comm)
     return _ColumnLinearAllReduceDgrad.apply(x, weight, bias, comm)
 
 
@@ -402,7 +418,8 @@ def column_parallel_shared(x: torch.Tensor, layers) -> list[torch.Tensor]:
     """
     first = layers[0]
     key = (first.comm, first.chunks, first.sequence_parallel, first.seq_dim, first.bias is None)
-    if any((m.comm, m.chunks, m.sequence_parallel, m.seq_dim, m.bias is None) != key or m.gather_output or not isinstance(m, ColumnParallelLinear)
+    if any((m.comm, m.chunks, m.sequence_parallel, m.seq_dim, m.bias is None) != key
+           or m.gather_output or not isinstance(m, ColumnParallelLinear)
            or len(set(m.local_sizes)) > 1 for m in layers):
         return [m(x) for m in layers]
     first._check_input(x, first.in_features)

@@ -18,9 +18,10 @@ gather_from_sp(dim)         all_gather(x, dim)          reduce_scatter(dy, dim)
 e.g. a vocabulary that tp does not divide. ``copy_to_tp`` is also how a replicated parameter
 used on a sequence shard gets its full gradient (the sum of every rank's partial gradient).
 
-Each takes the layer's TPComm as ``comm=`` (or ``group=`` and ``timeout=``); with ``comm=``,
-under ``torch.compile`` each is one custom op (overlap.tp.custom_ops) instead of an autograd
-Function. Every collective is posted async and waited with a timeout (``timeout=`` seconds, default
+Each takes the layer's TPComm as ``comm=`` (or, in eager, ``group=`` and ``timeout=``). Each is
+one autograd Function whose forward and backward collectives are implemented once, reached
+directly in eager and as a custom op under ``torch.compile`` (overlap.tp.ops.call_op). Every
+collective is posted async and waited with a timeout (``timeout=`` seconds, default
 ``TIMEOUT``; layers pass their TPComm's), so a dead or stalled peer turns into a RuntimeError
 naming the op and the group instead of a hang. With a group of size 1 every function is the
 identity and issues no collective.
@@ -34,163 +35,207 @@ import torch.distributed as dist
 from overlap.tp.collectives import (TIMEOUT, all_gather_dim, all_reduce_async, reduce_scatter_dim,
                                     split_dim, wait)
 from overlap.tp.collectives import all_reduce as _all_reduce
-from overlap.tp import custom_ops
+from overlap.tp.comm import TPComm
+from overlap.tp.ops import call_op, define_op
 
 __all__ = ["TIMEOUT", "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
            "reduce_scatter_to_sp", "gather_from_sp", "all_reduce_async", "wait",
            "all_gather_dim", "reduce_scatter_dim", "split_dim"]
 
 
+# ---------------------------------------------------------------- the implementations
+# One each, reached directly in eager and through its custom op under torch.compile
+# (overlap.tp.ops.call_op). ``comm`` is the layer's TPComm, or in eager a ``_Group`` of a bare
+# group and timeout. Outputs never alias inputs (a custom op's rule).
+
+class _Group:
+    """A bare group with a timeout: what the eager implementations read of a TPComm."""
+
+    __slots__ = ("group", "timeout", "world", "rank")
+
+    def __init__(self, group, timeout: float):
+        self.group, self.timeout = group, timeout
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+
+def _reduce(x: torch.Tensor, comm: TPComm, op: str) -> torch.Tensor:
+    return _all_reduce(x.clone(memory_format=torch.contiguous_format), group=comm.group, op=op,
+                       timeout=comm.timeout)
+
+
+def _gather(x: torch.Tensor, dim: int, comm: TPComm, sizes: list[int] | None,
+            op: str) -> torch.Tensor:
+    return all_gather_dim(x, dim, group=comm.group, sizes=sizes, op=op,
+                          timeout=comm.timeout).contiguous()
+
+
+def _split(x: torch.Tensor, dim: int, comm: TPComm, sizes: list[int] | None) -> torch.Tensor:
+    return split_dim(x, dim, group=comm.group, sizes=sizes).clone()
+
+
+def _scatter(x: torch.Tensor, dim: int, comm: TPComm, op: str) -> torch.Tensor:
+    return reduce_scatter_dim(x, dim, group=comm.group, op=op,
+                              timeout=comm.timeout).contiguous()
+
+
+def _sizes(comm, n: int, sizes) -> list[int]:
+    return list(sizes) if sizes is not None else [n] * comm.world
+
+
+def _along(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = n
+    return x.new_empty(shape)
+
+
+define_op("tp_all_reduce", _reduce,
+          lambda x, comm, op: torch.empty_like(x, memory_format=torch.contiguous_format))
+define_op("tp_all_gather", _gather, lambda x, dim, comm, sizes, op: _along(
+    x, dim, sum(_sizes(comm, x.shape[dim], sizes))))
+define_op("tp_split", _split, lambda x, dim, comm, sizes: _along(
+    x, dim, sizes[comm.rank] if sizes is not None else x.shape[dim] // comm.world))
+define_op("tp_reduce_scatter", _scatter,
+          lambda x, dim, comm, op: _along(x, dim, x.shape[dim] // comm.world))
+
+
+def _reduce_op(x, comm, op):
+    return call_op("tp_all_reduce", _reduce, x, comm, op)
+
+
+def _gather_op(x, dim, comm, sizes, op):
+    return call_op("tp_all_gather", _gather, x, dim, comm, sizes, op)
+
+
+def _split_op(x, dim, comm, sizes):
+    return call_op("tp_split", _split, x, dim, comm, sizes)
+
+
+def _scatter_op(x, dim, comm, op):
+    return call_op("tp_reduce_scatter", _scatter, x, dim, comm, op)
+
+
+# ---------------------------------------------------------------- autograd: one backward each
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, timeout):
-        ctx.group, ctx.timeout = group, timeout
+    def forward(ctx, x, comm):
+        ctx.comm = comm
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, dy):
-        return (_all_reduce(dy.contiguous(), group=ctx.group, op="copy_to_tp backward",
-                            timeout=ctx.timeout), None, None)
+        return _reduce_op(dy.contiguous(), ctx.comm, "copy_to_tp backward"), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, timeout):
-        return _all_reduce(x.clone(memory_format=torch.contiguous_format), group=group,
-                           op="reduce_from_tp", timeout=timeout)
+    def forward(ctx, x, comm):
+        return _reduce_op(x, comm, "reduce_from_tp")
 
     @staticmethod
     def backward(ctx, dy):
-        return dy, None, None
+        return dy, None
 
 
 class _ScatterToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group, sizes, timeout):
-        ctx.dim, ctx.group, ctx.sizes, ctx.timeout = dim, group, sizes, timeout
-        return split_dim(x, dim, group=group, sizes=sizes)
+    def forward(ctx, x, dim, comm, sizes):
+        ctx.dim, ctx.comm, ctx.sizes = dim, comm, sizes
+        return _split_op(x, dim, comm, sizes)
 
     @staticmethod
     def backward(ctx, dy):
-        return (all_gather_dim(dy, ctx.dim, group=ctx.group, sizes=ctx.sizes,
-                               op="scatter_to_tp backward", timeout=ctx.timeout),
-                None, None, None, None)
+        return (_gather_op(dy.contiguous(), ctx.dim, ctx.comm, ctx.sizes,
+                           "scatter_to_tp backward"), None, None, None)
 
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group, sizes, timeout):
-        ctx.dim, ctx.group, ctx.sizes = dim, group, sizes
-        return all_gather_dim(x, dim, group=group, sizes=sizes, op="gather_from_tp",
-                              timeout=timeout)
+    def forward(ctx, x, dim, comm, sizes):
+        ctx.dim, ctx.comm, ctx.sizes = dim, comm, sizes
+        return _gather_op(x, dim, comm, sizes, "gather_from_tp")
 
     @staticmethod
     def backward(ctx, dy):
-        return split_dim(dy, ctx.dim, group=ctx.group, sizes=ctx.sizes), None, None, None, None
+        return _split_op(dy.contiguous(), ctx.dim, ctx.comm, ctx.sizes), None, None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group, timeout):
-        ctx.dim, ctx.group, ctx.timeout = dim, group, timeout
-        return reduce_scatter_dim(x, dim, group=group, op="reduce_scatter_to_sp",
-                                  timeout=timeout)
+    def forward(ctx, x, dim, comm):
+        ctx.dim, ctx.comm = dim, comm
+        return _scatter_op(x, dim, comm, "reduce_scatter_to_sp")
 
     @staticmethod
     def backward(ctx, dy):
-        return (all_gather_dim(dy, ctx.dim, group=ctx.group, op="reduce_scatter_to_sp backward",
-                               timeout=ctx.timeout), None, None, None)
+        return (_gather_op(dy.contiguous(), ctx.dim, ctx.comm, None,
+                           "reduce_scatter_to_sp backward"), None, None)
 
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group, timeout):
-        ctx.dim, ctx.group, ctx.timeout = dim, group, timeout
-        return all_gather_dim(x, dim, group=group, op="gather_from_sp", timeout=timeout)
+    def forward(ctx, x, dim, comm):
+        ctx.dim, ctx.comm = dim, comm
+        return _gather_op(x, dim, comm, None, "gather_from_sp")
 
     @staticmethod
     def backward(ctx, dy):
-        return (reduce_scatter_dim(dy, ctx.dim, group=ctx.group, op="gather_from_sp backward",
-                                   timeout=ctx.timeout), None, None, None)
+        return (_scatter_op(dy.contiguous(), ctx.dim, ctx.comm, "gather_from_sp backward"),
+                None, None)
 
 
-def _compiling(comm) -> bool:
-    """Under torch.compile the regions are custom ops (overlap.tp.custom_ops), which need the
-    layer's TPComm (``comm=``) to name the group."""
-    if not torch.compiler.is_compiling():
-        return False
-    if comm is None:
+def _comm(group, timeout, comm):
+    """The TPComm, or in eager a ``_Group``; under torch.compile the custom ops need a TPComm
+    (an opaque object to the tracer), so ``group=`` alone is refused there."""
+    if comm is not None:
+        return comm
+    if group is None:
+        raise TypeError(f"overlap region collective: pass group= or comm= (rank "
+                        f"{dist.get_rank()})")
+    if torch.compiler.is_compiling():
         raise NotImplementedError(f"overlap region collectives under torch.compile need comm= "
                                   f"(the layer's TPComm); pass it instead of group= (rank "
                                   f"{dist.get_rank()})")
-    return True
+    return _Group(group, timeout)
 
 
 def copy_to_tp(x: torch.Tensor, *, group=None, timeout: float = TIMEOUT,
                comm=None) -> torch.Tensor:
     """Identity forward; backward sums the gradient over ``group`` (or ``comm.group``)."""
-    if _compiling(comm):
-        return x if comm.world == 1 else custom_ops.copy(x, comm)
-    group, timeout = _group(group, timeout, comm)
-    return x if dist.get_world_size(group) == 1 else _CopyToTP.apply(x, group, timeout)
+    c = _comm(group, timeout, comm)
+    return x if c.world == 1 else _CopyToTP.apply(x, c)
 
 
 def reduce_from_tp(x: torch.Tensor, *, group=None, timeout: float = TIMEOUT,
                    comm=None) -> torch.Tensor:
     """Forward sums ``x`` over ``group``; backward passes the (replicated) gradient through."""
-    if _compiling(comm):
-        return x if comm.world == 1 else custom_ops.all_reduce(x, comm)
-    group, timeout = _group(group, timeout, comm)
-    return x if dist.get_world_size(group) == 1 else _ReduceFromTP.apply(x, group, timeout)
+    c = _comm(group, timeout, comm)
+    return x if c.world == 1 else _ReduceFromTP.apply(x, c)
 
 
 def scatter_to_tp(x: torch.Tensor, dim: int, *, group=None, sizes: list[int] | None = None,
                   timeout: float = TIMEOUT, comm=None) -> torch.Tensor:
     """Keep this rank's piece along ``dim``; backward all-gathers the gradient."""
-    if _compiling(comm):
-        return x if comm.world == 1 else custom_ops.split(x, dim, comm, sizes)
-    group, timeout = _group(group, timeout, comm)
-    if dist.get_world_size(group) == 1:
-        return x
-    return _ScatterToTP.apply(x, dim, group, sizes, timeout)
+    c = _comm(group, timeout, comm)
+    return x if c.world == 1 else _ScatterToTP.apply(x, dim % x.dim(), c, sizes)
 
 
 def gather_from_tp(x: torch.Tensor, dim: int, *, group=None, sizes: list[int] | None = None,
                    timeout: float = TIMEOUT, comm=None) -> torch.Tensor:
     """All-gather along ``dim``; backward keeps this rank's piece of the gradient."""
-    if _compiling(comm):
-        return x if comm.world == 1 else custom_ops.all_gather(x, dim, comm, sizes)
-    group, timeout = _group(group, timeout, comm)
-    if dist.get_world_size(group) == 1:
-        return x
-    return _GatherFromTP.apply(x, dim, group, sizes, timeout)
+    c = _comm(group, timeout, comm)
+    return x if c.world == 1 else _GatherFromTP.apply(x, dim % x.dim(), c, sizes)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, dim: int, *, group=None, timeout: float = TIMEOUT,
                          comm=None) -> torch.Tensor:
     """Sum partial activations and keep this rank's sequence shard; backward all-gathers."""
-    if _compiling(comm):
-        return x if comm.world == 1 else custom_ops.reduce_scatter(x, dim, comm)
-    group, timeout = _group(group, timeout, comm)
-    if dist.get_world_size(group) == 1:
-        return x
-    return _ReduceScatterToSP.apply(x, dim, group, timeout)
+    c = _comm(group, timeout, comm)
+    return x if c.world == 1 else _ReduceScatterToSP.apply(x, dim % x.dim(), c)
 
 
 def gather_from_sp(x: torch.Tensor, dim: int, *, group=None, timeout: float = TIMEOUT,
                    comm=None) -> torch.Tensor:
     """All-gather sequence shards; backward reduce-scatters the gradient."""
-    if _compiling(comm):
-        return x if comm.world == 1 else custom_ops.all_gather(x, dim, comm,
-                                                               backward_reduces=True)
-    group, timeout = _group(group, timeout, comm)
-    return x if dist.get_world_size(group) == 1 else _GatherFromSP.apply(x, dim, group, timeout)
-
-
-def _group(group, timeout, comm):
-    if comm is not None:
-        return comm.group, comm.timeout
-    if group is None:
-        raise TypeError(f"overlap region collective: pass group= or comm= (rank "
-                        f"{dist.get_rank()})")
-    return group, timeout
+    c = _comm(group, timeout, comm)
+    return x if c.world == 1 else _GatherFromSP.apply(x, dim % x.dim(), c)

@@ -3,8 +3,9 @@
     from overlap.tp import all_gather_matmul, matmul_reduce_scatter, matmul_all_reduce
 
 Modules: comm (TPComm: backend, settings, workspaces, failure state), ops (public API, the
-one implementation of each fused op, its autograd and its custom op), custom_ops (the region
-collectives and column linear as custom ops), stamps (per-call agreement), backends (the
+one implementation of each fused op, its autograd and its custom op; ``call_op`` and
+``define_op``, which overlap.nn's region collectives and column linear use too), stamps
+(per-call agreement), backends (the
 backend classes), chunked (async torch.distributed), symmetric
 (userbuffers + copier), context (workspace ownership, phases), copier (copy thread / side
 stream), checks (input validation), collectives (the plain bounded collectives).

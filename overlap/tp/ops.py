@@ -183,30 +183,30 @@ def _grown(rows: int, comm: TPComm) -> int:
     return rows * comm.world
 
 
-def _define(name: str, fn, fake) -> None:
+def define_op(name: str, fn, fake) -> None:
     op = torch.library.custom_op(f"overlap::{name}", fn, mutates_args=())
     op.register_fake(fake)
 
 
-_define("all_gather_matmul", _ag_forward, lambda x2, w, comm, chunks, check, x_shape, flags: (
+define_op("all_gather_matmul", _ag_forward, lambda x2, w, comm, chunks, check, x_shape, flags: (
     x2.new_empty(_grown(x2.shape[0], comm), w.shape[1]),
     x2.new_empty(_grown(x2.shape[0], comm), x2.shape[1])))
-_define("all_gather_matmul_backward", _ag_backward,
-        lambda dy, g, w, dg, comm, chunks, need_dx, need_dw: (
-            dy.new_empty(dy.shape[0] // comm.world, w.shape[0]) if need_dx else dy.new_empty(0),
-            w.new_empty(w.shape) if need_dw else w.new_empty(0)))
-_define("matmul_reduce_scatter", _rs_forward,
-        lambda x2, w, comm, chunks, check, x_shape, flags:
-        x2.new_empty(x2.shape[0] // comm.world, w.shape[1]))
-_define("matmul_reduce_scatter_backward", _rs_backward,
-        lambda dy, x2, w, comm, chunks, need_dx, need_dw: (
-            dy.new_empty(dy.shape[0] * comm.world, w.shape[0]) if need_dx
-            else dy.new_empty(0), w.new_empty(w.shape) if need_dw else w.new_empty(0)))
-_define("matmul_all_reduce", _ar_forward, lambda x2, w, comm, chunks, check, x_shape, flags:
-        x2.new_empty(x2.shape[0], w.shape[1]))
+define_op("all_gather_matmul_backward", _ag_backward,
+          lambda dy, g, w, dg, comm, chunks, need_dx, need_dw: (
+              dy.new_empty(dy.shape[0] // comm.world, w.shape[0]) if need_dx else dy.new_empty(0),
+              w.new_empty(w.shape) if need_dw else w.new_empty(0)))
+define_op("matmul_reduce_scatter", _rs_forward,
+          lambda x2, w, comm, chunks, check, x_shape, flags:
+          x2.new_empty(x2.shape[0] // comm.world, w.shape[1]))
+define_op("matmul_reduce_scatter_backward", _rs_backward,
+          lambda dy, x2, w, comm, chunks, need_dx, need_dw: (
+              dy.new_empty(dy.shape[0] * comm.world, w.shape[0]) if need_dx
+              else dy.new_empty(0), w.new_empty(w.shape) if need_dw else w.new_empty(0)))
+define_op("matmul_all_reduce", _ar_forward, lambda x2, w, comm, chunks, check, x_shape, flags:
+          x2.new_empty(x2.shape[0], w.shape[1]))
 
 
-def _call(name: str, fn, *args):
+def call_op(name: str, fn, *args):
     """Run implementation ``fn``: directly in eager, through its custom op ``name`` (the
     same function behind the dispatcher, opaque to the tracer) while torch.compile traces.
     This picks an entry point, not an implementation: there is one of each op."""
@@ -221,7 +221,8 @@ class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, w, comm, chunks, check, x_shape, flags):
         ctx.set_materialize_grads(False)
-        y, gathered = _call("all_gather_matmul", _ag_forward, x2, w, comm, chunks, check, x_shape, flags)
+        y, gathered = call_op("all_gather_matmul", _ag_forward, x2, w, comm, chunks, check,
+                              x_shape, flags)
         ctx.comm, ctx.chunks, ctx.used_gathered = comm, chunks, bool(flags)
         ctx.save_for_backward(gathered if ctx.needs_input_grad[1] else None, w)
         return y, gathered
@@ -232,7 +233,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if dy is None:  # only the gathered output was used
             dy = torch.zeros(gathered.shape[0], w.shape[1], dtype=w.dtype, device=w.device)
-        dx, dw = _call("all_gather_matmul_backward", _ag_backward, dy.contiguous(), gathered, w,
+        dx, dw = call_op("all_gather_matmul_backward", _ag_backward, dy.contiguous(), gathered, w,
                        dgathered if ctx.used_gathered else None, ctx.comm, ctx.chunks,
                        need_dx, need_dw)
         return ((dx if need_dx else None), (dw if need_dw else None),
@@ -244,14 +245,16 @@ class _MatmulReduceScatter(torch.autograd.Function):
     def forward(ctx, x2, w, comm, chunks, check, x_shape, flags):
         ctx.comm, ctx.chunks = comm, chunks
         ctx.save_for_backward(x2 if ctx.needs_input_grad[1] else None, w)
-        return _call("matmul_reduce_scatter", _rs_forward, x2, w, comm, chunks, check, x_shape, flags)
+        return call_op("matmul_reduce_scatter", _rs_forward, x2, w, comm, chunks, check,
+                       x_shape, flags)
 
     @staticmethod
     def backward(ctx, dy_shard):
         x2, w = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw = _call("matmul_reduce_scatter_backward", _rs_backward, dy_shard.contiguous(), x2 if need_dw else w.new_empty(0),
-                       w, ctx.comm, ctx.chunks, need_dx, need_dw)
+        dx, dw = call_op("matmul_reduce_scatter_backward", _rs_backward, dy_shard.contiguous(),
+                         x2 if need_dw else w.new_empty(0), w, ctx.comm, ctx.chunks, need_dx,
+                         need_dw)
         return ((dx if need_dx else None), (dw if need_dw else None),
                 None, None, None, None, None)
 
@@ -260,7 +263,7 @@ class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, w, comm, chunks, check, x_shape, flags):
         ctx.save_for_backward(x2 if ctx.needs_input_grad[1] else None, w)
-        return _call("matmul_all_reduce", _ar_forward, x2, w, comm, chunks, check, x_shape, flags)
+        return call_op("matmul_all_reduce", _ar_forward, x2, w, comm, chunks, check, x_shape, flags)
 
     @staticmethod
     def backward(ctx, dy):
