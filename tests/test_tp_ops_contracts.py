@@ -67,6 +67,9 @@ def _bad_inputs(backend):
     if not HAVE_TRITON_TP:
         m["triton"] = refuse(ValueError,
                               lambda: all_gather_matmul(x, w, group=g, backend="triton"))
+    else:  # the kernels have no float64: refused before anything runs
+        m["triton64"] = _refused(TypeError, lambda: all_gather_matmul(
+            x.double(), w.double(), group=g, backend="triton"))
     ok = []
     # A rebuilt communicator works: nothing above left the group in a bad state.
     y = all_gather_matmul(x, w, **kw)
@@ -102,6 +105,9 @@ def test_bad_inputs_get_clear_errors(backend):
                "rank 1=(72, 42)" in m["ranks_w"]
         if not HAVE_TRITON_TP:
             assert "backend='triton' needs overlap.kernels.triton.tp_gemm" in m["triton"]
+        else:
+            assert "backend='triton' supports float32, bfloat16 and float16, got " \
+                   "torch.float64" in m["triton64"]
         assert ok == [0.0] * len(ok)
 
 

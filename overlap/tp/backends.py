@@ -228,11 +228,9 @@ _BACKENDS = {b.name: b for b in (ChunkedBackend(), SymmetricBackend(), TritonBac
                                   UnfusedBackend())}
 
 
-def backend_for(comm, dtype: torch.dtype) -> Backend:
-    """The backend object of ``comm`` for this dtype (triton has no float64 kernels: such a
-    call runs on the symmetric backend)."""
-    if comm.backend == "triton" and dtype == torch.float64:
-        return _BACKENDS["symmetric"]
+def backend_for(comm) -> Backend:
+    """The backend object of ``comm`` (a float64 call on triton, which has no float64 kernels,
+    is refused by the input checks before it gets here)."""
     return _BACKENDS[comm.backend]
 
 

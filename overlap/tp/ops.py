@@ -41,9 +41,9 @@ class _Run:
 
     __slots__ = ("comm", "backend", "chunks")
 
-    def __init__(self, comm: TPComm, chunks: int, dtype: torch.dtype):
+    def __init__(self, comm: TPComm, chunks: int):
         self.comm, self.chunks = comm, chunks
-        self.backend = backends.backend_for(comm, dtype)
+        self.backend = backends.backend_for(comm)
 
     def ctx_for(self, op: str, x: torch.Tensor, w: torch.Tensor):
         return backends.context_for(self.comm, self.backend, op, x, w)
@@ -84,7 +84,7 @@ def _start(op: str, comm: TPComm, x2: torch.Tensor, w: torch.Tensor, chunks: int
            x_shape: list[int], flags: int) -> _Run:
     """Validate a call (its original shape ``x_shape``, sequence-first) and, on the
     communicator's first call, compare every rank's shapes by name. Errors fail the comm."""
-    run = _Run(comm, chunks, x2.dtype)
+    run = _Run(comm, chunks)
 
     def setup() -> None:
         xs = x2.view(x_shape)
@@ -122,7 +122,7 @@ def _ag_backward(dy: torch.Tensor, gathered: torch.Tensor | None, w: torch.Tenso
     """dx_shard = reduce_scatter(dy @ w.T) (+ reduce_scatter(dgathered)); dw = gathered.T @ dy,
     computed while the dgrad's last transfers are in flight (``gathered`` is saved only when
     w needs a gradient)."""
-    run = _Run(comm, chunks, dy.dtype)
+    run = _Run(comm, chunks)
     dx = dw = None
     if need_dw and not need_dx:
         dw = gathered.t() @ dy
@@ -155,7 +155,7 @@ def _rs_backward(dy_shard: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, comm
                  chunks: int, need_dx: bool, need_dw: bool
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """dx = all_gather(dy_shard) @ w.T (fused); dw = x.T @ all_gather(dy_shard) (reused)."""
-    run = _Run(comm, chunks, dy_shard.dtype)
+    run = _Run(comm, chunks)
     dx = dy = None
     if need_dx:
         op, wt = "all_gather_matmul", w.t()
