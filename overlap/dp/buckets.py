@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.comm import quant
+from overlap.defaults import TIMEOUT_S
 from overlap.comm.quant.checks import comm_dtype_arg
 
 __all__ = ["ReducerConfig", "Bucket", "Layout", "build_layout", "COMM_DTYPES", "BucketWork",
@@ -79,7 +80,7 @@ class ReducerConfig:
     rebuild_buckets: bool = True
     broadcast_params: bool = True
     error_feedback: bool = False
-    timeout: float = 300.0
+    timeout: float = TIMEOUT_S
     grad_dtype: torch.dtype | None = None
     overlap: bool = True
     auto_trials: int = 3
@@ -275,7 +276,7 @@ class BucketWork:
 
 def all_reduce_async(buf: torch.Tensor, *, group: dist.ProcessGroup, comm_dtype: str,
                      error_feedback=None, check_ranks: bool = False,
-                     timeout: float = 300.0, tag: int = 0) -> BucketWork:
+                     timeout: float = TIMEOUT_S, tag: int = 0) -> BucketWork:
     """In place ``buf = sum over group of buf``; "bf16"/"int8" go through overlap.comm.quant
     (whose error bound is documented there)."""
     if comm_dtype == "fp32":
@@ -288,7 +289,7 @@ def all_reduce_async(buf: torch.Tensor, *, group: dist.ProcessGroup, comm_dtype:
 
 def reduce_scatter_async(out: torch.Tensor, buf: torch.Tensor, *, group: dist.ProcessGroup,
                          comm_dtype: str, error_feedback=None, check_ranks: bool = False,
-                         timeout: float = 300.0, tag: int = 0) -> BucketWork:
+                         timeout: float = TIMEOUT_S, tag: int = 0) -> BucketWork:
     """``out (n/dp,) = sum over group of buf[r*n/dp : (r+1)*n/dp]`` for group rank ``r``."""
     if comm_dtype == "fp32":
         return BucketWork(_reduce_scatter(out, buf, op=dist.ReduceOp.SUM, group=group,

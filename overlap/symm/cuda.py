@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from overlap.defaults import align
 from overlap.kernels.cuda import launch_kernel
 from overlap.symm.base import PeerDied, SignalTimeout, SymmetricWorkspace
 
@@ -41,14 +42,9 @@ __all__ = ["CudaWorkspace", "enable_symm_mem", "SYMMETRIC_MEMORY", "CUDA_IPC"]
 # once the rank has started to close and reads no peer buffer any more)
 _HEADER_BYTES = 128
 _W_ABORT, _W_BARRIER, _W_CLOSING, _W_ZERO = 0, 1, 2, 3  # _W_ZERO: never written
-_ALIGN = 256
 _SIGNAL_CU = "signal.cu"
 _ERROR_WORDS = 5  # csrc/signal.cuh ErrorWord::kErrWords (overlap._C.ERROR_WORDS)
 SYMMETRIC_MEMORY, CUDA_IPC = "symmetric memory", "CUDA IPC"
-
-
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 def enable_symm_mem(symm_mem, group_name: str) -> bool:
@@ -78,8 +74,8 @@ class CudaWorkspace(SymmetricWorkspace):
         super().__init__(group, nbytes, num_signals=num_signals, timeout=timeout,
                          device=torch.device("cuda", index))
         self._flags_off = _HEADER_BYTES
-        self._data_off = _align(_HEADER_BYTES + 8 * num_signals, _ALIGN)
-        self._total = self._data_off + _align(nbytes, _ALIGN)
+        self._data_off = align(_HEADER_BYTES + 8 * num_signals)
+        self._total = self._data_off + align(nbytes)
         self._closed = False
         self._handle = None          # torch symmetric memory handle
         self._ipc_ptrs: list[int] = []   # peers' pointers opened from IPC handles

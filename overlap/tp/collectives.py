@@ -9,12 +9,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from overlap.defaults import TIMEOUT_S
 from overlap.profile.timers import comm_wait
 
 __all__ = ["TIMEOUT", "wait", "all_reduce_async", "all_reduce", "split_dim", "all_gather_dim",
            "reduce_scatter_dim"]
 
-TIMEOUT = 300.0
+TIMEOUT = TIMEOUT_S  # overlap.defaults
 
 # torch >= 2.12 renamed the tensor collectives; older torch only has the *_tensor names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch._library.opaque_object import MemberType, register_opaque_type
 from torch._opaque_base import OpaqueBase
 
+from overlap.defaults import TIMEOUT_S
 from overlap.dist.host import host_id
 from overlap.dist.stamp import Agreement
 from overlap.symm.workspace import group_name
@@ -54,7 +55,7 @@ __all__ = ["TPComm", "TPCommFailed", "BACKENDS", "DEFAULT_TIMEOUT", "MAX_CONTEXT
            "default_comm", "owned_comm", "close_default_comms"]
 
 BACKENDS = ("auto", "chunked", "symmetric", "triton", "unfused")
-DEFAULT_TIMEOUT = 300.0
+DEFAULT_TIMEOUT = TIMEOUT_S  # overlap.defaults
 MAX_CONTEXTS = 16
 
 

@@ -32,18 +32,13 @@ from overlap.dist.streams import StreamStillRunning
 from overlap.symm.workspace import PeerDied, SignalTimeout, create_workspace, group_name
 from overlap.tp.copier import Copier
 
-__all__ = ["TPContext", "align"]
+__all__ = ["TPContext"]
 
 DEFAULT_TIMEOUT = 30.0
-_ALIGN = 256
 _ids = itertools.count()
 # (workspace, copier) of contexts closed while their copy worker was still running: kept
 # mapped for the life of the process, since that worker may still touch them.
 _KEPT: list[tuple] = []
-
-
-def align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 class TPContext:

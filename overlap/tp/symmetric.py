@@ -41,7 +41,8 @@ import torch
 
 from overlap.profile import nvtx
 from overlap.tp.chunked import split_bounds
-from overlap.tp.context import TPContext, align
+from overlap.defaults import align
+from overlap.tp.context import TPContext
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "ag_bytes",
            "rs_bytes", "ar_bytes", "num_signals"]

@@ -29,12 +29,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from overlap.defaults import TIMEOUT_S
 from overlap.comm.quant.state import (GroupState, QuantCommError, QuantTimeout, existing_state)
 from overlap.dist import streams
 
 __all__ = ["QuantWork", "OpRun", "submit", "drain", "DEFAULT_TIMEOUT"]
 
-DEFAULT_TIMEOUT = 300.0
+DEFAULT_TIMEOUT = TIMEOUT_S  # overlap.defaults
 _SLICE_S = 0.05
 _EXIT_GRACE_S = 1.0  # see _raise_if_peer_failed
 _DIAGNOSE_S = 0.5  # after a transport error, how long to look for the peer that caused it

@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from overlap.defaults import ALIGN, align
 from overlap.kernels.triton import INTERPRET
 
 __all__ = ["INTERPRET", "INTERP_SPINS_PER_S", "spin_wait", "publish", "arrive_last",
@@ -52,11 +53,6 @@ __all__ = ["INTERPRET", "INTERP_SPINS_PER_S", "spin_wait", "publish", "arrive_la
            "check_pending", "check_dtypes", "check_workspace", "Watchdog"]
 
 INTERP_SPINS_PER_S = 3000
-_ALIGN = 256  # byte alignment of every region in a workspace (vector loads, cache lines)
-
-
-def align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def check_operands(op: str, ws, x_name: str, x: torch.Tensor, w: torch.Tensor,
@@ -82,7 +78,7 @@ def half_buffer(ws) -> int:
     """Byte offset of buffer 1. It depends only on the workspace, never on the call's shape:
     calls of different shapes on one workspace alternate buffers, and a shape-dependent offset
     would let buffer 1 of a small call overlap buffer 0 of a big one that a peer still reads."""
-    return ws.nbytes // 2 // _ALIGN * _ALIGN
+    return ws.nbytes // 2 // ALIGN * ALIGN
 
 
 # -- device functions -----------------------------------------------------------------------
