@@ -15,11 +15,11 @@ What it owns, so nothing of it lives in module-level state:
 - the workspaces of the symmetric/triton backends (one ``TPContext`` per op and shape, at most
   ``MAX_CONTEXTS``, least recently used closed first) with their phase counters and copiers;
 - its **per-call agreement** (overlap.tp.stamps): every call counts and carries a stamp of its
-  op, shapes, dtype and options in the data it exchanges (the first P2P batch; a header slot of
-  a small userbuffer for the workspace backends), compared where it is received, so ranks that
-  disagree on any call raise at once on every rank; the full cross-rank check (one small
-  all-gather with named fields) runs on the communicator's first call only, which every rank
-  reaches alike;
+  op, shapes, dtype and options in the data it exchanges (in front of the first P2P message; a
+  header slot of a small userbuffer for the workspace backends), compared where it is
+  received, so ranks that disagree on any call raise at once on every rank; the full
+  cross-rank check (one small all-gather with named fields) runs on the communicator's first
+  call only, which every rank reaches alike;
 - its **failure state**. Any error inside an op, local or remote, fails the communicator: it
   aborts its workspaces (peers waiting on this rank raise at once, with this rank's reason) and
   every later call on it, on every rank, raises ``TPCommFailed`` carrying the first error, as
@@ -182,7 +182,7 @@ class TPComm(OpaqueBase):
     def stamp(self, op: str, x: torch.Tensor, w: torch.Tensor | None, chunks: int,
               flags: int, timeout: float | None = None) -> None:
         """Count this call and publish its stamp; the workspace backends compare every
-        peer's in ``settle`` (the chunked backend compares in its first batch). ``timeout``:
+        peer's in ``settle`` (the chunked backend compares in its first hop). ``timeout``:
         an explicit context's, which bounds the whole call."""
         if self.agree is None:
             return
