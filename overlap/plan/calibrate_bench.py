@@ -170,7 +170,8 @@ def bench_pipeline(iters: int, tp: int) -> dict[tuple[int, int], float]:
     dims = ParallelDims.build(tp=tp, pp=2)
     loss_fn = gpt_loss
     if tp > 1:
-        from overlap.tp import gpt_plan, parallelize, vocab_parallel_cross_entropy
+        from overlap.models.plans import gpt_plan
+        from overlap.nn import parallelize, vocab_parallel_cross_entropy
 
         def loss_fn(logits, targets):
             return vocab_parallel_cross_entropy(logits, targets, tp_group=dims.tp_group)

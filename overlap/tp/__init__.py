@@ -11,9 +11,7 @@ backend classes), chunked (async torch.distributed), symmetric
 stream), checks (input validation), collectives (the plain bounded collectives).
 
 The nn layers and ``parallelize`` live in ``overlap.nn`` and the model plans in
-``overlap.models.plans``; their names are also reachable here (``from overlap.tp import
-ColumnParallelLinear``), resolved on first use so that neither package imports the other at
-import time.
+``overlap.models.plans``.
 """
 
 from overlap.tp.comm import TPComm, TPCommFailed
@@ -22,30 +20,4 @@ from overlap.tp.ops import (all_gather_matmul, close_all_contexts, matmul_all_re
                             matmul_reduce_scatter, resolve_backend)
 
 __all__ = ["TPComm", "TPCommFailed", "all_gather_matmul", "matmul_reduce_scatter",
-           "matmul_all_reduce", "close_all_contexts", "resolve_backend",
-           "TPContext", "ColumnParallelLinear",
-           "RowParallelLinear", "column_parallel_shared", "VocabParallelEmbedding",
-           "vocab_parallel_cross_entropy", "Style", "TPPlan", "gather_grads",
-           "gather_state_dict", "parallelize", "gpt2_plan", "gpt_plan", "llama_plan", "plan_for",
-           "phi3_plan", "gpt_neox_plan", "opt_plan", "dtensor_state_dict",
-           "load_dtensor_state_dict", "expose_dtensors"]
-
-
-_NN_NAMES = {"ColumnParallelLinear": "overlap.nn", "RowParallelLinear": "overlap.nn",
-             "column_parallel_shared": "overlap.nn", "VocabParallelEmbedding": "overlap.nn",
-             "vocab_parallel_cross_entropy": "overlap.nn", "Style": "overlap.nn",
-             "TPPlan": "overlap.nn", "gather_grads": "overlap.nn",
-             "gather_state_dict": "overlap.nn", "parallelize": "overlap.nn",
-             "gpt2_plan": "overlap.models.plans", "gpt_plan": "overlap.models.plans",
-             "llama_plan": "overlap.models.plans", "plan_for": "overlap.models.plans",
-             "phi3_plan": "overlap.models.plans", "gpt_neox_plan": "overlap.models.plans",
-             "opt_plan": "overlap.models.plans", "dtensor_state_dict": "overlap.nn",
-             "load_dtensor_state_dict": "overlap.nn", "expose_dtensors": "overlap.nn"}
-
-
-def __getattr__(name: str):
-    if name in _NN_NAMES:
-        import importlib
-
-        return getattr(importlib.import_module(_NN_NAMES[name]), name)
-    raise AttributeError(f"module 'overlap.tp' has no attribute {name!r}")
+           "matmul_all_reduce", "close_all_contexts", "resolve_backend", "TPContext"]
