@@ -143,8 +143,8 @@ def _mapped_segments() -> int:
 
 
 def _many_calls(num_calls):
-    from overlap.tp import (all_gather_matmul, close_all_contexts, matmul_all_reduce,
-                            matmul_reduce_scatter, resolve_backend)
+    from overlap.tp import (TPComm, all_gather_matmul, close_all_contexts, matmul_all_reduce,
+                            matmul_reduce_scatter)
     from overlap.tp.comm import MAX_CONTEXTS, default_comm
 
     g, r, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
@@ -189,7 +189,8 @@ def _many_calls(num_calls):
         z = matmul_reduce_scatter(x_rs, w, group=g, backend="symmetric")
         worst = max(worst, float((y - ag_ref).abs().max() / ag_ref.abs().max()),
                     float((z - rs_ref[r * 6:(r + 1) * 6]).abs().max() / rs_ref.abs().max()))
-    auto = resolve_backend(torch.empty(1), group=g)
+    with TPComm(g) as picked:  # what backend='auto' resolves to here
+        auto = picked.backend
     close_all_contexts()
     gc.collect()
     time.sleep(0.1)  # joined copier threads are gone from threading.enumerate() at once

@@ -64,7 +64,7 @@ class ReducerConfig:
     after the first iteration. ``broadcast_params``: copy DP rank 0's parameters at
     construction (as DDP). ``error_feedback``: with a lossy ``comm_dtype``, carry each
     bucket's quantization residual into the next step (``overlap.comm.quant.ErrorFeedback``).
-    ``timeout``: seconds, the bound on every wait (``timeout_s`` is its deprecated name).
+    ``timeout``: seconds, the bound on every wait.
     ``grad_dtype``: dtype of the flat gradient buffers (None: each parameter's own dtype). With
     ``torch.float32`` and bf16/fp16 parameters, gradients accumulate and are reduced in fp32
     "main grads" (Megatron's ``main_grad``): such a parameter's reduced gradient is

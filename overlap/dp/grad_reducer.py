@@ -72,9 +72,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import warnings
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -137,10 +136,6 @@ class GradReducer:
             rank = dist.get_rank() if dist.is_initialized() else "?"
             raise ValueError(f"GradReducer: rank {rank}: dp_group is required (pass "
                              "ParallelDims.dp_group or dist.group.WORLD explicitly)")
-        if "timeout_s" in config:  # the old name of timeout
-            warnings.warn("GradReducer: timeout_s is deprecated; pass timeout (seconds)",
-                          DeprecationWarning, stacklevel=2)
-            config["timeout"] = config.pop("timeout_s")
         try:
             self.config = ReducerConfig(**config)
         except (TypeError, ValueError) as exc:

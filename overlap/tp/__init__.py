@@ -17,7 +17,7 @@ The nn layers and ``parallelize`` live in ``overlap.nn`` and the model plans in
 from overlap.tp.comm import TPComm, TPCommFailed
 from overlap.tp.context import TPContext
 from overlap.tp.ops import (all_gather_matmul, close_all_contexts, matmul_all_reduce,
-                            matmul_reduce_scatter, resolve_backend)
+                            matmul_reduce_scatter)
 
 __all__ = ["TPComm", "TPCommFailed", "all_gather_matmul", "matmul_reduce_scatter",
-           "matmul_all_reduce", "close_all_contexts", "resolve_backend", "TPContext"]
+           "matmul_all_reduce", "close_all_contexts", "TPContext"]

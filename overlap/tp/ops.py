@@ -33,7 +33,7 @@ from overlap.tp.checks import check_across_ranks, signature, validate
 from overlap.tp.comm import TPComm, TPCommFailed, close_default_comms, default_comm
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
-           "close_all_contexts", "resolve_backend"]
+           "close_all_contexts"]
 
 
 class _Run:
@@ -396,13 +396,6 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, comm: TPComm | None =
     y2 = _MatmulAllReduce.apply(xs.reshape(-1, xs.shape[-1]), w, c, n, check,
                                 list(xs.shape), 0)
     return y2.view(*xs.shape[:-1], w.shape[-1])
-
-
-def resolve_backend(x: torch.Tensor | None = None, *, group: dist.ProcessGroup,
-                    backend: str = "auto", op: str = "all_gather_matmul") -> str:
-    """What ``backend`` resolves to on ``group`` (the default communicator's choice; collective
-    on first use). ``TPComm(group, backend=...).backend`` is the same answer."""
-    return default_comm(group, backend=backend, op=op).backend
 
 
 def close_all_contexts() -> None:
