@@ -3,7 +3,6 @@ op, argument and rank, and fail the group they were raised on) and the one comm_
 vocabulary ("fp32" | "bf16" | "int8", None a deprecated alias) across the library."""
 
 import importlib
-import warnings
 
 import pytest
 import torch
@@ -92,7 +91,8 @@ def test_bad_input_raises_naming_op_argument_and_rank_and_fails_the_group():
 
 
 def _rank_vocabulary():
-    """"fp32" is the plain collective in t's own dtype; None is its deprecated alias."""
+    """"fp32" is the plain collective in t's own dtype; anything outside the vocabulary
+    (None included: its deprecated alias is gone) is refused, naming the op and the rank."""
     rank, n, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -100,30 +100,26 @@ def _rank_vocabulary():
         plain = x.clone()
         dist.all_reduce(plain, group=group)
         fp32 = quant.all_reduce(x.clone(), group=group, comm_dtype="fp32")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            alias = quant.all_reduce(x.clone(), group=group, comm_dtype=None)
-        out[str(dtype)] = (torch.equal(fp32, plain), torch.equal(alias, plain),
-                           fp32.dtype == dtype,
-                           [(w.category.__name__, str(w.message)) for w in caught])
-    try:
-        quant.reduce_scatter(torch.ones(2 * n), group=group, comm_dtype="fp16")
-        out["error"] = None
-    except ValueError as exc:
-        out["error"] = str(exc)
+        out[str(dtype)] = (torch.equal(fp32, plain), fp32.dtype == dtype)
+    for bad in ("fp16", None):  # a refused call fails its group: each on a group of its own
+        try:
+            quant.reduce_scatter(torch.ones(2 * n), group=dist.new_group(list(range(n))),
+                                 comm_dtype=bad)
+            out[f"error {bad}"] = None
+        except ValueError as exc:
+            out[f"error {bad}"] = str(exc)
     return out
 
 
 def test_comm_dtype_vocabulary_and_its_errors():
     for rank, out in enumerate(run_ranks(_rank_vocabulary, 2)):
         for dtype in ("torch.float32", "torch.bfloat16"):
-            same_fp32, same_alias, keeps_dtype, caught = out[dtype]
-            assert same_fp32 and same_alias and keeps_dtype, (rank, dtype, out[dtype])
-            assert [c for c, _ in caught] == ["DeprecationWarning"], caught
-            assert "comm_dtype='fp32'" in caught[0][1], caught
-        msg = out["error"]
-        assert msg is not None and "quant.reduce_scatter" in msg and f"rank {rank}" in msg, msg
-        assert "'comm_dtype'" in msg and "'fp32', 'bf16', 'int8'" in msg and "'fp16'" in msg
+            same_fp32, keeps_dtype = out[dtype]
+            assert same_fp32 and keeps_dtype, (rank, dtype, out[dtype])
+        for bad in ("'fp16'", "None"):
+            msg = out[f"error {bad.strip(chr(39))}"]
+            assert msg is not None and "quant.reduce_scatter" in msg and f"rank {rank}" in msg, msg
+            assert "'comm_dtype'" in msg and "'fp32', 'bf16', 'int8'" in msg and bad in msg, msg
 
 
 def test_one_comm_dtype_vocabulary_across_the_library():
@@ -132,8 +128,8 @@ def test_one_comm_dtype_vocabulary_across_the_library():
 
     assert quant.COMM_DTYPES == ("fp32", "bf16", "int8") == TRAIN_COMM_DTYPES
     assert TrainConfig().comm_dtype == "fp32" and ReducerConfig().comm_dtype == "fp32"
-    with pytest.warns(DeprecationWarning, match="comm_dtype='fp32'"):
-        assert ReducerConfig(comm_dtype=None).comm_dtype == "fp32"
+    with pytest.raises(ValueError, match="GradReducer: argument 'comm_dtype' must be one of"):
+        ReducerConfig(comm_dtype=None)
     with pytest.raises(ValueError, match="GradReducer: argument 'comm_dtype' must be one of"):
         ReducerConfig(comm_dtype="float32")
     with pytest.raises(ValueError, match="error_feedback"):
@@ -142,7 +138,6 @@ def test_one_comm_dtype_vocabulary_across_the_library():
     # exact in fp32) for the all-reduce, 88 bytes (after the 8-byte-aligned row) per gather row.
     assert quant.wire_bytes("all_reduce", 1024, 4, "fp32", 4, 128) == \
         2 * 3 * (1024 + 4 * 11 * 4) * 4 // 4
-    with pytest.warns(DeprecationWarning):
-        assert quant.wire_bytes("all_gather", 64, 4, None, 2, 128) == 64 * 4 + 88
+    assert quant.wire_bytes("all_gather", 64, 4, "fp32", 2, 128) == 64 * 4 + 88
     with pytest.raises(ValueError, match="quant.wire_bytes: argument 'comm_dtype'"):
         quant.wire_bytes("all_gather", 64, 4, "fp8", 2, 128)

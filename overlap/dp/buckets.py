@@ -105,8 +105,7 @@ class ReducerConfig:
                 or self.auto_trials < 0:
             raise ValueError(f"GradReducer: auto_trials must be an int >= 0, got "
                              f"{self.auto_trials!r}")
-        # stacklevel 4: a deprecation warning points at the GradReducer(...) call.
-        self.comm_dtype = comm_dtype_arg(self.comm_dtype, where="GradReducer", stacklevel=4)
+        self.comm_dtype = comm_dtype_arg(self.comm_dtype, where="GradReducer")
         if self.op not in ("avg", "sum"):
             raise ValueError(f"GradReducer: op must be 'avg' or 'sum', got {self.op!r}")
         if self.error_feedback and self.comm_dtype == "fp32":

@@ -7,9 +7,8 @@ on the wire, each taking an explicit ``group``.
 
 ``comm_dtype``: "fp32" (no quantization: the plain collective in t's own dtype), "bf16" (cast
 for the wire, sum in fp32) or "int8" (symmetric per-block scales in fp32, round-to-nearest-even
-or stochastic; dequantize and sum in fp32, never in int8); ``None`` is a deprecated alias of
-"fp32" (``checks``). Inputs fp32/bf16/fp16 (any dtype for "fp32"); the result has the input's
-dtype and is identical on every rank. A group of one rank returns the input exactly (nothing
+or stochastic; dequantize and sum in fp32, never in int8). Inputs fp32/bf16/fp16 (any dtype
+for "fp32"); the result has the input's dtype and is identical on every rank. A group of one rank returns the input exactly (nothing
 to send, so nothing is quantized). ``op``: "sum" or "avg" (or dist.ReduceOp.SUM / AVG). With
 ``async_op=True`` each returns a ``QuantWork`` whose ``wait()`` returns the result; ops on one
 group run in call order, and a plain ``torch.distributed`` call on that group must wait for
@@ -248,5 +247,5 @@ def all_gather(t: torch.Tensor, *, group, comm_dtype: str = "fp32",
 
 def _common(opname: str, state: GroupState, comm_dtype, op, timeout) -> tuple[str, str, float]:
     # stacklevel 3: a deprecation warning points at the caller of all_reduce & co.
-    return (checks.comm_dtype_arg(comm_dtype, where=opname, rank=state.rank, stacklevel=3),
+    return (checks.comm_dtype_arg(comm_dtype, where=opname, rank=state.rank),
             checks.op_name(op), checks.timeout_arg(timeout, where=opname, rank=state.rank))

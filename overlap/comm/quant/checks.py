@@ -2,8 +2,6 @@
 
 ``comm_dtype`` is "fp32" | "bf16" | "int8" across the library (these ops, ``GradReducer``,
 ``--comm-dtype``). "fp32" means no quantization: the plain collective in the input's own dtype.
-``None`` is accepted at the public edge as a deprecated alias of "fp32" (older calls and the
-first README used it) and normalised here, so nothing below this module ever sees it.
 
 Local checks raise before any collective. What must agree between ranks is compared by the
 stamps every call carries (``stamps``), and on the group's first call by the named check.
@@ -12,7 +10,6 @@ stamps every call carries (``stamps``), and on the group's first call by the nam
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -31,14 +28,9 @@ def _at(where: str, rank: int | None) -> str:
     return f"{where}: rank {rank}:" if rank is not None else f"{where}:"
 
 
-def comm_dtype_arg(value, *, where: str, rank: int | None = None, stacklevel: int = 2) -> str:
-    """``value`` as one of COMM_DTYPES (None -> "fp32", with a DeprecationWarning pointing
-    ``stacklevel`` frames above the caller), or a ValueError naming the argument, ``where`` and
-    the rank."""
-    if value is None:
-        warnings.warn(f"{where}: comm_dtype=None is deprecated, pass comm_dtype='fp32'",
-                      DeprecationWarning, stacklevel=stacklevel + 1)
-        return "fp32"
+def comm_dtype_arg(value, *, where: str, rank: int | None = None) -> str:
+    """``value`` if it is one of COMM_DTYPES, else a ValueError naming the argument, ``where``
+    and the rank."""
     if not isinstance(value, str) or value not in COMM_DTYPES:
         raise ValueError(f"{_at(where, rank)} argument 'comm_dtype' must be one of "
                          f"{', '.join(map(repr, COMM_DTYPES))}, got {value!r}")
