@@ -7,13 +7,13 @@ on the wire, each taking an explicit ``group``.
 
 ``comm_dtype``: "fp32" (no quantization: the plain collective in t's own dtype), "bf16" (cast
 for the wire, sum in fp32) or "int8" (symmetric per-block scales in fp32, round-to-nearest-even
-or stochastic; dequantize and sum in fp32, never in int8). Inputs fp32/bf16/fp16 (any dtype
-for "fp32"); the result has the input's dtype and is identical on every rank. A group of one
-rank returns the input exactly (nothing to send, so nothing is quantized). ``op``: "sum" or
-"avg" (or dist.ReduceOp.SUM / AVG). With ``async_op=True`` each returns a ``QuantWork`` whose ``wait()`` returns the result; ops on one
-group run in call order, and a plain ``torch.distributed`` call on that group must wait for
-them (``wait()`` or ``drain(group)``; see ``work``). Do not modify ``t`` before ``wait()``.
-The phases and wire sizes are in ``paths``, the kernels in ``kernels``.
+or stochastic; dequantize and sum in fp32, never in int8). Inputs fp32/bf16/fp16 (any dtype for
+"fp32"); the result has the input's dtype and is identical on every rank. A group of one rank
+returns the input exactly (nothing to send, so nothing is quantized). ``op``: "sum" or "avg" (or
+dist.ReduceOp.SUM / AVG). With ``async_op=True`` each returns a ``QuantWork`` whose ``wait()``
+returns the result; ops on one group run in call order, and a plain ``torch.distributed`` call
+on that group must wait for them (``wait()`` or ``drain(group)``; see ``work``). Do not modify
+``t`` before ``wait()``. The phases and wire sizes are in ``paths``, the kernels in ``kernels``.
 
 Agreement (``stamps``): every call carries a stamp (op, the group's call number, numel, dim,
 rows, dtype, comm_dtype, op, block_size) in the data it exchanges anyway, compared on receipt
