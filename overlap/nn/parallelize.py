@@ -351,8 +351,8 @@ def parallelize(model: nn.Module, *, dims=None, tp_group=None, comm: TPComm | No
         raise ValueError("parallelize: backend=, chunks= and check_inputs= belong to the TPComm "
                          "when comm= is given")
     where = f" (rank {dist.get_rank()})" if dist.is_initialized() else ""
-    if verify not in (True, False, "model", "module"):
-        raise ValueError(f"parallelize: verify must be True, False, 'module' or 'model', got "
+    if verify not in (True, False, "model"):
+        raise ValueError(f"parallelize: verify must be True, False or 'model', got "
                          f"{verify!r}{where}")
     if subclasses not in SUBCLASS_MODES:
         raise ValueError(f"parallelize: subclasses must be one of {SUBCLASS_MODES}, got "
