@@ -159,10 +159,10 @@ def _bench_rank(cfg: BenchConfig) -> dict:
             out[mode]["samples"] += time_fn(lambda: step(model, opt), warmup=0, iters=1,
                                             sync=sync).samples
     if comm is not None:
-        from overlap.tp import close_all_contexts
+        from overlap.tp import close_default_comms
 
         comm.close()
-        close_all_contexts()
+        close_default_comms()
     return out
 
 

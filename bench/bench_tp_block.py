@@ -128,7 +128,7 @@ def _key(v) -> str:
 
 def _bench_rank(cfg: BenchConfig) -> list[dict]:
     from overlap.profile.timers import exposed_seconds
-    from overlap.tp import close_all_contexts
+    from overlap.tp import close_default_comms
 
     device = rank_device()
     dtype = getattr(torch, cfg.dtype)
@@ -166,7 +166,7 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
                     exposed[i].append(exposed_seconds() - e0)
         tracer.close()
     finally:
-        close_all_contexts()
+        close_default_comms()
     return [dict(variant=v[0], backend=v[1], sp=v[2], check=v[3], timing=Timing(s),
                  exposed_s=statistics.median(e), **tracer.info(_key(v)))
             for v, s, e in zip(variants, samples, exposed)]

@@ -182,7 +182,7 @@ def _bench_rank(cfg: BenchConfig) -> list[dict] | None:
     tracer.close()
     if cfg.trace:
         _trace(cfg, plans, fused, group, world, dtype, device)
-    tp.close_all_contexts()
+    tp.close_default_comms()
     if tracer.on:
         dist.barrier(group=group)  # every rank's trace is on disk before rank 0 reads them
     return rows if rank == 0 else None

@@ -74,7 +74,7 @@ def _run(fn, module, args, kwargs):
 
 
 def _compile_job(which, backend, compiler):
-    from overlap.tp import close_all_contexts
+    from overlap.tp import close_default_comms
 
     try:
         module, args, kwargs = (_gpt_block if which == "gpt-sp" else _llama_layer)(backend)
@@ -88,14 +88,14 @@ def _compile_job(which, backend, compiler):
         return max(_rel(c, e, floor if i >= 2 else 1e-12) for run in (first, again)
                    for i, (c, e) in enumerate(zip(run, eager)))
     finally:
-        close_all_contexts()
+        close_default_comms()
 
 
 def _whole_model_job(which, backend):
     """The whole parallelized model compiles as one graph (fullgraph=True raises on any
     graph break), and the compiled loss and gathered gradients equal the eager ones."""
     from overlap.nn import gather_grads, parallelize
-    from overlap.tp import close_all_contexts
+    from overlap.tp import close_default_comms
 
     ids = torch.randint(0, 61, (2, 8), generator=torch.Generator().manual_seed(0))
 
@@ -133,7 +133,7 @@ def _whole_model_job(which, backend):
         err = max([_rel(l1, l0)] + [_rel(g1[k], g0[k], floor) for k in g0 if g0[k] is not None])
         return err
     finally:
-        close_all_contexts()
+        close_default_comms()
 
 
 @pytest.mark.parametrize("which,backend", [("gpt-sp", "chunked"), ("llama", "symmetric")])

@@ -42,13 +42,13 @@ def _save_tp(arch, path):
 
     from overlap.nn import parallelize
     from overlap.nn.dtensor import dtensor_state_dict
-    from overlap.tp import close_all_contexts
+    from overlap.tp import close_default_comms
 
     model = parallelize(_model(arch), tp_group=dist.group.WORLD, backend="chunked")
     sd = dtensor_state_dict(model)
     shapes = {k: tuple(v.shape) for k, v in sd.items()}
     dcp.save(sd, checkpoint_id=path)
-    close_all_contexts()
+    close_default_comms()
     return shapes
 
 
@@ -74,7 +74,7 @@ def _load_tp(arch, path):
 
     from overlap.nn import gather_state_dict, parallelize
     from overlap.nn.dtensor import dtensor_state_dict, load_dtensor_state_dict
-    from overlap.tp import close_all_contexts
+    from overlap.tp import close_default_comms
 
     model = parallelize(_model(arch, seed=1), tp_group=dist.group.WORLD, backend="chunked")
     sd = dtensor_state_dict(model)
@@ -85,7 +85,7 @@ def _load_tp(arch, path):
     with torch.no_grad():
         same_out = torch.allclose(model(input_ids=ids).logits,
                                   _model(arch)(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
-    close_all_contexts()
+    close_default_comms()
     return all(torch.equal(full[k], want[k]) for k in want) and same_out
 
 

@@ -50,7 +50,7 @@ def _fsdp_job():
 
     from overlap.nn import parallelize
     from overlap.nn.dtensor import expose_dtensors
-    from overlap.tp import close_all_contexts
+    from overlap.tp import close_default_comms
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
@@ -93,7 +93,7 @@ def _fsdp_job():
         out["refused"] = None
     except ValueError as exc:
         out["refused"] = str(exc)
-    close_all_contexts()
+    close_default_comms()
     return out
 
 

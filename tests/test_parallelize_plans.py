@@ -112,7 +112,7 @@ def _compare(ref, model, world, out, prefix):
 
 def _plans_job(world):
     from overlap.nn import parallelize
-    from overlap.tp import close_all_contexts
+    from overlap.tp import close_default_comms
 
     out = {}
     backend = "chunked" if world == 2 else "symmetric"
@@ -124,7 +124,7 @@ def _plans_job(world):
         out["phi3-kv-lt-heads"] = (hf_model("phi3").config.num_key_value_heads
                                    < hf_model("phi3").config.num_attention_heads)
     finally:
-        close_all_contexts()
+        close_default_comms()
     return out
 
 
@@ -191,7 +191,7 @@ def _style(spec):
 
 def _roundtrip_job():
     from overlap.nn import TPPlan, gather_grads, gather_state_dict, parallelize
-    from overlap.tp import close_all_contexts
+    from overlap.tp import close_default_comms
 
     out = {}
     try:
@@ -208,7 +208,7 @@ def _roundtrip_job():
                          and all(torch.equal(full[k], want[k]) for k in want)
                          and all(torch.equal(grads[k], want[k] * 2) for k in want))
     finally:
-        close_all_contexts()
+        close_default_comms()
     return out
 
 

@@ -98,7 +98,7 @@ def _verify_job(world):
     from overlap.models.plans import llama_plan, plan_for
     from overlap.nn import TPPlan, parallelize
     from overlap.nn.layers import TPModule
-    from overlap.tp import close_all_contexts
+    from overlap.tp import close_default_comms
 
     group, out = dist.group.WORLD, {}
     ids = _ids(world)
@@ -179,7 +179,7 @@ def _verify_job(world):
         except ValueError as exc:
             out["probe-missing"] = str(exc)
     finally:
-        close_all_contexts()
+        close_default_comms()
     return out
 
 

@@ -29,7 +29,7 @@ def _gpt() -> GPT:
 
 def _pp_tp(name: str, m: int, backend: str):
     from overlap.dist.dims import ParallelDims
-    from overlap.tp import close_all_contexts
+    from overlap.tp import close_default_comms
     from overlap.nn.embedding import vocab_parallel_cross_entropy
     from overlap.nn.parallelize import gather_grads, parallelize
     from overlap.models.plans import gpt_plan
@@ -58,7 +58,7 @@ def _pp_tp(name: str, m: int, backend: str):
                 torch.testing.assert_close(got[n], want[n], rtol=RTOL, atol=ATOL)
                 err = max(err, float((got[n] - want[n]).abs().max()))
     finally:
-        close_all_contexts()
+        close_default_comms()
     return err
 
 

@@ -96,7 +96,7 @@ def test_two_communicators_on_one_group_are_independent(backend):
 
 
 def _recreated_group():
-    from overlap.tp import all_gather_matmul, close_all_contexts
+    from overlap.tp import all_gather_matmul, close_default_comms
     from overlap.tp.comm import default_comm
 
     r, world = dist.get_rank(), dist.get_world_size()
@@ -112,7 +112,7 @@ def _recreated_group():
         dist.destroy_process_group(g)
         del g, comm
         gc.collect()
-    close_all_contexts()
+    close_default_comms()
     return max(errs), comms
 
 

@@ -223,7 +223,7 @@ def _tol(spec):
 
 
 def _run_all(world):
-    from overlap.tp import close_all_contexts
+    from overlap.tp import close_default_comms
 
     group, out = dist.group.WORLD, {}
     try:
@@ -237,7 +237,7 @@ def _run_all(world):
             else:
                 out[name] = _check_cross_entropy(*spec[1:], group)
     finally:
-        close_all_contexts()
+        close_default_comms()
     return out
 
 

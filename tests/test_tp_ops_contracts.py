@@ -27,19 +27,19 @@ def _raises(exc, fn) -> str:
 
 def _refused(exc, fn, after=None) -> str:
     """The refusal's message. A refused call fails the (default) communicator: a good call
-    after it raises 'failed earlier' with the first error, until close_all_contexts()."""
-    from overlap.tp import TPCommFailed, close_all_contexts
+    after it raises 'failed earlier' with the first error, until close_default_comms()."""
+    from overlap.tp import TPCommFailed, close_default_comms
 
     msg = _raises(exc, fn)
     if after is not None:
         again = _raises(TPCommFailed, after)
         assert "communicator failed earlier" in again and msg in again, (msg, again)
-    close_all_contexts()
+    close_default_comms()
     return msg
 
 
 def _bad_inputs(backend):
-    from overlap.tp import (all_gather_matmul, close_all_contexts, matmul_all_reduce,
+    from overlap.tp import (all_gather_matmul, close_default_comms, matmul_all_reduce,
                             matmul_reduce_scatter)
 
     g, r = dist.group.WORLD, dist.get_rank()
@@ -74,7 +74,7 @@ def _bad_inputs(backend):
     # A rebuilt communicator works: nothing above left the group in a bad state.
     y = all_gather_matmul(x, w, **kw)
     ok.append(float((y - torch.cat(_all(x)) @ w).abs().max()))
-    close_all_contexts()
+    close_default_comms()
     return m, ok
 
 
@@ -143,7 +143,7 @@ def _mapped_segments() -> int:
 
 
 def _many_calls(num_calls):
-    from overlap.tp import (TPComm, all_gather_matmul, close_all_contexts, matmul_all_reduce,
+    from overlap.tp import (TPComm, all_gather_matmul, close_default_comms, matmul_all_reduce,
                             matmul_reduce_scatter)
     from overlap.tp.comm import MAX_CONTEXTS, default_comm
 
@@ -191,7 +191,7 @@ def _many_calls(num_calls):
                     float((z - rs_ref[r * 6:(r + 1) * 6]).abs().max() / rs_ref.abs().max()))
     with TPComm(g) as picked:  # what backend='auto' resolves to here
         auto = picked.backend
-    close_all_contexts()
+    close_default_comms()
     gc.collect()
     time.sleep(0.1)  # joined copier threads are gone from threading.enumerate() at once
     leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"overlap_{os.getpid()}_")]
@@ -219,7 +219,7 @@ def _profiled():
     from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 
-    from overlap.tp import all_gather_matmul, close_all_contexts, matmul_reduce_scatter
+    from overlap.tp import all_gather_matmul, close_default_comms, matmul_reduce_scatter
 
     g, world, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     x, w = torch.randn(8, 16), torch.randn(16, 8)
@@ -231,7 +231,7 @@ def _profiled():
         all_gather_matmul(x, w, group=g, backend="chunked", chunks=2 * world)
         matmul_reduce_scatter(torch.randn(8 * world, 16), w, group=g, backend="symmetric")
         all_gather_matmul(x, w, group=g, backend="symmetric")
-    close_all_contexts()
+    close_default_comms()
     if r:
         return []
     return sorted({e.name for e in prof.events() if "matmul" in e.name and "." in e.name})

@@ -131,7 +131,7 @@ def _cases(world, mode):
 
 
 def _run_cases(backend, mode):
-    from overlap.tp import close_all_contexts
+    from overlap.tp import close_default_comms
 
     world, dev = dist.get_world_size(), "cpu"
     if mode == "gpu":
@@ -144,7 +144,7 @@ def _run_cases(backend, mode):
             errs = fns[op](backend, dtype, shape3, chunks, dev=dev, **kw)
             results.append((op, str(dtype), shape3, chunks, kw.get("seq_dim", 0), errs))
     finally:
-        close_all_contexts()
+        close_default_comms()
     return results
 
 

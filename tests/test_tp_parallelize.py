@@ -197,7 +197,7 @@ def _hf_cases(world, out):
 
 
 def _run_all(world):
-    from overlap.tp import close_all_contexts
+    from overlap.tp import close_default_comms
 
     out = {}
     try:
@@ -205,7 +205,7 @@ def _run_all(world):
         if world > 1:  # importing transformers costs ~5 s of CPU per rank
             _hf_cases(world, out)
     finally:
-        close_all_contexts()  # the symmetric backend's cached workspaces
+        close_default_comms()  # the symmetric backend's cached workspaces
     return out
 
 

@@ -53,14 +53,14 @@ def _measure(s, b, h, a, *, tp, sp, mode):
 
 
 def _tp2_body():
-    from overlap.tp import close_all_contexts
+    from overlap.tp import close_default_comms
 
     out = {}
     for shape in SHAPES:
         for sp in (False, True):
             for mode in MODES:
                 out[(shape, sp, mode)] = _measure(*shape, tp=2, sp=sp, mode=mode)
-    close_all_contexts()
+    close_default_comms()
     return out
 
 

@@ -332,7 +332,7 @@ def parallelize(model: nn.Module, *, dims=None, tp_group=None, comm: TPComm | No
 
     The communicator: ``comm=`` (a TPComm), or the default one of ``dims.tp_group`` /
     ``tp_group`` with ``backend``, ``chunks`` and ``check_inputs`` (closed by
-    ``close_all_contexts()``). Every rank of the group must call it on the same (same-seed)
+    ``close_default_comms()``). Every rank of the group must call it on the same (same-seed)
     model. The sharded modules copy their shard of the current values, so the parallel model
     computes the same function.
 
@@ -363,7 +363,7 @@ def parallelize(model: nn.Module, *, dims=None, tp_group=None, comm: TPComm | No
                          f"{verify_tol!r}{where}")
     if comm is None:
         # The group= form: a communicator of its own with these settings (not the group's
-        # default one, whose per-call knobs differ); close_all_contexts() closes it.
+        # default one, whose per-call knobs differ); close_default_comms() closes it.
         group = resolve_comm("parallelize", None, tp_group, dims, backend=backend).group
         comm = owned_comm(group, backend=backend, chunks=chunks, check_inputs=check_inputs)
     else:

@@ -135,7 +135,7 @@ def bench_tp_ops(shapes: tuple[tuple[int, int], ...], iters: int) -> list[tuple]
     """Per (tokens, hidden): (gathered bytes, extra wall, extra CPU) per fused op, from forward
     + backward of all_gather_matmul and of matmul_reduce_scatter (two fused ops each: the
     backward of one is the other) minus the same GEMMs alone."""
-    from overlap.tp import all_gather_matmul, close_all_contexts, matmul_reduce_scatter
+    from overlap.tp import all_gather_matmul, close_default_comms, matmul_reduce_scatter
 
     torch.set_num_threads(1)
     group, _ = _pair_group()
@@ -149,7 +149,7 @@ def bench_tp_ops(shapes: tuple[tuple[int, int], ...], iters: int) -> list[tuple]
         gemm = _measure(lambda: (x @ w).sum().backward(), iters)
         out.append((4.0 * tokens * h, (ag[0] + rs[0] - 2 * gemm[0]) / 4,
                     (ag[1] + rs[1] - 2 * gemm[1]) / 4))
-    close_all_contexts()
+    close_default_comms()
     return out
 
 
@@ -204,7 +204,7 @@ def bench_pipeline(iters: int, tp: int) -> dict[tuple[int, int], float]:
                     red.close()
             dist.barrier()
     if tp > 1:
-        from overlap.tp import close_all_contexts
+        from overlap.tp import close_default_comms
 
-        close_all_contexts()
+        close_default_comms()
     return out

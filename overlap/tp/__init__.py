@@ -14,10 +14,9 @@ The nn layers and ``parallelize`` live in ``overlap.nn`` and the model plans in
 ``overlap.models.plans``.
 """
 
-from overlap.tp.comm import TPComm, TPCommFailed
+from overlap.tp.comm import TPComm, TPCommFailed, close_default_comms
 from overlap.tp.context import TPContext
-from overlap.tp.ops import (all_gather_matmul, close_all_contexts, matmul_all_reduce,
-                            matmul_reduce_scatter)
+from overlap.tp.ops import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 
 __all__ = ["TPComm", "TPCommFailed", "all_gather_matmul", "matmul_reduce_scatter",
-           "matmul_all_reduce", "close_all_contexts", "TPContext"]
+           "matmul_all_reduce", "close_default_comms", "TPContext"]

@@ -32,7 +32,7 @@ own phases), but their ops are still ordered by the group's process-group commun
 The functional ops also take ``group=`` (the README's form): that uses a default communicator
 per (group object, backend), held weakly by the group object, so it goes away with the group
 and never outlives it (the call's ``chunks`` and ``check_inputs`` apply to that call);
-``close_all_contexts()`` closes and forgets every default communicator of this process.
+``close_default_comms()`` closes and forgets every default communicator of this process.
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ _defaults: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, TPComm]]" =
 def default_comm(group, *, backend: str = "auto", op: str = "tp") -> TPComm:
     """The communicator behind ``op(..., group=group, backend=...)``: one per (group object,
     backend), created on first use (collective, like any TPComm). A failed one is replaced
-    only by ``close_all_contexts()``, so a failure stays a failure."""
+    only by ``close_default_comms()``, so a failure stays a failure."""
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{op}: group must be a torch.distributed ProcessGroup (pass it "
                         f"explicitly, e.g. dims.tp_group) or pass comm=, got "
@@ -282,7 +282,7 @@ def default_comm(group, *, backend: str = "auto", op: str = "tp") -> TPComm:
 
 def owned_comm(group, *, backend: str, chunks: int | None, check_inputs: bool) -> TPComm:
     """A new communicator with these settings, registered with the group's default ones so
-    that ``close_all_contexts()`` closes it too (``parallelize(tp_group=...)``'s form)."""
+    that ``close_default_comms()`` closes it too (``parallelize(tp_group=...)``'s form)."""
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"parallelize: group must be a torch.distributed ProcessGroup, got "
                         f"{type(group).__name__}")
@@ -295,8 +295,10 @@ def owned_comm(group, *, backend: str, chunks: int | None, check_inputs: bool) -
 
 
 def close_default_comms() -> None:
-    """Close and forget every default communicator of this process (collective-free: each
-    waits at most briefly for its peers)."""
+    """Close and forget every default communicator (the ``group=`` form's, and those
+    ``parallelize(tp_group=...)`` made) of this process; call it on every rank at teardown.
+    Collective-free: each waits at most briefly for its peers. Explicit TPComm objects are
+    closed by their owners."""
     for per_group in list(_defaults.values()):
         for comm in list(per_group.values()):
             comm.close()

@@ -30,10 +30,10 @@ import torch.distributed as dist
 from overlap.symm.workspace import PeerDied, group_name
 from overlap.tp import backends
 from overlap.tp.checks import check_across_ranks, signature, validate
-from overlap.tp.comm import TPComm, TPCommFailed, close_default_comms, default_comm
+from overlap.tp.comm import TPComm, TPCommFailed, default_comm
 
-__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
-           "close_all_contexts"]
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "call_op",
+           "define_op"]
 
 
 class _Run:
@@ -396,10 +396,3 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, comm: TPComm | None =
     y2 = _MatmulAllReduce.apply(xs.reshape(-1, xs.shape[-1]), w, c, n, check,
                                 list(xs.shape), 0)
     return y2.view(*xs.shape[:-1], w.shape[-1])
-
-
-def close_all_contexts() -> None:
-    """Close and forget every default communicator (the ``group=`` form's workspaces) of this
-    process; call it on every rank at teardown. Explicit TPComm objects are closed by their
-    owners."""
-    close_default_comms()

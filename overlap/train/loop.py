@@ -229,7 +229,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     tp*pp*dp ranks). Returns the per-step records (identical on every rank) and, with
     ``cfg.profile``, the path of this rank's trace."""
     from overlap.dist.dims import ParallelDims
-    from overlap.tp import close_all_contexts
+    from overlap.tp import close_default_comms
 
     device = rank_device()
     dims = ParallelDims.build(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, device_type=device.type)
@@ -300,7 +300,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             j.tp_comm.close()
         if writer is not None:
             writer.close()
-        close_all_contexts()
+        close_default_comms()
     return {"records": [dataclasses.asdict(r) for r in records],
             "records_no_overlap": [dataclasses.asdict(r) for r in off_records],
             "trace": trace_path if prof is not None else None,
