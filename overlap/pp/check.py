@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from overlap.pp.schedules import Action, PipelineSchedule, message_of, stage_rank
+from overlap.pp.schedules import Action, Payload, PipelineSchedule, message_of, stage_rank
 
 __all__ = ["ScheduleError", "validate", "simulate", "SimResult", "render_table",
            "render_timeline", "diagram", "DEFAULT_COSTS"]
@@ -140,8 +140,8 @@ def validate(actions, *, pp_size: int, num_stages: int, num_microbatches: int,
             else:
                 msg = message_of(a)
                 src, dst = (r, a.peer) if a.kind.startswith("SEND") else (a.peer, r)
-                want = stage_rank(msg[1], p) if a.kind.startswith("SEND") else stage_rank(
-                    msg[1] - 1 if msg[0] == "act" else msg[1] + 1, p)
+                want = stage_rank(msg.stage, p) if a.kind.startswith("SEND") else stage_rank(
+                    msg.stage - 1 if msg.payload == Payload.ACT else msg.stage + 1, p)
                 if a.peer != want or src == dst:
                     raise ScheduleError(f"{where}: peer must be rank {want} (and not itself)")
                 (sends if a.kind.startswith("SEND") else recvs).setdefault(

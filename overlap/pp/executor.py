@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from overlap.pp.p2p import HEADER_LEN, P2P, P2PError, decode_header, encode_header
 from overlap.pp.plan import channels_of, rank_plan
-from overlap.pp.schedules import Action, PipelineSchedule, stage_rank
+from overlap.pp.schedules import Action, Kind, Message, Payload, PipelineSchedule, stage_rank
 from overlap.pp.stage import PipelineStage
 from overlap.profile import names, nvtx
 
@@ -150,7 +150,8 @@ class Pipeline:
         self._last_grad_action: dict[int, int] = {}
         for i, a in enumerate(self.program):
             first = a.stage == 0
-            if a.kind == "B" or (a.kind == "I" and first) or (a.kind == "W" and not first):
+            if a.kind == Kind.B or (a.kind == Kind.I and first) or (a.kind == Kind.W
+                                                                    and not first):
                 self._last_grad_action[a.stage] = i
 
     def _digest(self, mbs: list | None) -> int:
@@ -265,18 +266,18 @@ class _StepRun:
         src, dst = channel
         sends, recvs, recv_keys, send_what = [], [], [], []
         for part, msg, is_send in items:
-            kind, s, mb = msg
+            act, s, mb = msg.payload == Payload.ACT, msg.stage, msg.microbatch
             if is_send:
                 t = self.outbox[msg] if part == "hdr" else self.outbox.pop(msg)
                 sends.append((encode_header(t) if part == "hdr" else t, dst))
                 noun = "shape of the activation" if part == "hdr" else (
-                    "activation" if kind == "act" else "input gradient")
+                    "activation" if act else "input gradient")
                 send_what.append(f"send of the {noun} for stage {s} micro-batch {mb}")
                 continue
             if part == "hdr":
                 shape, dtype = (HEADER_LEN,), torch.int64
             else:
-                shape, dtype = self.shapes[("in", s, mb) if kind == "act" else ("out", s, mb)]
+                shape, dtype = self.shapes[("in", s, mb) if act else ("out", s, mb)]
             recvs.append((torch.empty(shape, dtype=dtype, device=self.pipe.device), src))
             recv_keys.append((part, msg))
         send_works, recv_works = self.p2p.post(channel, sends, recvs)
@@ -294,12 +295,12 @@ class _StepRun:
         for key, (buf, peer), work in zip(recv_keys, recvs, recv_works):
             self.posted[key] = (buf, work, peer)
 
-    def receive(self, part: str, msg: tuple) -> None:
+    def receive(self, part: str, msg: Message) -> None:
         """Wait for a posted receive; a header fills the shape table for the payload's post."""
         buf, work, peer = self.posted.pop((part, msg))
-        kind, s, mb = msg
+        s, mb = msg.stage, msg.microbatch
         noun = "shape header" if part == "hdr" else (
-            "activation" if kind == "act" else "gradient")
+            "activation" if msg.payload == Payload.ACT else "gradient")
         self.p2p.wait(work, what=f"receive of the {noun} of stage {s} micro-batch {mb}",
                       peer=peer)
         if part == "hdr":
@@ -307,12 +308,12 @@ class _StepRun:
         else:
             self.inbox[msg] = buf
 
-    def take(self, key: tuple, peer: int) -> torch.Tensor:
+    def take(self, key: Message, peer: int) -> torch.Tensor:
         if peer == self.pipe.pp_rank:
             return self.local.pop(key)
         return self.inbox.pop(key)
 
-    def give(self, key: tuple, t: torch.Tensor, peer: int) -> None:
+    def give(self, key: Message, t: torch.Tensor, peer: int) -> None:
         (self.local if peer == self.pipe.pp_rank else self.outbox)[key] = t.detach().contiguous()
 
     # ------------------------------------------------------------------ compute
@@ -322,8 +323,9 @@ class _StepRun:
         # The action's range (names.pp_action) covers its compute only: the wait for its input
         # is a comm_wait range of its own, before it.
         span = nvtx.range(names.pp_action(a.kind, stage=s, micro_batch=mb))
-        if a.kind == "F":
-            x = self.mbs[mb] if s == 0 else self.take(("act", s, mb), stage_rank(s - 1, p))
+        if a.kind == Kind.F:
+            x = self.mbs[mb] if s == 0 else self.take(Message(Payload.ACT, s, mb),
+                                                      stage_rank(s - 1, p))
             t0 = time.perf_counter()
             with span:
                 if stage.is_last:
@@ -334,15 +336,16 @@ class _StepRun:
                     out = stage.forward(mb, x)
             if not stage.is_last:
                 self._check_out_shape(s, mb, out)
-                self.give(("act", s + 1, mb), out, stage_rank(s + 1, p))
-        elif a.kind in ("B", "I"):
-            g = None if stage.is_last else self.take(("grad", s, mb), stage_rank(s + 1, p))
+                self.give(Message(Payload.ACT, s + 1, mb), out, stage_rank(s + 1, p))
+        elif a.kind in (Kind.B, Kind.I):
+            g = None if stage.is_last else self.take(Message(Payload.GRAD, s, mb),
+                                                     stage_rank(s + 1, p))
             t0 = time.perf_counter()
             stage.last_backward = pipe._last_grad_action.get(s) == index
             with span:
-                grad_in = stage.backward(mb, g, split=a.kind == "I")
+                grad_in = stage.backward(mb, g, split=a.kind == Kind.I)
             if s > 0:
-                self.give(("grad", s - 1, mb), grad_in, stage_rank(s - 1, p))
+                self.give(Message(Payload.GRAD, s - 1, mb), grad_in, stage_rank(s - 1, p))
         else:
             t0 = time.perf_counter()
             stage.last_backward = pipe._last_grad_action.get(s) == index

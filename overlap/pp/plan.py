@@ -35,7 +35,8 @@ import collections
 from typing import Literal
 
 from overlap.pp.check import ScheduleError
-from overlap.pp.schedules import Action, PipelineSchedule, message_of, messages, msg_src_dst
+from overlap.pp.schedules import (Action, Payload, PipelineSchedule, message_of, messages,
+                                   msg_src_dst)
 
 __all__ = ["rank_plan", "channels_of", "check_nccl_order", "check_all", "NcclOrderDeadlock"]
 
@@ -102,7 +103,7 @@ def rank_plan(schedule: PipelineSchedule, rank: int, *, header_mode: bool,
                             f"pp schedule {schedule.name}: rank {rank} consumes {consumed} "
                             f"but never posts its receive")
                     m = deferred[c].popleft()
-                    if m[0] == "act":
+                    if m.payload == Payload.ACT:
                         steps += [("post", c, (("hdr", m, False),)), ("wait", ("hdr", m))]
                     steps.append(("post", c, (("data", m, False),)))
                     posted.add(m)

@@ -35,24 +35,67 @@ wait is eventually satisfied, before any rank runs the schedule.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import enum
+from typing import Callable, NamedTuple
 
-__all__ = ["Action", "PipelineSchedule", "SCHEDULES", "lower", "stage_rank",
-           "messages", "message_of", "msg_src_dst",
+__all__ = ["Action", "Kind", "Message", "Payload", "PipelineSchedule", "SCHEDULES", "lower",
+           "stage_rank", "messages", "message_of", "msg_src_dst",
            "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "COMPUTE_KINDS", "COMM_KINDS"]
 
-COMPUTE_KINDS = ("F", "B", "I", "W")
-COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+class Kind(enum.StrEnum):
+    """What an action does (see the module docstring). A ``StrEnum``: each member equals its
+    one-word name, so schedules written as text ("F", "SEND_B") and tables keyed by it agree."""
+
+    F = "F"
+    B = "B"
+    I = "I"  # noqa: E741 - the zero-bubble papers' name for the input-gradient half
+    W = "W"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    def __repr__(self) -> str:  # as the text it equals, in messages and tuples
+        return repr(self.value)
+
+
+class Payload(enum.StrEnum):
+    """What a pipeline message carries."""
+
+    ACT = "act"  # a stage's output activation, to the next stage
+    GRAD = "grad"  # the gradient of a stage's input, to the previous stage
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class Message(NamedTuple):
+    """One tensor between stages: its payload, the stage that receives it, the micro-batch."""
+
+    payload: Payload
+    stage: int
+    microbatch: int
+
+    def __repr__(self) -> str:  # ('act', 1, 0): short, in schedule errors and NCCL-order proofs
+        return repr(tuple(self))
+
+
+COMPUTE_KINDS = (Kind.F, Kind.B, Kind.I, Kind.W)
+COMM_KINDS = (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Action:
     """One step of a rank's program. ``peer`` is the pp rank at the other end (comm only)."""
 
-    kind: str
+    kind: Kind
     stage: int
     microbatch: int
     peer: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", Kind(self.kind))  # "F" and Kind.F alike; others refused
 
     @property
     def is_compute(self) -> bool:
@@ -186,39 +229,41 @@ SCHEDULES: dict[str, Callable[..., list[list[Action]]]] = {
 
 # --------------------------------------------------------------------------- lowering
 
-def messages(a: Action, num_stages: int) -> tuple[tuple | None, tuple | None]:
-    """(message this compute consumes, message it produces) as (kind, stage_of_receiver, mb)."""
+def messages(a: Action, num_stages: int) -> tuple[Message | None, Message | None]:
+    """(message this compute consumes, message it produces)."""
     s, mb = a.stage, a.microbatch
-    if a.kind == "F":
-        consumed = ("act", s, mb) if s > 0 else None
-        produced = ("act", s + 1, mb) if s < num_stages - 1 else None
-    elif a.kind in ("B", "I"):
-        consumed = ("grad", s, mb) if s < num_stages - 1 else None
-        produced = ("grad", s - 1, mb) if s > 0 else None
+    if a.kind == Kind.F:
+        consumed = Message(Payload.ACT, s, mb) if s > 0 else None
+        produced = Message(Payload.ACT, s + 1, mb) if s < num_stages - 1 else None
+    elif a.kind in (Kind.B, Kind.I):
+        consumed = Message(Payload.GRAD, s, mb) if s < num_stages - 1 else None
+        produced = Message(Payload.GRAD, s - 1, mb) if s > 0 else None
     else:
         consumed = produced = None
     return consumed, produced
 
 
-def msg_src_dst(msg: tuple, pp_size: int) -> tuple[int, int]:
-    kind, s, _ = msg
-    if kind == "act":
-        return stage_rank(s - 1, pp_size), stage_rank(s, pp_size)
-    return stage_rank(s + 1, pp_size), stage_rank(s, pp_size)
+def msg_src_dst(msg: Message, pp_size: int) -> tuple[int, int]:
+    """(sending rank, receiving rank) of ``msg``."""
+    if msg.payload == Payload.ACT:
+        return stage_rank(msg.stage - 1, pp_size), stage_rank(msg.stage, pp_size)
+    return stage_rank(msg.stage + 1, pp_size), stage_rank(msg.stage, pp_size)
 
 
-def message_of(a: Action) -> tuple:
-    """The message a SEND/RECV action transfers: (kind, stage of the receiver, micro-batch)."""
-    return {"SEND_F": ("act", a.stage + 1), "RECV_F": ("act", a.stage),
-            "SEND_B": ("grad", a.stage - 1), "RECV_B": ("grad", a.stage)}[a.kind] + (
-        a.microbatch,)
+def message_of(a: Action) -> Message:
+    """The message a SEND/RECV action transfers."""
+    payload, stage = {Kind.SEND_F: (Payload.ACT, a.stage + 1),
+                      Kind.RECV_F: (Payload.ACT, a.stage),
+                      Kind.SEND_B: (Payload.GRAD, a.stage - 1),
+                      Kind.RECV_B: (Payload.GRAD, a.stage)}[a.kind]
+    return Message(payload, stage, a.microbatch)
 
 
 def lower(compute: list[list[Action]], pp_size: int, num_stages: int) -> list[list[Action]]:
     """Insert SEND/RECV actions (see the module docstring for the placement rule)."""
     p = pp_size
     # Send order of every channel (src, dst) = program order of the producers on src.
-    channel: dict[tuple[int, int], list[tuple]] = {}
+    channel: dict[tuple[int, int], list[Message]] = {}
     for src in range(p):
         for a in compute[src]:
             msg = messages(a, num_stages)[1]
@@ -248,8 +293,9 @@ def lower(compute: list[list[Action]], pp_size: int, num_stages: int) -> list[li
                 pos = min(pos, max(deadline[msg] - 1, 0))
                 positions.append(pos)
             for msg, pos in zip(msgs, reversed(positions)):
-                kind = "RECV_F" if msg[0] == "act" else "RECV_B"
-                post_at.setdefault(pos, []).append(Action(kind, msg[1], msg[2], peer=src))
+                kind = Kind.RECV_F if msg.payload == Payload.ACT else Kind.RECV_B
+                post_at.setdefault(pos, []).append(Action(kind, msg.stage, msg.microbatch,
+                                                          peer=src))
         prog: list[Action] = []
         for i, a in enumerate(compute[dst]):
             prog += post_at.get(i, [])
@@ -258,8 +304,9 @@ def lower(compute: list[list[Action]], pp_size: int, num_stages: int) -> list[li
             if msg is not None:
                 src_, d = msg_src_dst(msg, p)
                 if src_ != d:
-                    stage = msg[1] - 1 if msg[0] == "act" else msg[1] + 1
-                    kind = "SEND_F" if msg[0] == "act" else "SEND_B"
-                    prog.append(Action(kind, stage, msg[2], peer=d))
+                    act = msg.payload == Payload.ACT
+                    stage = msg.stage - 1 if act else msg.stage + 1
+                    kind = Kind.SEND_F if act else Kind.SEND_B
+                    prog.append(Action(kind, stage, msg.microbatch, peer=d))
         out.append(prog)
     return out
