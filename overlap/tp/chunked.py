@@ -67,17 +67,14 @@ _STAMP_BYTES = STAMP_WORDS * 8
 
 
 def _header_elems(dtype: torch.dtype) -> int:
-    return _STAMP_BYTES // torch.empty((), dtype=dtype).element_size()
-
-
-_HEADER_ELEMS = {d: _header_elems(d) for d in (torch.float32, torch.bfloat16, torch.float16,
-                                                torch.float64)}
+    """Elements of ``dtype`` that hold a stamp at the front of a message."""
+    return _STAMP_BYTES // dtype.itemsize
 
 
 def _message(like: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(message, body): a flat buffer of ``like``'s dtype holding a stamp (its first
     ``_STAMP_BYTES``), then ``rows x cols`` elements, and the 2-D view of that body."""
-    hdr = _HEADER_ELEMS.get(like.dtype) or _header_elems(like.dtype)
+    hdr = _header_elems(like.dtype)
     msg = like.new_empty(hdr + rows * cols)
     return msg, msg.as_strided((rows, cols), (cols, 1), msg.storage_offset() + hdr)
 
@@ -112,7 +109,7 @@ class _First:
 
 
 def _words(msg: torch.Tensor) -> torch.Tensor:
-    return msg[:_HEADER_ELEMS.get(msg.dtype) or _header_elems(msg.dtype)].view(torch.int64)
+    return msg[:_header_elems(msg.dtype)].view(torch.int64)
 
 
 def _exchange(group: dist.ProcessGroup, send: torch.Tensor | None, recv: torch.Tensor | None,
@@ -253,8 +250,7 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
     # has room for one stamp in front of ``gathered``, and the stamp of the piece at rows
     # [lo, hi) overwrites the elements just before lo, which belong to sources received at
     # later hops (or to our own shard, copied last): nothing there is read or sent before.
-    hdr = 0 if agree is None else _HEADER_ELEMS.get(x_shard.dtype) or _header_elems(
-        x_shard.dtype)
+    hdr = 0 if agree is None else _header_elems(x_shard.dtype)
     flat = x_shard.new_empty(hdr + world * m * k)
     gathered = flat.as_strided((world * m, k), (k, 1), flat.storage_offset() + hdr)
     y = None if w is None else x_shard.new_empty(world * m, w.shape[1])

@@ -120,14 +120,16 @@ class HeaderBlock:
             return
         op, agree, c, timeout = self._open
         self._open = None
-        if not self._gpu:
+        if self._gpu:  # device waits, in stream order
+            for q in self.peers:
+                self.ws.wait(q, c, timeout, peer=q)
+        else:
             self._check_open(op)
-        for q, addr in (self._seen_at if not self._gpu else ((q, None) for q in self.peers)):
-            if addr is not None and _C.signal_load(addr) >= c:
-                continue  # published already (the usual case after the data phase)
-            self.ws.wait(q, c, timeout, peer=q)
-        if not self._gpu and self.ws.pending():
-            return  # a wait gave up (device-wait mode): outputs are poisoned, next call raises
+            for q, addr in self._seen_at:
+                if _C.signal_load(addr) < c:  # not published yet (after a data phase it is)
+                    self.ws.wait(q, c, timeout, peer=q)
+            if self.ws.pending():
+                return  # a wait gave up (device-wait mode): outputs poisoned, next call raises
         slot = c % _RING
         rows = self._rings if self._gpu else self._rings_np
         agree.verify(op, self.peers, {q: rows[q][slot] for q in self.peers})
