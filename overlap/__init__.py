@@ -2,7 +2,7 @@
 
 Layers (each uses only the ones below it): transport (``overlap.dist``, ``overlap.symm``),
 kernels (``overlap.kernels``, ``csrc/``), fused ops (``overlap.tp.ops``, ``overlap.comm``), and
-layers (``overlap.tp``, ``overlap.dp``, ``overlap.pp``). See the README for what runs on CPU.
+layers (``overlap.tp``, ``overlap.dp``, ``overlap.pp``). See docs/cpu-twins.md for what runs on CPU.
 """
 
 import os as _os

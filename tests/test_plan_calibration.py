@@ -7,7 +7,7 @@ from overlap.plan.estimate import estimate
 from overlap.plan.fit import errors, load_table, paper_flops, report, row_setup
 from overlap.plan.profiles import FITTED
 
-# Per-row relative error of TFLOP/s per GPU with the shipped parameters, as the README reports
+# Per-row relative error of TFLOP/s per GPU with the shipped parameters, as docs/planner.md reports
 # them (python -m overlap.plan.fit --report). A change to the model that moves any row by more
 # than half a point shows up here.
 EXPECTED = [+1.8, -0.6, -4.5, -5.2, +1.3, +4.7, +2.2, +1.3, -1.1, -0.6]

@@ -37,7 +37,7 @@ def main():
     # ZeRO-1/2: reduce-scatter the gradients, each rank updates its 1/dp shard, all-gather.
     sharded, _ = model_and_batches(0)
     opt = ShardedOptimizer(GradReducer(sharded, dp_group=group, shard=True), torch.optim.AdamW,
-                           lr=1e-2, eps=1e-3)      # eps: see docs/dp.md
+                           lr=1e-2, eps=1e-3)  # eps >> a gradient's rounding
     plain = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-3)
     nn.functional.mse_loss(sharded(x), y).backward()
     reference.zero_grad()

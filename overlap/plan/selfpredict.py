@@ -4,7 +4,7 @@
 configuration's ``TrainConfig`` to the planner's model and layout, estimates its step with the
 calibrated profile (all ranks on this machine, sharing ``host_cores`` cores), and with
 ``--measure`` runs the job (one at a time) and reads the median step time it prints. The table
-it prints is the README's CPU self-prediction table. Nothing measured from the job feeds the
+it prints is the CPU self-prediction table of docs/planner.md. Nothing measured from the job feeds the
 prediction: the profile comes only from ``overlap-plan --calibrate``'s micro-benchmarks, except
 the number of free cores, which other jobs on a shared machine change by the minute and which
 is therefore measured again (the same micro-benchmark) just before and just after each run.

@@ -29,7 +29,7 @@ Concurrency contract: one op in flight per communicator; every rank of the group
 same ops in the same order. Two communicators on one group are independent (own workspaces,
 own phases), but their ops are still ordered by the group's process-group communicator.
 
-The functional ops also take ``group=`` (the README's form): that uses a default communicator
+The functional ops also take ``group=`` (docs/tp-ops.md): that uses a default communicator
 per (group object, backend), held weakly by the group object, so it goes away with the group
 and never outlives it (the call's ``chunks`` and ``check_inputs`` apply to that call);
 ``close_default_comms()`` closes and forgets every default communicator of this process.

@@ -26,7 +26,7 @@ in an op, on any rank, fails the group: every later call on it raises ``QuantCom
 ("communicator failed earlier: <first error>"); peers waiting on the failed rank raise
 ``QuantCommError`` naming it, a stall raises ``QuantTimeout``. Rebuild the group to continue.
 
-INT8 accuracy (derived in the README's "Quantized collectives" section). With M_r the absmax of
+INT8 accuracy (docs/quantized.md). With M_r the absmax of
 block b of rank r's input (as fp32), S = sum_r M_r, and Q(M) = M/254 + M*2^-21 + 2^-118 the
 error of one quantization of a block with absmax M, every element i of block b satisfies
 
