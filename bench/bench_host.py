@@ -54,6 +54,7 @@ from bench.runner import (Table, TraceOptions, Tracer, check_trace_options, comm
                           finish_trace_column, parse_config, trace_columns)
 from overlap.dist.device import rank_device
 from overlap.dist.launch import launch
+from overlap.tp.autochunk import MAX_RACE
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 BASELINE = "torch.distributed + matmul"
@@ -119,13 +120,17 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
     w = (torch.randn(cfg.k, cfg.n, generator=gen) / cfg.k ** 0.5).to(device)
     backends = [b for b in cfg.backends if b != "triton" or have_triton_tp()]
     comms = {b: tp.TPComm(group, backend=b) for b in backends}
+    for b in [b for b in backends if b in ("chunked", "symmetric")]:
+        # the same backend always in pieces (chunks=world), whatever "auto" picks at this size
+        comms[f"{b} (pieces)"] = tp.TPComm(group, backend=b, chunks=world)
     headers = []
     if cfg.without_stamps:  # the same backends with the per-call stamps switched off
         for b in [b for b in backends if b != "unfused"]:
-            comm = comms[f"{b} (no stamps)"] = tp.TPComm(group, backend=b, check_inputs=False)
+            comm = comms[f"{b} (no stamps)"] = tp.TPComm(group, backend=b, check_inputs=False,
+                                                          chunks=world)
             headers.append(comm.header)
             comm.agree = comm.header = None  # private: what the stamps cost, nothing else
-        backends = list(comms)
+    backends = list(comms)
     fused = {"all_gather_matmul": tp.all_gather_matmul,
              "matmul_reduce_scatter": tp.matmul_reduce_scatter,
              "matmul_all_reduce": tp.matmul_all_reduce}
@@ -149,6 +154,14 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
         for op, impl, fn, inner in calls:  # contexts, shape agreement, allocator, interpreter
             for _ in range(cfg.warmup if inner > 1 else 1):
                 fn()
+        for name, comm in comms.items():  # chunks="auto": race until every comm has chosen
+            for _ in range(2 * MAX_RACE):
+                if comm.auto is None or comm.auto.kind is not None or comm.world == 1 or \
+                        comm.backend not in ("chunked", "symmetric"):
+                    break
+                for op, impl, fn, inner in calls:
+                    if impl == name:
+                        fn()
         sync()
         with tracer.region("rounds"):
             for _ in range(cfg.rounds):
@@ -171,7 +184,15 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
         for h in headers:
             if h is not None:
                 h.close(wait_for_peers=True)
-    return [dict(op=op, impl=impl, wall=s[0], cpu=s[1], waited=s[2],
+    def ran(impl: str) -> str:
+        comm = comms.get(impl)
+        if comm is None or comm.backend not in ("chunked", "symmetric") or comm.world == 1:
+            return "-"
+        if comm.auto is None:
+            return str(comm.chunks)
+        return f"auto: {comm.auto.kind}"
+
+    return [dict(op=op, impl=impl, chunks=ran(impl), wall=s[0], cpu=s[1], waited=s[2],
                  **tracer.info(f"{op}_{impl}")) for (op, impl), s in samples.items()]
 
 
@@ -194,7 +215,7 @@ def main(cfg: BenchConfig) -> None:
         if r["impl"] == BASELINE:
             base[r["op"]] = med
         b = base[r["op"]]
-        rows.append(dict(op=r["op"], impl=r["impl"], wall_us=med["wall"],
+        rows.append(dict(op=r["op"], impl=r["impl"], chunks=r["chunks"], wall_us=med["wall"],
                          wall_x=med["wall"] / b["wall"], nowait_us=med["nowait"],
                          nowait_x=med["nowait"] / b["nowait"], cpu_us=med["cpu"],
                          cpu_x=med["cpu"] / b["cpu"],
@@ -218,9 +239,12 @@ def main(cfg: BenchConfig) -> None:
         "included). *_x = this impl / the baseline of the same op.",
         "unfused runs the same collectives as the baseline through the runtime (checks, "
         "communicator, autograd Function, timeout-bounded waits), so its ratio is the "
-        "runtime's own overhead; chunked splits each op into world pieces (2 here) with one "
-        "exchange each; symmetric copies through shared memory on a copy thread and waits on "
-        "signals; triton rows are the interpreter (TRITON_INTERPRET=1), seconds of Python per "
+        "runtime's own overhead. chunked and symmetric rows run with the default "
+        "chunks='auto', raced before the timed rounds (the chunks column: the kind it chose, "
+        "whole = the whole collective then the GEMM, stamped); the '(pieces)' rows force "
+        "chunks=world: chunked splits each op into world pieces with one exchange each, "
+        "symmetric copies through shared memory on a copy thread and waits on signals; "
+        "triton rows are the interpreter (TRITON_INTERPRET=1), seconds of Python per "
         "call that say nothing about a GPU launch.",
         "Command: " + command_line("bench.bench_host", cfg),
     ]
@@ -234,7 +258,7 @@ def main(cfg: BenchConfig) -> None:
                      "calls on every rank, by overlap-analyze's code; times of a traced run "
                      "include the profiler's overhead.")
     table = Table("Host overhead per fused TP op vs torch.distributed collective + matmul",
-                  trace_columns(["op", "impl", "wall_us", "wall_x", "nowait_us", "nowait_x",
+                  trace_columns(["op", "impl", "chunks", "wall_us", "wall_x", "nowait_us", "nowait_x",
                                  "cpu_us", "cpu_x", "spread"], cfg, after="cpu_x"),
                   notes=notes)
     finish_trace_column(cfg, rows, cfg.out, prog)

@@ -22,8 +22,9 @@ barrier's cost is amortised), divided by ``inner``; the table shows rank 0's med
 t_gemm)``: 1 = the shorter of the two is fully hidden, 0 = no overlap, < 0 = the fused op is
 slower than the two parts back to back. A backend with a faster transport than the reference
 collective (symmetric: shared-memory copies vs gloo's TCP) can exceed 1. ``spread`` = (max -
-min) / median of the fused samples. Fused calls pass ``check_inputs=False`` after one checked
-warm-up call.
+min) / median of the fused samples. Each row's fused op runs on a communicator of its own
+(``TPComm``, default ``chunks="auto"``), called until its race has chosen how to run that
+shape (the ``chunks`` column) before the timed samples; its named first-call check runs once.
 
 Triton runs under its interpreter on CPU, thousands of times slower than a CPU GEMM, so it is
 timed only on three shapes divided by ``triton_scale`` with ``triton_iters`` iterations: those
@@ -52,10 +53,12 @@ import os
 import torch
 import torch.distributed as dist
 
+from overlap.tp.autochunk import MAX_RACE
+
 from bench.runner import (Table, TraceOptions, Tracer, check_trace_options, finish_trace_column,
                           time_fn, trace_columns)
 
-COLUMNS = ["op", "shape", "backend", "t_fused_ms", "t_seq_ms", "t_comm_ms", "t_gemm_ms",
+COLUMNS = ["op", "shape", "backend", "chunks", "t_fused_ms", "t_seq_ms", "t_comm_ms", "t_gemm_ms",
            "speedup", "overlap_eff", "spread"]
 
 
@@ -169,15 +172,19 @@ def _bench_rank(cfg: BenchConfig) -> list[dict] | None:
                                                                        cfg.inner)
         t_comm, t_gemm, t_seq = (ms(f, iters, warmup, inner) for f in (comm, gemm, seq))
         for backend in names:
-            fused[op](x, w, group=group, backend=backend)  # creates contexts, checks ranks
+            # A communicator per row: its chunks="auto" race sees this shape alone.
+            tpc = tp.TPComm(group, backend=backend)
+            fused[op](x, w, comm=tpc)  # creates contexts, checks ranks
+            chunks = _settle_chunks(lambda: fused[op](x, w, comm=tpc), tpc, op, x, w)
             key = f"r{len(rows):02d}_{op}_{model}_{layer}_{backend}"
-            t, spread = timed(lambda: fused[op](x, w, group=group, backend=backend,
-                                                check_inputs=False), iters, warmup, inner,
+            t, spread = timed(lambda: fused[op](x, w, comm=tpc), iters, warmup, inner,
                               trace=tracer.row(key))
+            tpc.close()
             eff = (t_comm + t_gemm - t) / min(t_comm, t_gemm) if min(t_comm, t_gemm) > 0 else 0
             rows.append(dict(op=op, shape=f"{model} {layer}: M={m} K={k} N={n}",
-                             backend=backend, t_fused_ms=t, t_seq_ms=t_seq, t_comm_ms=t_comm,
-                             t_gemm_ms=t_gemm, speedup=t_seq / t if t > 0 else 0.0,
+                             backend=backend, chunks=chunks, t_fused_ms=t, t_seq_ms=t_seq,
+                             t_comm_ms=t_comm, t_gemm_ms=t_gemm,
+                             speedup=t_seq / t if t > 0 else 0.0,
                              overlap_eff=eff, spread=spread, **tracer.info(key)))
     tracer.close()
     if cfg.trace:
@@ -186,6 +193,19 @@ def _bench_rank(cfg: BenchConfig) -> list[dict] | None:
     if tracer.on:
         dist.barrier(group=group)  # every rank's trace is on disk before rank 0 reads them
     return rows if rank == 0 else None
+
+
+def _settle_chunks(call, comm, op: str, x, w) -> str:
+    """Run ``call`` until the communicator's ``chunks="auto"`` race for ``op`` has decided
+    (overlap.tp.autochunk; before the timed samples, like a training warm-up); returns the
+    piece count the timed calls use, as the table shows it."""
+    if comm.auto is None or comm.backend not in ("chunked", "symmetric"):
+        return "-" if comm.backend == "triton" else str(comm.chunks)
+    for _ in range(2 * MAX_RACE):
+        if comm.auto.choice(op, x, w) is not None:
+            break
+        call()
+    return f"auto: {comm.auto.choice(op, x, w)}"
 
 
 def _trace(cfg, plans, fused, group, world, dtype, device) -> None:
@@ -221,6 +241,11 @@ def _notes(cfg: BenchConfig, world: int, cuda: bool) -> list[str]:
              "alone. speedup = t_seq / t_fused; overlap_eff = (t_comm + t_gemm - t_fused) / "
              "min(t_comm, t_gemm). spread = (max - min) / median of the fused samples: how "
              "noisy that row was.",
+             "chunks: the piece count the timed calls used. The fused ops run with the default "
+             "chunks='auto': before the timed samples each op's communicator races 1 piece (the "
+             "whole collective then the whole GEMM, stamped) against world x 1, 2, 4 pieces on "
+             "that shape and keeps the fastest by the slowest rank's median "
+             "(overlap/tp/autochunk.py), as a training run's first steps would.",
              "t_comm is the plain torch.distributed collective. The fused backends move data "
              "their own way (chunked: ring send/recv; symmetric: shared-memory copies), so "
              "overlap_eff > 1 means that way was faster than the collective (gloo's "

@@ -34,7 +34,8 @@ def _close_frees_everything(backend):
 
     r, world = dist.get_rank(), dist.get_world_size()
     threads0, maps0 = threading.active_count(), _mapped_segments()
-    comm = TPComm(dist.group.WORLD, backend=backend, timeout=30)
+    # chunks=world: both calls run in pieces, with a workspace each ("auto" might run whole)
+    comm = TPComm(dist.group.WORLD, backend=backend, timeout=30, chunks=world)
     x, w, ref = _data(world, r)
     err = float((all_gather_matmul(x, w, comm=comm) - ref).abs().max())
     # Every rank passes [x_r; x_r; ...]: its block of the sum over ranks is sum_q x_q @ w.

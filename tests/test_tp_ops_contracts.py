@@ -96,7 +96,7 @@ def test_bad_inputs_get_clear_errors(backend):
         assert "dtype must be one of float32" in m["int"]
         assert "x_shard must be 2-D [M, K] or 3-D" in m["x_dims"]
         assert "w must be 2-D [K, N]" in m["w_dims"]
-        assert "chunks = 3 must be a multiple of the group size 2" in m["chunks"]
+        assert "chunks = 3 must be 1 (the whole collective) or a multiple of the group size 2" in m["chunks"]
         assert "group must be a torch.distributed ProcessGroup" in m["group"]
         assert "seq_dim must be 0, or 1 for a batch-first 3-D" in m["seq_dim"]
         assert ("all_gather_matmul: ranks disagree on x shape: rank 0=(12, 72), rank 1=(13, 72) "
@@ -223,14 +223,16 @@ def _profiled():
 
     g, world, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     x, w = torch.randn(8, 16), torch.randn(16, 8)
-    all_gather_matmul(x, w, group=g, backend="symmetric")  # the copier thread exists already
+    # chunks=world: the pieces this test names (the default "auto" might run them whole).
+    all_gather_matmul(x, w, group=g, backend="symmetric", chunks=world)  # the copier exists
     # Rank 0 only: starting the profiler costs seconds of CPU. All threads, for the copier's.
     prof = profile(activities=[ProfilerActivity.CPU],
                    experimental_config=_ExperimentalConfig(profile_all_threads=True))
     with prof if r == 0 else contextlib.nullcontext():
         all_gather_matmul(x, w, group=g, backend="chunked", chunks=2 * world)
-        matmul_reduce_scatter(torch.randn(8 * world, 16), w, group=g, backend="symmetric")
-        all_gather_matmul(x, w, group=g, backend="symmetric")
+        matmul_reduce_scatter(torch.randn(8 * world, 16), w, group=g, backend="symmetric",
+                              chunks=world)
+        all_gather_matmul(x, w, group=g, backend="symmetric", chunks=world)
     close_default_comms()
     if r:
         return []

@@ -74,9 +74,10 @@ def validate(op: str, x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGr
     if chunks is not None:
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
             raise ValueError(f"{op}: chunks must be a positive int or None, got {chunks!r}{at}")
-        if op != "matmul_all_reduce" and chunks % world:
-            raise ValueError(f"{op}: chunks = {chunks} must be a multiple of the group size "
-                             f"{world} (chunks/world pieces per rank's shard){at}")
+        if op != "matmul_all_reduce" and chunks != 1 and chunks % world:
+            raise ValueError(f"{op}: chunks = {chunks} must be 1 (the whole collective) or a "
+                             f"multiple of the group size {world} (chunks/world pieces per "
+                             f"rank's shard){at}")
     if backend == "triton" and x.dtype == torch.float64:
         raise TypeError(f"{op}: backend='triton' supports float32, bfloat16 and float16, got "
                         f"{x.dtype}{at}")

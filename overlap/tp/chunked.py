@@ -19,6 +19,11 @@ Shape legend (per rank; ``world`` ranks in ``group``, ``r`` = this rank):
 - ``matmul_all_reduce``: the reduce-scatter ring above (M padded to a multiple of world with
   zero rows), then a ring all-gather of the reduced shards (no GEMM): NCCL's ring all-reduce,
   with the GEMMs under the first half.
+- ``chunks=1`` (one piece, what ``chunks="auto"`` picks when pieces do not pay): the whole
+  collective and the whole GEMM, in the unfused order (only the backward's weight-gradient GEMM
+  runs under the reduce-scatter). Its stamps travel in a fixed-size all-gather issued just
+  before the collective and are compared before the collective is waited on, so ranks whose
+  sizes differ are named even though that collective cannot carry them.
 
 Per-call agreement: with ``agree`` (the communicator's overlap.dist.stamp.Agreement) the first
 hop of a call carries this call's stamp in front of the piece it sends right (a staged copy of
@@ -46,6 +51,7 @@ import torch.distributed as dist
 from overlap.dist.stamp import STAMP_WORDS, Agreement, Disagreement
 from overlap.profile import nvtx
 from overlap.profile.timers import comm_wait
+from overlap.tp.collectives import all_gather_single, reduce_scatter_single
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "split_bounds"]
 
@@ -230,6 +236,75 @@ def _topology(group: dist.ProcessGroup) -> _Topology:
     return topo
 
 
+# ---------------------------------------------------------------- one piece (chunks=1)
+
+def _whole_stamps(agree: Agreement | None, group: dist.ProcessGroup):
+    """Start the all-gather of every rank's stamp (a fixed 128 bytes each, whatever the
+    call's sizes) on the group, ahead of the one-piece call's collective."""
+    if agree is None:
+        return None
+    agree.clear_received()
+    return all_gather_single(agree.recv.view(-1), agree.send, group=group, async_op=True)
+
+
+def _whole_wait(stamps, work, agree: Agreement | None, *, op: str, group: dist.ProcessGroup,
+                timeout: float, what: str) -> None:
+    """Wait for the stamps, compare them (ranks that disagree raise here, before the data
+    collective is waited on: its sizes may differ), then wait for the data."""
+    peers = _topology(group).peers
+    with_peers = f" with peer rank{'s' if len(peers) > 1 else ''} " + ", ".join(map(str, peers))
+    if stamps is not None:
+        _wait([stamps], op=op, group=group, timeout=timeout,
+              what="all-gather of the stamps" + with_peers)
+        agree.verify(op, peers)
+    _wait([work], op=op, group=group, timeout=timeout, what=what + with_peers)
+
+
+def _whole_all_gather(x_shard: torch.Tensor, w: torch.Tensor | None, *, group, return_gathered,
+                      timeout, agree, op):
+    world = _topology(group).world
+    m, k = x_shard.shape
+    gathered = x_shard.new_empty(world * m, k)
+    with nvtx.range(f"{op}.chunked.comm[0]"):
+        stamps = _whole_stamps(agree, group)
+        work = all_gather_single(gathered, x_shard, group=group, async_op=True)
+    with nvtx.range(f"{op}.chunked.comm[0].wait"):
+        _whole_wait(stamps, work, agree, op=op, group=group, timeout=timeout,
+                    what="all-gather of every rank's shard")
+    y = None
+    if w is not None:
+        with nvtx.range(f"{op}.chunked.gemm[0]"):
+            y = gathered @ w
+    if agree is not None:
+        agree.poison(y, gathered)
+    return y, (gathered if return_gathered or w is None else None)
+
+
+def _whole_reduce(x: torch.Tensor, w: torch.Tensor, *, group, timeout, agree, op,
+                  scatter: bool, overlap_with: Callable[[], None] | None = None
+                  ) -> torch.Tensor:
+    """One GEMM, then one reduce-scatter (or all-reduce) of it; ``overlap_with`` runs while
+    the collective is in flight."""
+    with nvtx.range(f"{op}.chunked.gemm[0]"):
+        y = x @ w
+    with nvtx.range(f"{op}.chunked.comm[0]"):
+        stamps = _whole_stamps(agree, group)
+        if scatter:
+            out = y.new_empty(y.shape[0] // _topology(group).world, y.shape[1])
+            work = reduce_scatter_single(out, y, group=group, async_op=True)
+        else:
+            out = y
+            work = dist.all_reduce(out, group=group, async_op=True)
+    if overlap_with is not None:
+        overlap_with()
+    with nvtx.range(f"{op}.chunked.comm[0].wait"):
+        _whole_wait(stamps, work, agree, op=op, group=group, timeout=timeout,
+                    what="reduce-scatter" if scatter else "all-reduce")
+    if agree is not None:
+        agree.poison(out)
+    return out
+
+
 def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
                       group: dist.ProcessGroup, chunks: int, return_gathered: bool,
                       timeout: float, agree: Agreement | None = None,
@@ -243,6 +318,9 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
         with nvtx.range(f"{op}.chunked.gemm[0]"):
             return (None if w is None else x_shard @ w), (x_shard if return_gathered else None)
     x_shard = x_shard.contiguous()
+    if chunks == 1:
+        return _whole_all_gather(x_shard, w, group=group, return_gathered=return_gathered,
+                                 timeout=timeout, agree=agree, op=op)
     m, k = x_shard.shape
     pieces = split_bounds(m, chunks // world)
     s = len(pieces)
@@ -315,6 +393,9 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
         if overlap_with is not None:
             overlap_with()
         return y
+    if chunks == 1:
+        return _whole_reduce(x, w, group=group, timeout=timeout, agree=agree, op=op,
+                             scatter=True, overlap_with=overlap_with)
     m = x.shape[0] // world
     pieces = split_bounds(m, chunks // world)
     s = len(pieces)
@@ -381,6 +462,9 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGr
     if world == 1:
         with nvtx.range(f"{op}.chunked.gemm[0]"):
             return x @ w
+    if chunks == 1:
+        return _whole_reduce(x, w, group=group, timeout=timeout, agree=agree, op=op,
+                             scatter=False)
     rows = x.shape[0]
     m = -(-rows // world)
     if rows % world:  # zero rows make M divisible; they reduce to zeros and are dropped

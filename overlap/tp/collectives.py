@@ -13,14 +13,14 @@ from overlap.defaults import TIMEOUT_S
 from overlap.profile.timers import comm_wait
 
 __all__ = ["TIMEOUT", "wait", "all_reduce_async", "all_reduce", "split_dim", "all_gather_dim",
-           "reduce_scatter_dim"]
+           "reduce_scatter_dim", "all_gather_single", "reduce_scatter_single"]
 
 TIMEOUT = TIMEOUT_S  # overlap.defaults
 
 # torch >= 2.12 renamed the tensor collectives; older torch only has the *_tensor names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
-                          or dist.reduce_scatter_tensor)
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+                         or dist.reduce_scatter_tensor)
 
 
 def wait(work, *, op: str, group, timeout: float = TIMEOUT) -> None:
@@ -73,7 +73,7 @@ def all_gather_dim(x: torch.Tensor, dim: int, *, group, sizes: list[int] | None 
         x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
     x = x.contiguous()
     out = x.new_empty((tp * x.shape[0], *x.shape[1:]))
-    wait(_all_gather_single(out, x, group=group, async_op=True), op=op, group=group,
+    wait(all_gather_single(out, x, group=group, async_op=True), op=op, group=group,
          timeout=timeout)
     if sizes is not None:
         rows = out.shape[0] // tp
@@ -90,6 +90,6 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, *, group, op: str = "reduce_sc
     dim = dim % x.dim()
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // tp, *x.shape[1:]))
-    wait(_reduce_scatter_single(out, x, group=group, async_op=True), op=op, group=group,
+    wait(reduce_scatter_single(out, x, group=group, async_op=True), op=op, group=group,
          timeout=timeout)
     return out.movedim(0, dim)

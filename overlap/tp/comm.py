@@ -10,7 +10,8 @@ What it owns, so nothing of it lives in module-level state:
 - the **backend**, resolved once here (``"auto"``: triton for CUDA when the kernels are
   installed, else symmetric when every rank is on one host, else chunked). The host check is an
   ``all_gather_object`` in this constructor, never in a forward;
-- ``chunks``, ``check_inputs`` and ``timeout`` (seconds) for every op, TP region collective and
+- ``chunks`` (``"auto"``, the default: per shape by measurement, overlap.tp.autochunk; or an
+  int), ``check_inputs`` and ``timeout`` (seconds) for every op, TP region collective and
   signal wait run through it;
 - the workspaces of the symmetric/triton backends (one ``TPContext`` per op and shape, at most
   ``MAX_CONTEXTS``, least recently used closed first) with their phase counters and copiers;
@@ -50,6 +51,7 @@ from overlap.dist.host import host_id
 from overlap.dist.stamp import Agreement
 from overlap.symm.workspace import group_name
 from overlap.tp import stamps
+from overlap.tp.autochunk import AUTO, ChunkRace
 
 __all__ = ["TPComm", "TPCommFailed", "BACKENDS", "DEFAULT_TIMEOUT", "MAX_CONTEXTS",
            "default_comm", "owned_comm", "close_default_comms"]
@@ -74,7 +76,7 @@ class TPComm(OpaqueBase):
     opaque object (torch.compile passes the object itself; no registry of communicators)."""
 
     def __init__(self, group: dist.ProcessGroup, *, backend: str = "auto",
-                 chunks: int | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 chunks: int | str = AUTO, timeout: float = DEFAULT_TIMEOUT,
                  check_inputs: bool = True, device: torch.device | str | None = None):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"TPComm: group must be a torch.distributed ProcessGroup (e.g. "
@@ -85,14 +87,15 @@ class TPComm(OpaqueBase):
         at = f" (rank {self.rank} of group {group_name(group)})"
         if backend not in BACKENDS:
             raise ValueError(f"TPComm: backend must be one of {BACKENDS}, got {backend!r}{at}")
-        if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int)
-                                   or chunks <= 0):
-            raise ValueError(f"TPComm: chunks must be a positive int or None, got "
+        if chunks != AUTO and (isinstance(chunks, bool) or not isinstance(chunks, int)
+                               or chunks <= 0):
+            raise ValueError(f"TPComm: chunks must be a positive int or 'auto', got "
                              f"{chunks!r}{at}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"TPComm: timeout must be a positive number of seconds, got "
                              f"{timeout!r}{at}")
         self.chunks = chunks
+        self.auto = ChunkRace(self) if chunks == AUTO else None
         self.timeout = float(timeout)
         self.check_inputs = bool(check_inputs)
         self.device = torch.device(device) if device is not None else _default_device(group)
@@ -174,6 +177,18 @@ class TPComm(OpaqueBase):
                 pass
 
     # ------------------------------------------------------------------ per-op state
+    def pick_chunks(self, op: str, requested: int, x: torch.Tensor, w: torch.Tensor):
+        """(chunks, race key, timer) for a call: the call's own ``chunks`` (non-zero), else
+        the communicator's int, else (``"auto"``) its race's (overlap.tp.autochunk) on the
+        backends that chunk; key and timer are None unless this call is part of a race."""
+        if requested:
+            return requested, None, None
+        if self.auto is None:
+            return self.chunks, None, None
+        if self.world == 1 or self.backend not in ("chunked", "symmetric"):
+            return self.world, None, None
+        return self.auto.begin(op, x, w)
+
     def first_call(self) -> bool:
         """True before the first op call: the one call every rank reaches in the same state,
         so the full cross-rank check may run there without desynchronising the ranks."""
@@ -280,13 +295,14 @@ def default_comm(group, *, backend: str = "auto", op: str = "tp") -> TPComm:
     return comm
 
 
-def owned_comm(group, *, backend: str, chunks: int | None, check_inputs: bool) -> TPComm:
+def owned_comm(group, *, backend: str, chunks: int | str | None, check_inputs: bool) -> TPComm:
     """A new communicator with these settings, registered with the group's default ones so
     that ``close_default_comms()`` closes it too (``parallelize(tp_group=...)``'s form)."""
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"parallelize: group must be a torch.distributed ProcessGroup, got "
                         f"{type(group).__name__}")
-    comm = TPComm(group, backend=backend, chunks=chunks, check_inputs=check_inputs)
+    comm = TPComm(group, backend=backend, chunks=AUTO if chunks is None else chunks,
+                  check_inputs=check_inputs)
     per_group = _defaults.get(group)
     if per_group is None:
         per_group = _defaults[group] = {}

@@ -37,28 +37,37 @@ __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "c
 
 
 class _Run:
-    """One call's communicator, backend and chunks."""
+    """One call's communicator, backend and chunks (0 until the stamped call picks them:
+    the call's own, the communicator's, or its ``"auto"`` race's; overlap.tp.autochunk)."""
 
-    __slots__ = ("comm", "backend", "chunks")
+    __slots__ = ("comm", "backend", "requested", "chunks")
 
     def __init__(self, comm: TPComm, chunks: int):
-        self.comm, self.chunks = comm, chunks
+        self.comm, self.requested, self.chunks = comm, chunks, chunks
         self.backend = backends.backend_for(comm)
 
     def ctx_for(self, op: str, x: torch.Tensor, w: torch.Tensor):
+        if self.chunks == 1 and self.comm.world > 1 and self.backend.name == "symmetric":
+            return None  # one piece: the whole collective (chunked's), no workspace
         return backends.context_for(self.comm, self.backend, op, x, w)
 
     def guarded(self, op: str, fn, x: torch.Tensor | None = None, w: torch.Tensor | None = None,
                 flags: int = 0):
         """Run ``fn``; any error fails the communicator (peers blocked on us raise now).
-        With ``x`` (the backend's 2-D input) the call is counted and stamped first
-        (overlap.tp.stamps), so ranks that disagree on it raise before anything else."""
+        With ``x`` (the backend's 2-D input) and ``w`` the call picks its chunks and is
+        counted and stamped first (overlap.tp.stamps), so ranks that disagree on it raise
+        before anything else."""
         self.comm.ensure_usable(op)
         try:
+            race = timer = None
             if x is not None:
+                if w is not None:
+                    self.chunks, race, timer = self.comm.pick_chunks(op, self.requested, x, w)
                 self.comm.stamp(op, x, w, self.chunks, flags)
             out = fn()
             self.comm.settle()  # a no-op once the backend has settled (before poisoning)
+            if race is not None:
+                self.comm.auto.finish(race, self.chunks, timer)
             return out
         except TPCommFailed:
             raise
@@ -96,7 +105,6 @@ def _start(op: str, comm: TPComm, x2: torch.Tensor, w: torch.Tensor, chunks: int
                                group=comm.group, device=x2.device)
 
     run.guarded(op, setup)
-    run.chunks = chunks or comm.chunks or comm.world
     return run
 
 

@@ -1,0 +1,170 @@
+"""``chunks="auto"``: a communicator picks how its ops run by measurement.
+
+Two kinds of call exist: **whole** (``chunks=1``: the whole collective, then the whole GEMM,
+as the unfused order runs them) and **pieces** (``chunks = world x s``, s = 1, 2, 4: the
+collective chunk by chunk under the GEMM). During the communicator's first calls (its race)
+each call is one kind or the other by a fixed pseudo-random sequence of the race's call
+number, and a pieces call takes its (op, shape)'s next piece count in turn; each (op, shape,
+count) is timed after one settling call. Once every (op, shape) seen has ``TRIALS`` timed
+calls of each count (or after ``MAX_RACE`` calls), one all-reduce of the medians (MAX: the
+slowest rank decides) picks the communicator's kind, by the call-weighted total over every op
+and shape, and each (op, shape)'s best piece count. Shapes first seen later run in the
+chosen kind (pieces: world pieces).
+
+Why one kind per communicator, following the call number rather than the op or the shape:
+ranks that disagree on a call (its shapes, or which op it is) must still post the same kind
+of transfer, or one would wait in a collective while its peer waits in a send, and neither
+could name the other. Before such a call every rank has made the same calls and holds the
+same tables, so the kind (a function of the race's call number and those tables) is the same
+everywhere and the call's stamps name the disagreement. Piece counts may differ: pieces calls
+of any count exchange their stamps in the first hop.
+
+The race's all-reduce is its only host sync (tuning only); on a GPU calls are timed with CUDA
+events, read there. The choice changes summation order, not results beyond rounding: pass an
+int ``chunks`` for bit-reproducible runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["AUTO", "ChunkRace", "candidates", "TRIALS", "MAX_RACE"]
+
+AUTO = "auto"
+TRIALS = 3  # timed calls per (shape, piece count), after one settling call
+MAX_RACE = 256  # calls of one op after which it decides with what it has
+
+
+def candidates(op: str, rows: int, world: int) -> list[int]:
+    """Piece counts of a pieces call for an input of ``rows`` rows (the shard's m for
+    all_gather_matmul, the full M otherwise): world x s, s = 1, 2, 4, while a piece keeps a
+    row."""
+    per_rank = rows if op == "all_gather_matmul" else -(-rows // world)
+    return [world * s for s in (1, 2, 4) if s <= max(per_rank, 1)]
+
+
+def _whole_turn(n: int) -> bool:
+    """Whether the op's n-th race call runs whole: a fixed pseudo-random bit of n (so shapes
+    that alternate do not always land on the same kind), the same on every rank."""
+    return ((n * 0x9E3779B1) >> 11) & 1 == 1
+
+
+class _Timer:
+    __slots__ = ("t0", "start", "end")
+
+    def __init__(self, device: torch.device):
+        self.start = self.end = None
+        if device.type == "cuda":
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        self.t0 = time.perf_counter()
+
+    def stop(self):
+        if self.start is None:
+            return time.perf_counter() - self.t0
+        self.end.record()
+        return self  # read at the decision (an event sync, tuning only)
+
+    @staticmethod
+    def seconds(t) -> float:
+        if isinstance(t, float):
+            return t
+        t.end.synchronize()
+        return t.start.elapsed_time(t.end) / 1e3
+
+
+class ChunkRace:
+    """One communicator's race and choice (``comm.auto``): ``begin`` before a call,
+    ``finish`` after it; ``report`` holds the decision, its medians and choices."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.calls = 0
+        self.entries: dict[tuple, dict] = {}  # (op, shape) -> {"calls", "cands", "turn", "times"}
+        self.kind: str | None = None  # "whole" or "pieces" once decided
+        self.best: dict[tuple, int] = {}  # (op, shape) -> piece count (pieces kind)
+        self.report: dict = {}
+
+    @staticmethod
+    def _key(op: str, x: torch.Tensor, w: torch.Tensor) -> tuple:
+        return op, tuple(x.shape), tuple(w.shape), x.dtype
+
+    def choice(self, op: str, x: torch.Tensor, w: torch.Tensor) -> int | None:
+        """The chunks a call of ``op`` on these shapes uses once decided (None while racing)."""
+        if self.kind is None:
+            return None
+        if self.kind == "whole":
+            return 1
+        return self.best.get(self._key(op, x, w), self.comm.world)
+
+    def begin(self, op: str, x: torch.Tensor, w: torch.Tensor):
+        """(chunks for this call, a token for ``finish`` or None, a timer or None)."""
+        done = self.choice(op, x, w)
+        if done is not None:
+            return done, None, None
+        key = self._key(op, x, w)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = {
+                "calls": 0, "cands": candidates(op, x.shape[0], self.comm.world), "turn": 0,
+                "times": {}}
+        if _whole_turn(self.calls):
+            chunks = 1
+        else:
+            chunks = entry["cands"][entry["turn"] % len(entry["cands"])]
+            entry["turn"] += 1
+        times = entry["times"].get(chunks)
+        if times is None:  # the first call of a (op, shape, count) settles, untimed
+            entry["times"][chunks] = []
+        return chunks, key, (None if times is None else _Timer(x.device))
+
+    def finish(self, key, chunks: int, timer) -> None:
+        """After a call that succeeded on every rank (its stamps agreed), so every rank's
+        tables are still the same and the decision falls on the same call everywhere."""
+        entry = self.entries[key]
+        if timer is not None:
+            entry["times"][chunks].append(timer.stop())
+        entry["calls"] += 1
+        self.calls += 1
+        full = all(len(e["times"].get(c, ())) >= TRIALS
+                   for e in self.entries.values() for c in [1] + e["cands"])
+        if full or self.calls >= MAX_RACE:
+            self._decide()
+
+    def _decide(self) -> None:
+        # Every rank holds the same entries in the same order (they made the same calls), so
+        # the flat vector of medians lines up across ranks; a missing one is +inf.
+        rows = [(key, c) for key, e in self.entries.items() for c in [1] + e["cands"]]
+        medians = torch.tensor(
+            [statistics.median(_Timer.seconds(t) for t in self.entries[k]["times"][c])
+             if self.entries[k]["times"].get(c) else float("inf") for k, c in rows],
+            dtype=torch.float64)
+        if self.comm.world > 1:
+            from overlap.tp.collectives import wait
+
+            work = dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.comm.group,
+                                   async_op=True)
+            wait(work, op="chunks='auto' decision", group=self.comm.group,
+                 timeout=self.comm.timeout)
+        slowest = dict(zip(rows, medians.tolist()))  # the race's one host sync
+        inf = float("inf")
+        whole = pieces = 0.0
+        for key, e in self.entries.items():
+            t_whole = slowest[(key, 1)]
+            t_pieces, c = min((slowest[(key, c)], c) for c in e["cands"])
+            self.best[key] = c if t_pieces != inf else self.comm.world
+            if t_whole != inf and t_pieces != inf:
+                whole += e["calls"] * t_whole
+                pieces += e["calls"] * t_pieces
+        self.kind = "whole" if whole < pieces else "pieces"
+        self.report = {"kind": self.kind, "race_calls": self.calls, "ops": {
+            f"{k[0]} x{list(k[1])} w{list(k[2])} {str(k[3]).replace('torch.', '')}": {
+                "chunks": 1 if self.kind == "whole" else self.best[k],
+                "median_ms": {c: round(slowest[(k, c)] * 1e3, 4)
+                              for c in [1] + self.entries[k]["cands"]}}
+            for k in self.entries}}
