@@ -23,7 +23,7 @@ README = os.path.join(ROOT, "README.md")
 MAX_README_LINES = 250
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
 MARKER = re.compile(r"<!-- snippet: (\S+) -->\n```python\n")
-LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+LINK = re.compile(r"\]\(([^)#\s]+\.[A-Za-z]+|[^)#\s]+/)(?:#[^)]*)?\)")  # a file or a dir
 
 
 def _read(path):
