@@ -6,11 +6,17 @@ treated as dead). Every communicator and call takes its own ``timeout=``; this i
 
 ``ALIGN``: byte alignment of every region of a userbuffer workspace (vector loads, cache
 lines), on CPU shared memory and GPU memory alike; ``align(n)`` rounds ``n`` bytes up to it.
+
+``positive_int`` and ``positive_seconds``: the argument checks every constructor and op shares,
+with one wording ("<what> must be a positive int, got 0"); a bool is refused (tp=True is a
+bug, not tp=1).
 """
 
 from __future__ import annotations
 
-__all__ = ["TIMEOUT_S", "ALIGN", "align"]
+import math
+
+__all__ = ["TIMEOUT_S", "ALIGN", "align", "positive_int", "positive_seconds"]
 
 TIMEOUT_S = 300.0
 ALIGN = 256
@@ -19,3 +25,23 @@ ALIGN = 256
 def align(n: int, to: int = ALIGN) -> int:
     """``n`` rounded up to a multiple of ``to``."""
     return (n + to - 1) // to * to
+
+
+def _shown(value) -> str:
+    return repr(value) if type(value) is int else f"{value!r} ({type(value).__name__})"
+
+
+def positive_int(value, what: str, *, where: str = "", extra: str = "") -> int:
+    """``value`` if it is an int >= 1 (not a bool), else ValueError "<what> must be a positive
+    int<extra>, got <value><where>"; ``where`` is e.g. " (rank 0 of group [0, 1])"."""
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{what} must be a positive int{extra}, got {_shown(value)}{where}")
+    return value
+
+
+def positive_seconds(value, what: str, *, where: str = "") -> float:
+    """``value`` as float seconds if it is a finite number > 0 (not a bool), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 < value < math.inf:
+        raise ValueError(f"{what} must be a positive number of seconds, got {value!r}{where}")
+    return float(value)

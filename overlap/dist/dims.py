@@ -49,6 +49,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from overlap.defaults import positive_int
+
 __all__ = ["ParallelDims", "AXES"]
 
 # Mesh order, outermost first. ep is not a mesh dim: it is carved out of dp.
@@ -57,15 +59,10 @@ _ALL_AXES = ("tp", "cp", "pp", "dp", "ep")
 
 
 def _check_degree(name: str, value: Any, *, allow_infer: bool = False) -> None:
-    # bool is an int subclass; tp=True is a bug, not tp=1.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"ParallelDims: {name} must be a positive int, got {value!r} "
-                         f"({type(value).__name__})")
-    if value == -1 and allow_infer:
+    if value == -1 and allow_infer and type(value) is int:
         return
-    if value < 1:
-        extra = " (or -1 to infer it from the world size)" if allow_infer else ""
-        raise ValueError(f"ParallelDims: {name} must be a positive int{extra}, got {value}")
+    positive_int(value, f"ParallelDims: {name}",
+                 extra=" (or -1 to infer it from the world size)" if allow_infer else "")
 
 
 def _ranks_per_node_default(world_size: int) -> int:

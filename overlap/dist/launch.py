@@ -38,6 +38,8 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Literal, Sequence
 
+from overlap.defaults import positive_int, positive_seconds
+
 __all__ = ["launch", "LaunchError", "RankOutcome", "leaked_shm_segments"]
 
 SHM_DIR = "/dev/shm"
@@ -197,10 +199,8 @@ def launch(
     ``preload`` names extra modules the fork server imports once (it only matters on the first
     launch of this process), so that ranks do not each pay for importing them.
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"launch: world_size must be a positive int, got {world_size!r}")
-    if timeout <= 0:
-        raise ValueError(f"launch: timeout must be > 0 seconds, got {timeout}")
+    positive_int(world_size, "launch: world_size")
+    positive_seconds(timeout, "launch: timeout")
     import torch.distributed as dist
 
     kwargs = kwargs or {}

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.comm import quant
-from overlap.defaults import TIMEOUT_S
+from overlap.defaults import TIMEOUT_S, positive_seconds
 from overlap.comm.quant.checks import comm_dtype_arg
 
 __all__ = ["ReducerConfig", "Bucket", "Layout", "build_layout", "COMM_DTYPES", "BucketWork",
@@ -110,10 +110,7 @@ class ReducerConfig:
             raise ValueError(f"GradReducer: op must be 'avg' or 'sum', got {self.op!r}")
         if self.error_feedback and self.comm_dtype == "fp32":
             raise ValueError("GradReducer: error_feedback=True needs comm_dtype 'bf16' or 'int8'")
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) \
-                or not self.timeout > 0:
-            raise ValueError(f"GradReducer: timeout must be a positive number of seconds, got "
-                             f"{self.timeout!r}")
+        positive_seconds(self.timeout, "GradReducer: timeout")
 
 
 @dataclasses.dataclass(slots=True)

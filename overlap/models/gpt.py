@@ -21,6 +21,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from overlap.defaults import positive_int
 
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "GPTEmbedding", "GPTHead",
            "gpt_loss", "pipeline_piece_costs"]
@@ -40,8 +41,7 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layer", "n_head", "mlp_ratio"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig: {name} must be a positive int, got {value!r}")
+            positive_int(value, f"GPTConfig: {name}")
         if self.d_model % self.n_head:
             raise ValueError(f"GPTConfig: d_model={self.d_model} must be divisible by "
                              f"n_head={self.n_head}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from overlap.pp.check import validate
 from overlap.pp.plan import check_all
 from overlap.pp.schedules import SCHEDULES, PipelineSchedule, lower
+from overlap.defaults import positive_int
 
 __all__ = ["build_schedule"]
 
@@ -19,9 +20,7 @@ def build_schedule(name: str, *, pp_size: int, num_microbatches: int,
                          f"{sorted(SCHEDULES)}")
     for arg, val in (("pp_size", pp_size), ("num_microbatches", num_microbatches),
                      ("num_virtual", num_virtual)):
-        if not isinstance(val, int) or val < 1:
-            raise ValueError(f"pp build_schedule({name}): {arg} must be a positive int, "
-                             f"got {val!r}")
+        positive_int(val, f"pp build_schedule({name}): {arg}")
     if num_virtual > 1 and name != "interleaved_1f1b":
         raise ValueError(f"pp build_schedule({name}): num_virtual={num_virtual} needs "
                          "'interleaved_1f1b'; the other schedules run one chunk per rank")

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.symm.base import PeerDied, SignalTimeout, SymmetricWorkspace, group_name
+from overlap.defaults import positive_int, positive_seconds
 
 __all__ = ["SymmetricWorkspace", "SignalTimeout", "PeerDied", "create_workspace", "group_name"]
 
@@ -46,13 +47,10 @@ def create_workspace(group: dist.ProcessGroup, nbytes: int, *, num_signals: int 
     """
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"create_workspace: group must be a ProcessGroup, got {type(group).__name__}")
-    if not isinstance(nbytes, int) or nbytes <= 0:
-        raise ValueError(f"create_workspace: nbytes must be a positive int, got {nbytes!r} "
-                         f"(rank {dist.get_rank(group)})")
-    if not isinstance(num_signals, int) or num_signals <= 0:
-        raise ValueError(f"create_workspace: num_signals must be a positive int, got {num_signals!r}")
-    if timeout <= 0:
-        raise ValueError(f"create_workspace: timeout must be > 0 seconds, got {timeout}")
+    where = f" (rank {dist.get_rank(group)})"
+    positive_int(nbytes, "create_workspace: nbytes", where=where)
+    positive_int(num_signals, "create_workspace: num_signals", where=where)
+    positive_seconds(timeout, "create_workspace: timeout", where=where)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if kind == "auto":
         kind = "cuda" if dev.type == "cuda" else "shm"

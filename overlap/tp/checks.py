@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.symm.workspace import group_name
+from overlap.defaults import positive_int
 
 __all__ = ["DTYPE_CODES", "BACKENDS", "OPS", "validate", "check_across_ranks", "where"]
 
@@ -72,8 +73,7 @@ def validate(op: str, x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGr
         raise ValueError(f"{op}: x.shape[0] = {x.shape[0]} (the scattered dim M) must be "
                          f"divisible by the group size {world}{at}")
     if chunks is not None:
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
-            raise ValueError(f"{op}: chunks must be a positive int or None, got {chunks!r}{at}")
+        positive_int(chunks, f"{op}: chunks", extra=" or None", where=at)
         if op != "matmul_all_reduce" and chunks != 1 and chunks % world:
             raise ValueError(f"{op}: chunks = {chunks} must be 1 (the whole collective) or a "
                              f"multiple of the group size {world} (chunks/world pieces per "

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch._library.opaque_object import MemberType, register_opaque_type
 from torch._opaque_base import OpaqueBase
 
-from overlap.defaults import TIMEOUT_S
+from overlap.defaults import TIMEOUT_S, positive_int, positive_seconds
 from overlap.dist.host import host_id
 from overlap.dist.stamp import Agreement
 from overlap.symm.workspace import group_name
@@ -87,13 +87,9 @@ class TPComm(OpaqueBase):
         at = f" (rank {self.rank} of group {group_name(group)})"
         if backend not in BACKENDS:
             raise ValueError(f"TPComm: backend must be one of {BACKENDS}, got {backend!r}{at}")
-        if chunks != AUTO and (isinstance(chunks, bool) or not isinstance(chunks, int)
-                               or chunks <= 0):
-            raise ValueError(f"TPComm: chunks must be a positive int or 'auto', got "
-                             f"{chunks!r}{at}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"TPComm: timeout must be a positive number of seconds, got "
-                             f"{timeout!r}{at}")
+        if chunks != AUTO:
+            positive_int(chunks, "TPComm: chunks", extra=" or 'auto'", where=at)
+        positive_seconds(timeout, "TPComm: timeout", where=at)
         self.chunks = chunks
         self.auto = ChunkRace(self) if chunks == AUTO else None
         self.timeout = float(timeout)

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from overlap.defaults import ALIGN, align
+from overlap.defaults import ALIGN, align, positive_int
 from overlap.kernels.triton import INTERPRET
 
 __all__ = ["INTERPRET", "INTERP_SPINS_PER_S", "spin_wait", "publish", "arrive_last",
@@ -340,8 +340,7 @@ def begin_call(op: str, ws, phase: int) -> tuple[OpState, int, int]:
     differently, so sharing one workspace between them would let one op's peer writes land in
     a region the other op is still reading.
     """
-    if isinstance(phase, bool) or not isinstance(phase, int) or phase <= 0:
-        raise ValueError(f"{op}: phase must be a positive int, got {phase!r} (rank {ws.rank})")
+    positive_int(phase, f"{op}: phase", where=f" (rank {ws.rank})")
     state = getattr(ws, _STATE_ATTR, None)
     if state is None:
         state = OpState(op=op)
