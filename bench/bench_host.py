@@ -258,8 +258,8 @@ def main(cfg: BenchConfig) -> None:
                      "calls on every rank, by overlap-analyze's code; times of a traced run "
                      "include the profiler's overhead.")
     table = Table("Host overhead per fused TP op vs torch.distributed collective + matmul",
-                  trace_columns(["op", "impl", "chunks", "wall_us", "wall_x", "nowait_us", "nowait_x",
-                                 "cpu_us", "cpu_x", "spread"], cfg, after="cpu_x"),
+                  trace_columns(["op", "impl", "chunks", "wall_us", "wall_x", "nowait_us",
+                                 "nowait_x", "cpu_us", "cpu_x", "spread"], cfg, after="cpu_x"),
                   notes=notes)
     finish_trace_column(cfg, rows, cfg.out, prog)
     for row in rows:

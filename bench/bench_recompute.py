@@ -71,7 +71,7 @@ def _build(cfg: BenchConfig, base, mode: str, comm):
 
     model = copy.deepcopy(base)
     if comm is not None:
-        from overlap.models.plans import gpt_plan
+        from overlap.models.tp_plans import gpt_plan
         from overlap.nn.parallelize import parallelize
 
         parallelize(model, comm=comm, plan=gpt_plan(loss_parallel=True),

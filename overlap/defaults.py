@@ -1,8 +1,9 @@
 """Values the whole runtime shares, each defined once.
 
 ``TIMEOUT_S``: how long any communication wait of the TP ops, region collectives, quantized
-collectives and DP buckets may take before it fails, naming the op (a peer slower than this is
-treated as dead). Every communicator and call takes its own ``timeout=``; this is the default.
+collectives, DP buckets, userbuffer workspaces and pipeline P2P may take before it fails, naming
+the op (a peer slower than this is treated as dead). Every communicator and call takes its own
+``timeout=``; this is the default.
 
 ``ALIGN``: byte alignment of every region of a userbuffer workspace (vector loads, cache
 lines), on CPU shared memory and GPU memory alike; ``align(n)`` rounds ``n`` bytes up to it.

@@ -46,7 +46,8 @@ def _snippets():
 
 def test_readme_is_short():
     n = _read(README).count("\n")
-    assert n <= MAX_README_LINES, f"README.md has {n} lines (at most {MAX_README_LINES}): move depth to docs/"
+    assert n <= MAX_README_LINES, (f"README.md has {n} lines (at most {MAX_README_LINES}): "
+                                   "move depth to docs/")
 
 
 def _file_map():
@@ -115,7 +116,8 @@ def test_code_blocks_are_snippets_ci_commands_or_output():
     for doc in _doc_files():
         text = _read(doc)
         for block in FENCE.finditer(text):
-            lang, body, where = block.group(1), block.group(2), f"{_rel(doc)}:{text.count(chr(10), 0, block.start()) + 1}"
+            lang, body = block.group(1), block.group(2)
+            where = f"{_rel(doc)}:{text.count(chr(10), 0, block.start()) + 1}"
             if lang == "python":
                 marker = MARKER.search(text, max(0, block.start() - 200), block.start() + 11)
                 if not marker or marker.end() != block.start() + len("```python\n"):

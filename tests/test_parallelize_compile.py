@@ -25,7 +25,7 @@ def _rel(got, want, floor=1e-12):
 
 def _gpt_block(backend):
     from overlap.models import GPT, GPTConfig
-    from overlap.models.plans import gpt_plan
+    from overlap.models.tp_plans import gpt_plan
     from overlap.nn import parallelize
 
     torch.manual_seed(0)
@@ -103,7 +103,7 @@ def _whole_model_job(which, backend):
         torch.manual_seed(0)
         if which == "gpt-sp":
             from overlap.models import GPT, GPTConfig
-            from overlap.models.plans import gpt_plan
+            from overlap.models.tp_plans import gpt_plan
 
             model = GPT(GPTConfig(vocab_size=61, seq_len=16, d_model=32, n_layer=2, n_head=4))
             return parallelize(model, tp_group=dist.group.WORLD, sequence_parallel=True,

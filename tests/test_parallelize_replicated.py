@@ -63,7 +63,7 @@ def _rel(got, want, scale):
 
 
 def _qwen3_job(world, backend, plan_kind):
-    from overlap.models.plans import llama_plan
+    from overlap.models.tp_plans import llama_plan
     from overlap.nn import gather_grads, gather_state_dict, parallelize
     from overlap.tp import TPComm
 

@@ -95,7 +95,7 @@ class _Two(nn.Module):
 
 
 def _verify_job(world):
-    from overlap.models.plans import llama_plan, plan_for
+    from overlap.models.tp_plans import llama_plan, plan_for
     from overlap.nn import TPPlan, parallelize
     from overlap.nn.layers import TPModule
     from overlap.tp import close_default_comms

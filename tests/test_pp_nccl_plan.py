@@ -5,7 +5,7 @@ sends, for every schedule x p in {2, 4, 8} x m in {p, ..., 4p} x v in {1, 2} (si
 import pytest
 
 from overlap.pp import ScheduleError, build_schedule
-from overlap.pp.plan import NcclOrderDeadlock, channels_of, check_nccl_order, rank_plan
+from overlap.pp.programs import NcclOrderDeadlock, channels_of, check_nccl_order, rank_plan
 
 GRID = [(name, p, m, 1) for name in ("gpipe", "1f1b", "zb_h1")
         for p in (2, 4, 8) for m in range(p, 4 * p + 1)]

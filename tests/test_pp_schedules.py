@@ -12,7 +12,8 @@ import dataclasses
 
 import pytest
 
-from overlap.pp import ScheduleError, build_schedule, diagram, render_table, simulate, validate
+from overlap.pp import (ScheduleError, build_schedule, check_schedule, diagram, render_table,
+                        simulate)
 from overlap.pp.schedules import Action, lower, one_f_one_b
 
 CASES = [(name, p, m, 1) for name in ("gpipe", "1f1b", "zb_h1")
@@ -90,7 +91,7 @@ def test_bad_arguments_are_clear_errors():
 
 
 def _validate(actions, p, m, v=1):
-    return validate(actions, pp_size=p, num_stages=p * v, num_microbatches=m, name="test")
+    return check_schedule(actions, pp_size=p, num_stages=p * v, num_microbatches=m, name="test")
 
 
 def test_validation_rejects_deadlock():

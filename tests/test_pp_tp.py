@@ -32,7 +32,7 @@ def _pp_tp(name: str, m: int, backend: str):
     from overlap.tp import close_default_comms
     from overlap.nn.embedding import vocab_parallel_cross_entropy
     from overlap.nn.parallelize import gather_grads, parallelize
-    from overlap.models.plans import gpt_plan
+    from overlap.models.tp_plans import gpt_plan
 
     dims = ParallelDims.build(tp=2, pp=2, dp=1)
     ref, model = _gpt(), _gpt()

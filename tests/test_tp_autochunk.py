@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from harness import run_ranks
+from test_tp_agreement import _reference  # the unfused product from every rank's inputs
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 K, N = 16, 8
@@ -28,16 +29,6 @@ def _inputs(rows, world, seed, dtype=torch.float32):
     xs = [torch.randn(rows, K, generator=g).to(dtype) for _ in range(world)]
     ws = [torch.randn(K, N, generator=g).to(dtype) for _ in range(world)]
     return xs, ws
-
-
-def _reference(opname, xs, ws, rank, world):
-    if opname == "all_gather_matmul":
-        return torch.cat(xs) @ ws[rank]
-    full = sum(x @ w for x, w in zip(xs, ws))
-    if opname == "matmul_reduce_scatter":
-        m = full.shape[0] // world
-        return full[rank * m:(rank + 1) * m]
-    return full
 
 
 def _race_to_the_end(backend):

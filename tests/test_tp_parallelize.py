@@ -148,7 +148,7 @@ def _dtensor_compare(ref, run, world, out, prefix, names, heads_attr, **parallel
 
 def _gpt_cases(world, out):
     from overlap.nn.parallelize import parallelize
-    from overlap.models.plans import gpt_plan
+    from overlap.models.tp_plans import gpt_plan
 
     group = dist.group.WORLD
     for sp, backend, loss_parallel in ((False, "chunked", False), (True, "chunked", False),
@@ -249,7 +249,7 @@ def _plan_errors():
 
     from overlap.nn.layers import TPModule
     from overlap.nn.parallelize import TPPlan, parallelize
-    from overlap.models.plans import gpt_plan, plan_for
+    from overlap.models.tp_plans import gpt_plan, plan_for
 
     group, out = dist.group.WORLD, {}
     # 6 heads over 4 ranks, a LayerNorm asked to be a column, a pattern that matches nothing.

@@ -35,7 +35,7 @@ def _measure(s, b, h, a, *, tp, sp, mode):
                           dropout=0.1)).to(torch.bfloat16)
     comm = None
     if tp > 1:
-        from overlap.models.plans import gpt_plan
+        from overlap.models.tp_plans import gpt_plan
         from overlap.nn.parallelize import parallelize
         from overlap.tp import TPComm
 

@@ -1,20 +1,21 @@
 """List the files on the call path from an nn layer's forward to each backend's launcher.
 
-    python tools/engine_path.py            # ColumnParallelLinear.forward and RowParallelLinear.forward
+    python tools/engine_path.py                 # from Column/RowParallelLinear.forward
     python tools/engine_path.py --max-files 4   # exit 1 if any path crosses more files
 
-Static: the source is parsed with ``ast``, nothing is imported or run. A call edge goes from
-a function (its lambdas and nested functions included) to the functions its calls name, or
-hand over as an argument (``call_op(name, impl, ...)``): ``f(...)`` through the module's own definitions and imports, ``mod.f(...)`` through an
-imported module, ``Fn.apply(...)`` to an autograd Function's ``forward``, and ``obj.m(...)``
-to every method ``m`` of the classes the caller's module defines or imports from overlap
-(``self``, ``run``, ``comm`` and the like are not typed, so a method name stands for every
-such method), and ``mod().f(...)`` on a module the caller imports at run time
-(``importlib.import_module("overlap...")``) to that module's ``f`` or what it re-exports. A launcher is a function that starts the transfer or the kernel: a Triton
-``kernel[grid](...)`` launch, a torch.distributed P2P or collective call, or the copy
-worker's enqueue. For each backend the shortest path through its backend class (fewest
-files, then fewest calls) is printed with its files; a file that only re-exports a name is no
-frame on the path and is not counted. docs/design/engine.md explains the shape this checks.
+Static: the source is parsed with ``ast``, nothing is imported or run. A call edge goes from a
+function (its lambdas and nested functions included) to the functions its calls name, or hand
+over as an argument (``call_op(name, impl, ...)``): ``f(...)`` through the module's own
+definitions and imports, ``mod.f(...)`` through an imported module, ``Fn.apply(...)`` to an
+autograd Function's ``forward``, and ``obj.m(...)`` to every method ``m`` of the classes the
+caller's module defines or imports from overlap (``self``, ``run``, ``comm`` and the like are
+not typed, so a method name stands for every such method), and ``mod().f(...)`` on a module the
+caller imports at run time (``importlib.import_module("overlap...")``) to that module's ``f`` or
+what it re-exports. A launcher is a function that starts the transfer or the kernel: a Triton
+``kernel[grid](...)`` launch, a torch.distributed P2P or collective call, or the copy worker's
+enqueue. For each backend the shortest path through its backend class (fewest files, then fewest
+calls) is printed with its files; a file that only re-exports a name is no frame on the path and
+is not counted. docs/design/engine.md explains the shape this checks.
 """
 
 from __future__ import annotations

@@ -1,65 +1,13 @@
 """GradReducer: bucketed, asynchronous data-parallel gradient reduction under the backward pass.
 
-Every parameter's ``.grad`` is a view into one flat buffer per dtype, laid out in buckets (see
-``overlap.dp.buckets``). A post-accumulate-grad hook counts the gradients of each bucket; the
-moment a bucket's last gradient is accumulated its collective is launched with ``async_op=True``
-and runs (on the backend's threads / NCCL stream) under the rest of the backward::
-
-    backward:  dL/dW_L ... [bucket 0 full] -> launch(0) ... [bucket 1 full] -> launch(1) ...
-    comm:                                     |--- reduce(0) ---|        |--- reduce(1) ---|
-    end of backward (autograd's final callback): finish() = launch the rest, wait for all
-
-**Where the wait happens.** On the first hook of a backward, a callback is queued on the
-autograd engine (``Variable._execution_engine.queue_callback``, as torch DDP does); it runs
-``finish()`` when the backward pass ends, so after ``loss.backward()`` returns the gradients are
-reduced. ``finish()`` may also be called explicitly (it is a no-op when there is nothing to do);
-call it after a backward in which this rank's loss touched no parameter at all.
-
-**Issue order.** Collectives on a group must be issued in the same order on every rank, so
-buckets launch strictly in index order: when bucket ``i`` becomes ready, every consecutive ready
-bucket from the first unlaunched one is launched.
-
-**Bucket order.** At first, reverse registration order (the backward roughly runs the forward
-backwards). After the first synchronising backward, the buckets are rebuilt in the order the
-gradients actually became ready *on DP rank 0* (broadcast over the DP group, so every rank
-agrees), the flat buffer is reallocated and the ``.grad`` views re-pointed (contents copied).
-
-**Unused parameters.** No graph traversal: ``finish()`` launches every bucket not launched
-yet, in index order; a parameter the backward did not reach contributes its ``.grad`` (zero if
-None), as DDP's ``find_unused_parameters`` does.
-
-**Host work per step.** Per parameter, only the gradient hook: it folds a fresh gradient
-(``optimizer.zero_grad(set_to_none=True)`` leaves None, AccumulateGrad makes a new tensor) into
-the flat buffer with one copy, or does nothing when AccumulateGrad already added in place. No
-memset of the views before a backward, no allocation, no per-parameter forward hook; the rest is
-per bucket.
-
-**Main grads** (``grad_dtype=torch.float32`` with bf16/fp16 parameters): such a parameter's
-gradient lives in an fp32 buffer exposed as ``p.main_grad``; the hook adds each low-precision
-gradient into it (divided by the DP size with ``op="avg"``, also inside ``no_sync``) and sets
-``p.grad`` back to None, so accumulation and reduction run in fp32 (or the chosen
-``comm_dtype``). A main grad holds the reduced gradient after
-``finish()`` until the next backward, which starts it anew (``zero_grad()`` zeroes it too). The unused set may differ between
-ranks and iterations; the rebuild puts parameters unused in iteration 0 in the last buckets.
-
-**Average.** ``op="avg"`` divides each gradient by the DP size as the hook folds it into the
-bucket (one pass: ``torch.mul(g, 1/dp, out=view)``), so the bucket needs no pass of its own
-before its sum collective (not every gloo has ReduceOp.AVG, and pre-dividing keeps
-low-precision sums in range). During a synchronising backward ``.grad`` is detached from the
-buffer until the bucket launches; inside ``no_sync()`` it is the view holding the local
-(undivided) sum, which the next synchronising backward divides in place.
-
-**Lossy communication.** ``comm_dtype="bf16"`` or ``"int8"`` sends each bucket through
-``overlap.comm.quant`` (async; its per-element error bound is documented there, about
-``S/127`` for int8 and ``S/128`` for bf16 with ``S = sum_r max|g_r| / dp`` over a block);
-``error_feedback=True`` carries each bucket's residual to the next step. Parameters (the
-ShardedOptimizer's all-gather) always travel exactly.
-
-**Sharded mode** (``shard=True``, used by ``ShardedOptimizer``): buckets are padded to a
-multiple of the DP size and reduced with a reduce-scatter, so DP rank ``r`` receives the summed
-slice ``r`` of each bucket in ``grad_shard(bucket)``; ``p.grad`` then holds this rank's local,
-unreduced gradient. The first synchronising iteration (before the rebuild) uses an all-reduce
-so the rebuilt layout can be filled.
+Every ``.grad`` is a view into one flat buffer per dtype, cut into buckets (overlap.dp.buckets);
+a bucket's collective launches (async, strictly in bucket order on every rank) from the
+post-accumulate-grad hook that completes it, and autograd's final callback waits for all, so
+the gradients are reduced when ``loss.backward()`` returns. Options: ``op`` avg/sum,
+``comm_dtype`` fp32/bf16/int8 (overlap.comm.quant), main grads (``grad_dtype``), ``shard=True``
+(reduce-scatter, for ShardedOptimizer), ``bucket_cap_mb="auto"`` (overlap.dp.autobucket).
+Every bucket carries an agreement stamp (overlap.dp.stamps); a failed bucket fails the reducer.
+The design (bucket order, hooks, averaging, main grads): docs/design/dp.md.
 
 Shape legend: ``n_b`` padded elements of bucket b, ``dp`` DP size, ``r`` DP rank::
 

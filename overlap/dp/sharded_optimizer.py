@@ -1,13 +1,11 @@
 """ShardedOptimizer: ZeRO-1/2 style optimizer over a sharded GradReducer.
 
-Each DP rank owns slice ``r`` of every gradient bucket (``GradReducer(shard=True)`` pads every
-bucket to a multiple of ``dp`` and reduce-scatters it under the backward). For its slices only,
-the rank keeps fp32 master weights and the wrapped torch optimizer's state: the inner optimizer
-(any ``torch.optim.Optimizer`` class, built with the given keyword arguments) runs over flat
-fp32 ``nn.Parameter`` *segments* of the bucket shards, one per run of consecutive parameters
-that share a param group (one segment per bucket shard when there is one group). After the
-step, the updated shards are all-gathered, bucket by bucket, into flat parameter buffers (one
-per parameter dtype) of which every ``p.data`` is a view.
+DP rank ``r`` owns slice ``r`` of every (padded) gradient bucket: it keeps fp32 masters and the
+inner optimizer's state (any ``torch.optim.Optimizer`` class) for those slices only, steps
+them, and all-gathers the updated shards asynchronously into flat parameter buffers; each
+module's forward pre-hook waits only for its own buckets. Param groups, mixed precision
+(fp32 masters and main grads with bf16 parameters), checkpoints by shard pieces: see
+docs/design/dp.md.
 
 Shape legend: ``n_b`` padded elements of bucket b (a multiple of ``dp``), ``r`` DP rank::
 
@@ -15,49 +13,6 @@ Shape legend: ``n_b`` padded elements of bucket b (a multiple of ``dp``), ``r`` 
     clip:      g_shard_b *= min(1, max_norm / ||g||)  (||g|| over every rank, see grad_norm_sq)
     step:      w_master_shard_b (n_b/dp, fp32) = inner_step(w_master_shard_b, g_shard_b)
     gather:    w_b (n_b, param dtype)  = all_gather(cast(w_master_shard_b))  (async)
-
-``g_shard_b`` has the gradient buffer's dtype (fp32 with main grads), ``w_b`` the parameters'
-(bf16 in mixed precision); the masters are always fp32.
-
-**Mixed precision.** With bf16 (or fp16) parameters and a reducer built with
-``grad_dtype=torch.float32`` (Megatron's main grads), the gradient buckets, their reduction and
-``grad_shard`` are fp32 while the parameters stay bf16: the masters are fp32 copies of this
-rank's parameter shard, stepped from the fp32 gradient shard with no cast, then cast to the
-parameter dtype into the send buffer of the all-gather. The parameters live in flat buffers of
-their own, one per parameter dtype, laid out bucket by bucket like the gradient buckets (so a
-bucket's shard is the same element range in both); every parameter of one bucket must
-therefore share a dtype (a ValueError says which bucket does not).
-
-**Param groups.** ``param_groups=[{"params": [...], "weight_decay": 0.0}, ...]`` (tensors of
-``reducer.module``, torch's format) gives hyper-parameters per parameter; parameters not listed
-join a first group with the keyword defaults. Groups are cut out of the bucket shards as
-segments, so a group costs no extra copy and ``param_groups`` (for an LR schedule) are the
-inner optimizer's, in the order given (the default group first).
-
-**Overlap with the next forward.** ``step()`` issues every bucket's all-gather right away
-(asynchronously, in forward order: buckets sorted by their first parameter's registration
-index) and returns. A forward pre-hook on each submodule that owns parameters waits only for
-the buckets holding *its* parameters, so the gathers of later layers run under the forward of
-earlier ones. All gathers are issued at once rather than from the hooks: which modules run can
-differ between ranks (data-dependent branches), and collectives must be issued in the same
-order on every rank. ``wait_params()`` waits for all of them (before reading parameters outside
-a forward, e.g. for a checkpoint); the next ``step()`` does too.
-
-**Memory.** Optimizer state and fp32 master weights are 1/dp of the unsharded ones (plus bucket
-padding); ``state_bytes()`` measures it. The full-size gradient buffer stays (ZeRO-1 memory with
-ZeRO-2 communication): ``p.grad`` holds this rank's local gradient, the reduced slice is in
-``reducer.grad_shard``.
-
-**Checkpoints.** ``state_dict()`` / ``load_state_dict()`` hold this rank's shard (masters,
-inner state, hyper-parameters) for the same layout (same dp, buckets and groups).
-``shard_pieces()`` says which element range of which parameter each piece of the shard holds,
-so a layout-independent checkpoint (``overlap.train.checkpoint``, DCP) can save each piece as
-the slice of the full parameter it is, and load it back under any dp.
-
-**Backends.** The reduce-scatter and all-gather are the backend's own flat-tensor collectives
-(``reduce_scatter_single`` / ``all_gather_single``, native on NCCL and, in torch 2.13, on
-gloo); with ``comm_dtype`` "bf16"/"int8" the reduce-scatter goes through
-``overlap.comm.quant.reduce_scatter`` on both. Parameters are always gathered exactly.
 """
 
 from __future__ import annotations

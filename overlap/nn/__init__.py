@@ -11,7 +11,7 @@ from overlap.nn.dtensor import dtensor_state_dict, expose_dtensors, load_dtensor
 from overlap.nn.embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from overlap.nn.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_shared
 from overlap.nn.parallelize import gather_grads, gather_state_dict, parallelize
-from overlap.nn.plan import STYLES, Style, TPPlan
+from overlap.nn.tp_plan import STYLES, Style, TPPlan
 from overlap.nn.sequence import (SequenceParallelLayerNorm, SequenceParallelRMSNorm,
                                  SequenceShardedPositions, sequence_parallel_norm,
                                  sum_grads_over_tp)

@@ -18,42 +18,12 @@ style; the first pattern that matches a module wins. Styles (strings or ``Style`
                    (Qwen3's per-head ``q_norm``): its parameters' gradients are summed over TP
 =================  =========================================================================
 
-Replicated parameters inside a sharded region: a module the plan leaves alone that runs on
-activations sharded over TP (its input on the probe has another shape than in the unsharded
-model: a per-head norm between the column-parallel q/k projections and the row-parallel
-output, a norm on sequence shards) sees only this rank's part, so its parameters' gradients
-would be partial sums. ``parallelize`` finds these modules on the probe and makes them sum
-their gradients over TP (``overlap.nn.sum_grads_over_tp``), whether or not the plan names them
-with ``sum_grads``; a replicated parameter used that way in its own region's forward (no
-module of its own to mark) is refused by verification, by name.
-
-Fused layouts are data on a ``Style``: ``parts=(q, k, v)`` (unequal block sizes, in features,
-or in heads with ``head_dim=``) and ``layout="per_head"`` with ``heads=`` (q, k, v interleaved
-per head, as GPT-NeoX and Bloom store them). See ``overlap.nn.plan.Style``.
-
-A matched module whose type overrides ``forward`` (Gemma's scaled embedding) is wrapped so its
-own forward still runs on top of the TP layer (``subclasses="wrap"``, overlap.nn.wrap), or
-refused (``"refuse"``), or replaced plainly (``"replace"``).
-
-Verification (``verify=True``, the default; overlap.nn.verify): the weights must be identical
-on every TP rank; every replaced layer and every module containing one (attention, MLP, ...)
-is re-run on a probe after replacement and compared with what the unsharded module computed
-(output and input gradient). ``verify="model"`` also compares the whole model's output. A
-mismatch restores the unsharded model and raises one ValueError naming the module, the style,
-the error and the likely cause. ``verify=False`` skips all of it.
-
-``divide`` in the plan names integer attributes (head counts, split sizes) of matched modules
-that hold *per-rank* sizes at run time; they are divided by tp. Every check (unknown pattern,
-wrong module type, sizes or head counts that tp does not divide, weights tied across modules
-that would be sharded differently, arch-specific checks) runs before anything is changed, and
-all failures are reported together in one ValueError.
-
-Weights tied across modules (GPT-2 ties ``lm_head`` to ``wte``) stay tied when every module of
-the tie is sharded the same way (embedding rows and head output rows are): the shards are
-shared.
-
-``gather_state_dict(model)`` / ``gather_grads(model)``: the unsharded state dict / parameter
-gradients, keyed and shaped like the original model's (collective over the TP group).
+Contract: every check (patterns, module types, divisibility, ties) runs before anything is
+changed and all failures come in one ValueError; with ``verify`` (the default, overlap.nn.probes)
+the parallel model is compared with the unsharded one on a probe, and a mismatch restores the
+unsharded model and raises naming the module, style, error and likely cause. Replicated modules
+found running on TP-sharded activations sum their gradients over TP. Fused layouts, subclass
+wrapping, ``divide``, ties and the gather helpers: docs/parallelize.md.
 """
 
 from __future__ import annotations
@@ -68,11 +38,11 @@ import torch.nn as nn
 from overlap.nn.embedding import VocabParallelEmbedding
 from overlap.nn.layers import (ColumnParallelLinear, RowParallelLinear, TPModule, linear_weight,
                                resolve_comm)
-from overlap.nn.plan import STYLES, Style, TPPlan
+from overlap.nn.probes import check_same_weights
 from overlap.nn.sequence import (SequenceShardedPositions, sequence_parallel_norm,
                                  sum_grads_over_tp, undo_sum_grads_over_tp)
-from overlap.nn.verify import check_same_weights
-from overlap.nn.verifier import Verifier
+from overlap.nn.tp_plan import STYLES, Style, TPPlan
+from overlap.nn.verification import Verifier
 from overlap.nn.wrap import SUBCLASS_MODES, base_of, overridden, wrap_subclass
 from overlap.tp.comm import TPComm, owned_comm
 
@@ -327,7 +297,7 @@ def parallelize(model: nn.Module, *, dims=None, tp_group=None, comm: TPComm | No
                 backend: str = "auto", chunks: int | None = None,
                 check_inputs: bool = True, verify: bool | str = True, probe=None,
                 verify_tol: float | None = None, subclasses: str = "wrap") -> nn.Module:
-    """Replace ``model``'s modules by TP ones per ``plan`` (default: ``plans.plan_for(model)``)
+    """Replace ``model``'s modules by TP ones per ``plan`` (default: ``tp_plans.plan_for(model)``)
     on one TP communicator; returns ``model`` (changed in place).
 
     The communicator: ``comm=`` (a TPComm), or the default one of ``dims.tp_group`` /
@@ -370,7 +340,7 @@ def parallelize(model: nn.Module, *, dims=None, tp_group=None, comm: TPComm | No
         comm = resolve_comm("parallelize", comm, tp_group, dims)
     group = comm.group
     if plan is None:
-        from overlap.models.plans import plan_for
+        from overlap.models.tp_plans import plan_for
 
         plan = plan_for(model)
     if sequence_parallel and not plan.sequence_parallel:

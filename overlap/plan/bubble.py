@@ -59,7 +59,7 @@ def _actions(name: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...
 
 def peak_live(schedule: str, pp: int, m: int, v: int = 1) -> list[int]:
     """Peak live activations (stage-micro-batches) per pp rank, counted as
-    ``overlap.pp.check.validate`` counts them. Depends on m only up to the warm-up, so it is
+    ``overlap.pp.check.check_schedule`` counts them. Depends on m only up to the warm-up, so it is
     computed at ``min(m, 4p)`` (rounded to a multiple of p)."""
     m_eff = m if m <= 4 * pp else 4 * pp
     peaks = []

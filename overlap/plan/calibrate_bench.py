@@ -170,7 +170,7 @@ def bench_pipeline(iters: int, tp: int) -> dict[tuple[int, int], float]:
     dims = ParallelDims.build(tp=tp, pp=2)
     loss_fn = gpt_loss
     if tp > 1:
-        from overlap.models.plans import gpt_plan
+        from overlap.models.tp_plans import gpt_plan
         from overlap.nn import parallelize, vocab_parallel_cross_entropy
 
         def loss_fn(logits, targets):

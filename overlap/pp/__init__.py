@@ -8,13 +8,15 @@
 """
 
 from overlap.pp.build import build_schedule
-from overlap.pp.check import ScheduleError, SimResult, diagram, render_table, simulate, validate
+from overlap.pp.check import (ScheduleError, SimResult, check_schedule, diagram, render_table,
+                              simulate)
 from overlap.pp.executor import Pipeline, StepResult, Timeline, bubble_fractions
 from overlap.pp.p2p import P2P, P2PError
 from overlap.pp.schedules import SCHEDULES, Action, PipelineSchedule
 from overlap.pp.stage import PipelineStage, model_pieces, pipeline_stages, split_pieces
 
 __all__ = ["Action", "PipelineSchedule", "build_schedule", "SCHEDULES", "ScheduleError",
-           "validate", "simulate", "SimResult", "render_table", "diagram", "PipelineStage", "pipeline_stages",
+           "check_schedule", "simulate", "SimResult", "render_table", "diagram", "PipelineStage",
+           "pipeline_stages",
            "split_pieces", "model_pieces", "Pipeline", "StepResult", "Timeline",
            "bubble_fractions", "P2P", "P2PError"]

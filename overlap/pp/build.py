@@ -1,11 +1,11 @@
 """``build_schedule``: build a schedule's per-rank compute order, lower it (insert the sends and
 receives), validate it (compute order and memory, ``overlap.pp.check``) and prove its plans
-deadlock-free under NCCL's ordering rules (``overlap.pp.plan``)."""
+deadlock-free under NCCL's ordering rules (``overlap.pp.programs``)."""
 
 from __future__ import annotations
 
-from overlap.pp.check import validate
-from overlap.pp.plan import check_all
+from overlap.pp.check import check_schedule
+from overlap.pp.programs import check_all
 from overlap.pp.schedules import SCHEDULES, PipelineSchedule, lower
 from overlap.defaults import positive_int
 
@@ -34,7 +34,7 @@ def build_schedule(name: str, *, pp_size: int, num_microbatches: int,
     compute = SCHEDULES[name](pp_size, num_microbatches, num_virtual)
     num_stages = pp_size * num_virtual
     actions = lower(compute, pp_size, num_stages)
-    peak = validate(actions, pp_size=pp_size, num_stages=num_stages,
+    peak = check_schedule(actions, pp_size=pp_size, num_stages=num_stages,
                     num_microbatches=num_microbatches, name=name)
     schedule = PipelineSchedule(name=name, pp_size=pp_size, num_virtual=num_virtual,
                                 num_microbatches=num_microbatches,

@@ -1,6 +1,6 @@
 """Validate, simulate and print pipeline schedules (see overlap.pp.schedules for the vocabulary).
 
-``validate`` runs before any rank executes a schedule and proves:
+``check_schedule`` runs before any rank executes a schedule and proves:
 
 1. every (stage, micro-batch) has exactly one F and either one B or one I and one W, on the
    rank that owns the stage, in the order F < B, F < I < W;
@@ -25,7 +25,7 @@ from collections import Counter
 
 from overlap.pp.schedules import Action, Payload, PipelineSchedule, message_of, stage_rank
 
-__all__ = ["ScheduleError", "validate", "simulate", "SimResult", "render_table",
+__all__ = ["ScheduleError", "check_schedule", "simulate", "SimResult", "render_table",
            "render_timeline", "diagram", "DEFAULT_COSTS"]
 
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -101,7 +101,7 @@ def _run(actions, num_stages: int, costs: dict[str, float], where: str) -> SimRe
     return SimResult(events=events, makespan=max(clock))
 
 
-def validate(actions, *, pp_size: int, num_stages: int, num_microbatches: int,
+def check_schedule(actions, *, pp_size: int, num_stages: int, num_microbatches: int,
              name: str = "custom") -> list[int]:
     """Check the rules in the module docstring; return peak live activations per rank."""
     p, m = pp_size, num_microbatches

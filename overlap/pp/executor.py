@@ -1,10 +1,10 @@
 """Run a validated PipelineSchedule on this rank's stages: ``Pipeline(...).step(inputs, targets)``.
 
-The executor interprets its rank's plan (``overlap.pp.plan.rank_plan``): it posts batches on
+The executor interprets its rank's plan (``overlap.pp.programs.rank_plan``): it posts batches on
 per-direction channel communicators, waits for a received tensor right before the compute that
 consumes it, runs the compute, and hands its output to the next send. ``build_schedule`` has
 simulated exactly these plans of every rank under NCCL's ordering rules
-(``overlap.pp.plan.check_nccl_order``), so they cannot deadlock on NCCL.
+(``overlap.pp.programs.check_nccl_order``), so they cannot deadlock on NCCL.
 
 Shapes. Receive buffers need shapes before data arrives. At the start of every step pp rank 0
 publishes a 63-bit digest of its micro-batches' shapes and dtypes through the job's store (host
@@ -34,8 +34,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from overlap.defaults import TIMEOUT_S
 from overlap.pp.p2p import HEADER_LEN, P2P, P2PError, decode_header, encode_header
-from overlap.pp.plan import channels_of, rank_plan
+from overlap.pp.programs import channels_of, rank_plan
 from overlap.pp.schedules import Action, Kind, Message, Payload, PipelineSchedule, stage_rank
 from overlap.pp.stage import PipelineStage
 from overlap.profile import names, nvtx
@@ -111,11 +112,11 @@ class Pipeline:
 
     Construction is collective over ``pp_group``: the ranks check that they agree on the
     schedule, then create one two-rank communicator per direction of each pipeline link this
-    rank uses (see ``overlap.pp.plan``); ``close()`` releases them."""
+    rank uses (see ``overlap.pp.programs``); ``close()`` releases them."""
 
     def __init__(self, stages: Sequence[PipelineStage], schedule: PipelineSchedule, *,
                  loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
-                 pp_group: dist.ProcessGroup, timeout: float = 60.0):
+                 pp_group: dist.ProcessGroup, timeout: float = TIMEOUT_S):
         p, rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
         if not isinstance(schedule, PipelineSchedule):
             raise TypeError(f"pp Pipeline: schedule must be a PipelineSchedule (from "

@@ -2,7 +2,7 @@
 
 Every transfer is posted with ``dist.batch_isend_irecv`` on the communicator of its channel
 (one direction of one link; one call per channel and group of adjacent comm actions of a
-schedule, see ``overlap.pp.plan``) and returns at once; the executor waits on a receive only right before
+schedule, see ``overlap.pp.programs``) and returns at once; the executor waits on a receive only right before
 the compute that consumes it, and on a send only at the end of the step (send buffers are
 fresh tensors that nothing overwrites, so the step end is the first time a buffer could be
 reused). Transfers are issued on a comm stream of the device-neutral stream layer

@@ -25,11 +25,12 @@ runs. Messages on each ordered rank pair (src, dst) are received in exactly the 
 them (``lower`` posts a receive early enough that every receive earlier in that pair's send
 order is posted before it). Why this cannot deadlock, even under NCCL's rules (one op at a time
 per communicator, in issue order, and rendezvous sends): each direction of each link is a
-communicator of its own (``overlap.pp.plan``), so both of its ends hold the same messages in the
-same order; the executor blocks only when a compute action needs a received tensor; and
-:func:`overlap.pp.check.validate` (compute order) and :func:`overlap.pp.plan.check_nccl_order`
-(the posted batches, exactly as the executor posts them) simulate every rank to prove that every
-wait is eventually satisfied, before any rank runs the schedule.
+communicator of its own (``overlap.pp.programs``), so both of its ends hold the same messages in
+the same order; the executor blocks only when a compute action needs a received tensor; and
+:func:`overlap.pp.check.check_schedule` (compute order) and
+:func:`overlap.pp.programs.check_nccl_order` (the posted batches, exactly as the executor posts
+them) simulate every rank to prove that every wait is eventually satisfied, before any rank runs
+the schedule.
 """
 
 from __future__ import annotations

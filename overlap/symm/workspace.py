@@ -31,13 +31,13 @@ import torch
 import torch.distributed as dist
 
 from overlap.symm.base import PeerDied, SignalTimeout, SymmetricWorkspace, group_name
-from overlap.defaults import positive_int, positive_seconds
+from overlap.defaults import TIMEOUT_S, positive_int, positive_seconds
 
 __all__ = ["SymmetricWorkspace", "SignalTimeout", "PeerDied", "create_workspace", "group_name"]
 
 
 def create_workspace(group: dist.ProcessGroup, nbytes: int, *, num_signals: int = 64,
-                     device: torch.device | str | None = None, timeout: float = 30.0,
+                     device: torch.device | str | None = None, timeout: float = TIMEOUT_S,
                      kind: str = "auto") -> SymmetricWorkspace:
     """Create a workspace of ``nbytes`` per rank over ``group`` (collective over the group).
 

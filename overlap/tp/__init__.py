@@ -11,7 +11,7 @@ backend classes), chunked (async torch.distributed), symmetric
 stream), checks (input validation), collectives (the plain bounded collectives).
 
 The nn layers and ``parallelize`` live in ``overlap.nn`` and the model plans in
-``overlap.models.plans``.
+``overlap.models.tp_plans``.
 """
 
 from overlap.tp.comm import TPComm, TPCommFailed, close_default_comms

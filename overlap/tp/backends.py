@@ -53,13 +53,14 @@ class Backend:
         all_gather_matmul, the full M otherwise), or None when it needs no workspace."""
         return None
 
-    def ag(self, comm, ctx, x_shard, w, *, chunks: int, return_gathered: bool):
+    def all_gather_matmul(self, comm, ctx, x_shard, w, *, chunks: int, return_gathered: bool):
         raise NotImplementedError
 
-    def rs(self, comm, ctx, x, w, *, chunks: int, overlap_with: Callable[[], None] | None):
+    def matmul_reduce_scatter(self, comm, ctx, x, w, *, chunks: int,
+                              overlap_with: Callable[[], None] | None):
         raise NotImplementedError
 
-    def ar(self, comm, ctx, x, w, *, chunks: int):
+    def matmul_all_reduce(self, comm, ctx, x, w, *, chunks: int):
         raise NotImplementedError
 
 
@@ -69,19 +70,19 @@ class ChunkedBackend(Backend):
 
     name = "chunked"
 
-    def ag(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
+    def all_gather_matmul(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
         comm.settle()
         return chunked.all_gather_matmul(x_shard, w, group=comm.group, chunks=chunks,
                                          return_gathered=return_gathered, timeout=comm.timeout,
                                          agree=comm.agree)
 
-    def rs(self, comm, ctx, x, w, *, chunks, overlap_with):
+    def matmul_reduce_scatter(self, comm, ctx, x, w, *, chunks, overlap_with):
         comm.settle()
         return chunked.matmul_reduce_scatter(x, w, group=comm.group, chunks=chunks,
                                              overlap_with=overlap_with, timeout=comm.timeout,
                                              agree=comm.agree)
 
-    def ar(self, comm, ctx, x, w, *, chunks):
+    def matmul_all_reduce(self, comm, ctx, x, w, *, chunks):
         comm.settle()
         return chunked.matmul_all_reduce(x, w, group=comm.group, chunks=chunks,
                                          timeout=comm.timeout, agree=comm.agree)
@@ -101,24 +102,24 @@ class SymmetricBackend(Backend):
             nbytes = symmetric.ar_bytes(rows, n, world, dtype)
         return nbytes, symmetric.num_signals(op, world)
 
-    def ag(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
+    def all_gather_matmul(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
         if ctx is None:
-            return _BACKENDS["chunked"].ag(comm, None, x_shard, w, chunks=chunks,
-                                       return_gathered=return_gathered)
+            return _BACKENDS["chunked"].all_gather_matmul(comm, None, x_shard, w, chunks=chunks,
+                                                          return_gathered=return_gathered)
         return _poisoned(comm, ctx, "all_gather_matmul", lambda: symmetric.all_gather_matmul(
             ctx, x_shard, w, chunks=chunks, return_gathered=return_gathered))
 
-    def rs(self, comm, ctx, x, w, *, chunks, overlap_with):
+    def matmul_reduce_scatter(self, comm, ctx, x, w, *, chunks, overlap_with):
         if ctx is None:
-            return _BACKENDS["chunked"].rs(comm, None, x, w, chunks=chunks,
-                                       overlap_with=overlap_with)
+            return _BACKENDS["chunked"].matmul_reduce_scatter(comm, None, x, w, chunks=chunks,
+                                                              overlap_with=overlap_with)
         return _poisoned(comm, ctx, "matmul_reduce_scatter",
                          lambda: symmetric.matmul_reduce_scatter(ctx, x, w, chunks=chunks,
                                                                  overlap_with=overlap_with))
 
-    def ar(self, comm, ctx, x, w, *, chunks):
+    def matmul_all_reduce(self, comm, ctx, x, w, *, chunks):
         if ctx is None:
-            return _BACKENDS["chunked"].ar(comm, None, x, w, chunks=chunks)
+            return _BACKENDS["chunked"].matmul_all_reduce(comm, None, x, w, chunks=chunks)
         return _poisoned(comm, ctx, "matmul_all_reduce",
                          lambda: symmetric.matmul_all_reduce(ctx, x, w, chunks=chunks))
 
@@ -169,7 +170,7 @@ class TritonBackend(Backend):
         m = -(-rows // world)
         return kern.gemm_rs_workspace_bytes(m, n, world, dtype), kern.gemm_rs_num_signals(world)
 
-    def ag(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
+    def all_gather_matmul(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
         comm.settle()  # the kernels wait on the device: no host slow path to watch from
         m, k = x_shard.shape
         need, _ = self.workspace("all_gather_matmul", m, k, w.shape[1], ctx.world,
@@ -180,7 +181,8 @@ class TritonBackend(Backend):
             ctx.ws, x_shard.contiguous(), w.contiguous(), phase=ctx.next_phase(),
             return_gathered=return_gathered, sync=False))
 
-    def rs(self, comm, ctx, x, w, *, chunks, overlap_with, op="matmul_reduce_scatter"):
+    def matmul_reduce_scatter(self, comm, ctx, x, w, *, chunks, overlap_with,
+                              op="matmul_reduce_scatter"):
         comm.settle()
         need, _ = self.workspace("matmul_reduce_scatter", x.shape[0], x.shape[1], w.shape[1],
                                  ctx.world, x.dtype)
@@ -191,11 +193,11 @@ class TritonBackend(Backend):
             overlap_with()
         return _stamp_poisoned(comm, y)
 
-    def ar(self, comm, ctx, x, w, *, chunks):
+    def matmul_all_reduce(self, comm, ctx, x, w, *, chunks):
         rows, world = x.shape[0], ctx.world
         if rows % world:
             x = torch.cat([x, x.new_zeros(world - rows % world, x.shape[1])])
-        y_shard = self.rs(comm, ctx, x, w, chunks=chunks, overlap_with=None,
+        y_shard = self.matmul_reduce_scatter(comm, ctx, x, w, chunks=chunks, overlap_with=None,
                           op="matmul_all_reduce")
         return all_gather_dim(y_shard, 0, group=comm.group, op="matmul_all_reduce (triton)",
                               timeout=comm.timeout)[:rows]
@@ -206,20 +208,20 @@ class UnfusedBackend(Backend):
 
     name = "unfused"
 
-    def ag(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
+    def all_gather_matmul(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
         gathered = all_gather_dim(x_shard, 0, group=comm.group, op="all_gather_matmul (unfused)",
                                   timeout=comm.timeout)
         y = None if w is None else gathered @ w
         return y, (gathered if return_gathered or w is None else None)
 
-    def rs(self, comm, ctx, x, w, *, chunks, overlap_with):
+    def matmul_reduce_scatter(self, comm, ctx, x, w, *, chunks, overlap_with):
         y = reduce_scatter_dim(x @ w, 0, group=comm.group, op="matmul_reduce_scatter (unfused)",
                                timeout=comm.timeout)
         if overlap_with is not None:  # after the collective: nothing runs under it
             overlap_with()
         return y
 
-    def ar(self, comm, ctx, x, w, *, chunks):
+    def matmul_all_reduce(self, comm, ctx, x, w, *, chunks):
         return all_reduce(x @ w, group=comm.group, op="matmul_all_reduce (unfused)",
                           timeout=comm.timeout)
 

@@ -118,7 +118,7 @@ def _ag_forward(x2: torch.Tensor, w: torch.Tensor, comm: TPComm, chunks: int, ch
                 x_shape: list[int], flags: int) -> tuple[torch.Tensor, torch.Tensor]:
     op = "all_gather_matmul"
     run = _start(op, comm, x2, w, chunks, check, x_shape, flags)
-    y, gathered = run.guarded(op, lambda: run.backend.ag(
+    y, gathered = run.guarded(op, lambda: run.backend.all_gather_matmul(
         comm, run.ctx_for(op, x2, w), x2, w, chunks=run.chunks, return_gathered=True),
         x2, w, flags=1)
     return y, (gathered.clone() if gathered is x2 else gathered)  # no output aliases an input
@@ -139,7 +139,7 @@ def _ag_backward(dy: torch.Tensor, gathered: torch.Tensor | None, w: torch.Tenso
             nonlocal dw
             dw = gathered.t() @ dy
         op, wt = "matmul_reduce_scatter", w.t()
-        dx = run.guarded(op, lambda: run.backend.rs(
+        dx = run.guarded(op, lambda: run.backend.matmul_reduce_scatter(
             comm, run.ctx_for(op, dy, wt), dy, wt, chunks=run.chunks,
             overlap_with=wgrad if need_dw else None), dy, wt)
         if need_dw and dw is None:  # a backend that ran its GEMMs without calling back
@@ -155,7 +155,7 @@ def _rs_forward(x2: torch.Tensor, w: torch.Tensor, comm: TPComm, chunks: int, ch
                 x_shape: list[int], flags: int) -> torch.Tensor:
     op = "matmul_reduce_scatter"
     run = _start(op, comm, x2, w, chunks, check, x_shape, flags)
-    return run.guarded(op, lambda: run.backend.rs(
+    return run.guarded(op, lambda: run.backend.matmul_reduce_scatter(
         comm, run.ctx_for(op, x2, w), x2, w, chunks=run.chunks, overlap_with=None), x2, w)
 
 
@@ -167,7 +167,7 @@ def _rs_backward(dy_shard: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, comm
     dx = dy = None
     if need_dx:
         op, wt = "all_gather_matmul", w.t()
-        dx, dy = run.guarded(op, lambda: run.backend.ag(
+        dx, dy = run.guarded(op, lambda: run.backend.all_gather_matmul(
             comm, run.ctx_for(op, dy_shard, wt), dy_shard, wt, chunks=run.chunks,
             return_gathered=need_dw), dy_shard, wt, flags=int(need_dw))
     elif need_dw:
@@ -181,7 +181,7 @@ def _ar_forward(x2: torch.Tensor, w: torch.Tensor, comm: TPComm, chunks: int, ch
                 x_shape: list[int], flags: int) -> torch.Tensor:
     op = "matmul_all_reduce"
     run = _start(op, comm, x2, w, chunks, check, x_shape, flags)
-    return run.guarded(op, lambda: run.backend.ar(
+    return run.guarded(op, lambda: run.backend.matmul_all_reduce(
         comm, run.ctx_for(op, x2, w), x2, w, chunks=run.chunks), x2, w)
 
 

@@ -129,7 +129,7 @@ def _build(cfg: TrainConfig, dims, device: torch.device, dtype: torch.dtype, *,
     from overlap.pp import Pipeline, build_schedule, pipeline_stages
     from overlap.nn.embedding import vocab_parallel_cross_entropy
     from overlap.nn.parallelize import parallelize
-    from overlap.models.plans import gpt_plan
+    from overlap.models.tp_plans import gpt_plan
     from overlap.train.precision import MasterOptimizer
     from overlap.train.rng import RNGTracker, install_dropout
     from overlap.train.recompute import apply_recompute

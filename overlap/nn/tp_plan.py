@@ -1,6 +1,6 @@
 """The data of a tensor-parallel plan: ``Style`` (how one module is parallelized), the named
 ``STYLES``, and ``TPPlan`` (module-name patterns -> styles). Plans for specific models live next
-to the models (``overlap.models.plans``); ``overlap.nn.parallelize`` applies them."""
+to the models (``overlap.models.tp_plans``); ``overlap.nn.parallelize`` applies them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The verification pass of ``parallelize`` (the probes themselves are in overlap.nn.verify):
+"""The verification pass of ``parallelize`` (the probes themselves are in overlap.nn.probes):
 what is recorded before the modules are replaced, what is compared after, and the error
 message with its likely cause when something differs."""
 
@@ -10,9 +10,9 @@ import re
 import torch.nn as nn
 
 from overlap.nn.layers import TPModule, linear_weight
-from overlap.nn.plan import Style
-from overlap.nn.verify import (HEAD_ATTR, GradProbe, LeafProbe, UnitProbe, _within, all_max,
+from overlap.nn.probes import (HEAD_ATTR, GradProbe, LeafProbe, UnitProbe, _within, all_max,
                                default_probe, user_probe)
+from overlap.nn.tp_plan import Style
 from overlap.nn.wrap import base_of, overridden
 
 __all__ = ["Verifier", "default_tol"]

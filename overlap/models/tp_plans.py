@@ -44,7 +44,7 @@ import torch.nn as nn
 
 from overlap.models.gpt import GPT, CausalSelfAttention
 from overlap.nn.layers import column_parallel_shared
-from overlap.nn.plan import Style, TPPlan
+from overlap.nn.tp_plan import Style, TPPlan
 
 __all__ = ["gpt_plan", "gpt2_plan", "llama_plan", "phi3_plan", "gpt_neox_plan", "opt_plan",
            "plan_for", "ParallelCausalSelfAttention"]
