@@ -1,42 +1,16 @@
 """Chunked backend: portable collective matmuls built from async ``torch.distributed`` calls.
 
-Works unchanged on gloo (CPU) and NCCL (GPU). Every function takes 2-D, already validated
-inputs; overlap.tp.ops does the validation, the 3-D reshapes and autograd.
+Works unchanged on gloo (CPU) and NCCL (GPU); every function takes 2-D, already validated
+inputs (overlap.tp.ops validates, reshapes and differentiates). all_gather_matmul and
+matmul_reduce_scatter are rings whose next transfer is in flight while a piece is multiplied;
+matmul_all_reduce is the reduce-scatter ring then a ring all-gather; ``chunks=1`` runs the whole
+collective then the whole GEMM. Each call's stamp rides in its first hop (or, for chunks=1, a
+fixed-size all-gather just before the collective) and is compared before received data is used.
+The protocol in full: docs/design/tp.md.
 
 Shape legend (per rank; ``world`` ranks in ``group``, ``r`` = this rank):
     m = rows of one rank's shard, M = world * m, K = reduction dim, N = output columns,
     s = chunks // world = pieces per shard (>= 1; at most m).
-
-- ``all_gather_matmul``: ring. Step j holds the shard of rank (r - j) % world; each piece is
-  sent on to the right neighbour and the next one received from the left (one
-  ``batch_isend_irecv``) *before* the piece is multiplied, so piece t+1's transfer is in flight
-  during piece t's GEMM. world - 1 transfers of m rows, like a ring all-gather.
-- ``matmul_reduce_scatter``: ring. Step j computes the partial product of block
-  d = (r - 1 - j) % world, adds the running sum received from the left and sends it right; after
-  world - 1 hops each block has been summed by every rank and lands on its owner. The GEMM of
-  step j + 1 runs while step j's sum travels. Partial sums travel in the input dtype (bf16 sums
-  round at every hop, as NCCL's ring does).
-- ``matmul_all_reduce``: the reduce-scatter ring above (M padded to a multiple of world with
-  zero rows), then a ring all-gather of the reduced shards (no GEMM): NCCL's ring all-reduce,
-  with the GEMMs under the first half.
-- ``chunks=1`` (one piece, what ``chunks="auto"`` picks when pieces do not pay): the whole
-  collective and the whole GEMM, in the unfused order (only the backward's weight-gradient GEMM
-  runs under the reduce-scatter). Its stamps travel in a fixed-size all-gather issued just
-  before the collective and are compared before the collective is waited on, so ranks whose
-  sizes differ are named even though that collective cannot carry them.
-
-Per-call agreement: with ``agree`` (the communicator's overlap.dist.stamp.Agreement) the first
-hop of a call carries this call's stamp in front of the piece it sends right (a staged copy of
-the piece for the all-gather; the reduce-scatter computes its partial sum behind the stamp),
-and tiny stamp messages in the same batch reach the peers that are not neighbours (none at
-world 2), so every rank holds every stamp after one hop. They are compared once that hop has
-landed, before any received data is used, and also when it failed (ranks whose sizes differ
-make the transport fail; the front of the message, the stamp, still arrives and names the
-disagreement).
-
-Every chunk's comm and GEMM sits in an ``overlap.profile.nvtx`` range named
-``<op>.chunked.comm[i]`` / ``.gemm[i]`` (the comm range covers the launch and, separately, the
-wait).
 """
 
 from __future__ import annotations

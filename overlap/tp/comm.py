@@ -2,38 +2,15 @@
 
     comm = TPComm(dims.tp_group, backend="auto", timeout=60)   # collective: every TP rank
     y = all_gather_matmul(x_shard, w, comm=comm)
-    layer = ColumnParallelLinear(1024, 4096, comm=comm, sequence_parallel=True)
     comm.close()                                               # collective; or `with TPComm(...)`
 
-What it owns, so nothing of it lives in module-level state:
-
-- the **backend**, resolved once here (``"auto"``: triton for CUDA when the kernels are
-  installed, else symmetric when every rank is on one host, else chunked). The host check is an
-  ``all_gather_object`` in this constructor, never in a forward;
-- ``chunks`` (``"auto"``, the default: per shape by measurement, overlap.tp.autochunk; or an
-  int), ``check_inputs`` and ``timeout`` (seconds) for every op, TP region collective and
-  signal wait run through it;
-- the workspaces of the symmetric/triton backends (one ``TPContext`` per op and shape, at most
-  ``MAX_CONTEXTS``, least recently used closed first) with their phase counters and copiers;
-- its **per-call agreement** (overlap.tp.stamps): every call counts and carries a stamp of its
-  op, shapes, dtype and options in the data it exchanges (in front of the first P2P message; a
-  header slot of a small userbuffer for the workspace backends), compared where it is
-  received, so ranks that disagree on any call raise at once on every rank; the full
-  cross-rank check (one small all-gather with named fields) runs on the communicator's first
-  call only, which every rank reaches alike;
-- its **failure state**. Any error inside an op, local or remote, fails the communicator: it
-  aborts its workspaces (peers waiting on this rank raise at once, with this rank's reason) and
-  every later call on it, on every rank, raises ``TPCommFailed`` carrying the first error, as
-  torch does with an aborted NCCL communicator. Build a new one to go on.
-
-Concurrency contract: one op in flight per communicator; every rank of the group issues the
-same ops in the same order. Two communicators on one group are independent (own workspaces,
-own phases), but their ops are still ordered by the group's process-group communicator.
-
-The functional ops also take ``group=`` (docs/tp-ops.md): that uses a default communicator
-per (group object, backend), held weakly by the group object, so it goes away with the group
-and never outlives it (the call's ``chunks`` and ``check_inputs`` apply to that call);
-``close_default_comms()`` closes and forgets every default communicator of this process.
+It owns the backend (resolved once, here), ``chunks`` ("auto" by default: overlap.tp.autochunk),
+``check_inputs`` and ``timeout``, the workspaces of the symmetric/triton backends, the per-call
+agreement stamps (overlap.tp.stamps) and the failure state: any error inside an op fails the
+communicator, and every later call on every rank raises ``TPCommFailed`` with the first error.
+One op in flight per communicator; every rank issues the same ops in the same order. The
+functional ops' ``group=`` form uses a default communicator per (group object, backend);
+``close_default_comms()`` closes those. The narrative: docs/design/tp.md.
 """
 
 from __future__ import annotations

@@ -1,36 +1,16 @@
 """Symmetric (userbuffer) backend: collective matmuls over a SymmetricWorkspace.
 
-Each function runs one op on a :class:`~overlap.tp.context.TPContext` (workspace + phase +
-copier; one op in flight per context). Inputs are 2-D and validated by overlap.tp.ops.
+Each function runs one op on a TPContext (workspace + phase + copier; one op in flight per
+context) with 2-D inputs validated by overlap.tp.ops. all_gather_matmul pulls peers' shards
+piece by piece while the GEMM consumes them; matmul_reduce_scatter pushes partial blocks into
+their owners' slots and sums the received ones in fp32; matmul_all_reduce is the reduce-scatter
+then an all-gather through a second region. Signals are phase counters (READY, ACK) and the
+buffers are double-buffered by phase parity, so back-to-back calls never overwrite unread data.
+The protocol in full: docs/design/tp.md.
 
 Shape legend (per rank; ``world`` ranks, ``r`` = this rank, ``p`` = the call's phase):
     m = rows of one shard, M = world * m, K = reduction dim, N = output columns,
     s = chunks // world = pieces per shard (>= 1, at most m), isz = bytes per element.
-
-Signals (per region, ``base`` = first slot): ``READY(q) = base + q`` is set on the consumer to
-``p`` when rank q's data of phase p is available; ``ACK(q) = base + world + q`` is set on the
-producer to ``p`` when rank q has finished reading it. Buffers are double-buffered by ``p % 2``
-and a half is rewritten at phase p only after ``ACK >= p - 2`` from every peer, so back-to-back
-calls never overwrite data a peer has not read yet.
-
-all_gather_matmul (workspace: 2 halves of [m, K]; pull)
-    r copies x_shard into its half ``p % 2`` and sets READY(r) = p on every peer. The copier
-    (copy thread on CPU, side stream on GPU) pulls peer (r + j)'s shard, j = 1..world-1, piece
-    by piece into the local gathered buffer and acks each peer; meanwhile the GEMM does r's own
-    shard, then each piece as soon as the copier has landed it.
-        y [M, N] = gathered [M, K] @ w [K, N],   gathered = all_gather(x_shard [m, K])
-matmul_reduce_scatter (workspace: 2 halves of world slots of [m, N]; push)
-    For d = r+1, ..., r+world-1 the GEMM produces the partial block destined to rank d piece by
-    piece and the copier pushes each piece into slot r of d's workspace, then sets READY(r) = p
-    on d. r's own block is computed last; r then waits for each peer's block, adds it in fp32
-    and acks it.
-        y_shard [m, N] = sum_q (x_q [M, K] @ w_q [K, N])[r*m:(r+1)*m]   (fp32 sum, cast back)
-matmul_all_reduce
-    reduce-scatter as above (M padded to a multiple of world with zero rows), then all-gather of
-    the reduced shards through a second region of the same workspace (pull, no GEMM).
-
-Every chunk's copy and GEMM sits in an ``overlap.profile.nvtx`` range:
-``<op>.symmetric.comm[<peer>.<piece>]`` (in the copier's thread or stream) and ``.gemm[...]``.
 """
 
 from __future__ import annotations
