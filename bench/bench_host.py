@@ -119,7 +119,7 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
     x_shard = x_full[: cfg.m // world].contiguous()
     w = (torch.randn(cfg.k, cfg.n, generator=gen) / cfg.k ** 0.5).to(device)
     backends = [b for b in cfg.backends if b != "triton" or have_triton_tp()]
-    comms = {b: tp.TPComm(group, backend=b) for b in backends}
+    comms = {b: tp.TPComm(group, backend=b, chunks="auto") for b in backends}
     for b in [b for b in backends if b in ("chunked", "symmetric")]:
         # the same backend always in pieces (chunks=world), whatever "auto" picks at this size
         comms[f"{b} (pieces)"] = tp.TPComm(group, backend=b, chunks=world)

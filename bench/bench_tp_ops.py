@@ -23,7 +23,7 @@ t_gemm)``: 1 = the shorter of the two is fully hidden, 0 = no overlap, < 0 = the
 slower than the two parts back to back. A backend with a faster transport than the reference
 collective (symmetric: shared-memory copies vs gloo's TCP) can exceed 1. ``spread`` = (max -
 min) / median of the fused samples. Each row's fused op runs on a communicator of its own
-(``TPComm``, default ``chunks="auto"``), called until its race has chosen how to run that
+(``TPComm(chunks="auto")``, the CUDA default), called until its race has chosen how to run that
 shape (the ``chunks`` column) before the timed samples; its named first-call check runs once.
 
 Triton runs under its interpreter on CPU, thousands of times slower than a CPU GEMM, so it is
@@ -173,7 +173,7 @@ def _bench_rank(cfg: BenchConfig) -> list[dict] | None:
         t_comm, t_gemm, t_seq = (ms(f, iters, warmup, inner) for f in (comm, gemm, seq))
         for backend in names:
             # A communicator per row: its chunks="auto" race sees this shape alone.
-            tpc = tp.TPComm(group, backend=backend)
+            tpc = tp.TPComm(group, backend=backend, chunks="auto")
             fused[op](x, w, comm=tpc)  # creates contexts, checks ranks
             chunks = _settle_chunks(lambda: fused[op](x, w, comm=tpc), tpc, op, x, w)
             key = f"r{len(rows):02d}_{op}_{model}_{layer}_{backend}"
@@ -241,9 +241,10 @@ def _notes(cfg: BenchConfig, world: int, cuda: bool) -> list[str]:
              "alone. speedup = t_seq / t_fused; overlap_eff = (t_comm + t_gemm - t_fused) / "
              "min(t_comm, t_gemm). spread = (max - min) / median of the fused samples: how "
              "noisy that row was.",
-             "chunks: the piece count the timed calls used. The fused ops run with the default "
-             "chunks='auto': before the timed samples each op's communicator races 1 piece (the "
-             "whole collective then the whole GEMM, stamped) against world x 1, 2, 4 pieces on "
+             "chunks: the piece count the timed calls used. The fused ops run with "
+             "chunks='auto' (the CUDA default): before the timed samples each op's "
+             "communicator races 1 piece (the whole collective then the whole GEMM, stamped) "
+             "against world x 1, 2, 4 pieces on "
              "that shape and keeps the fastest by the slowest rank's median "
              "(overlap/tp/autochunk.py), as a training run's first steps would.",
              "t_comm is the plain torch.distributed collective. The fused backends move data "

@@ -1,10 +1,10 @@
-"""chunks="auto" (the default of TPComm): the race picks one kind of call (whole or pieces)
-per communicator and a piece count per (op, shape), the same on every rank, without changing
-results beyond fp32 rounding; a disagreement at any point of the race or after it still
-raises a named Disagreement on every rank within 2 s (the kind follows the race's call
-number, so ranks that disagree on a call's shapes or op never wait in different kinds of
-transfer); the one-piece path (chunks=1) carries its stamps in a fixed-size all-gather, so
-ranks whose sizes differ are named too.
+"""chunks="auto" (TPComm's default on CUDA; asked for explicitly here): the race picks one kind of
+call (whole or pieces) per communicator and a piece count per (op, shape), the same on every
+rank, without changing results beyond fp32 rounding; a disagreement at any point of the race or
+after it still raises a named Disagreement on every rank within 2 s (the kind follows the race's
+call number, so ranks that disagree on a call's shapes or op never wait in different kinds of
+transfer); the one-piece path (chunks=1) carries its stamps in a fixed-size all-gather, so ranks
+whose sizes differ are named too.
 
 Tolerance: every output element is a fp32 sum of at most world*K products of N(0,1) values
 (|x|,|w| <= ~5); another summation order moves it by at most world*K * 2^-24 * sum|x*w|,
@@ -36,7 +36,7 @@ def _race_to_the_end(backend):
     from overlap import tp
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    comm = tp.TPComm(dist.group.WORLD, backend=backend, timeout=60)
+    comm = tp.TPComm(dist.group.WORLD, backend=backend, timeout=60, chunks="auto")
     worst, calls = 0.0, 0
     bound = 1e-5 * world * K * 25
     while comm.auto.kind is None and calls < 2000:
@@ -85,7 +85,7 @@ def _disagree_at(backend, opname, agreeing, how):
     from overlap.dist.stamp import Disagreement
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    comm = tp.TPComm(dist.group.WORLD, backend=backend, timeout=60)
+    comm = tp.TPComm(dist.group.WORLD, backend=backend, timeout=60, chunks="auto")
     fn = getattr(tp, opname)
     xs, ws = _inputs(4 * world, world, 0)
     n = 0
@@ -166,17 +166,20 @@ def _bad_chunks():
     from overlap.tp import TPComm
 
     out = []
-    for chunks in ("fast", 0, -2, True, None):
+    for chunks in ("fast", 0, -2, True, 2.0):
         try:
             TPComm(dist.group.WORLD, chunks=chunks)
             out.append(None)
         except ValueError as exc:
             out.append(str(exc))
-    return out
+    with TPComm(dist.group.WORLD) as comm:
+        default = (comm.chunks, comm.auto is not None)
+    return out, default
 
 
 def test_chunks_must_be_auto_or_a_positive_int():
-    for msgs in run_ranks(_bad_chunks, 2):
+    for msgs, default in run_ranks(_bad_chunks, 2):
         for m in msgs:
             assert m is not None and "chunks must be a positive int or 'auto'" in m, msgs
             assert "rank" in m
+        assert default == (2, False), default  # CPU default: world pieces, no race

@@ -4,7 +4,7 @@
     y = all_gather_matmul(x_shard, w, comm=comm)
     comm.close()                                               # collective; or `with TPComm(...)`
 
-It owns the backend (resolved once, here), ``chunks`` ("auto" by default: overlap.tp.autochunk),
+It owns the backend (resolved once, here), ``chunks`` ("auto" by default on CUDA: autochunk),
 ``check_inputs`` and ``timeout``, the workspaces of the symmetric/triton backends, the per-call
 agreement stamps (overlap.tp.stamps) and the failure state: any error inside an op fails the
 communicator, and every later call on every rank raises ``TPCommFailed`` with the first error.
@@ -53,7 +53,7 @@ class TPComm(OpaqueBase):
     opaque object (torch.compile passes the object itself; no registry of communicators)."""
 
     def __init__(self, group: dist.ProcessGroup, *, backend: str = "auto",
-                 chunks: int | str = AUTO, timeout: float = DEFAULT_TIMEOUT,
+                 chunks: int | str | None = None, timeout: float = DEFAULT_TIMEOUT,
                  check_inputs: bool = True, device: torch.device | str | None = None):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"TPComm: group must be a torch.distributed ProcessGroup (e.g. "
@@ -64,14 +64,19 @@ class TPComm(OpaqueBase):
         at = f" (rank {self.rank} of group {group_name(group)})"
         if backend not in BACKENDS:
             raise ValueError(f"TPComm: backend must be one of {BACKENDS}, got {backend!r}{at}")
-        if chunks != AUTO:
+        if chunks is not None and chunks != AUTO:
             positive_int(chunks, "TPComm: chunks", extra=" or 'auto'", where=at)
         positive_seconds(timeout, "TPComm: timeout", where=at)
+        self.device = torch.device(device) if device is not None else _default_device(group)
+        if chunks is None:
+            # The default: race on a GPU (CUDA events time the device alone); world pieces on
+            # the CPU twins, where a race times the OS scheduler of shared cores and measured
+            # slower (the main job: 1120 vs 838 ms per step, bench/README.md).
+            chunks = AUTO if self.device.type == "cuda" else self.world
         self.chunks = chunks
         self.auto = ChunkRace(self) if chunks == AUTO else None
         self.timeout = float(timeout)
         self.check_inputs = bool(check_inputs)
-        self.device = torch.device(device) if device is not None else _default_device(group)
         self.requested_backend = backend
         self.backend = self._resolve(backend, at)
         self.closed = False
@@ -274,8 +279,7 @@ def owned_comm(group, *, backend: str, chunks: int | str | None, check_inputs: b
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"parallelize: group must be a torch.distributed ProcessGroup, got "
                         f"{type(group).__name__}")
-    comm = TPComm(group, backend=backend, chunks=AUTO if chunks is None else chunks,
-                  check_inputs=check_inputs)
+    comm = TPComm(group, backend=backend, chunks=chunks, check_inputs=check_inputs)
     per_group = _defaults.get(group)
     if per_group is None:
         per_group = _defaults[group] = {}
