@@ -39,11 +39,11 @@ def _steady(fn):
     return counts
 
 
-def _fused_ops(backend):
+def _fused_ops(backend, chunks=None):
     from overlap.tp import TPComm, all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 
     world = dist.get_world_size()
-    comm = TPComm(dist.group.WORLD, backend=backend, timeout=30)
+    comm = TPComm(dist.group.WORLD, backend=backend, timeout=30, chunks=chunks)
     x = torch.randn(4, 8, requires_grad=True)
     xr = torch.randn(4 * world, 8, requires_grad=True)
     w = torch.randn(8, 6, requires_grad=True)
@@ -53,6 +53,12 @@ def _fused_ops(backend):
         matmul_reduce_scatter(xr, w, comm=comm).sum().backward()
         matmul_all_reduce(xr, w, comm=comm).sum().backward()
 
+    if chunks == "auto":  # the race may sync (its one all-reduce of timings); after it, none
+        for _ in range(1000):
+            if comm.auto.kind is not None:
+                break
+            step()
+        assert comm.auto.kind is not None
     out = _steady(step)
     comm.close()
     return out
@@ -63,6 +69,15 @@ def _fused_ops(backend):
                                             ("symmetric", 4), ("triton", 2)])
 def test_fused_ops_make_no_host_sync(backend, world):
     for counts in run_ranks(_fused_ops, world, backend, timeout=120):
+        assert all(n == 0 for n, _ in counts), counts
+
+
+# chunks=1 (the whole collective: its stamps in an all-gather of their own) and "auto" once its
+# race has decided, whatever it chose.
+@pytest.mark.parametrize("chunks", (1, "auto"))
+@pytest.mark.parametrize("backend, world", [("chunked", 2), ("chunked", 4), ("symmetric", 2)])
+def test_whole_and_raced_calls_make_no_host_sync(backend, world, chunks):
+    for counts in run_ranks(_fused_ops, world, backend, chunks, timeout=240):
         assert all(n == 0 for n, _ in counts), counts
 
 
