@@ -156,8 +156,7 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
                 fn()
         for name, comm in comms.items():  # chunks="auto": race until every comm has chosen
             for _ in range(2 * MAX_RACE):
-                if comm.auto is None or comm.auto.kind is not None or comm.world == 1 or \
-                        comm.backend not in ("chunked", "symmetric"):
+                if comm.auto is None or comm.auto.kind is not None:
                     break
                 for op, impl, fn, inner in calls:
                     if impl == name:
@@ -186,11 +185,11 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
                 h.close(wait_for_peers=True)
     def ran(impl: str) -> str:
         comm = comms.get(impl)
+        if comm is not None and comm.auto is not None:
+            return f"auto: {comm.auto.kind}"
         if comm is None or comm.backend not in ("chunked", "symmetric") or comm.world == 1:
             return "-"
-        if comm.auto is None:
-            return str(comm.chunks)
-        return f"auto: {comm.auto.kind}"
+        return str(comm.chunks)
 
     return [dict(op=op, impl=impl, chunks=ran(impl), wall=s[0], cpu=s[1], waited=s[2],
                  **tracer.info(f"{op}_{impl}")) for (op, impl), s in samples.items()]

@@ -199,7 +199,7 @@ def _settle_chunks(call, comm, op: str, x, w) -> str:
     """Run ``call`` until the communicator's ``chunks="auto"`` race for ``op`` has decided
     (overlap.tp.autochunk; before the timed samples, like a training warm-up); returns the
     piece count the timed calls use, as the table shows it."""
-    if comm.auto is None or comm.backend not in ("chunked", "symmetric"):
+    if comm.auto is None:  # no race: triton (pieces do not apply) or a fixed count
         return "-" if comm.backend == "triton" else str(comm.chunks)
     for _ in range(2 * MAX_RACE):
         if comm.auto.choice(op, x, w) is not None:

@@ -32,6 +32,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from overlap.tp.collectives import wait
+
 __all__ = ["AUTO", "ChunkRace", "candidates", "TRIALS", "MAX_RACE"]
 
 AUTO = "auto"
@@ -144,13 +146,9 @@ class ChunkRace:
             [statistics.median(_Timer.seconds(t) for t in self.entries[k]["times"][c])
              if self.entries[k]["times"].get(c) else float("inf") for k, c in rows],
             dtype=torch.float64)
-        if self.comm.world > 1:
-            from overlap.tp.collectives import wait
-
-            work = dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.comm.group,
-                                   async_op=True)
-            wait(work, op="chunks='auto' decision", group=self.comm.group,
-                 timeout=self.comm.timeout)
+        work = dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.comm.group,
+                               async_op=True)  # a race exists only with more than one rank
+        wait(work, op="chunks='auto' decision", group=self.comm.group, timeout=self.comm.timeout)
         slowest = dict(zip(rows, medians.tolist()))  # the race's one host sync
         inf = float("inf")
         whole = pieces = 0.0

@@ -48,9 +48,10 @@ class Backend:
     name = "?"
 
     def workspace(self, op: str, rows: int, k: int, n: int, world: int,
-                  dtype: torch.dtype) -> tuple[int, int] | None:
+                  dtype: torch.dtype, chunks: int = 0) -> tuple[int, int] | None:
         """(bytes per rank, signals) for an op whose input has ``rows`` rows (the shard's m for
-        all_gather_matmul, the full M otherwise), or None when it needs no workspace."""
+        all_gather_matmul, the full M otherwise) run in ``chunks`` pieces, or None when it
+        needs no workspace."""
         return None
 
     def all_gather_matmul(self, comm, ctx, x_shard, w, *, chunks: int, return_gathered: bool):
@@ -91,8 +92,8 @@ class ChunkedBackend(Backend):
 class SymmetricBackend(Backend):
     name = "symmetric"
 
-    def workspace(self, op, rows, k, n, world, dtype):
-        if world == 1:
+    def workspace(self, op, rows, k, n, world, dtype, chunks=0):
+        if world == 1 or chunks == 1:  # one piece: the chunked backend's whole collective
             return None
         if op == "all_gather_matmul":
             nbytes = symmetric.ag_bytes(rows, k, dtype)
@@ -162,7 +163,7 @@ class TritonBackend(Backend):
     def _kernels():
         return importlib.import_module(_TRITON_MODULE)
 
-    def workspace(self, op, rows, k, n, world, dtype):
+    def workspace(self, op, rows, k, n, world, dtype, chunks=0):
         kern = self._kernels()
         if op == "all_gather_matmul":
             return (kern.ag_gemm_workspace_bytes(rows, k, world, dtype),
@@ -198,7 +199,7 @@ class TritonBackend(Backend):
         if rows % world:
             x = torch.cat([x, x.new_zeros(world - rows % world, x.shape[1])])
         y_shard = self.matmul_reduce_scatter(comm, ctx, x, w, chunks=chunks, overlap_with=None,
-                          op="matmul_all_reduce")
+                                             op="matmul_all_reduce")
         return all_gather_dim(y_shard, 0, group=comm.group, op="matmul_all_reduce (triton)",
                               timeout=comm.timeout)[:rows]
 
@@ -236,11 +237,12 @@ def backend_for(comm) -> Backend:
     return _BACKENDS[comm.backend]
 
 
-def context_for(comm, backend: Backend, op: str, x: torch.Tensor,
-                w: torch.Tensor) -> TPContext | None:
-    """The comm's workspace context for this op and shape (None for no-workspace backends)."""
+def context_for(comm, backend: Backend, op: str, x: torch.Tensor, w: torch.Tensor,
+                chunks: int) -> TPContext | None:
+    """The comm's workspace context for this op, shape and piece count (None when the
+    backend needs no workspace for it)."""
     rows, k, n = x.shape[0], x.shape[1], w.shape[1]
-    need = backend.workspace(op, rows, k, n, comm.world, x.dtype)
+    need = backend.workspace(op, rows, k, n, comm.world, x.dtype, chunks)
     if need is None:
         return None
 

@@ -191,6 +191,7 @@ class _Topology(NamedTuple):
     left_global: int
     peers: list[int]  # every other group rank
     direct: bool  # plain gloo: post sends and receives on the group itself
+    with_peers: str  # " with peer rank(s) ..." for a wait's error message
 
 
 _topologies: dict[int, _Topology] = {}
@@ -204,9 +205,11 @@ def _topology(group: dist.ProcessGroup) -> _Topology:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         right, left = (rank + 1) % world, (rank - 1) % world
         direct = type(group) is dist.ProcessGroup and dist.get_backend(group) == "gloo"
+        peers = [q for q in range(world) if q != rank]
+        with_peers = f" with peer rank{'s' if len(peers) > 1 else ''} " + ", ".join(map(str, peers))
         topo = _topologies[id(group)] = _Topology(
             group, rank, world, right, left, dist.get_global_rank(group, right),
-            dist.get_global_rank(group, left), [q for q in range(world) if q != rank], direct)
+            dist.get_global_rank(group, left), peers, direct, with_peers)
     return topo
 
 
@@ -225,8 +228,8 @@ def _whole_wait(stamps, work, agree: Agreement | None, *, op: str, group: dist.P
                 timeout: float, what: str) -> None:
     """Wait for the stamps, compare them (ranks that disagree raise here, before the data
     collective is waited on: its sizes may differ), then wait for the data."""
-    peers = _topology(group).peers
-    with_peers = f" with peer rank{'s' if len(peers) > 1 else ''} " + ", ".join(map(str, peers))
+    topo = _topology(group)
+    peers, with_peers = topo.peers, topo.with_peers
     if stamps is not None:
         _wait([stamps], op=op, group=group, timeout=timeout,
               what="all-gather of the stamps" + with_peers)

@@ -71,14 +71,16 @@ class TPComm(OpaqueBase):
         if chunks is None:
             # The default: race on a GPU (CUDA events time the device alone); world pieces on
             # the CPU twins, where a race times the OS scheduler of shared cores and measured
-            # slower (the main job: 1120 vs 838 ms per step, bench/README.md).
+            # slower (the main job: 1120 vs 838 ms per step, docs/tp-ops.md).
             chunks = AUTO if self.device.type == "cuda" else self.world
         self.chunks = chunks
-        self.auto = ChunkRace(self) if chunks == AUTO else None
         self.timeout = float(timeout)
         self.check_inputs = bool(check_inputs)
         self.requested_backend = backend
         self.backend = self._resolve(backend, at)
+        # A race only where pieces are a choice: more than one rank, a backend that chunks.
+        self.auto = (ChunkRace(self) if chunks == AUTO and self.world > 1
+                     and self.backend in ("chunked", "symmetric") else None)
         self.closed = False
         self._failed: BaseException | None = None
         self._contexts: collections.OrderedDict[tuple, object] = collections.OrderedDict()
@@ -157,15 +159,14 @@ class TPComm(OpaqueBase):
     # ------------------------------------------------------------------ per-op state
     def pick_chunks(self, op: str, requested: int, x: torch.Tensor, w: torch.Tensor):
         """(chunks, race key, timer) for a call: the call's own ``chunks`` (non-zero), else
-        the communicator's int, else (``"auto"``) its race's (overlap.tp.autochunk) on the
-        backends that chunk; key and timer are None unless this call is part of a race."""
+        the communicator's int, else its race's (``"auto"`` on the backends that chunk,
+        overlap.tp.autochunk; world where nothing chunks); key and timer are None unless this
+        call is part of a race."""
         if requested:
             return requested, None, None
-        if self.auto is None:
-            return self.chunks, None, None
-        if self.world == 1 or self.backend not in ("chunked", "symmetric"):
-            return self.world, None, None
-        return self.auto.begin(op, x, w)
+        if self.auto is not None:
+            return self.auto.begin(op, x, w)
+        return (self.world if self.chunks == AUTO else self.chunks), None, None
 
     def first_call(self) -> bool:
         """True before the first op call: the one call every rank reaches in the same state,

@@ -47,9 +47,7 @@ class _Run:
         self.backend = backends.backend_for(comm)
 
     def ctx_for(self, op: str, x: torch.Tensor, w: torch.Tensor):
-        if self.chunks == 1 and self.comm.world > 1 and self.backend.name == "symmetric":
-            return None  # one piece: the whole collective (chunked's), no workspace
-        return backends.context_for(self.comm, self.backend, op, x, w)
+        return backends.context_for(self.comm, self.backend, op, x, w, self.chunks)
 
     def guarded(self, op: str, fn, x: torch.Tensor | None = None, w: torch.Tensor | None = None,
                 flags: int = 0):
