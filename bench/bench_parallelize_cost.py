@@ -21,7 +21,7 @@ def _body(hidden: int, layers: int) -> dict:
     import transformers as T
 
     from overlap.nn import parallelize
-    from overlap.tp import close_default_comms
+    from overlap.tp import TPComm
 
     torch.manual_seed(0)
     ref = T.LlamaForCausalLM(T.LlamaConfig(
@@ -30,16 +30,17 @@ def _body(hidden: int, layers: int) -> dict:
         max_position_embeddings=64))
     params = sum(p.numel() for p in ref.parameters())
     out = {"params": params}
+    comm = TPComm(dist.group.WORLD, backend="chunked")
     for mode in (False, True, "model"):
         times = []
         for _ in range(3):
             model = copy.deepcopy(ref)
             dist.barrier()
             t0 = time.perf_counter()
-            parallelize(model, tp_group=dist.group.WORLD, backend="chunked", verify=mode)
+            parallelize(model, comm=comm, verify=mode)
             times.append(time.perf_counter() - t0)
         out[f"verify={mode}"] = statistics.median(times)
-    close_default_comms()
+    comm.close()
     return out
 
 

@@ -114,7 +114,7 @@ def _bench_rank(cfg: BenchConfig) -> dict:
         logits = model(idx)
         if comm is None:
             return gpt_loss(logits.float(), tgt)
-        return vocab_parallel_cross_entropy(logits.float(), tgt, tp_group=group)
+        return vocab_parallel_cross_entropy(logits.float(), tgt, group=group)
 
     def sync() -> None:
         if device.type == "cuda":

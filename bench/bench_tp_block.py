@@ -53,6 +53,7 @@ from bench.runner import (Table, Timing, TraceOptions, Tracer, check_trace_optio
 from overlap.dist.device import rank_device
 from overlap.dist.launch import launch
 from overlap.models import GPT, GPTConfig
+from overlap.tp.comm import owned_comm
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -103,8 +104,8 @@ def _variants(cfg: BenchConfig, device, dtype):
     x_s, dy_s = x.chunk(tp, 1)[rank].contiguous(), dy.chunk(tp, 1)[rank].contiguous()
 
     def ours(backend: str, sp: bool, check: bool):
-        model = parallelize(_model(cfg, device, dtype), tp_group=group, backend=backend,
-                            sequence_parallel=sp, check_inputs=check)
+        comm = owned_comm(group, backend=backend, chunks=None, timeout=None, check_inputs=check)
+        model = parallelize(_model(cfg, device, dtype), comm=comm, sequence_parallel=sp)
         return ("overlap", backend, sp, check, model.blocks[0], x_s if sp else x,
                 dy_s if sp else dy)
 
@@ -246,7 +247,7 @@ def compare_main(cfg: BenchConfig) -> None:
         f"turns step by step (one timed step each, barrier-synced) so machine load hits all "
         f"alike; {load} (on {os.cpu_count()} cores: other jobs shared the machine when above "
         "~0.5).",
-        "unfused: parallelize(backend='unfused'): every TP op runs its whole collective, waits, "
+        "unfused: parallelize(comm=TPComm(group, backend='unfused')): every TP op runs its whole collective, waits, "
         "then its whole GEMM (or GEMM then collective): the no-overlap baseline. Not covered "
         "by it: ColumnParallelLinear's backward without sequence parallelism still launches "
         "its dgrad all-reduce before the wgrad GEMM (overlap.nn.layers), whatever the backend.",

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from harness import run_ranks
+from overlap.tp.comm import default_comm
 
 
 def _rel(got, want, floor=1e-12):
@@ -30,7 +31,7 @@ def _gpt_block(backend):
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=61, seq_len=16, d_model=32, n_layer=2, n_head=4))
-    parallelize(model, tp_group=dist.group.WORLD, sequence_parallel=True, backend=backend,
+    parallelize(model, comm=default_comm(dist.group.WORLD, backend=backend), sequence_parallel=True,
                 plan=gpt_plan())
     tp, rank = dist.get_world_size(), dist.get_rank()
     x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
@@ -46,7 +47,7 @@ def _llama_layer(backend):
     model = T.LlamaForCausalLM(T.LlamaConfig(
         vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32))
-    parallelize(model, tp_group=dist.group.WORLD, backend=backend)
+    parallelize(model, comm=default_comm(dist.group.WORLD, backend=backend))
     layer, seen = model.model.layers[0], {}
 
     def grab(module, args, kwargs):
@@ -106,14 +107,14 @@ def _whole_model_job(which, backend):
             from overlap.models.tp_plans import gpt_plan
 
             model = GPT(GPTConfig(vocab_size=61, seq_len=16, d_model=32, n_layer=2, n_head=4))
-            return parallelize(model, tp_group=dist.group.WORLD, sequence_parallel=True,
-                               backend=backend, plan=gpt_plan())
+            return parallelize(model, comm=default_comm(dist.group.WORLD, backend=backend),
+                               sequence_parallel=True, plan=gpt_plan())
         import transformers as T
 
         model = T.LlamaForCausalLM(T.LlamaConfig(
             vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32))
-        return parallelize(model, tp_group=dist.group.WORLD, backend=backend)
+        return parallelize(model, comm=default_comm(dist.group.WORLD, backend=backend))
 
     def loss(m):
         if which == "gpt-sp":

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from harness import run_ranks
 from test_parallelize_plans import hf_model
+from overlap.tp.comm import default_comm
 
 ARCHS = ("llama", "phi3", "gpt2")
 
@@ -44,7 +45,7 @@ def _save_tp(arch, path):
     from overlap.nn.dtensor import dtensor_state_dict
     from overlap.tp import close_default_comms
 
-    model = parallelize(_model(arch), tp_group=dist.group.WORLD, backend="chunked")
+    model = parallelize(_model(arch), comm=default_comm(dist.group.WORLD, backend="chunked"))
     sd = dtensor_state_dict(model)
     shapes = {k: tuple(v.shape) for k, v in sd.items()}
     dcp.save(sd, checkpoint_id=path)
@@ -76,7 +77,8 @@ def _load_tp(arch, path):
     from overlap.nn.dtensor import dtensor_state_dict, load_dtensor_state_dict
     from overlap.tp import close_default_comms
 
-    model = parallelize(_model(arch, seed=1), tp_group=dist.group.WORLD, backend="chunked")
+    model = parallelize(_model(arch, seed=1),
+                        comm=default_comm(dist.group.WORLD, backend="chunked"))
     sd = dtensor_state_dict(model)
     dcp.load(sd, checkpoint_id=path)
     load_dtensor_state_dict(model, sd)

@@ -20,6 +20,7 @@ import copy
 import torch
 
 from harness import run_ranks
+from overlap.tp.comm import default_comm
 
 TRAINED_TOL = 1e-2  # derived in the docstring
 
@@ -55,7 +56,8 @@ def _fsdp_job():
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
     ref = _llama()
-    model = parallelize(copy.deepcopy(ref), tp_group=mesh["tp"].get_group(), backend="chunked")
+    model = parallelize(copy.deepcopy(ref),
+                        comm=default_comm(mesh["tp"].get_group(), backend="chunked"))
     expose_dtensors(model, mesh["tp"])
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"])
@@ -87,7 +89,7 @@ def _fsdp_job():
     torch.manual_seed(0)
     gpt2 = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=61, n_positions=16, n_embd=16, n_layer=1,
                                           n_head=4))
-    parallelize(gpt2, tp_group=mesh["tp"].get_group(), backend="chunked")
+    parallelize(gpt2, comm=default_comm(mesh["tp"].get_group(), backend="chunked"))
     try:
         expose_dtensors(gpt2, mesh["tp"])
         out["refused"] = None

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from harness import run_ranks
+from overlap.tp.comm import default_comm
 
 VOCAB = 61  # uneven vocabulary shards at tp 2 and 4
 ARCHS = ("phi3", "gemma", "gemma2", "gpt_neox", "opt")
@@ -119,7 +120,8 @@ def _plans_job(world):
     try:
         for arch in ARCHS:
             ref = hf_model(arch)
-            model = parallelize(copy.deepcopy(ref), tp_group=dist.group.WORLD, backend=backend)
+            model = parallelize(copy.deepcopy(ref),
+                                comm=default_comm(dist.group.WORLD, backend=backend))
             _compare(ref, model, world, out, arch)
         out["phi3-kv-lt-heads"] = (hf_model("phi3").config.num_key_value_heads
                                    < hf_model("phi3").config.num_attention_heads)
@@ -199,7 +201,7 @@ def _roundtrip_job():
             torch.manual_seed(0)
             model = nn.Sequential(factory())
             want = {k: v.clone() for k, v in model.state_dict().items()}
-            parallelize(model, tp_group=dist.group.WORLD, backend="chunked", verify=False,
+            parallelize(model, comm=default_comm(dist.group.WORLD, backend="chunked"), verify=False,
                         plan=TPPlan(name=name, layers={"0": _style(spec)}))
             for p in model.parameters():  # gradients gather to the same layout
                 p.grad = p.detach() * 2

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from harness import run_ranks
 from test_parallelize_plans import hf_model
+from overlap.tp.comm import default_comm
 
 
 def _ids(world):
@@ -107,28 +108,28 @@ def _verify_job(world):
             ref = hf_model(arch)
             model = copy.deepcopy(ref)
             try:
-                parallelize(model, tp_group=group, backend="chunked", plan=edit(plan_for(model)),
-                            **kwargs)
+                parallelize(model, comm=default_comm(group, backend="chunked"),
+                            plan=edit(plan_for(model)), **kwargs)
                 out[name] = None
             except ValueError as exc:
                 restored = (not any(isinstance(m, TPModule) for m in model.modules())
                             and _rel(_logits(model, ids), _logits(ref, ids)) == 0.0)
                 out[name] = (str(exc), restored)
             # The same plan without verification: a model that runs and is wrong.
-            model = parallelize(copy.deepcopy(ref), tp_group=group, backend="chunked",
+            model = parallelize(copy.deepcopy(ref), comm=default_comm(group, backend="chunked"),
                                 plan=edit(plan_for(ref)), verify=False, **kwargs)
             with torch.no_grad():
                 out[f"{name}-unverified"] = _rel(_logits(model, ids), _logits(ref, ids))
 
         # Gemma with the Llama plan a user would write: its embedding scale is kept.
         ref = hf_model("gemma")
-        model = parallelize(copy.deepcopy(ref), tp_group=group, plan=llama_plan(ref),
+        model = parallelize(copy.deepcopy(ref), comm=default_comm(group), plan=llama_plan(ref),
                             verify="model")
         with torch.no_grad():
             out["gemma-llama-plan"] = _rel(_logits(model, ids), _logits(ref, ids))
         out["gemma-wrapped-type"] = type(model.model.embed_tokens).__name__
         try:
-            parallelize(hf_model("gemma"), tp_group=group, subclasses="refuse")
+            parallelize(hf_model("gemma"), comm=default_comm(group), subclasses="refuse")
             out["refuse"] = None
         except ValueError as exc:
             out["refuse"] = str(exc)
@@ -136,7 +137,7 @@ def _verify_job(world):
         # Different weights on one rank (a different seed).
         torch.manual_seed(dist.get_rank())
         try:
-            parallelize(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), tp_group=group,
+            parallelize(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), comm=default_comm(group),
                         plan=TPPlan(name="two", layers={"0": "column", "1": "row"}))
             out["seed"] = None
         except ValueError as exc:
@@ -148,7 +149,7 @@ def _verify_job(world):
             torch.manual_seed(0)
             ref = nn.Sequential(cls(8, 16), nn.Tanh(), cls(16, 8))
             try:
-                model = parallelize(copy.deepcopy(ref), tp_group=group,
+                model = parallelize(copy.deepcopy(ref), comm=default_comm(group),
                                     plan=TPPlan(name=key, layers={"0": "column", "2": "row"}))
                 out[key] = _rel(model(x), ref(x))
             except ValueError as exc:
@@ -158,13 +159,13 @@ def _verify_job(world):
         x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
         torch.manual_seed(0)
         ref = _Up()
-        good = parallelize(copy.deepcopy(ref), tp_group=group, verify="model", probe=x,
+        good = parallelize(copy.deepcopy(ref), comm=default_comm(group), verify="model", probe=x,
                            plan=TPPlan(name="up", layers={"up": "gate_up", "down": "row"}))
         out["probe-good"] = _rel(good(x), ref(x))
         for key, kwargs in (("probe-bad", {"verify": "model", "probe": (x,)}),
                             ("probe-bad-default", {})):
             try:
-                parallelize(copy.deepcopy(ref), tp_group=group,
+                parallelize(copy.deepcopy(ref), comm=default_comm(group),
                             plan=TPPlan(name="up", layers={"up": "column", "down": "row"}),
                             **kwargs)
                 out[key] = None
@@ -172,7 +173,7 @@ def _verify_job(world):
                 out[key] = str(exc)
         try:  # a forward that takes two inputs: the default probe cannot call it
             two = _Two()
-            parallelize(two, tp_group=group, verify="model",
+            parallelize(two, comm=default_comm(group), verify="model",
                         plan=TPPlan(name="up", layers={"inner.up": "gate_up",
                                                        "inner.down": "row"}))
             out["probe-missing"] = None

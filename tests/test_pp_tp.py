@@ -36,12 +36,12 @@ def _pp_tp(name: str, m: int, backend: str):
 
     dims = ParallelDims.build(tp=2, pp=2, dp=1)
     ref, model = _gpt(), _gpt()
-    parallelize(model, dims=dims, plan=gpt_plan(loss_parallel=True), sequence_parallel=True,
-                backend=backend)
+    comm = dims.tp_comm(backend=backend)
+    parallelize(model, comm=comm, plan=gpt_plan(loss_parallel=True), sequence_parallel=True)
     stages = pipeline_stages(model, pp_group=dims.pp_group)
 
     def loss_fn(logits_shard, targets):
-        return vocab_parallel_cross_entropy(logits_shard, targets, tp_group=dims.tp_group)
+        return vocab_parallel_cross_entropy(logits_shard, targets, comm=comm)
 
     pipe = Pipeline(stages, build_schedule(name, pp_size=2, num_microbatches=m),
                     loss_fn=loss_fn, pp_group=dims.pp_group, timeout=30)

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from harness import run_ranks
+from overlap.tp.comm import default_comm
 
 HAVE_TRITON_TP = importlib.util.find_spec("overlap.kernels.triton.tp_gemm") is not None
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -90,7 +91,7 @@ def _check_linear(c, group):
     ref(xr).backward(dy)
     y_ref = ref(x).detach()
     seq = 0 if (c.get("seq_first") or not b) else 1
-    opts = dict(tp_group=group, sequence_parallel=c["sp"], backend=c["backend"],
+    opts = dict(comm=default_comm(group, backend=c["backend"]), sequence_parallel=c["sp"],
                 seq_dim=0 if c.get("seq_first") else 1)
 
     def sp_piece(z):
@@ -135,8 +136,8 @@ def _check_shared(sp, backend, group):
     dys = [torch.randn(3, 2 * tp, m.out_features) for m in refs]
     for m, dy in zip(refs, dys):
         m(xr).backward(dy)
-    layers = [ColumnParallelLinear.from_linear(m, tp_group=group, sequence_parallel=sp,
-                                               backend=backend) for m in refs]
+    comm = default_comm(group, backend=backend)
+    layers = [ColumnParallelLinear.from_linear(m, comm=comm, sequence_parallel=sp) for m in refs]
     x_in = (x.chunk(tp, 1)[r] if sp else x).clone().requires_grad_()
     ys = column_parallel_shared(x_in, layers)
     torch.autograd.backward(ys, [dy.chunk(tp, -1)[r] for dy in dys])
@@ -160,7 +161,8 @@ def _check_embedding(V, sp, seq_first, padding_idx, group):
     e_ref = ref(ids)
     dy = torch.randn_like(e_ref)
     e_ref.backward(dy)
-    layer = VocabParallelEmbedding.from_embedding(ref, tp_group=group, sequence_parallel=sp,
+    layer = VocabParallelEmbedding.from_embedding(ref, comm=default_comm(group),
+                                                  sequence_parallel=sp,
                                                   seq_dim=0 if seq_first else 1)
     seq = 0 if seq_first else 1
     piece = (lambda z: z.chunk(tp, seq)[r]) if sp else (lambda z: z)
@@ -186,7 +188,7 @@ def _check_cross_entropy(V, dtype, reduction, ignore_index, group):
     sizes = shard_sizes(V, tp)
     lo = sum(sizes[:r])
     shard = logits.detach()[..., lo:lo + sizes[r]].clone().requires_grad_()
-    got = vocab_parallel_cross_entropy(shard, targets, tp_group=group, ignore_index=ignore_index,
+    got = vocab_parallel_cross_entropy(shard, targets, group=group, ignore_index=ignore_index,
                                        reduction=reduction)
     got.backward(dl.reshape(got.shape).to(got.dtype))
     return {"loss": _rel(got.float().reshape(-1), loss.detach().reshape(-1)),
@@ -269,11 +271,11 @@ def _init_and_errors():
     group, out = dist.group.WORLD, {}
     # Same seed -> the shards of the weight the unsharded layer would have drawn.
     for name, make, make_ref in (
-            ("column", lambda: ColumnParallelLinear(9, 12, tp_group=group),
+            ("column", lambda: ColumnParallelLinear(9, 12, comm=default_comm(group)),
              lambda: nn.Linear(9, 12)),
-            ("row", lambda: RowParallelLinear(12, 7, bias=False, tp_group=group),
+            ("row", lambda: RowParallelLinear(12, 7, bias=False, comm=default_comm(group)),
              lambda: nn.Linear(12, 7, bias=False)),
-            ("embedding", lambda: VocabParallelEmbedding(13, 5, tp_group=group),
+            ("embedding", lambda: VocabParallelEmbedding(13, 5, comm=default_comm(group)),
              lambda: nn.Embedding(13, 5))):
         torch.manual_seed(7)
         full = make().full_state_dict()
@@ -282,12 +284,14 @@ def _init_and_errors():
         out[f"init-{name}"] = all(torch.equal(full[k], want[k]) for k in want) and \
             full.keys() == want.keys()
     errors = []
-    for fn in (lambda: RowParallelLinear(10, 4, tp_group=group),          # 10 % 4
-               lambda: ColumnParallelLinear(4, 9, parts=3, tp_group=group),  # 3 % 4
-               lambda: ColumnParallelLinear(4, 8),                         # no group
-               lambda: ColumnParallelLinear(4, 8, tp_group=group, backend="nccl"),
-               lambda: ColumnParallelLinear.from_linear(nn.Conv2d(2, 2, 1), tp_group=group),
-               lambda: ColumnParallelLinear(4, 8, tp_group=group)(torch.randn(2, 5))):
+    comm = default_comm(group)
+    for fn in (lambda: RowParallelLinear(10, 4, comm=comm),                      # 10 % 4
+               lambda: ColumnParallelLinear(4, 9, parts=3, comm=comm),          # 3 % 4
+               lambda: ColumnParallelLinear(4, 8),                              # no comm
+               lambda: ColumnParallelLinear(4, 8, comm=group),                  # not a TPComm
+               lambda: ColumnParallelLinear.from_linear(nn.Conv2d(2, 2, 1), comm=comm),
+               lambda: ColumnParallelLinear(4, 8, comm=comm)(torch.randn(2, 5)),
+               lambda: ColumnParallelLinear(4, 8, tp_group=group)):             # removed form
         try:
             fn()
             errors.append(None)
@@ -306,7 +310,9 @@ def test_same_init_as_unsharded_and_clear_errors():
         assert all(e is not None for e in errs), f"rank {rank}: some bad input passed: {errs}"
         assert "in_features=10 must be divisible by tp=4" in errs[0]
         assert "parts" in errs[1] and "tp=4" in errs[1]
-        assert errs[2].startswith("TypeError") and "tp_group= or dims=" in errs[2]
-        assert "backend must be one of" in errs[3]
+        assert errs[2].startswith("TypeError") and "comm= must be a TPComm" in errs[2]
+        assert "got nothing" in errs[2] and "ColumnParallelLinear" in errs[2]
+        assert "comm= must be a TPComm" in errs[3] and "ProcessGroup" in errs[3]
         assert errs[4].startswith("TypeError") and "Conv2d" in errs[4]
         assert "input last dim must be 4" in errs[5] and f"tp rank {rank}" in errs[5]
+        assert errs[6].startswith("TypeError") and "tp_group" in errs[6]

@@ -2,8 +2,8 @@
 logits, gathered gradients and 5-step training losses as the unsharded model, and the same
 outputs as PyTorch's own DTensor tensor parallelism on the same model.
 
-One rank job per world size (1: overlap GPT only; 2, 4: all) runs every model (importing transformers in each rank is the
-expensive part); each check is then its own pytest item. Tolerances (max-relative, fp32):
+One rank job per world size (1: overlap GPT only; 2, 4: all) runs every model (importing
+transformers in each rank is the expensive part); each check is then its own pytest item. Tolerances (max-relative, fp32):
 logits 1e-5, gradients 1e-4 (relative to the parameter's largest entry, or to 1% of the largest
 gradient entry of the model where a gradient is zero in exact arithmetic, e.g. key biases),
 losses of 5 AdamW steps within 1e-5 absolute.
@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from harness import run_ranks
+from overlap.tp.comm import default_comm
 
 VOCAB = 61  # not divisible by 2 or 4: uneven vocabulary shards
 TOL = {"logits": 1e-5, "grads": 1e-4, "state": 0.0, "losses": 1e-5, "dtensor": 1e-5}
@@ -72,7 +73,7 @@ def _loss_fn(kind):
             if not hasattr(model.lm_head, "tp_group"):
                 return logits, torch.nn.functional.cross_entropy(
                     logits.reshape(-1, VOCAB), ids.reshape(-1))
-            loss = vocab_parallel_cross_entropy(logits, ids, tp_group=model.lm_head.tp_group)
+            loss = vocab_parallel_cross_entropy(logits, ids, group=model.lm_head.tp_group)
             return logits, loss
         return run
     return lambda model, ids: model(ids, ids)
@@ -116,7 +117,7 @@ def _compare(ref, model, run, world, out, prefix):
     out[f"{prefix}-losses"] = max(abs(a - b) for a, b in zip(*losses))
 
 
-def _dtensor_compare(ref, run, world, out, prefix, names, heads_attr, **parallelize_kw):
+def _dtensor_compare(ref, run, world, out, prefix, names, heads_attr, backend="auto"):
     """The same (fresh) model under ours and under torch DTensor TP (ColwiseParallel /
     RowwiseParallel on the same linears, embedding and head replicated): same outputs."""
     from overlap.nn.parallelize import parallelize
@@ -137,7 +138,8 @@ def _dtensor_compare(ref, run, world, out, prefix, names, heads_attr, **parallel
         elif heads_attr and hasattr(module, heads_attr):
             setattr(module, heads_attr, getattr(module, heads_attr) // world)
     parallelize_module(dt, mesh, plan)
-    model_ours = parallelize(copy.deepcopy(ref), tp_group=dist.group.WORLD, **parallelize_kw)
+    model_ours = parallelize(copy.deepcopy(ref),
+                             comm=default_comm(dist.group.WORLD, backend=backend))
     ids = _batch(7, world)
     with torch.no_grad():
         want = run(dt, ids)[0]
@@ -156,8 +158,8 @@ def _gpt_cases(world, out):
                                        (True, "chunked", True)):
         kind = "gpt-vocab-parallel" if loss_parallel else "gpt"
         ref = _gpt_model()
-        model = parallelize(copy.deepcopy(ref), tp_group=group, sequence_parallel=sp,
-                            backend=backend, plan=gpt_plan(loss_parallel=loss_parallel))
+        model = parallelize(copy.deepcopy(ref), comm=default_comm(group, backend=backend),
+                            sequence_parallel=sp, plan=gpt_plan(loss_parallel=loss_parallel))
         name = f"{kind}-{'sp' if sp else 'nosp'}-{backend}"
         _compare(ref, model, _loss_fn(kind), world, out, name)
         if not sp and not loss_parallel:
@@ -173,7 +175,7 @@ def _hf_cases(world, out):
     run = _loss_fn("hf")
     for arch in ("gpt2", "llama", "qwen2"):
         ref = _hf_model(arch)
-        model = parallelize(copy.deepcopy(ref), tp_group=group)
+        model = parallelize(copy.deepcopy(ref), comm=default_comm(group))
         _compare(ref, model, run, world, out, f"hf-{arch}")
         if arch == "llama":
             _dtensor_compare(_hf_model(arch), run, world, out, "hf-llama",
@@ -181,7 +183,7 @@ def _hf_cases(world, out):
                               "row": ("o_proj", "down_proj")}, None)
     # Sequence parallelism is refused for HF models, with the reason.
     try:
-        parallelize(_hf_model("llama"), tp_group=group, sequence_parallel=True)
+        parallelize(_hf_model("llama"), comm=default_comm(group), sequence_parallel=True)
         out["hf-sp-refused"] = None
     except NotImplementedError as exc:
         out["hf-sp-refused"] = str(exc)
@@ -189,7 +191,7 @@ def _hf_cases(world, out):
         model = _hf_model("llama", num_key_value_heads=2)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         try:
-            parallelize(model, tp_group=group)
+            parallelize(model, comm=default_comm(group))
             out["hf-gqa-error"] = None
         except ValueError as exc:
             unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -259,7 +261,7 @@ def _plan_errors():
     model.blocks[1].attn.__class__ = type("MyAttention", (type(model.blocks[1].attn),), {})
     before = {k: v.clone() for k, v in model.state_dict().items()}
     try:
-        parallelize(model, tp_group=group, plan=plan)
+        parallelize(model, comm=default_comm(group), plan=plan)
     except ValueError as exc:
         out["msg"] = str(exc)
     out["unchanged"] = (not any(isinstance(m, TPModule) for m in model.modules())
@@ -270,7 +272,7 @@ def _plan_errors():
     except ValueError as exc:
         out["unknown"] = str(exc)
     try:
-        parallelize(_gpt_model(), tp_group=group,
+        parallelize(_gpt_model(), comm=default_comm(group),
                     plan=TPPlan(name="toy", layers={"lm_head": "diagonal"}))
     except ValueError as exc:
         out["style"] = str(exc)

@@ -11,7 +11,7 @@ def main():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=4))
     dims = ParallelDims.build(tp=2)
-    parallelize(model, dims=dims, sequence_parallel=True)   # the shipped plan for overlap's GPT
+    parallelize(model, comm=dims.tp_comm(), sequence_parallel=True)   # the shipped plan for overlap's GPT
     block = model.blocks[0]
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")  # or the whole model
     x = torch.randn(2, 8, 32).chunk(2, dim=1)[dims.tp_rank]  # batch-first, a sequence shard

@@ -20,13 +20,13 @@ def mlp(seed):
 def main(path):
     plan = TPPlan(name="mlp", layers={"0": "column", "2": "row"})
     dims = ParallelDims.build(tp=2)
-    model = parallelize(mlp(0), dims=dims, plan=plan)
+    model = parallelize(mlp(0), comm=dims.tp_comm(), plan=plan)
     dcp.save(dtensor_state_dict(model), checkpoint_id=path)        # saved at tp=2
     unsharded = mlp(1)                                              # other weights
     sd = unsharded.state_dict()
     dcp.load(sd, checkpoint_id=path)                                # read back unsharded
     unsharded.load_state_dict(sd)
-    other = parallelize(mlp(2), dims=dims, plan=plan)               # tp=2 again, other weights
+    other = parallelize(mlp(2), comm=dims.tp_comm(), plan=plan)               # tp=2 again, other weights
     sd = dtensor_state_dict(other)
     dcp.load(sd, checkpoint_id=path)
     load_dtensor_state_dict(other, sd)

@@ -26,7 +26,7 @@ def main():
         "gpt_neox.layers.*.mlp.dense_4h_to_h": "row",
         "lm_head": "head",
     })
-    parallelize(model, dims=dims, plan=plan)   # verified; a mistake raises with its cause
+    parallelize(model, comm=dims.tp_comm(), plan=plan)   # verified; a mistake raises with its cause
     ids = torch.randint(0, 128, (2, 16))
     want = reference(ids).logits
     err = ((model(ids).logits - want).abs().max() / want.abs().max()).item()

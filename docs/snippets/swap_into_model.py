@@ -25,7 +25,7 @@ def main():
     reference = copy.deepcopy(model)
     dims = ParallelDims.build(tp=2)
     plan = TPPlan(name="my-mlp", layers={"up": "column", "down": "row"})
-    parallelize(model, dims=dims, plan=plan)  # up: 128 of 256 rows per rank, down: 128 columns
+    parallelize(model, comm=dims.tp_comm(), plan=plan)  # up: 128 of 256 rows per rank, down: 128 columns
     x = torch.randn(8, 64)
     model(x).square().sum().backward()        # forward all-reduce overlapped with the GEMM
     reference(x).square().sum().backward()

@@ -8,7 +8,7 @@ from torch.distributed.fsdp import fully_shard
 
 from overlap.dist.launch import launch
 from overlap.nn import expose_dtensors, parallelize
-from overlap.tp import close_default_comms
+from overlap.tp import TPComm
 
 
 def main():
@@ -18,13 +18,14 @@ def main():
         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32))
     reference = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))   # "cuda" on GPUs
-    parallelize(model, tp_group=mesh["tp"].get_group())
+    comm = TPComm(mesh["tp"].get_group())                                  # collective
+    parallelize(model, comm=comm)
     expose_dtensors(model, mesh["tp"])
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    close_default_comms()
+    comm.close()
     return all(torch.equal(full[k], v) for k, v in reference.state_dict().items())
 
 

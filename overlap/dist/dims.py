@@ -243,6 +243,17 @@ class ParallelDims:
         dims._check_wiring()
         return dims
 
+    def tp_comm(self, *, backend: str = "auto", chunks: int | str | None = None,
+                timeout: float | None = None, check_inputs: bool = True):
+        """A TPComm on this rank's TP group with these settings (collective over the TP group:
+        every TP rank calls it with the same arguments). ``close_default_comms()`` closes it;
+        an owner that wants its own lifetime builds ``TPComm(dims.tp_group, ...)`` instead."""
+        self._require_built("tp_comm")
+        from overlap.tp.comm import owned_comm
+
+        return owned_comm(self.tp_group, backend=backend, chunks=chunks, timeout=timeout,
+                          check_inputs=check_inputs)
+
     def _check_wiring(self) -> None:
         # The mesh and our formula must agree, or every later collective is silently wrong.
         for axis in _ALL_AXES:

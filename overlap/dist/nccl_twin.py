@@ -38,7 +38,6 @@ later with ``dist.new_group`` inherits it.
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from datetime import timedelta
@@ -49,6 +48,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from overlap.dist import streams
+from overlap.dist.fifo import FifoWorker
 
 __all__ = ["BACKEND", "register", "NcclOrderTimeout", "CommunicatorFailed", "NcclTwinGroup",
            "is_twin"]
@@ -169,31 +169,25 @@ class _Comm:
     def __init__(self, group: "NcclTwinGroup", name: str, tag_base: int):
         self.group, self.name, self.tag_base = group, name, tag_base
         self.timeout = group.timeout
-        self._queue: collections.deque[_Op] = collections.deque()
-        self._cv = threading.Condition()
         self._failed: BaseException | None = None
         self._current: _Op | None = None
         self._issued = 0
-        self._closed = False
         self._delay = streams.InjectedDelay(name)
-        self._thread = threading.Thread(target=self._loop, name=f"nccl_twin {name}",
-                                        daemon=True)
-        self._thread.start()
+        self._worker = FifoWorker(f"nccl_twin {name}", self._run_op, self._destroyed_error)
 
     # -- host side
     def submit(self, op: _Op) -> None:
-        with self._cv:
-            if self._closed:
-                raise CommunicatorFailed(f"nccl_twin: {op.desc} on {self.name}: the process "
-                                         "group was destroyed")
+        def admit() -> bool:  # under the queue's lock: numbering and failure check are atomic
             self._issued += 1
             op.seq = self._issued
-            failed = self._failed
-            if failed is None:
-                self._queue.append(op)
-                self._cv.notify()
-        if failed is not None:
-            op.finish(self._failed_error(op, failed))
+            return self._failed is None
+
+        if not self._worker.put(op, admit=admit):
+            op.finish(self._failed_error(op, self._failed))
+
+    def _destroyed_error(self, op: _Op) -> CommunicatorFailed:
+        return CommunicatorFailed(f"nccl_twin: {op.desc} on {self.name}: the process group was "
+                                  "destroyed")
 
     def _failed_error(self, op: _Op, first: BaseException) -> CommunicatorFailed:
         return CommunicatorFailed(f"nccl_twin: {op.desc} on {self.name} (rank "
@@ -202,23 +196,20 @@ class _Comm:
 
     def fail(self, error: BaseException) -> None:
         """Fail the communicator (as NCCL aborts one): queued and later ops raise ``error``."""
-        with self._cv:
+        with self._worker.cv:
             if self._failed is None:
                 self._failed = error
             error = self._failed
-            queued, self._queue = list(self._queue), collections.deque()
+            queued = self._worker.drain()
         for op in queued:
             op.finish(self._failed_error(op, error))
 
     def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
+        self._worker.close()
 
     def blocked_report(self, op: _Op, waited: float) -> str:
         head = self._current
-        with self._cv:
-            behind = list(self._queue)
+        behind = self._worker.queued()
         msg = (f"nccl_twin: {op.desc} (op #{op.seq} on {self.name}, rank "
                f"{self.group.rank()}) did not complete within {waited:g}s. Under NCCL's "
                "ordering a communicator runs one op at a time in issue order")
@@ -231,39 +222,30 @@ class _Comm:
                 "behind it")
 
     # -- worker side
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
-                if not self._queue:
-                    return
-                op = self._queue.popleft()
-                failed = self._failed
-            if failed is not None:
-                op.finish(self._failed_error(op, failed))
-                continue
-            self._current = op
-            self._delay()
-            deadline = time.monotonic() + self.timeout
-            try:
-                if op.run is not None:
-                    op.state = "waiting for every rank of the group to join"
-                    if op.sizes is not None:
-                        self._agree_sizes(op, deadline)
-                    self._wait(op.run(), deadline, op)
-                else:
-                    self._run_batch(op, deadline)
-                op.finish()
-            except BaseException as exc:  # noqa: BLE001 - the error belongs to the op
-                err = exc if isinstance(exc, (NcclOrderTimeout, SizeMismatch)) else RuntimeError(
-                    f"nccl_twin: {op.desc} on {self.name} (rank {self.group.rank()}) failed: "
-                    f"{exc}")
-                self.fail(err)
-                op.finish(err)
-            # An idle worker must not keep its last op (and the tensors and objects its
-            # closure holds) alive while it waits for the next one.
-            self._current = op = None
+    def _run_op(self, op: _Op) -> None:
+        failed = self._failed
+        if failed is not None:
+            op.finish(self._failed_error(op, failed))
+            return
+        self._current = op
+        self._delay()
+        deadline = time.monotonic() + self.timeout
+        try:
+            if op.run is not None:
+                op.state = "waiting for every rank of the group to join"
+                if op.sizes is not None:
+                    self._agree_sizes(op, deadline)
+                self._wait(op.run(), deadline, op)
+            else:
+                self._run_batch(op, deadline)
+            op.finish()
+        except BaseException as exc:  # noqa: BLE001 - the error belongs to the op
+            err = exc if isinstance(exc, (NcclOrderTimeout, SizeMismatch)) else RuntimeError(
+                f"nccl_twin: {op.desc} on {self.name} (rank {self.group.rank()}) failed: "
+                f"{exc}")
+            self.fail(err)
+            op.finish(err)
+        self._current = None  # an idle communicator holds no op (nor what its closure holds)
 
     def _wait(self, work, deadline: float, op: _Op, why: str | None = None) -> None:
         left = deadline - time.monotonic()

@@ -28,7 +28,6 @@ host, as a CUDA error surfaces at the next sync.
 
 from __future__ import annotations
 
-import collections
 import os
 import random
 import threading
@@ -37,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from overlap.dist.fifo import FifoWorker
 from overlap.profile import syncs
 
 __all__ = ["Stream", "Event", "StreamTimeout", "StreamStillRunning", "delay_ms",
@@ -141,14 +141,9 @@ class Stream:
         # Ordered after the caller since the last enqueue of caller tensors (see enqueue).
         self._after_caller = False
         if self.cuda is None:
-            self._queue: collections.deque = collections.deque()
-            self._cv = threading.Condition()
-            self._run = threading.Lock()  # held while an item runs (worker or helping host)
-            self._closed = False
             self._delay = InjectedDelay(name)
-            self._thread = threading.Thread(target=self._loop, daemon=True,
-                                            name=f"overlap-stream-{name}")
-            self._thread.start()
+            self._worker = FifoWorker(f"overlap-stream-{name}", lambda item: self._execute(*item),
+                                      self._closed_error)
 
     # -- issuing
     def enqueue(self, fn: Callable[[], None], tensors: tuple[torch.Tensor, ...] = ()) -> None:
@@ -204,36 +199,23 @@ class Stream:
         after ``timeout`` raises StreamStillRunning: the caller must then keep every buffer
         the stream's work may touch (on a GPU, freeing them would wait for the stream)."""
         if self.cuda is None:
-            with self._cv:
-                self._closed = True
-                self._cv.notify()
-            if threading.current_thread() is not self._thread:
-                self._thread.join(timeout)
-                if self._thread.is_alive():
-                    raise StreamStillRunning(
-                        f"streams: stream {self.name!r}: its worker is still inside a work "
-                        f"item {timeout:g} s after close(); buffers that work may touch must "
-                        "not be freed")
+            self._worker.close()
+            if not self._worker.join(timeout):
+                raise StreamStillRunning(
+                    f"streams: stream {self.name!r}: its worker is still inside a work "
+                    f"item {timeout:g} s after close(); buffers that work may touch must "
+                    "not be freed")
 
     # -- twin internals
     def _put(self, item: tuple) -> None:
-        with self._cv:
-            if self._closed:
-                raise RuntimeError(f"streams: stream {self.name!r} is closed")
-            self._queue.append(item)
-            self._cv.notify()
+        self._worker.put(item)
+
+    def _closed_error(self, item) -> RuntimeError:
+        return RuntimeError(f"streams: stream {self.name!r} is closed")
 
     def _raise_error(self) -> None:
         if self._error is not None:
             raise self._error
-
-    def _pop(self, helping: bool):
-        """The next item, or None (queue empty; or, for a helping host, the head is a
-        cross-stream wait, which only the worker blocks on)."""
-        with self._cv:
-            if not self._queue or (helping and self._queue[0][0] == "wait"):
-                return None
-            return self._queue.popleft()
 
     def _execute(self, kind: str, arg) -> None:
         if kind == "record":
@@ -251,28 +233,14 @@ class Stream:
     def _help(self) -> bool:
         """Run the head of the queue on the calling (host) thread if no one is running an
         item; True if it ran one."""
-        if not self._run.acquire(blocking=False):
+        if not self._worker.running.acquire(blocking=False):
             return False
         try:
-            item = self._pop(helping=True)
+            # Not a cross-stream wait: only the worker blocks on those.
+            item = self._worker.pop(accept=lambda head: head[0] != "wait")
             if item is None:
                 return False
             self._execute(*item)
             return True
         finally:
-            self._run.release()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
-                if not self._queue:
-                    return
-            with self._run:
-                item = self._pop(helping=False)
-                if item is not None:
-                    self._execute(*item)
-            # Drop the item before sleeping on the queue: an idle stream must not keep the
-            # last work's closure (and whatever it references) alive.
-            item = None
+            self._worker.running.release()

@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from overlap.nn import sharding
-from overlap.nn.layers import TPModule, local
+from overlap.nn.layers import TPModule, local, require_comm
 from overlap.nn.regions import all_gather_dim, reduce_from_tp, reduce_scatter_to_sp, wait
 from overlap.nn.sharding import ShardSpec
 
@@ -40,19 +40,18 @@ class VocabParallelEmbedding(TPModule):
     """``nn.Embedding`` with its rows split over the TP group (see the module docstring)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
-                 *, comm=None, tp_group=None, dims=None, sequence_parallel: bool = False,
+                 *, comm=None, sequence_parallel: bool = False,
                  seq_dim: int = 1, device=None, dtype=None):
         super().__init__()
-        self._configure(comm, tp_group, dims, sequence_parallel, seq_dim)
+        self._configure(comm, sequence_parallel, seq_dim)
         # Same RNG draws as nn.Embedding(V, d): shards of the same full table on every rank.
         full = nn.Embedding(num_embeddings, embedding_dim, padding_idx, device=device,
                             dtype=dtype)
         self._load(full)
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, *, comm=None, tp_group=None, dims=None,
-                       sequence_parallel: bool = False,
-                       seq_dim: int = 1) -> "VocabParallelEmbedding":
+    def from_embedding(cls, embedding: nn.Embedding, *, comm=None,
+                       sequence_parallel: bool = False, seq_dim: int = 1) -> "VocabParallelEmbedding":
         """Shard an existing ``nn.Embedding`` (its values; the source is left unchanged)."""
         if not isinstance(embedding, nn.Embedding):
             raise TypeError(f"VocabParallelEmbedding.from_embedding: expected nn.Embedding, got "
@@ -62,12 +61,12 @@ class VocabParallelEmbedding(TPModule):
                              "scale_grad_by_freq and sparse are not supported")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._configure(comm, tp_group, dims, sequence_parallel, seq_dim)
+        self._configure(comm, sequence_parallel, seq_dim)
         self._load(embedding)
         return self
 
-    def _configure(self, comm, tp_group, dims, sequence_parallel, seq_dim) -> None:
-        self._init_comm("VocabParallelEmbedding", comm, tp_group, dims)
+    def _configure(self, comm, sequence_parallel, seq_dim) -> None:
+        self._init_comm("VocabParallelEmbedding", comm)
         if seq_dim not in (0, 1):
             raise ValueError(f"VocabParallelEmbedding: seq_dim must be 1 (ids (b, t)) or 0 "
                              f"(ids (t, b)), got {seq_dim!r}")
@@ -159,20 +158,34 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return (grad * scale).to(ctx.dtype), None, None, None, None, None
 
 
+def _tp_group(comm, group) -> dist.ProcessGroup:
+    if (comm is None) == (group is None):
+        raise TypeError("vocab_parallel_cross_entropy: pass exactly one of comm= (a TPComm) or "
+                        "group= (a process group)")
+    if comm is not None:
+        return require_comm("vocab_parallel_cross_entropy", comm).group
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"vocab_parallel_cross_entropy: group must be a torch.distributed "
+                        f"ProcessGroup, got {type(group).__name__}")
+    return group
+
+
 def vocab_parallel_cross_entropy(logits_shard_v: torch.Tensor, targets: torch.Tensor, *,
-                                 tp_group, ignore_index: int = -100,
+                                 comm=None, group=None, ignore_index: int = -100,
                                  reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of vocab-sharded logits (..., V_r) against replicated targets (...).
 
     Equals ``F.cross_entropy(full_logits.reshape(-1, V), targets.reshape(-1),
     ignore_index=ignore_index, reduction=reduction)`` without gathering ``full_logits``: the
-    max, the sum of exponentials and the target logit are reduced over ``tp_group`` (the
+    max, the sum of exponentials and the target logit are reduced over the TP group: ``comm=``
+    (a TPComm, its group) or ``group=`` (a process group), exactly one (the
     equations are in the module docstring). Rank r's shard must hold vocab rows
     ``[start_r, start_r + V_r)`` in rank order (as a ColumnParallelLinear head does; V_r may
     differ across ranks). Computed in float32, returned in the logits' dtype. ``reduction``:
     "mean" (over non-ignored tokens; nan if there are none, as torch) or "none" (per token,
     shape of ``targets``). One small all-gather first checks every rank's token count.
     """
+    tp_group = _tp_group(comm, group)
     if reduction not in ("mean", "none"):
         raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean' or 'none', "
                          f"got {reduction!r}")

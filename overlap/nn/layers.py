@@ -11,11 +11,10 @@ a 2-D (M, K) input.
 A column layer followed by a row layer is one TP region (attention: q/k/v column, o row; MLP:
 fc1 column, fc2 row). Between regions the activations are replicated (sequence_parallel=False)
 or sharded along the sequence (sequence_parallel=True, so norms and dropout run on 1/tp of the
-tokens). Every layer takes its communicator explicitly: ``comm=`` (a TPComm: group, backend,
-chunks, timeout, check_inputs), or, as thin wrappers over the group's default communicator,
-``tp_group=`` or ``dims=`` (a built ParallelDims) with ``backend=``/``chunks=``; there is no
-default group. Per-layer settings stay on the layer: ``sequence_parallel``, ``seq_dim``,
-``parts``, ``gather_output`` (column), ``input_is_parallel`` (row).
+tokens). Every layer takes its communicator explicitly as ``comm=``, a TPComm (group, backend,
+chunks, timeout, check_inputs; ``dims.tp_comm()`` builds one); there is no default group.
+Per-layer settings stay on the layer: ``sequence_parallel``, ``seq_dim``, ``parts``,
+``gather_output`` (column), ``input_is_parallel`` (row).
 
 Both layers are built either fresh (``ColumnParallelLinear(K, N, ...)``: a full ``nn.Linear``
 is created with the current RNG, exactly as the unsharded layer would be, then sliced, so the
@@ -33,7 +32,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from overlap.nn import sharding
-from overlap.tp.comm import BACKENDS, TPComm, default_comm
+from overlap.tp.comm import BACKENDS, TPComm
 from overlap.tp.ops import (all_gather_matmul, call_op, define_op, matmul_all_reduce,
                             matmul_reduce_scatter)
 from overlap.nn.regions import (all_reduce_async, copy_to_tp, gather_from_tp, scatter_to_tp,
@@ -41,32 +40,19 @@ from overlap.nn.regions import (all_reduce_async, copy_to_tp, gather_from_tp, sc
 from overlap.nn.sharding import ShardSpec
 
 __all__ = ["TPModule", "ColumnParallelLinear", "RowParallelLinear", "column_parallel_shared",
-           "resolve_comm", "linear_weight", "BACKENDS"]
+           "require_comm", "linear_weight", "BACKENDS"]
 
 
-def resolve_comm(op: str, comm, tp_group, dims, *, backend: str = "auto",
-                 chunks: int | None = None) -> TPComm:
-    """The layer's communicator: ``comm=``, or the default one of ``tp_group=`` / ``dims=``
-    (a built ParallelDims) with ``backend``/``chunks``. Exactly one of the three."""
-    given = [name for name, v in (("comm", comm), ("tp_group", tp_group), ("dims", dims))
-             if v is not None]
-    if len(given) != 1:
-        raise TypeError(f"{op}: pass exactly one of comm=, tp_group= or dims= (got "
-                        f"{', '.join(given) or 'none'}); there is no default group")
-    if comm is not None:
-        if not isinstance(comm, TPComm):
-            raise TypeError(f"{op}: comm must be a TPComm, got {type(comm).__name__}")
-        if backend != "auto" or chunks is not None:
-            raise ValueError(f"{op}: backend= and chunks= belong to the TPComm when comm= is "
-                             f"given (got backend={backend!r}, chunks={chunks!r})")
-        return comm
-    if backend not in BACKENDS:
-        raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
-    if dims is not None:
-        if getattr(dims, "tp_group", None) is None:
-            raise ValueError(f"{op}: dims has no tp_group; build it with ParallelDims.build()")
-        tp_group = dims.tp_group
-    return default_comm(tp_group, backend=backend, op=op)
+def require_comm(op: str, comm) -> TPComm:
+    """The layer's communicator: ``comm=`` must be a TPComm (``TPComm(group, ...)`` or
+    ``dims.tp_comm()``); there is no default group."""
+    if not isinstance(comm, TPComm):
+        got = ("nothing" if comm is None else f"a ProcessGroup ({type(comm).__name__}): wrap it, "
+               "comm=TPComm(group)" if isinstance(comm, dist.ProcessGroup) else
+               type(comm).__name__)
+        raise TypeError(f"{op}: comm= must be a TPComm (TPComm(group, backend=..., chunks=...) "
+                        f"or dims.tp_comm()), got {got}")
+    return comm
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -93,10 +79,8 @@ class TPModule(nn.Module):
     comm: TPComm
     shard_specs: dict[str, ShardSpec]
 
-    def _init_comm(self, op: str, comm, tp_group, dims, *, backend: str = "auto",
-                   chunks: int | None = None) -> None:
-        self.comm = resolve_comm(op, comm, tp_group, dims, backend=backend, chunks=chunks)
-        self.chunks = chunks  # the tp_group= form's per-layer override (None: the comm's)
+    def _init_comm(self, op: str, comm) -> None:
+        self.comm = require_comm(op, comm)
         self.tp_group = self.comm.group
         self.tp_size = self.comm.world
         self.tp_rank = self.comm.rank
@@ -192,10 +176,9 @@ class _Linear(TPModule):
 
     _split: str  # "out" or "in"
 
-    def _configure(self, comm, tp_group, dims, backend, chunks, *, sequence_parallel: bool,
-                   seq_dim: int, parts) -> None:
+    def _configure(self, comm, *, sequence_parallel: bool, seq_dim: int, parts) -> None:
         name = type(self).__name__
-        self._init_comm(name, comm, tp_group, dims, backend=backend, chunks=chunks)
+        self._init_comm(name, comm)
         if isinstance(parts, (list, tuple)):
             parts = tuple(parts)
             ok = len(parts) >= 1 and all(isinstance(p, int) and not isinstance(p, bool)
@@ -294,27 +277,24 @@ class ColumnParallelLinear(_Linear):
     _split = "out"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 comm: TPComm | None = None, tp_group=None, dims=None,
+                 comm: TPComm | None = None,
                  gather_output: bool = False, sequence_parallel: bool = False,
-                 seq_dim: int = 1, parts: int | tuple[int, ...] = 1, backend: str = "auto",
-                 chunks: int | None = None, device=None, dtype=None):
+                 seq_dim: int = 1, parts: int | tuple[int, ...] = 1,
+                 device=None, dtype=None):
         super().__init__()
-        self._configure(comm, tp_group, dims, backend, chunks,
-                        sequence_parallel=sequence_parallel, seq_dim=seq_dim, parts=parts)
+        self._configure(comm, sequence_parallel=sequence_parallel, seq_dim=seq_dim, parts=parts)
         self.gather_output = bool(gather_output)
         self._build(in_features, out_features, bias, device, dtype)
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, *, comm: TPComm | None = None, tp_group=None,
-                    dims=None, gather_output: bool = False, sequence_parallel: bool = False,
-                    seq_dim: int = 1, parts: int | tuple[int, ...] = 1, backend: str = "auto",
-                    chunks: int | None = None) -> "ColumnParallelLinear":
+    def from_linear(cls, linear: nn.Module, *, comm: TPComm | None = None,
+                    gather_output: bool = False, sequence_parallel: bool = False,
+                    seq_dim: int = 1, parts: int | tuple[int, ...] = 1) -> "ColumnParallelLinear":
         """Shard an existing ``nn.Linear`` or HF ``Conv1D`` (its values; the source module is
         left unchanged). ``parts``: the output dim is that many equal blocks to shard
         separately (fused qkv: parts=3)."""
         self, (weight, bias, transposed) = cls._from(linear)
-        self._configure(comm, tp_group, dims, backend, chunks,
-                        sequence_parallel=sequence_parallel, seq_dim=seq_dim, parts=parts)
+        self._configure(comm, sequence_parallel=sequence_parallel, seq_dim=seq_dim, parts=parts)
         self.gather_output = bool(gather_output)
         self._load(weight, bias, transposed=transposed)
         return self
@@ -329,7 +309,7 @@ class ColumnParallelLinear(_Linear):
             pad = max(self.local_sizes) - n_local
             if pad:  # uneven vocab: the fused op needs one w shape on every rank
                 w = F.pad(w, (0, pad))
-            y = all_gather_matmul(x, w, comm=self.comm, chunks=self.chunks,
+            y = all_gather_matmul(x, w, comm=self.comm,
                                   seq_dim=self._seq_dim(x))
             if pad:
                 y = y[..., :n_local]
@@ -364,25 +344,21 @@ class RowParallelLinear(_Linear):
     _split = "in"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 comm: TPComm | None = None, tp_group=None, dims=None,
+                 comm: TPComm | None = None,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 seq_dim: int = 1, backend: str = "auto", chunks: int | None = None,
-                 device=None, dtype=None):
+                 seq_dim: int = 1, device=None, dtype=None):
         super().__init__()
-        self._configure(comm, tp_group, dims, backend, chunks,
-                        sequence_parallel=sequence_parallel, seq_dim=seq_dim, parts=1)
+        self._configure(comm, sequence_parallel=sequence_parallel, seq_dim=seq_dim, parts=1)
         self.input_is_parallel = bool(input_is_parallel)
         self._build(in_features, out_features, bias, device, dtype)
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, *, comm: TPComm | None = None, tp_group=None,
-                    dims=None, input_is_parallel: bool = True,
-                    sequence_parallel: bool = False, seq_dim: int = 1, backend: str = "auto",
-                    chunks: int | None = None) -> "RowParallelLinear":
+    def from_linear(cls, linear: nn.Module, *, comm: TPComm | None = None,
+                    input_is_parallel: bool = True,
+                    sequence_parallel: bool = False, seq_dim: int = 1) -> "RowParallelLinear":
         """Shard an existing ``nn.Linear`` or HF ``Conv1D`` over its input features."""
         self, (weight, bias, transposed) = cls._from(linear)
-        self._configure(comm, tp_group, dims, backend, chunks,
-                        sequence_parallel=sequence_parallel, seq_dim=seq_dim, parts=1)
+        self._configure(comm, sequence_parallel=sequence_parallel, seq_dim=seq_dim, parts=1)
         self.input_is_parallel = bool(input_is_parallel)
         self._load(weight, bias, transposed=transposed)
         return self
@@ -397,11 +373,10 @@ class RowParallelLinear(_Linear):
             return F.linear(x, local(self.weight), local(self.bias))
         if self.sequence_parallel:
             y = matmul_reduce_scatter(x, local(self.weight).t(), comm=self.comm,
-                                      chunks=self.chunks,
                                       seq_dim=self._seq_dim(x))
             bias = None if self.bias is None else copy_to_tp(local(self.bias), comm=self.comm)
         else:
-            y = matmul_all_reduce(x, local(self.weight).t(), comm=self.comm, chunks=self.chunks)
+            y = matmul_all_reduce(x, local(self.weight).t(), comm=self.comm)
             bias = local(self.bias)
         return y if bias is None else y + bias
 
@@ -417,8 +392,8 @@ def column_parallel_shared(x: torch.Tensor, layers) -> list[torch.Tensor]:
     output, or mix bias and no bias.
     """
     first = layers[0]
-    key = (first.comm, first.chunks, first.sequence_parallel, first.seq_dim, first.bias is None)
-    if any((m.comm, m.chunks, m.sequence_parallel, m.seq_dim, m.bias is None) != key
+    key = (first.comm, first.sequence_parallel, first.seq_dim, first.bias is None)
+    if any((m.comm, m.sequence_parallel, m.seq_dim, m.bias is None) != key
            or m.gather_output or not isinstance(m, ColumnParallelLinear)
            or len(set(m.local_sizes)) > 1 for m in layers):
         return [m(x) for m in layers]
@@ -428,7 +403,7 @@ def column_parallel_shared(x: torch.Tensor, layers) -> list[torch.Tensor]:
     if first.tp_size == 1:
         y = F.linear(x, weight, bias)
     elif first.sequence_parallel:
-        y = all_gather_matmul(x, weight.t(), comm=first.comm, chunks=first.chunks,
+        y = all_gather_matmul(x, weight.t(), comm=first.comm,
                               seq_dim=first._seq_dim(x))
         y = y if bias is None else y + bias
     else:

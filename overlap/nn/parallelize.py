@@ -37,14 +37,14 @@ import torch.nn as nn
 
 from overlap.nn.embedding import VocabParallelEmbedding
 from overlap.nn.layers import (ColumnParallelLinear, RowParallelLinear, TPModule, linear_weight,
-                               resolve_comm)
+                               require_comm)
 from overlap.nn.probes import check_same_weights
 from overlap.nn.sequence import (SequenceShardedPositions, sequence_parallel_norm,
                                  sum_grads_over_tp, undo_sum_grads_over_tp)
 from overlap.nn.tp_plan import STYLES, Style, TPPlan
 from overlap.nn.verification import Verifier
 from overlap.nn.wrap import SUBCLASS_MODES, base_of, overridden, wrap_subclass
-from overlap.tp.comm import TPComm, owned_comm
+from overlap.tp.comm import TPComm
 
 __all__ = ["Style", "TPPlan", "STYLES", "parallelize", "gather_state_dict", "gather_grads"]
 
@@ -292,17 +292,15 @@ def _divide(model, divide, tp, undo) -> None:
         setattr(target, leaf, old // tp)
 
 
-def parallelize(model: nn.Module, *, dims=None, tp_group=None, comm: TPComm | None = None,
+def parallelize(model: nn.Module, *, comm: TPComm | None = None,
                 plan: TPPlan | None = None, sequence_parallel: bool = False,
-                backend: str = "auto", chunks: int | None = None,
-                check_inputs: bool = True, verify: bool | str = True, probe=None,
+                verify: bool | str = True, probe=None,
                 verify_tol: float | None = None, subclasses: str = "wrap") -> nn.Module:
     """Replace ``model``'s modules by TP ones per ``plan`` (default: ``tp_plans.plan_for(model)``)
     on one TP communicator; returns ``model`` (changed in place).
 
-    The communicator: ``comm=`` (a TPComm), or the default one of ``dims.tp_group`` /
-    ``tp_group`` with ``backend``, ``chunks`` and ``check_inputs`` (closed by
-    ``close_default_comms()``). Every rank of the group must call it on the same (same-seed)
+    The communicator: ``comm=``, a TPComm (``TPComm(group, backend=..., chunks=...)`` or
+    ``dims.tp_comm()``). Every rank of the group must call it on the same (same-seed)
     model. The sharded modules copy their shard of the current values, so the parallel model
     computes the same function.
 
@@ -317,9 +315,6 @@ def parallelize(model: nn.Module, *, dims=None, tp_group=None, comm: TPComm | No
     ``subclasses``: "wrap" (default), "refuse" or "replace" for matched modules whose type
     overrides forward (see overlap.nn.wrap).
     """
-    if comm is not None and (backend != "auto" or chunks is not None or not check_inputs):
-        raise ValueError("parallelize: backend=, chunks= and check_inputs= belong to the TPComm "
-                         "when comm= is given")
     where = f" (rank {dist.get_rank()})" if dist.is_initialized() else ""
     if verify not in (True, False, "model"):
         raise ValueError(f"parallelize: verify must be True, False or 'model', got "
@@ -331,13 +326,7 @@ def parallelize(model: nn.Module, *, dims=None, tp_group=None, comm: TPComm | No
                                        and not isinstance(verify_tol, bool) and verify_tol > 0):
         raise ValueError(f"parallelize: verify_tol must be a positive number, got "
                          f"{verify_tol!r}{where}")
-    if comm is None:
-        # The group= form: a communicator of its own with these settings (not the group's
-        # default one, whose per-call knobs differ); close_default_comms() closes it.
-        group = resolve_comm("parallelize", None, tp_group, dims, backend=backend).group
-        comm = owned_comm(group, backend=backend, chunks=chunks, check_inputs=check_inputs)
-    else:
-        comm = resolve_comm("parallelize", comm, tp_group, dims)
+    comm = require_comm("parallelize", comm)
     group = comm.group
     if plan is None:
         from overlap.models.tp_plans import plan_for

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from overlap.nn.layers import resolve_comm
+from overlap.nn.layers import require_comm
 from overlap.nn.regions import copy_to_tp, scatter_to_tp
 
 __all__ = ["SequenceParallelLayerNorm", "SequenceParallelRMSNorm", "SequenceShardedPositions",
@@ -44,11 +44,11 @@ def _adopt(new: nn.Module, old: nn.Module) -> None:
 
 class _FromNorm:
     @classmethod
-    def from_norm(cls, norm: nn.Module, *, comm=None, tp_group=None, dims=None):
+    def from_norm(cls, norm: nn.Module, *, comm=None):
         """The sequence-parallel twin of ``norm``, sharing its parameters."""
         self = cls.__new__(cls)
         _adopt(self, norm)
-        self.comm = resolve_comm(cls.__name__, comm, tp_group, dims)
+        self.comm = require_comm(cls.__name__, comm)
         self.tp_group = self.comm.group
         return self
 
@@ -70,13 +70,12 @@ class SequenceParallelRMSNorm(_FromNorm, nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, w, self.eps)
 
 
-def sequence_parallel_norm(norm: nn.Module, *, comm=None, tp_group=None,
-                           dims=None) -> nn.Module:
+def sequence_parallel_norm(norm: nn.Module, *, comm=None) -> nn.Module:
     """The sequence-parallel twin of an ``nn.LayerNorm`` or ``nn.RMSNorm``."""
     if isinstance(norm, nn.LayerNorm):
-        return SequenceParallelLayerNorm.from_norm(norm, comm=comm, tp_group=tp_group, dims=dims)
+        return SequenceParallelLayerNorm.from_norm(norm, comm=comm)
     if isinstance(norm, nn.RMSNorm):
-        return SequenceParallelRMSNorm.from_norm(norm, comm=comm, tp_group=tp_group, dims=dims)
+        return SequenceParallelRMSNorm.from_norm(norm, comm=comm)
     raise TypeError(f"sequence_parallel_norm: expected nn.LayerNorm or nn.RMSNorm, got "
                     f"{type(norm).__name__}")
 
@@ -86,13 +85,13 @@ class SequenceShardedPositions(nn.Embedding):
     added to a sequence-parallel token embedding (the sequence is the last dim of the ids)."""
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, *, comm=None, tp_group=None, dims=None):
+    def from_embedding(cls, embedding: nn.Embedding, *, comm=None):
         if not isinstance(embedding, nn.Embedding):
             raise TypeError(f"{cls.__name__}.from_embedding: expected nn.Embedding, got "
                             f"{type(embedding).__name__}")
         self = cls.__new__(cls)
         _adopt(self, embedding)
-        self.comm = resolve_comm(cls.__name__, comm, tp_group, dims)
+        self.comm = require_comm(cls.__name__, comm)
         self.tp_group = self.comm.group
         return self
 
@@ -135,14 +134,14 @@ def sums_grads_over_tp(module: nn.Module) -> bool:
     return isinstance(module, _SumsGradsOverTP)
 
 
-def sum_grads_over_tp(module: nn.Module, *, comm=None, tp_group=None, dims=None) -> nn.Module:
+def sum_grads_over_tp(module: nn.Module, *, comm=None) -> nn.Module:
     """Make ``module`` (in place; returned) sum the gradients of its own parameters (not its
     submodules') over the TP group: for a replicated module that runs on TP-sharded activations
     (a per-head norm between column- and row-parallel layers, a bias added to a sharded
     activation). Parameter names, types, state dicts and ``isinstance`` stay as they were.
     Costs one all-reduce of the parameters' size per backward. Idempotent for the same
     communicator; ``undo_sum_grads_over_tp`` reverts it."""
-    comm = resolve_comm("sum_grads_over_tp", comm, tp_group, dims)
+    comm = require_comm("sum_grads_over_tp", comm)
     if sums_grads_over_tp(module):
         if module.__dict__["_overlap_sum_grads_comm"] is not comm:
             raise ValueError(f"sum_grads_over_tp: {type(module).__name__} already sums its "

@@ -174,7 +174,9 @@ def bench_pipeline(iters: int, tp: int) -> dict[tuple[int, int], float]:
         from overlap.nn import parallelize, vocab_parallel_cross_entropy
 
         def loss_fn(logits, targets):
-            return vocab_parallel_cross_entropy(logits, targets, tp_group=dims.tp_group)
+            return vocab_parallel_cross_entropy(logits, targets, comm=comm)
+
+        comm = dims.tp_comm()
     x = torch.randint(0, TINY["vocab_size"], (1, TINY["seq_len"]))
     first, last = dims.pp_rank == 0, dims.pp_rank == 1
     out = {}
@@ -183,8 +185,8 @@ def bench_pipeline(iters: int, tp: int) -> dict[tuple[int, int], float]:
             torch.manual_seed(0)
             model = GPT(GPTConfig(n_layer=2 * layers, **TINY))
             if tp > 1:
-                parallelize(model, dims=dims, plan=gpt_plan(loss_parallel=True),
-                            sequence_parallel=True, backend="auto")
+                parallelize(model, comm=comm, plan=gpt_plan(loss_parallel=True),
+                            sequence_parallel=True)
             stages = pipeline_stages(model, pp_group=dims.pp_group, num_virtual=1)
             reducers = []
             if dims.dp > 1:

@@ -274,13 +274,12 @@ def default_comm(group, *, backend: str = "auto", op: str = "tp") -> TPComm:
     return comm
 
 
-def owned_comm(group, *, backend: str, chunks: int | str | None, check_inputs: bool) -> TPComm:
+def owned_comm(group, *, backend: str, chunks: int | str | None, timeout: float | None,
+               check_inputs: bool) -> TPComm:
     """A new communicator with these settings, registered with the group's default ones so
-    that ``close_default_comms()`` closes it too (``parallelize(tp_group=...)``'s form)."""
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"parallelize: group must be a torch.distributed ProcessGroup, got "
-                        f"{type(group).__name__}")
-    comm = TPComm(group, backend=backend, chunks=chunks, check_inputs=check_inputs)
+    that ``close_default_comms()`` closes it too (``ParallelDims.tp_comm``)."""
+    comm = TPComm(group, backend=backend, chunks=chunks, check_inputs=check_inputs,
+                  timeout=DEFAULT_TIMEOUT if timeout is None else timeout)
     per_group = _defaults.get(group)
     if per_group is None:
         per_group = _defaults[group] = {}
@@ -290,7 +289,7 @@ def owned_comm(group, *, backend: str, chunks: int | str | None, check_inputs: b
 
 def close_default_comms() -> None:
     """Close and forget every default communicator (the ``group=`` form's, and those
-    ``parallelize(tp_group=...)`` made) of this process; call it on every rank at teardown.
+    ``ParallelDims.tp_comm()`` made) of this process; call it on every rank at teardown.
     Collective-free: each waits at most briefly for its peers. Explicit TPComm objects are
     closed by their owners."""
     for per_group in list(_defaults.values()):

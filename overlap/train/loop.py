@@ -153,8 +153,7 @@ def _build(cfg: TrainConfig, dims, device: torch.device, dtype: torch.dtype, *,
                               num_microbatches=cfg.micro_batches, num_virtual=num_virtual)
 
     def loss_fn(logits_shard_v: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits_shard_v.float(), targets,
-                                            tp_group=dims.tp_group)
+        return vocab_parallel_cross_entropy(logits_shard_v.float(), targets, comm=tp_comm)
 
     pipe = Pipeline(stages, schedule, loss_fn=loss_fn, pp_group=dims.pp_group,
                     timeout=cfg.timeout)
