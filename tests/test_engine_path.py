@@ -21,4 +21,5 @@ def test_every_backend_is_reached_in_at_most_four_files():
     counts = [int(line.split(": ")[1].split()[0]) for line in out.splitlines()
               if " files" in line and "->" in line]
     assert len(counts) == 8 and max(counts) <= 4, out
-    assert "overlap/kernels/triton/ag_gemm.py" in out and "overlap/tp/chunked.py" in out, out
+    assert "overlap/kernels/triton/all_gather_matmul.py" in out, out
+    assert "overlap/tp/chunked.py" in out, out

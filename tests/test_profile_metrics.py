@@ -112,7 +112,7 @@ def test_lanes_and_exposed_intervals():
                      "aten::add": None}
     assert exposed_intervals(trace) == [(50, 80)]
     kernels = spans_from_events([_kernel("overlap_signal_wait", 0, 5, 3),
-                                 _kernel("_ag_gemm_kernel", 0, 5, 4),
+                                 _kernel("_all_gather_matmul_kernel", 0, 5, 4),
                                  _kernel("ncclDevKernel_x", 0, 5, 5),
                                  _ev("comm:launch", 0, 1)])
     assert [lane_of(s, main, True) for s in kernels] == ["wait", "fused", "comm", None]

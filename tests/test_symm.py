@@ -249,13 +249,13 @@ def _fail_while_peer_reads():
     from overlap.tp.context import TPContext
 
     rank = dist.get_rank()
-    ctx = TPContext(op="all_gather_matmul", backend="symmetric", group=dist.group.WORLD,
+    context = TPContext(op="all_gather_matmul", backend="symmetric", group=dist.group.WORLD,
                     nbytes=4096, num_signals=4, device=torch.device("cpu"), timeout=10)
-    ws = ctx.ws
+    ws = context.ws
     if rank == 0:
         ws.view(0, torch.uint8, (4096,)).fill_(7)
         ws.signal(1, slot=0, value=1)  # rank 1 now reads this buffer (an earlier, good call)
-        ctx.fail(RuntimeError("a later call failed on rank 0"))
+        context.fail(RuntimeError("a later call failed on rank 0"))
         time.sleep(1.0)  # alive: the deferred free must wait for rank 1, not for a death
         return "failed"
     ws.wait(slot=0, value=1)
@@ -263,7 +263,7 @@ def _fail_while_peer_reads():
     for _ in range(20):
         time.sleep(0.01)
         changed.append(int((ws.view(0, torch.uint8, (4096,)) != 7).sum()))
-    ctx.close()
+    context.close()
     return changed
 
 
@@ -278,10 +278,10 @@ def _close_with_stuck_copier():
 
     from overlap.tp import context as tp_context
 
-    ctx = tp_context.TPContext(op="all_gather_matmul", backend="symmetric",
+    context = tp_context.TPContext(op="all_gather_matmul", backend="symmetric",
                                group=dist.group.WORLD, nbytes=4096, num_signals=4,
                                device=torch.device("cpu"), timeout=10)
-    ws, rank = ctx.ws, dist.get_rank()
+    ws, rank = context.ws, dist.get_rank()
     own = ws.view(rank, torch.uint8, (4096,))
     own.fill_(7)
     release, seen = threading.Event(), []
@@ -290,18 +290,18 @@ def _close_with_stuck_copier():
         release.wait(10)
         seen.append(int((own != 7).sum()))
 
-    ctx.copier.submit(copy)
-    ctx.copier.timeout = 0.2 - 5.0  # close() joins the worker for timeout + 5 s: 0.2 s here
+    context.copier.submit(copy)
+    context.copier.timeout = 0.2 - 5.0  # close() joins the worker for timeout + 5 s: 0.2 s here
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ctx.close()
+        context.close()
     messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
     kept = any(k is ws for k, _ in getattr(tp_context, "_KEPT", []))
     release.set()
-    ctx.copier.stream.close(10)  # the worker ends once released
+    context.copier.stream.close(10)  # the worker ends once released
     ws.close()
     getattr(tp_context, "_KEPT", []).clear()
-    return ctx.closed, kept, messages, seen
+    return context.closed, kept, messages, seen
 
 
 def test_a_context_whose_copier_is_still_running_is_not_freed():

@@ -1,17 +1,18 @@
 """Triton fused TP GEMMs (overlap.kernels.triton.tp_gemm) on 1, 2 and 4 processes under the
 Triton interpreter over shared memory, against the unfused references.
 
-References: ag_gemm vs all_gather(x_shard) @ w, gemm_rs vs reduce_scatter(x @ w) with the
-partials rounded to the dtype and summed in fp32. Every rank derives every rank's inputs from a
-seed (phase, rank), so the references need no collective and the fused calls run back to back
-with nothing in between that could hide a race; rank (phase % world) also sleeps before some
-calls so the others run ahead into the double buffer.
+References: all_gather_matmul vs all_gather(x_shard) @ w, matmul_reduce_scatter vs
+reduce_scatter(x @ w) with the partials rounded to the dtype and summed in fp32. Every rank derives
+every rank's inputs from a seed (phase, rank), so the references need no collective and the fused calls run back
+to back with nothing in between that could hide a race; rank (phase % world) also sleeps before
+some calls so the others run ahead into the double buffer.
 
 Tolerances, against references computed in float64 from the same (rounded) inputs:
 fp32 |y - ref| <= 1e-5 * max|ref| (IEEE fp32 in the kernel, only the summation order differs).
-ag_gemm bf16 / fp16: one ulp of the output, rtol 2^-7 / 2^-10, plus atol 1e-4 * max|ref|
-(fp32 accumulation). gemm_rs bf16 / fp16: rtol 1.6e-2, atol 1e-2 * max|ref|, since each of the
-world partials is rounded to the dtype (like x @ w) and may land one ulp off the reference's.
+all_gather_matmul bf16 / fp16: one ulp of the output, rtol 2^-7 / 2^-10, plus atol 1e-4 * max|ref|
+(fp32 accumulation). matmul_reduce_scatter bf16 / fp16: rtol 1.6e-2, atol 1e-2 * max|ref|, since
+each of the world partials is rounded to the dtype (like x @ w) and may land one ulp off the
+reference's.
 """
 
 import os
@@ -68,48 +69,53 @@ def _skew(phase):
 
 
 def _ag_calls(cases, device="cpu"):
-    from overlap.kernels.triton.tp_gemm import ag_gemm, ag_gemm_num_signals, ag_gemm_workspace_bytes
+    from overlap.kernels.triton.tp_gemm import (all_gather_matmul,
+                                                all_gather_matmul_num_signals as num_signals,
+                                                all_gather_matmul_workspace_bytes as nbytes_of)
 
     device = _device(device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    nbytes = max(ag_gemm_workspace_bytes(m, k, world, dt) for (m, k, n), dt, _ in cases)
+    nbytes = max(nbytes_of(m, k, world, dt) for (m, k, n), dt, _ in cases)
     outs = []
-    with create_workspace(dist.group.WORLD, nbytes, num_signals=ag_gemm_num_signals(world),
+    with create_workspace(dist.group.WORLD, nbytes, num_signals=num_signals(world),
                           device=device, timeout=30) as ws:
         for phase, ((m, k, n), dt, gathered) in enumerate(cases, start=1):
             x, w = _inputs(phase, rank, m, k, n, dt, device, "ag")
             _skew(phase)
-            outs.append((phase, ag_gemm(ws, x, w, phase=phase, return_gathered=gathered)))
+            outs.append((phase, all_gather_matmul(ws, x, w, phase=phase, return_gathered=gathered)))
         ws.barrier()  # peers may still read our buffer until they are done too
     for (phase, (y, g)), ((m, k, n), dt, gathered) in zip(outs, cases):
         xs = [_inputs(phase, s, m, k, n, dt, device, "ag")[0] for s in range(world)]
         w = _inputs(phase, rank, m, k, n, dt, device, "ag")[1]
         full = torch.cat(xs)
-        _check(y, (full.double() @ w.double()).to(dt), dt, f"ag_gemm phase {phase} {dt}")
+        _check(y, (full.double() @ w.double()).to(dt), dt, f"all_gather_matmul phase {phase} {dt}")
         assert (g is None) != gathered and (g is None or torch.equal(g, full)), phase
     return len(outs)
 
 
 def _rs_calls(cases, device="cpu"):
-    from overlap.kernels.triton.tp_gemm import gemm_rs, gemm_rs_num_signals, gemm_rs_workspace_bytes
+    from overlap.kernels.triton.tp_gemm import (matmul_reduce_scatter,
+                                                matmul_reduce_scatter_num_signals as num_signals,
+                                                matmul_reduce_scatter_workspace_bytes as nbytes_of)
 
     device = _device(device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    nbytes = max(gemm_rs_workspace_bytes(m, n, world, dt) for (m, k, n), dt in cases)
+    nbytes = max(nbytes_of(m, n, world, dt) for (m, k, n), dt in cases)
     outs = []
-    with create_workspace(dist.group.WORLD, nbytes, num_signals=gemm_rs_num_signals(world),
+    with create_workspace(dist.group.WORLD, nbytes, num_signals=num_signals(world),
                           device=device, timeout=30) as ws:
         for phase, ((m, k, n), dt) in enumerate(cases, start=1):
             x, w = _inputs(phase, rank, m, k, n, dt, device, "rs")
             _skew(phase)
-            outs.append((phase, gemm_rs(ws, x, w, phase=phase)))
+            outs.append((phase, matmul_reduce_scatter(ws, x, w, phase=phase)))
         ws.barrier()
     for (phase, y), ((m, k, n), dt) in zip(outs, cases):
         ref = torch.zeros(m, n, dtype=torch.float64, device=device)
         for s in range(world):  # each source's partial rounded to dt, as x @ w would be
             x, w = _inputs(phase, s, m, k, n, dt, device, "rs")
             ref += (x[rank * m:(rank + 1) * m].double() @ w.double()).to(dt).double()
-        _check(y, ref.to(dt), dt, f"gemm_rs phase {phase} {dt}", partials_rounded=True)
+        _check(y, ref.to(dt), dt, f"matmul_reduce_scatter phase {phase} {dt}",
+               partials_rounded=True)
     return len(outs)
 
 
@@ -122,37 +128,39 @@ def _cases(world):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_ag_gemm_matches_all_gather_then_matmul(world):
+def test_all_gather_matmul_matches_all_gather_then_matmul(world):
     cases = [(shape, dt, i % 2 == 0) for i, (shape, dt) in enumerate(_cases(world))]
     assert run_ranks(_ag_calls, world, cases) == [len(cases)] * world
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_gemm_rs_matches_matmul_then_reduce_scatter(world):
+def test_matmul_reduce_scatter_matches_matmul_then_reduce_scatter(world):
     cases = _cases(world)
     assert run_ranks(_rs_calls, world, cases) == [len(cases)] * world
 
 
 def _mlp(num_steps):
-    # The TP MLP pattern: column-parallel ag_gemm feeding row-parallel gemm_rs, each op on its
-    # own workspace, steps back to back.
+    # The TP MLP pattern: column-parallel all_gather_matmul feeding row-parallel
+    # matmul_reduce_scatter, each op on its own workspace, steps back to back.
     from overlap.kernels.triton import tp_gemm as tp
 
     rank, world = dist.get_rank(), dist.get_world_size()
     m, d, f = 6, 20, 24  # f features per rank
     g = dist.group.WORLD
     errs = []
-    with create_workspace(g, tp.ag_gemm_workspace_bytes(m, d, world, F32),
-                          num_signals=tp.ag_gemm_num_signals(world), timeout=30) as ws_ag, \
-            create_workspace(g, tp.gemm_rs_workspace_bytes(m, d, world, F32),
-                             num_signals=tp.gemm_rs_num_signals(world), timeout=30) as ws_rs:
+    with create_workspace(g, tp.all_gather_matmul_workspace_bytes(m, d, world, F32),
+                          num_signals=tp.all_gather_matmul_num_signals(world),
+                          timeout=30) as ws_ag, \
+            create_workspace(g, tp.matmul_reduce_scatter_workspace_bytes(m, d, world, F32),
+                             num_signals=tp.matmul_reduce_scatter_num_signals(world),
+                             timeout=30) as ws_rs:
         for step in range(1, num_steps + 1):
             gen = torch.Generator().manual_seed(step)
             x = torch.randn(world * m, d, generator=gen)
             w1 = torch.randn(world, d, f, generator=gen)
             w2 = torch.randn(world, f, d, generator=gen)
-            h, _ = tp.ag_gemm(ws_ag, x[rank * m:(rank + 1) * m], w1[rank], phase=step)
-            y = tp.gemm_rs(ws_rs, h, w2[rank], phase=step)
+            h, _ = tp.all_gather_matmul(ws_ag, x[rank * m:(rank + 1) * m], w1[rank], phase=step)
+            y = tp.matmul_reduce_scatter(ws_rs, h, w2[rank], phase=step)
             ref = sum((x.double() @ w1[s].double()).float().double() @ w2[s].double()
                       for s in range(world))[rank * m:(rank + 1) * m]
             errs.append(float((y.double() - ref).abs().max() / ref.abs().max()))
@@ -172,33 +180,34 @@ def _bad_inputs():
     g = dist.group.WORLD
     x, w = torch.randn(4, 8), torch.randn(8, 6)
     with create_workspace(g, 256, num_signals=2 * world) as ws:
-        need = tp.ag_gemm_workspace_bytes(16, 8, world, F32)
-        with pytest.raises(ValueError, match=rf"ag_gemm: .* has 256 bytes but .* needs {need} "
-                                             rf"\(rank {rank}\)"):
-            tp.ag_gemm(ws, torch.randn(16, 8), w, phase=1)
-        need = tp.gemm_rs_workspace_bytes(8, 6, world, F32)
-        with pytest.raises(ValueError, match=rf"gemm_rs: .* has 256 bytes but .* needs {need} "
-                                             rf"\(rank {rank}\)"):
-            tp.gemm_rs(ws, torch.randn(8 * world, 8), w, phase=1)
-        with pytest.raises(ValueError, match="gemm_rs: x has M=.* multiple of 2"):
-            tp.gemm_rs(ws, torch.randn(5, 8), w, phase=1)
+        need = tp.all_gather_matmul_workspace_bytes(16, 8, world, F32)
+        with pytest.raises(ValueError, match=rf"all_gather_matmul: .* has 256 bytes but .* "
+                                             rf"needs {need} \(rank {rank}\)"):
+            tp.all_gather_matmul(ws, torch.randn(16, 8), w, phase=1)
+        need = tp.matmul_reduce_scatter_workspace_bytes(8, 6, world, F32)
+        with pytest.raises(ValueError, match=rf"matmul_reduce_scatter: .* has 256 bytes but .* "
+                                             rf"needs {need} \(rank {rank}\)"):
+            tp.matmul_reduce_scatter(ws, torch.randn(8 * world, 8), w, phase=1)
+        with pytest.raises(ValueError, match="matmul_reduce_scatter: x has M=.* multiple of 2"):
+            tp.matmul_reduce_scatter(ws, torch.randn(5, 8), w, phase=1)
         with pytest.raises(ValueError, match=r"w must be \[K=8, N\]"):
-            tp.ag_gemm(ws, x, torch.randn(7, 6), phase=1)
+            tp.all_gather_matmul(ws, x, torch.randn(7, 6), phase=1)
         with pytest.raises(TypeError, match="inputs must share one dtype"):
-            tp.ag_gemm(ws, x, w.double(), phase=1)
+            tp.all_gather_matmul(ws, x, w.double(), phase=1)
         with pytest.raises(TypeError, match="dtype must be float32, bfloat16 or float16"):
-            tp.ag_gemm(ws, x.double(), w.double(), phase=1)
+            tp.all_gather_matmul(ws, x.double(), w.double(), phase=1)
     with create_workspace(g, 4096, num_signals=2 * world - 1) as ws:
-        with pytest.raises(ValueError, match=rf"has {2 * world - 1} signals but ag_gemm needs"):
-            tp.ag_gemm(ws, x, w, phase=1)
+        with pytest.raises(ValueError,
+                           match=rf"has {2 * world - 1} signals but all_gather_matmul needs"):
+            tp.all_gather_matmul(ws, x, w, phase=1)
     with create_workspace(g, 4096, num_signals=2 * world, timeout=20) as ws:
         with pytest.raises(ValueError, match="phase must be a positive int"):
-            tp.ag_gemm(ws, x, w, phase=0)
-        y1, _ = tp.ag_gemm(ws, x, w, phase=1)
+            tp.all_gather_matmul(ws, x, w, phase=0)
+        y1, _ = tp.all_gather_matmul(ws, x, w, phase=1)
         with pytest.raises(ValueError, match="phase must increase .* got 1 after 1"):
-            tp.ag_gemm(ws, x, w, phase=1)
-        with pytest.raises(ValueError, match="already serves ag_gemm"):
-            tp.gemm_rs(ws, torch.randn(2 * world, 8), w, phase=2)
+            tp.all_gather_matmul(ws, x, w, phase=1)
+        with pytest.raises(ValueError, match="already serves all_gather_matmul"):
+            tp.matmul_reduce_scatter(ws, torch.randn(2 * world, 8), w, phase=2)
         ws.barrier()
     return float((y1[rank * 4:(rank + 1) * 4] - x @ w).abs().max())
 
@@ -212,9 +221,9 @@ def _absent_peer():
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = []
-    for op in ("ag_gemm", "gemm_rs"):
-        nbytes = max(tp.ag_gemm_workspace_bytes(4, 8, world, F32),
-                     tp.gemm_rs_workspace_bytes(4, 6, world, F32))
+    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        nbytes = max(tp.all_gather_matmul_workspace_bytes(4, 8, world, F32),
+                     tp.matmul_reduce_scatter_workspace_bytes(4, 6, world, F32))
         with create_workspace(dist.group.WORLD, nbytes, num_signals=2 * world, timeout=20) as ws:
             if rank == 1:  # never arrives, but stays alive for the barrier
                 dist.barrier()
@@ -224,11 +233,12 @@ def _absent_peer():
             with pytest.raises(TimeoutError, match=rf"{op}: rank 0 of group .* at phase 1 "
                                                    r"waiting on signal slot 1 \(ready flag of "
                                                    r"source rank 1"):
-                if op == "ag_gemm":
-                    tp.ag_gemm(ws, torch.randn(4, 8), torch.randn(8, 6), phase=1, timeout=0.3)
+                if op == "all_gather_matmul":
+                    tp.all_gather_matmul(ws, torch.randn(4, 8), torch.randn(8, 6), phase=1,
+                                         timeout=0.3)
                 else:  # the deferred check: the call returns, check_pending raises
-                    tp.gemm_rs(ws, torch.randn(4 * world, 8), torch.randn(8, 6), phase=1,
-                               timeout=0.3, sync=False)
+                    tp.matmul_reduce_scatter(ws, torch.randn(4 * world, 8), torch.randn(8, 6),
+                                             phase=1, timeout=0.3, sync=False)
                     tp.check_pending(ws)
             out.append(time.monotonic() - t0)
             dist.barrier()
@@ -250,13 +260,14 @@ def _lost_ack():
 
     x, w = torch.randn(3, 8), torch.randn(8, 5)
     with create_workspace(dist.group.WORLD, 4096, num_signals=2) as ws:
-        y, _ = tp.ag_gemm(ws, x, w, phase=1)
-        y, _ = tp.ag_gemm(ws, 2 * x, w, phase=2)
+        y, _ = tp.all_gather_matmul(ws, x, w, phase=1)
+        y, _ = tp.all_gather_matmul(ws, 2 * x, w, phase=2)
         ws.signal(0, slot=1, value=0)
-        with pytest.raises(TimeoutError, match=r"ag_gemm: rank 0 .* phase 3 waiting on signal "
-                                               r"slot 1 \(ack of consumer rank 0: .* buffer 1 "
+        with pytest.raises(TimeoutError, match=r"all_gather_matmul: rank 0 .* phase 3 waiting on "
+                                               r"signal slot 1 \(ack of consumer rank 0: .* "
+                                               r"buffer 1 "
                                                r"from phase 1\): wanted >= 1, last saw 0"):
-            tp.ag_gemm(ws, x, w, phase=3, timeout=0.2)
+            tp.all_gather_matmul(ws, x, w, phase=3, timeout=0.2)
         return float((y - (2 * x) @ w).abs().max())
 
 
@@ -273,7 +284,7 @@ _COMPILE = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from overlap.kernels.triton import ag_gemm as ag, gemm_rs as rs
+    from overlap.kernels.triton import all_gather_matmul as ag, matmul_reduce_scatter as rs
 
     out = {}
     for cc, dt in ((80, "fp32"), (90, "bf16")):
@@ -284,9 +295,9 @@ _COMPILE = textwrap.dedent("""
                 "status_ptr": "*i64"}
         gemm = dict(BM=128, BN=128, BK=bk, CAST_F32=False, SOFT_BF16=False, USE_CLOCK=True)
         jobs = [(ag._ag_publish_kernel, {"x_ptr": p}, dict(BLOCK=4096, USE_CLOCK=True)),
-                (ag._ag_gemm_kernel, {"w_ptr": p, "y_ptr": p, "g_ptr": p},
+                (ag._all_gather_matmul_kernel, {"w_ptr": p, "y_ptr": p, "g_ptr": p},
                  dict(gemm, RETURN_GATHERED=True)),
-                (rs._gemm_rs_kernel, {"x_ptr": p, "w_ptr": p}, gemm),
+                (rs._matmul_reduce_scatter_kernel, {"x_ptr": p, "w_ptr": p}, gemm),
                 (rs._reduce_kernel, {"y_ptr": p}, dict(BLOCK=4096, SOFT_BF16=False,
                                                      USE_CLOCK=True))]
         for fn, types, consts in jobs:
@@ -322,7 +333,7 @@ def test_kernels_compile_for_sm80_and_sm90():
         assert all(f in code for f in fences), name
         assert "st.relaxed.sys.global.b64" in code and "ld.relaxed.sys.global.b64" in code, name
     # The peer loads and stores are vectorised (the alignment hint on raw addresses works).
-    assert "cp.async" in ptx["sm_90 _ag_gemm_kernel"]
+    assert "cp.async" in ptx["sm_90 _all_gather_matmul_kernel"]
 
 
 GPU_CASES = [((256, 512, 384), F32), ((256, 512, 384), BF16), ((100, 264, 200), BF16),
@@ -330,16 +341,17 @@ GPU_CASES = [((256, 512, 384), F32), ((256, 512, 384), BF16), ((100, 264, 200), 
 
 
 @requires_gpu
-def test_ag_gemm_gpu():
-    """The CUDA twin of test_ag_gemm_matches_all_gather_then_matmul, at tensor-core sizes."""
+def test_all_gather_matmul_gpu():
+    """The CUDA twin of test_all_gather_matmul_matches_all_gather_then_matmul, at tensor-core
+    sizes."""
     world = min(4, torch.cuda.device_count())
     cases = [(shape, dt, True) for shape, dt in GPU_CASES] * 2
     assert run_ranks(_ag_calls, world, cases, "cuda", backend="nccl") == [len(cases)] * world
 
 
 @requires_gpu
-def test_gemm_rs_gpu():
-    """The CUDA twin of test_gemm_rs_matches_matmul_then_reduce_scatter."""
+def test_matmul_reduce_scatter_gpu():
+    """The CUDA twin of test_matmul_reduce_scatter_matches_matmul_then_reduce_scatter."""
     world = min(4, torch.cuda.device_count())
     cases = GPU_CASES * 2
     assert run_ranks(_rs_calls, world, cases, "cuda", backend="nccl") == [len(cases)] * world

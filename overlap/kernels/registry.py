@@ -47,13 +47,13 @@ class KernelInfo:
 
 _TRITON = "overlap/kernels/triton/"
 _ENTRIES = (
-    KernelInfo("_ag_gemm_kernel", FUSED, _TRITON + "ag_gemm.py",
+    KernelInfo("_all_gather_matmul_kernel", FUSED, _TRITON + "all_gather_matmul.py",
                what="AllGather-GEMM: tiles wait on a peer's ready flag, then read its shard"),
-    KernelInfo("_ag_publish_kernel", COMM, _TRITON + "ag_gemm.py",
+    KernelInfo("_ag_publish_kernel", COMM, _TRITON + "all_gather_matmul.py",
                what="copies this rank's shard into its symmetric buffer and signals peers"),
-    KernelInfo("_gemm_rs_kernel", FUSED, _TRITON + "gemm_rs.py",
+    KernelInfo("_matmul_reduce_scatter_kernel", FUSED, _TRITON + "matmul_reduce_scatter.py",
                what="GEMM-ReduceScatter: the epilogue stores tiles into the owner's buffer"),
-    KernelInfo("_reduce_kernel", COMM, _TRITON + "gemm_rs.py",
+    KernelInfo("_reduce_kernel", COMM, _TRITON + "matmul_reduce_scatter.py",
                what="waits for every source's partial, sums them (the reduce of the scatter)"),
     KernelInfo("_pull_kernel", COMM, _TRITON + "signal.py",
                what="waits on a peer's flag, then copies from the peer's buffer"),

@@ -201,10 +201,11 @@ def worked_example() -> list:
 
     step 0 [0, 1 ms): a GEMM on stream 7 (200-600 us) under an NCCL all-gather on stream 13
         (150-700 us), launched from ``all_gather_matmul.chunked.gemm[0]`` / ``.comm[1]``;
-    step 1 [1, 2 ms): a fused ``_ag_gemm_kernel`` (1100-1500 us), then a signal wait on stream
-        20 (1500-1600), a peer-to-peer copy (1600-1650) and a device-to-device copy on the
-        compute stream (1650-1700); a device-to-device copy on the comm stream (1400-1450) runs
-        under the fused kernel, and a host-to-device copy (1700-1800) is not counted.
+    step 1 [1, 2 ms): a fused ``_all_gather_matmul_kernel`` (1100-1500 us), then a signal
+        wait on stream 20 (1500-1600), a peer-to-peer copy (1600-1650) and a device-to-device
+        copy on the compute stream (1650-1700); a device-to-device copy on the comm stream
+        (1400-1450) runs under the fused kernel, and a host-to-device copy (1700-1800) is not
+        counted.
     """
     k = 1000
     launch = lambda us: (us * k, 100)  # noqa: E731 - (ns, tid) of the launching call
@@ -217,7 +218,7 @@ def worked_example() -> list:
         Kernel("ncclDevKernel_AllGather_RING_LL", 150 * k, 700 * k, stream=13,
                launch=launch(105)),
         Range("all_gather_matmul.triton.fused[0]", 1040 * k, 1080 * k),
-        Kernel("_ag_gemm_kernel", 1100 * k, 1500 * k, stream=7, launch=launch(1050)),
+        Kernel("_all_gather_matmul_kernel", 1100 * k, 1500 * k, stream=7, launch=launch(1050)),
         Kernel("overlap_signal_wait", 1500 * k, 1600 * k, stream=20, launch=launch(1060)),
         Copy(10, 1600 * k, 1650 * k, stream=20, src=0, dst=1, launch=launch(1070)),
         Copy(8, 1650 * k, 1700 * k, stream=7, launch=launch(1075)),

@@ -11,7 +11,7 @@ kernel registry (``overlap/profile/names.py``, ``overlap/kernels/registry.py``):
   pieces of the fused ops, ``gloo:*`` / ``nccl:*`` / ``c10d::*`` / ``record_param_comms``,
   NCCL kernels, overlap's comm kernels (signal waits, peer copies), peer and comm-stream copies;
 - compute: ``compute:*`` and ``.gemm[..]`` ranges, ``aten::*`` ops, every other kernel; a fused
-  comm+GEMM kernel (``_ag_gemm_kernel``) counts as compute with its communication hidden.
+  comm+GEMM kernel (``_all_gather_matmul_kernel``) counts as compute with its communication hidden.
 
 Metrics per trace (one rank), over the span of the ``step:*`` ranges (or the whole trace):
 

@@ -54,14 +54,14 @@ class Backend:
         needs no workspace."""
         return None
 
-    def all_gather_matmul(self, comm, ctx, x_shard, w, *, chunks: int, return_gathered: bool):
+    def all_gather_matmul(self, comm, context, x_shard, w, *, chunks: int, return_gathered: bool):
         raise NotImplementedError
 
-    def matmul_reduce_scatter(self, comm, ctx, x, w, *, chunks: int,
+    def matmul_reduce_scatter(self, comm, context, x, w, *, chunks: int,
                               overlap_with: Callable[[], None] | None):
         raise NotImplementedError
 
-    def matmul_all_reduce(self, comm, ctx, x, w, *, chunks: int):
+    def matmul_all_reduce(self, comm, context, x, w, *, chunks: int):
         raise NotImplementedError
 
 
@@ -71,19 +71,19 @@ class ChunkedBackend(Backend):
 
     name = "chunked"
 
-    def all_gather_matmul(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
+    def all_gather_matmul(self, comm, context, x_shard, w, *, chunks, return_gathered):
         comm.settle()
         return chunked.all_gather_matmul(x_shard, w, group=comm.group, chunks=chunks,
                                          return_gathered=return_gathered, timeout=comm.timeout,
                                          agree=comm.agree)
 
-    def matmul_reduce_scatter(self, comm, ctx, x, w, *, chunks, overlap_with):
+    def matmul_reduce_scatter(self, comm, context, x, w, *, chunks, overlap_with):
         comm.settle()
         return chunked.matmul_reduce_scatter(x, w, group=comm.group, chunks=chunks,
                                              overlap_with=overlap_with, timeout=comm.timeout,
                                              agree=comm.agree)
 
-    def matmul_all_reduce(self, comm, ctx, x, w, *, chunks):
+    def matmul_all_reduce(self, comm, context, x, w, *, chunks):
         comm.settle()
         return chunked.matmul_all_reduce(x, w, group=comm.group, chunks=chunks,
                                          timeout=comm.timeout, agree=comm.agree)
@@ -103,37 +103,37 @@ class SymmetricBackend(Backend):
             nbytes = symmetric.ar_bytes(rows, n, world, dtype)
         return nbytes, symmetric.num_signals(op, world)
 
-    def all_gather_matmul(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
-        if ctx is None:
+    def all_gather_matmul(self, comm, context, x_shard, w, *, chunks, return_gathered):
+        if context is None:
             return _BACKENDS["chunked"].all_gather_matmul(comm, None, x_shard, w, chunks=chunks,
                                                           return_gathered=return_gathered)
-        return _poisoned(comm, ctx, "all_gather_matmul", lambda: symmetric.all_gather_matmul(
-            ctx, x_shard, w, chunks=chunks, return_gathered=return_gathered))
+        return _poisoned(comm, context, "all_gather_matmul", lambda: symmetric.all_gather_matmul(
+            context, x_shard, w, chunks=chunks, return_gathered=return_gathered))
 
-    def matmul_reduce_scatter(self, comm, ctx, x, w, *, chunks, overlap_with):
-        if ctx is None:
+    def matmul_reduce_scatter(self, comm, context, x, w, *, chunks, overlap_with):
+        if context is None:
             return _BACKENDS["chunked"].matmul_reduce_scatter(comm, None, x, w, chunks=chunks,
                                                               overlap_with=overlap_with)
-        return _poisoned(comm, ctx, "matmul_reduce_scatter",
-                         lambda: symmetric.matmul_reduce_scatter(ctx, x, w, chunks=chunks,
+        return _poisoned(comm, context, "matmul_reduce_scatter",
+                         lambda: symmetric.matmul_reduce_scatter(context, x, w, chunks=chunks,
                                                                  overlap_with=overlap_with))
 
-    def matmul_all_reduce(self, comm, ctx, x, w, *, chunks):
-        if ctx is None:
+    def matmul_all_reduce(self, comm, context, x, w, *, chunks):
+        if context is None:
             return _BACKENDS["chunked"].matmul_all_reduce(comm, None, x, w, chunks=chunks)
-        return _poisoned(comm, ctx, "matmul_all_reduce",
-                         lambda: symmetric.matmul_all_reduce(ctx, x, w, chunks=chunks))
+        return _poisoned(comm, context, "matmul_all_reduce",
+                         lambda: symmetric.matmul_all_reduce(context, x, w, chunks=chunks))
 
 
-def _poisoned(comm, ctx, op: str, run):
+def _poisoned(comm, context, op: str, run):
     """Run a symmetric op with the workspace's poisoned-output contract (overlap.symm.base):
     first raise what a device-side wait of an earlier op recorded (no host sync), then, after
     the op, poison its outputs in stream order if one of its own waits gave up."""
-    ctx.ws.raise_pending(op)
+    context.ws.raise_pending(op)
     out = run()
     for t in (out if isinstance(out, tuple) else (out,)):
         if t is not None:
-            ctx.ws.poison_if_error(t)
+            context.ws.poison_if_error(t)
     return _stamp_poisoned(comm, out)
 
 
@@ -153,9 +153,9 @@ def _stamp_poisoned(comm, out):
 
 class TritonBackend(Backend):
     """The kernels fuse the wait into the GEMM; ``chunks`` does not apply (tiles are the
-    granularity). ``matmul_all_reduce`` = ``gemm_rs`` then a plain all-gather of the reduced
-    shards (M padded to a multiple of world with zero rows). The backward's wgrad GEMM runs
-    after the kernel call (on a GPU both go to the current stream)."""
+    granularity). ``matmul_all_reduce`` = ``matmul_reduce_scatter`` then a plain all-gather of
+    the reduced shards (M padded to a multiple of world with zero rows). The backward's wgrad
+    GEMM runs after the kernel call (on a GPU both go to the current stream)."""
 
     name = "triton"
 
@@ -166,39 +166,40 @@ class TritonBackend(Backend):
     def workspace(self, op, rows, k, n, world, dtype, chunks=0):
         kern = self._kernels()
         if op == "all_gather_matmul":
-            return (kern.ag_gemm_workspace_bytes(rows, k, world, dtype),
-                    kern.ag_gemm_num_signals(world))
+            return (kern.all_gather_matmul_workspace_bytes(rows, k, world, dtype),
+                    kern.all_gather_matmul_num_signals(world))
         m = -(-rows // world)
-        return kern.gemm_rs_workspace_bytes(m, n, world, dtype), kern.gemm_rs_num_signals(world)
+        return (kern.matmul_reduce_scatter_workspace_bytes(m, n, world, dtype),
+                kern.matmul_reduce_scatter_num_signals(world))
 
-    def all_gather_matmul(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
+    def all_gather_matmul(self, comm, context, x_shard, w, *, chunks, return_gathered):
         comm.settle()  # the kernels wait on the device: no host slow path to watch from
         m, k = x_shard.shape
-        need, _ = self.workspace("all_gather_matmul", m, k, w.shape[1], ctx.world,
+        need, _ = self.workspace("all_gather_matmul", m, k, w.shape[1], context.world,
                                  x_shard.dtype)
-        ctx.require("all_gather_matmul", need, f"a shard of {m} x {k} {x_shard.dtype}")
+        context.require("all_gather_matmul", need, f"a shard of {m} x {k} {x_shard.dtype}")
         # sync=False: no host read of the status word per call (see tp_sync.finish_call).
-        return _stamp_poisoned(comm, self._kernels().ag_gemm(
-            ctx.ws, x_shard.contiguous(), w.contiguous(), phase=ctx.next_phase(),
+        return _stamp_poisoned(comm, self._kernels().all_gather_matmul(
+            context.ws, x_shard.contiguous(), w.contiguous(), phase=context.next_phase(),
             return_gathered=return_gathered, sync=False))
 
-    def matmul_reduce_scatter(self, comm, ctx, x, w, *, chunks, overlap_with,
+    def matmul_reduce_scatter(self, comm, context, x, w, *, chunks, overlap_with,
                               op="matmul_reduce_scatter"):
         comm.settle()
         need, _ = self.workspace("matmul_reduce_scatter", x.shape[0], x.shape[1], w.shape[1],
-                                 ctx.world, x.dtype)
-        ctx.require(op, need, f"a {x.shape[0]} x {w.shape[1]} {x.dtype} product")
-        y = self._kernels().gemm_rs(ctx.ws, x.contiguous(), w.contiguous(),
-                                    phase=ctx.next_phase(), sync=False)
+                                 context.world, x.dtype)
+        context.require(op, need, f"a {x.shape[0]} x {w.shape[1]} {x.dtype} product")
+        y = self._kernels().matmul_reduce_scatter(context.ws, x.contiguous(), w.contiguous(),
+                                    phase=context.next_phase(), sync=False)
         if overlap_with is not None:
             overlap_with()
         return _stamp_poisoned(comm, y)
 
-    def matmul_all_reduce(self, comm, ctx, x, w, *, chunks):
-        rows, world = x.shape[0], ctx.world
+    def matmul_all_reduce(self, comm, context, x, w, *, chunks):
+        rows, world = x.shape[0], context.world
         if rows % world:
             x = torch.cat([x, x.new_zeros(world - rows % world, x.shape[1])])
-        y_shard = self.matmul_reduce_scatter(comm, ctx, x, w, chunks=chunks, overlap_with=None,
+        y_shard = self.matmul_reduce_scatter(comm, context, x, w, chunks=chunks, overlap_with=None,
                                              op="matmul_all_reduce")
         return all_gather_dim(y_shard, 0, group=comm.group, op="matmul_all_reduce (triton)",
                               timeout=comm.timeout)[:rows]
@@ -209,20 +210,20 @@ class UnfusedBackend(Backend):
 
     name = "unfused"
 
-    def all_gather_matmul(self, comm, ctx, x_shard, w, *, chunks, return_gathered):
+    def all_gather_matmul(self, comm, context, x_shard, w, *, chunks, return_gathered):
         gathered = all_gather_dim(x_shard, 0, group=comm.group, op="all_gather_matmul (unfused)",
                                   timeout=comm.timeout)
         y = None if w is None else gathered @ w
         return y, (gathered if return_gathered or w is None else None)
 
-    def matmul_reduce_scatter(self, comm, ctx, x, w, *, chunks, overlap_with):
+    def matmul_reduce_scatter(self, comm, context, x, w, *, chunks, overlap_with):
         y = reduce_scatter_dim(x @ w, 0, group=comm.group, op="matmul_reduce_scatter (unfused)",
                                timeout=comm.timeout)
         if overlap_with is not None:  # after the collective: nothing runs under it
             overlap_with()
         return y
 
-    def matmul_all_reduce(self, comm, ctx, x, w, *, chunks):
+    def matmul_all_reduce(self, comm, context, x, w, *, chunks):
         return all_reduce(x @ w, group=comm.group, op="matmul_all_reduce (unfused)",
                           timeout=comm.timeout)
 

@@ -147,8 +147,8 @@ class TPComm(OpaqueBase):
         if self._failed is not None:
             return
         self._failed = exc
-        for ctx in list(self._contexts.values()):
-            ctx.fail(exc)
+        for context in list(self._contexts.values()):
+            context.fail(exc)
         self._contexts.clear()
         if self.header is not None:
             try:
@@ -196,21 +196,21 @@ class TPComm(OpaqueBase):
 
     def context(self, key: tuple, create):
         """The workspace context for ``key``, created (collectively) by ``create()`` once."""
-        ctx = self._contexts.get(key)
-        if ctx is not None and not ctx.closed:
+        context = self._contexts.get(key)
+        if context is not None and not context.closed:
             self._contexts.move_to_end(key)
-            return ctx
+            return context
         self.settle()  # creating is collective: a peer on another path must be named first
-        ctx = create()
-        if self.header is not None and ctx.backend == "symmetric":
-            ctx.ws.watch = self.header.watch
-        self._contexts[key] = ctx
+        context = create()
+        if self.header is not None and context.backend == "symmetric":
+            context.ws.watch = self.header.watch
+        self._contexts[key] = context
         while len(self._contexts) > MAX_CONTEXTS:
             # Every rank evicts the same one (same call sequence), and close() waits until
             # the peers have finished reading this rank's buffers.
             _, old = self._contexts.popitem(last=False)
             old.close()
-        return ctx
+        return context
 
     def num_contexts(self) -> int:
         return len(self._contexts)
@@ -222,8 +222,8 @@ class TPComm(OpaqueBase):
         if self.closed:
             return
         self.closed = True
-        for ctx in list(self._contexts.values()):
-            ctx.close(wait_for_peers=self._failed is None)
+        for context in list(self._contexts.values()):
+            context.close(wait_for_peers=self._failed is None)
         self._contexts.clear()
         if self.header is not None:
             self.header.close(wait_for_peers=self._failed is None)
@@ -236,8 +236,8 @@ class TPComm(OpaqueBase):
 
     def __del__(self) -> None:
         try:
-            for ctx in list(self._contexts.values()):
-                ctx.close(wait_for_peers=False)
+            for context in list(self._contexts.values()):
+                context.close(wait_for_peers=False)
             if self.header is not None:
                 self.header.close(wait_for_peers=False)
         except Exception:

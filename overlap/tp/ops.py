@@ -46,7 +46,7 @@ class _Run:
         self.comm, self.requested, self.chunks = comm, chunks, chunks
         self.backend = backends.backend_for(comm)
 
-    def ctx_for(self, op: str, x: torch.Tensor, w: torch.Tensor):
+    def context_for(self, op: str, x: torch.Tensor, w: torch.Tensor):
         return backends.context_for(self.comm, self.backend, op, x, w, self.chunks)
 
     def guarded(self, op: str, fn, x: torch.Tensor | None = None, w: torch.Tensor | None = None,
@@ -117,7 +117,7 @@ def _ag_forward(x2: torch.Tensor, w: torch.Tensor, comm: TPComm, chunks: int, ch
     op = "all_gather_matmul"
     run = _start(op, comm, x2, w, chunks, check, x_shape, flags)
     y, gathered = run.guarded(op, lambda: run.backend.all_gather_matmul(
-        comm, run.ctx_for(op, x2, w), x2, w, chunks=run.chunks, return_gathered=True),
+        comm, run.context_for(op, x2, w), x2, w, chunks=run.chunks, return_gathered=True),
         x2, w, flags=1)
     return y, (gathered.clone() if gathered is x2 else gathered)  # no output aliases an input
 
@@ -138,7 +138,7 @@ def _ag_backward(dy: torch.Tensor, gathered: torch.Tensor | None, w: torch.Tenso
             dw = gathered.t() @ dy
         op, wt = "matmul_reduce_scatter", w.t()
         dx = run.guarded(op, lambda: run.backend.matmul_reduce_scatter(
-            comm, run.ctx_for(op, dy, wt), dy, wt, chunks=run.chunks,
+            comm, run.context_for(op, dy, wt), dy, wt, chunks=run.chunks,
             overlap_with=wgrad if need_dw else None), dy, wt)
         if need_dw and dw is None:  # a backend that ran its GEMMs without calling back
             wgrad()
@@ -154,7 +154,7 @@ def _rs_forward(x2: torch.Tensor, w: torch.Tensor, comm: TPComm, chunks: int, ch
     op = "matmul_reduce_scatter"
     run = _start(op, comm, x2, w, chunks, check, x_shape, flags)
     return run.guarded(op, lambda: run.backend.matmul_reduce_scatter(
-        comm, run.ctx_for(op, x2, w), x2, w, chunks=run.chunks, overlap_with=None), x2, w)
+        comm, run.context_for(op, x2, w), x2, w, chunks=run.chunks, overlap_with=None), x2, w)
 
 
 def _rs_backward(dy_shard: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, comm: TPComm,
@@ -166,7 +166,7 @@ def _rs_backward(dy_shard: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, comm
     if need_dx:
         op, wt = "all_gather_matmul", w.t()
         dx, dy = run.guarded(op, lambda: run.backend.all_gather_matmul(
-            comm, run.ctx_for(op, dy_shard, wt), dy_shard, wt, chunks=run.chunks,
+            comm, run.context_for(op, dy_shard, wt), dy_shard, wt, chunks=run.chunks,
             return_gathered=need_dw), dy_shard, wt, flags=int(need_dw))
     elif need_dw:
         dy = run.guarded("all_gather (tp backward)",
@@ -180,7 +180,7 @@ def _ar_forward(x2: torch.Tensor, w: torch.Tensor, comm: TPComm, chunks: int, ch
     op = "matmul_all_reduce"
     run = _start(op, comm, x2, w, chunks, check, x_shape, flags)
     return run.guarded(op, lambda: run.backend.matmul_all_reduce(
-        comm, run.ctx_for(op, x2, w), x2, w, chunks=run.chunks), x2, w)
+        comm, run.context_for(op, x2, w), x2, w, chunks=run.chunks), x2, w)
 
 
 # ---------------------------------------------------------------- the same, as custom ops

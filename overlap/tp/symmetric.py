@@ -49,18 +49,18 @@ def num_signals(op: str, world: int) -> int:
     return (4 if op == "matmul_all_reduce" else 2) * world
 
 
-def all_gather_matmul(ctx: TPContext, x_shard: torch.Tensor, w: torch.Tensor | None, *,
+def all_gather_matmul(context: TPContext, x_shard: torch.Tensor, w: torch.Tensor | None, *,
                       chunks: int, return_gathered: bool, op: str = "all_gather_matmul",
                       phase: int | None = None, offset: int = 0, base: int = 0,
                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(y [M, N], gathered [M, K] or None); ``w=None`` only gathers."""
-    ws, copier = ctx.ws, ctx.copier
+    ws, copier = context.ws, context.copier
     rank, world = ws.rank, ws.world
     x_shard = x_shard.contiguous()
     m, k = x_shard.shape
     half = align(m * k * x_shard.element_size())
-    ctx.require(op, offset + 2 * half, f"a shard of {m} x {k} {x_shard.dtype}")
-    p = ctx.next_phase() if phase is None else phase
+    context.require(op, offset + 2 * half, f"a shard of {m} x {k} {x_shard.dtype}")
+    p = context.next_phase() if phase is None else phase
     at = offset + (p % 2) * half
     peers = [(rank + j) % world for j in range(1, world)]
 
@@ -72,7 +72,7 @@ def all_gather_matmul(ctx: TPContext, x_shard: torch.Tensor, w: torch.Tensor | N
         for q in peers:
             ws.signal(q, base + rank, p)
     for q in peers:
-        ctx.quiesce[base + world + q] = p
+        context.quiesce[base + world + q] = p
 
     gathered = x_shard.new_empty(world * m, k)
     pieces = split_bounds(m, chunks // world)
@@ -104,17 +104,17 @@ def all_gather_matmul(ctx: TPContext, x_shard: torch.Tensor, w: torch.Tensor | N
     return y, (gathered if return_gathered or w is None else None)
 
 
-def matmul_reduce_scatter(ctx: TPContext, x: torch.Tensor, w: torch.Tensor, *, chunks: int,
+def matmul_reduce_scatter(context: TPContext, x: torch.Tensor, w: torch.Tensor, *, chunks: int,
                           overlap_with: Callable[[], None] | None = None,
                           op: str = "matmul_reduce_scatter", phase: int | None = None,
                           offset: int = 0, base: int = 0) -> torch.Tensor:
     """y_shard [m, N]; ``overlap_with`` runs after every GEMM, while peers' pushes land."""
-    ws, copier = ctx.ws, ctx.copier
+    ws, copier = context.ws, context.copier
     rank, world = ws.rank, ws.world
     m, n = x.shape[0] // world, w.shape[1]
     blk = align(m * n * x.element_size())
-    ctx.require(op, offset + 2 * world * blk, f"a {x.shape[0]} x {n} {x.dtype} product")
-    p = ctx.next_phase() if phase is None else phase
+    context.require(op, offset + 2 * world * blk, f"a {x.shape[0]} x {n} {x.dtype} product")
+    p = context.next_phase() if phase is None else phase
     at = offset + (p % 2) * world * blk
     pieces = split_bounds(m, chunks // world)
 
@@ -149,21 +149,21 @@ def matmul_reduce_scatter(ctx: TPContext, x: torch.Tensor, w: torch.Tensor, *, c
     return acc.to(x.dtype)
 
 
-def matmul_all_reduce(ctx: TPContext, x: torch.Tensor, w: torch.Tensor, *,
+def matmul_all_reduce(context: TPContext, x: torch.Tensor, w: torch.Tensor, *,
                       chunks: int) -> torch.Tensor:
     """y [M, N] = all_reduce(x [M, K] @ w [K, N]) as reduce-scatter + all-gather."""
     op = "matmul_all_reduce"
-    world = ctx.world
+    world = context.world
     rows = x.shape[0]
     m = -(-rows // world)
-    ctx.require(op, ar_bytes(rows, w.shape[1], world, x.dtype),
+    context.require(op, ar_bytes(rows, w.shape[1], world, x.dtype),
                 f"a {rows} x {w.shape[1]} {x.dtype} product")
     if rows % world:  # zero rows make M divisible; they reduce to zeros and are dropped
         x = torch.cat([x, x.new_zeros(m * world - rows, x.shape[1])])
     s = max(1, chunks // world)
-    p = ctx.next_phase()
-    y_shard = matmul_reduce_scatter(ctx, x, w, chunks=s * world, op=op, phase=p)
-    _, y = all_gather_matmul(ctx, y_shard, None, chunks=world, return_gathered=True, op=op,
+    p = context.next_phase()
+    y_shard = matmul_reduce_scatter(context, x, w, chunks=s * world, op=op, phase=p)
+    _, y = all_gather_matmul(context, y_shard, None, chunks=world, return_gathered=True, op=op,
                              phase=p, offset=rs_bytes(m, w.shape[1], world, x.dtype),
                              base=2 * world)
     return y[:rows]

@@ -1,8 +1,9 @@
 """Triton backend of the fused tensor-parallel GEMMs (used by overlap.tp.ops).
 
-    ag_gemm(ws, x_shard [m, K], w [K, N], *, phase) -> (all_gather(x_shard) @ w [world*m, N],
-                                                         all_gather(x_shard) [world*m, K] | None)
-    gemm_rs(ws, x [M, K], w [K, N], *, phase)       -> reduce_scatter(x @ w) [M/world, N]
+    all_gather_matmul(ws, x_shard [m, K], w [K, N], *, phase)
+        -> (all_gather(x_shard) @ w [world*m, N], all_gather(x_shard) [world*m, K] | None)
+    matmul_reduce_scatter(ws, x [M, K], w [K, N], *, phase)
+        -> reduce_scatter(x @ w) [M/world, N]
 
 Both run over a SymmetricWorkspace of the TP group sized by ``*_workspace_bytes`` and
 ``*_num_signals``; each op kind needs its own workspace. ``phase`` grows by one per call on a
@@ -10,14 +11,20 @@ workspace (the same on every rank); calls back to back need no barrier (double b
 phase parity, consumers acknowledge). A wait that times out raises TimeoutError after the
 call, or, with ``sync=False``, at the next call on the workspace or in ``check_pending(ws)``.
 
-Design, shapes and signal layout: ag_gemm.py and gemm_rs.py; the shared wait/signal machinery:
-tp_sync.py. The same kernels run on CUDA tensors over a cuda workspace and, here, under
-TRITON_INTERPRET=1 over shared memory across processes.
+Design, shapes and signal layout: all_gather_matmul.py and matmul_reduce_scatter.py; the
+shared wait/signal machinery: tp_sync.py. The same kernels run on CUDA tensors over a cuda
+workspace and, here, under TRITON_INTERPRET=1 over shared memory across processes.
 """
 
-from overlap.kernels.triton.ag_gemm import ag_gemm, ag_gemm_num_signals, ag_gemm_workspace_bytes
-from overlap.kernels.triton.gemm_rs import gemm_rs, gemm_rs_num_signals, gemm_rs_workspace_bytes
+from overlap.kernels.triton.all_gather_matmul import (all_gather_matmul,
+                                                      all_gather_matmul_num_signals,
+                                                      all_gather_matmul_workspace_bytes)
+from overlap.kernels.triton.matmul_reduce_scatter import (matmul_reduce_scatter,
+                                                          matmul_reduce_scatter_num_signals,
+                                                          matmul_reduce_scatter_workspace_bytes)
 from overlap.kernels.triton.tp_sync import check_pending
 
-__all__ = ["ag_gemm", "ag_gemm_workspace_bytes", "ag_gemm_num_signals", "gemm_rs",
-           "gemm_rs_workspace_bytes", "gemm_rs_num_signals", "check_pending"]
+__all__ = ["all_gather_matmul", "all_gather_matmul_workspace_bytes",
+           "all_gather_matmul_num_signals", "matmul_reduce_scatter",
+           "matmul_reduce_scatter_workspace_bytes", "matmul_reduce_scatter_num_signals",
+           "check_pending"]

@@ -1,5 +1,6 @@
-"""What the fused TP GEMM kernels (ag_gemm.py, gemm_rs.py) share: bounded signal waits, the
-status word, "last program" arrival, bf16 rounding, per-workspace phase bookkeeping, blocks.
+"""What the fused TP GEMM kernels (all_gather_matmul.py, matmul_reduce_scatter.py) share:
+bounded signal waits, the status word, "last program" arrival, bf16 rounding, per-workspace
+phase bookkeeping, blocks.
 
 Signals are int64 phase counters in a SymmetricWorkspace (see overlap/symm/workspace.py). Every
 flag used here has exactly ONE writer, which stores the phase with a release store at system
@@ -336,9 +337,9 @@ def begin_call(op: str, ws, phase: int) -> tuple[OpState, int, int]:
     ack_phase is the phase of the previous call that used the same buffer (0 if none); every
     consumer must have acknowledged it before this call overwrites the buffer.
 
-    One workspace serves one op: ag_gemm and gemm_rs lay out its bytes and signal slots
-    differently, so sharing one workspace between them would let one op's peer writes land in
-    a region the other op is still reading.
+    One workspace serves one op: all_gather_matmul and matmul_reduce_scatter lay out its bytes
+    and signal slots differently, so sharing one workspace between them would let one op's
+    peer writes land in a region the other op is still reading.
     """
     positive_int(phase, f"{op}: phase", where=f" (rank {ws.rank})")
     state = getattr(ws, _STATE_ATTR, None)

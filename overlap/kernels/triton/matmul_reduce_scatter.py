@@ -47,18 +47,20 @@ from overlap.kernels.triton.tp_sync import (INTERPRET, Watchdog, align, arrive_l
                                             gemm_blocks, half_buffer, new_status, publish,
                                             spin_wait, to_out_dtype, wait_budget)
 
-__all__ = ["gemm_rs", "gemm_rs_workspace_bytes", "gemm_rs_num_signals"]
+__all__ = ["matmul_reduce_scatter", "matmul_reduce_scatter_workspace_bytes",
+           "matmul_reduce_scatter_num_signals"]
 
-_OP = "gemm_rs"
+_OP = "matmul_reduce_scatter"
 _SYNC_ARGS = ["rank", "phase", "ack_phase", "max_spins", "timeout_ns"]
 
 
 @triton.jit(do_not_specialize=_SYNC_ARGS)
-def _gemm_rs_kernel(x_ptr, w_ptr, data_table, flag_table, counter_ptr, status_ptr, rank, world,
-                    m, N, K, stride_xm, stride_xk, stride_wk, stride_wn, buf_off, phase,
-                    ack_phase, max_spins, timeout_ns, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, CAST_F32: tl.constexpr, SOFT_BF16: tl.constexpr,
-                    USE_CLOCK: tl.constexpr):
+def _matmul_reduce_scatter_kernel(x_ptr, w_ptr, data_table, flag_table, counter_ptr, status_ptr,
+                                  rank, world, m, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
+                                  buf_off, phase, ack_phase, max_spins, timeout_ns,
+                                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                                  CAST_F32: tl.constexpr, SOFT_BF16: tl.constexpr,
+                                  USE_CLOCK: tl.constexpr):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(m, BM)
     tiles_n = tl.cdiv(N, BN)
@@ -125,14 +127,15 @@ def _reduce_kernel(y_ptr, data_table, flag_table, counter_ptr, status_ptr, rank,
         tl.store(y_ptr + offs, to_out_dtype(acc, y_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
 
 
-def gemm_rs_workspace_bytes(m: int, n: int, world: int, dtype: torch.dtype) -> int:
-    """Bytes per rank gemm_rs needs for an output shard of [m, n] ``dtype`` (m = M / world):
+def matmul_reduce_scatter_workspace_bytes(m: int, n: int, world: int, dtype: torch.dtype) -> int:
+    """Bytes per rank matmul_reduce_scatter needs for an output shard of [m, n] ``dtype``
+    (m = M / world):
     two staging buffers (phase parity) of [world, m, n]."""
     return 2 * align(world * m * n * dtype.itemsize)
 
 
-def gemm_rs_num_signals(world: int) -> int:
-    """Signal slots gemm_rs needs: ready[world] then ack[world]."""
+def matmul_reduce_scatter_num_signals(world: int) -> int:
+    """Signal slots matmul_reduce_scatter needs: ready[world] then ack[world]."""
     return 2 * world
 
 
@@ -145,7 +148,7 @@ def _check_args(ws, x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int]:
     return rows // ws.world, k, n
 
 
-def gemm_rs(ws, x: torch.Tensor, w: torch.Tensor, *, phase: int,
+def matmul_reduce_scatter(ws, x: torch.Tensor, w: torch.Tensor, *, phase: int,
             timeout: float | None = None, sync: bool = True) -> torch.Tensor:
     """y_shard = reduce_scatter(x @ w, dim 0) over the workspace's group, the scatter fused
     into the GEMM's epilogue (see the module docstring for shapes, design and signals).
@@ -160,8 +163,9 @@ def gemm_rs(ws, x: torch.Tensor, w: torch.Tensor, *, phase: int,
     m, k, n = _check_args(ws, x, w)
     dtype = check_dtypes(_OP, ws, x=x, w=w)
     world, rank, device = ws.world, ws.rank, ws.device
-    check_workspace(_OP, ws, gemm_rs_workspace_bytes(m, n, world, dtype),
-                    gemm_rs_num_signals(world), f"an output shard of [{m}, {n}] {dtype}")
+    check_workspace(_OP, ws, matmul_reduce_scatter_workspace_bytes(m, n, world, dtype),
+                    matmul_reduce_scatter_num_signals(world),
+                    f"an output shard of [{m}, {n}] {dtype}")
     timeout = ws.timeout if timeout is None else float(timeout)
     if timeout <= 0:
         raise ValueError(f"{_OP}: timeout must be > 0 seconds, got {timeout} (rank {rank})")
@@ -178,7 +182,7 @@ def gemm_rs(ws, x: torch.Tensor, w: torch.Tensor, *, phase: int,
     # passes (interpreter; see tp_sync.Watchdog).
     with Watchdog(ws, status, timeout) as dog:
         grid = (world * triton.cdiv(m, blocks.bm) * triton.cdiv(n, blocks.bn),)
-        _gemm_rs_kernel[grid](
+        _matmul_reduce_scatter_kernel[grid](
             x, w, state.data_table, state.flag_table, counters, status, rank, world, m, n, k,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), buf_off, phase, ack_phase,
             max_spins, timeout_ns, BM=blocks.bm, BN=blocks.bn, BK=blocks.bk,

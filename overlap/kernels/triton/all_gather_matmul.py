@@ -48,16 +48,17 @@ from overlap.kernels.triton.tp_sync import (INTERPRET, Watchdog, align, arrive_l
                                             gemm_blocks, half_buffer, new_status, publish,
                                             spin_wait, to_out_dtype, wait_budget)
 
-__all__ = ["ag_gemm", "ag_gemm_workspace_bytes", "ag_gemm_num_signals"]
+__all__ = ["all_gather_matmul", "all_gather_matmul_workspace_bytes",
+           "all_gather_matmul_num_signals"]
 
-_OP = "ag_gemm"
+_OP = "all_gather_matmul"
 _SYNC_ARGS = ["rank", "phase", "ack_phase", "max_spins", "timeout_ns"]
 
 
 @triton.jit(do_not_specialize=_SYNC_ARGS)
-def _ag_publish_kernel(x_ptr, data_table, flag_table, counter_ptr, status_ptr, rank, world,
-                       numel, buf_off, phase, ack_phase, max_spins, timeout_ns,
-                       BLOCK: tl.constexpr, USE_CLOCK: tl.constexpr):
+def _ag_publish_kernel(x_ptr, data_table, flag_table, counter_ptr, status_ptr, rank, world, numel,
+                       buf_off, phase, ack_phase, max_spins, timeout_ns, BLOCK: tl.constexpr,
+                       USE_CLOCK: tl.constexpr):
     own_flags = tl.load(flag_table + rank).to(tl.pointer_type(tl.int64))
     failed = 0
     # Buffer b was last read at ack_phase: every consumer must be done with it.
@@ -78,11 +79,12 @@ def _ag_publish_kernel(x_ptr, data_table, flag_table, counter_ptr, status_ptr, r
 
 
 @triton.jit(do_not_specialize=_SYNC_ARGS)
-def _ag_gemm_kernel(w_ptr, y_ptr, g_ptr, data_table, flag_table, counter_ptr, status_ptr,
-                    rank, world, m, N, K, stride_wk, stride_wn, buf_off, phase, max_spins,
-                    timeout_ns, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    RETURN_GATHERED: tl.constexpr, CAST_F32: tl.constexpr,
-                    SOFT_BF16: tl.constexpr, USE_CLOCK: tl.constexpr):
+def _all_gather_matmul_kernel(w_ptr, y_ptr, g_ptr, data_table, flag_table, counter_ptr, status_ptr,
+                              rank, world, m, N, K, stride_wk, stride_wn, buf_off, phase,
+                              max_spins, timeout_ns, BM: tl.constexpr, BN: tl.constexpr,
+                              BK: tl.constexpr, RETURN_GATHERED: tl.constexpr,
+                              CAST_F32: tl.constexpr, SOFT_BF16: tl.constexpr,
+                              USE_CLOCK: tl.constexpr):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(m, BM)
     tiles_n = tl.cdiv(N, BN)
@@ -128,14 +130,15 @@ def _ag_gemm_kernel(w_ptr, y_ptr, g_ptr, data_table, flag_table, counter_ptr, st
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
-def ag_gemm_workspace_bytes(m: int, k: int, world: int, dtype: torch.dtype) -> int:
-    """Bytes per rank ag_gemm needs for shards of [m, k] ``dtype``: two buffers (phase parity).
+def all_gather_matmul_workspace_bytes(m: int, k: int, world: int, dtype: torch.dtype) -> int:
+    """Bytes per rank all_gather_matmul needs for shards of [m, k] ``dtype``: two buffers
+    (phase parity).
     (``world`` does not change it: every rank keeps only its own shard.)"""
     return 2 * align(m * k * dtype.itemsize)
 
 
-def ag_gemm_num_signals(world: int) -> int:
-    """Signal slots ag_gemm needs: ready[world] then ack[world]."""
+def all_gather_matmul_num_signals(world: int) -> int:
+    """Signal slots all_gather_matmul needs: ready[world] then ack[world]."""
     return 2 * world
 
 
@@ -143,7 +146,7 @@ def _check_args(ws, x_shard: torch.Tensor, w: torch.Tensor) -> tuple[int, int, i
     return check_operands(_OP, ws, "x_shard", x_shard, w, "m")
 
 
-def ag_gemm(ws, x_shard: torch.Tensor, w: torch.Tensor, *, phase: int,
+def all_gather_matmul(ws, x_shard: torch.Tensor, w: torch.Tensor, *, phase: int,
             return_gathered: bool = False, timeout: float | None = None,
             sync: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y = all_gather(x_shard, dim 0) @ w over the workspace's group, the gather fused into the
@@ -161,8 +164,8 @@ def ag_gemm(ws, x_shard: torch.Tensor, w: torch.Tensor, *, phase: int,
     m, k, n = _check_args(ws, x_shard, w)
     dtype = check_dtypes(_OP, ws, x_shard=x_shard, w=w)
     world, rank, device = ws.world, ws.rank, ws.device
-    check_workspace(_OP, ws, ag_gemm_workspace_bytes(m, k, world, dtype),
-                    ag_gemm_num_signals(world), f"a shard of [{m}, {k}] {dtype}")
+    check_workspace(_OP, ws, all_gather_matmul_workspace_bytes(m, k, world, dtype),
+                    all_gather_matmul_num_signals(world), f"a shard of [{m}, {k}] {dtype}")
     timeout = ws.timeout if timeout is None else float(timeout)
     if timeout <= 0:
         raise ValueError(f"{_OP}: timeout must be > 0 seconds, got {timeout} (rank {rank})")
@@ -188,7 +191,7 @@ def ag_gemm(ws, x_shard: torch.Tensor, w: torch.Tensor, *, phase: int,
         gathered = (torch.empty(world * m, k, dtype=dtype, device=device) if return_gathered
                     else None)
         grid = (world * triton.cdiv(m, blocks.bm) * triton.cdiv(n, blocks.bn),)
-        _ag_gemm_kernel[grid](
+        _all_gather_matmul_kernel[grid](
             w, y, gathered if return_gathered else y, state.data_table, state.flag_table,
             counters[1:], status, rank, world, m, n, k, w.stride(0), w.stride(1), buf_off, phase,
             max_spins, timeout_ns, BM=blocks.bm, BN=blocks.bn, BK=blocks.bk,
