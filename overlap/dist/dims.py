@@ -2,42 +2,16 @@
 
 Built once (``ParallelDims.build(...)``, a collective) and passed explicitly, keyword-only, to
 whatever needs a group; there is no module-global registry. ``ParallelDims.resolve(...)`` does
-the same validation without any process group, so a launcher can reject a bad config before it
-starts processes.
-
-Rank layout. TP is the innermost axis, then CP, then PP, and DP is the outermost::
+the same validation without any process group. TP is the innermost axis, DP the outermost::
 
     global rank = ((d * pp + p) * cp + c) * tp + t        d < dp, p < pp, c < cp, t < tp
     layout(...)[d, p, c, t] = global rank                 shape (dp, pp, cp, tp)
+    ep divides dp:  d = d_outer * ep + d_inner,  ep_rank = d_inner = dp_rank % ep
 
-    world 16 = dp 2 x pp 2 x cp 2 x tp 2, with 8 ranks per node:
+Groups come from a torch ``DeviceMesh`` of shape (dp, pp, cp, tp), NCCL (``device_type="cuda"``)
+or gloo (``"cpu"``); an EP group is a separate communicator, even when its members equal DP's.
 
-             node 0 = dp 0                   node 1 = dp 1
-         pp 0            pp 1            pp 0            pp 1
-      cp0    cp1      cp0    cp1      cp0    cp1      cp0    cp1
-     [0 1]  [2 3]    [4 5]  [6 7]    [8 9] [10 11]  [12 13] [14 15]
-
-    tp group of rank 0: {0, 1}   consecutive ranks; never crosses a node when tp | ranks_per_node
-    cp group of rank 0: {0, 2}   stride tp
-    pp group of rank 0: {0, 4}   stride tp*cp; pp_next_rank of 4 is 0 (wraps around)
-    dp group of rank 0: {0, 8}   stride tp*cp*pp
-    ep group of rank 0, ep=2: {0, 8}   d_inner varies (were dp 4, the next one is {16, 24})
-
-Consecutive global ranks fill a node in order, so the chattiest axis (TP, one collective per
-layer) stays on NVLink, while DP (one gradient reduction per step) crosses nodes.
-
-Expert parallelism (EP) is a sub-axis of DP, not a fifth factor of the world: ``ep`` divides
-``dp`` and the DP coordinate splits as ``d = d_outer * ep + d_inner``. An EP group is the ranks
-that share ``d_outer, p, c, t`` and differ in ``d_inner``, i.e. ``ep`` DP replicas that are
-adjacent in DP order (the closest ones in the layout). ``ep_rank = d_inner = dp_rank % ep``.
-With ``ep == 1`` each rank is its own EP group; with ``ep == dp`` the EP group has the same
-members as the DP group (but is a separate communicator, so EP all-to-alls do not queue behind
-DP gradient reductions).
-
-Groups come from a torch ``DeviceMesh`` of shape (dp, pp, cp, tp) with mesh dim names
-("dp", "pp", "cp", "tp"), so the same code runs on NCCL (``device_type="cuda"``) and gloo
-(``"cpu"``). Subgroups use torch's default timeout for their backend; ops bound their own
-waits (``work.wait(timeout)``).
+The narrative: docs/design/dist.md.
 """
 
 from __future__ import annotations

@@ -2,24 +2,14 @@
 CPU mode of ``python -m overlap.train``.
 
 ``launch(fn, world_size)`` starts one process per rank, joins them into a ``torch.distributed``
-process group (gloo on CPU) through a TCPStore that the launcher owns (port 0, so no port race),
-runs ``fn(*args, **kwargs)`` on every rank and returns the per-rank results in rank order.
+process group (gloo on CPU) through a TCPStore that the launcher owns, runs
+``fn(*args, **kwargs)`` on every rank and returns the per-rank results in rank order. A rank
+that raises: its exception and traceback reach the caller within ``grace`` seconds. A rank that
+dies without reporting: reported with its exit code. A rank that hangs: killed at ``timeout``,
+its Python stack in the error. Then the other ranks are killed, and nothing outlives the call:
+every rank process is joined, every ``/dev/shm`` segment a rank created is unlinked and reported.
 
-What it guarantees:
-
-- A rank that raises: its exception type, message and traceback reach the caller within
-  ``grace`` seconds; the other ranks are then killed.
-- A rank that dies without reporting (killed, segfault, ``os._exit``): reported with its exit
-  code; the others get ``grace`` seconds to fail on their own (their collectives and signal waits
-  notice the dead peer), then are killed.
-- A rank that hangs: killed at ``timeout``; the error names the hung ranks and shows the Python
-  stack of each (dumped by faulthandler just before the kill).
-- Nothing outlives the call: every rank process is joined, and any ``/dev/shm`` segment created by
-  a rank (the names carry the creator's pid, see ``overlap.symm.shm``) is unlinked and reported.
-
-Processes start from a fork server that has torch preloaded, which cuts the start-up of a
-4-rank job from about 4 s (spawn) to about 0.1 s; each rank is still a fresh single-threaded
-child of that server, never a fork of the caller.
+The narrative: docs/design/dist.md.
 """
 
 from __future__ import annotations

@@ -1,39 +1,17 @@
 """``nccl_twin``: a torch.distributed backend that runs on gloo but orders operations like NCCL.
 
-gloo progresses every send, receive and collective independently, so a program whose order
-deadlocks on NCCL can pass every gloo test. This backend wraps a gloo communicator and enforces
-the three NCCL rules that matter for deadlocks (the worst case NCCL allows):
+It enforces the NCCL rules that matter for deadlocks, in their strictest form: one op at a time
+per communicator, in issue order (a lone ``isend``/``irecv`` gets a communicator per rank pair);
+a batch completes only when all its ops do; a send completes only once the receiver has started
+the matching receive. Every op returns at once; ``work.wait()`` blocks until it has run. A wait
+that times out raises ``NcclOrderTimeout`` (naming the op, the communicator and the op it is
+stuck behind) and fails the communicator: every later op on it raises that first error.
+``OVERLAP_STREAM_DELAY_MS=D`` delays each op by a random 0..D ms; ``recv`` from any source raises.
 
-1. **One op at a time per communicator, in issue order.** Every process group is one
-   communicator: its collectives and its ``batch_isend_irecv`` batches share one FIFO queue,
-   run by one worker thread, and an op starts only when the previous one has completed. Lone
-   ``isend``/``irecv`` (outside a batch) run on a separate communicator per unordered rank
-   pair, as ``ProcessGroupNCCL`` does.
-2. **A batch completes only when all its ops complete.** The ops inside one batch progress
-   together (NCCL's group semantics), so ``[send to 1, recv from 1]`` on both sides works.
-3. **A send completes only once the receiver has started the matching receive** (NCCL's
-   rendezvous protocol for large messages). The receiver's worker sends a clear-to-send token
-   when its queue reaches the receive; the sender posts its payload only after the token.
+Use: ``launch(fn, n, backend="nccl_twin")`` (the test harness's default), or :func:`register`
+then ``dist.init_process_group("nccl_twin", ...)``; groups from ``dist.new_group`` inherit it.
 
-The host returns at once from every op (as with NCCL); ``work.wait()`` blocks until the op has
-run on its communicator. A wait that times out raises ``NcclOrderTimeout``, naming the op, the
-communicator and the op it is stuck behind, and fails the communicator: like an aborted NCCL
-communicator, every later op on it raises with that first error.
-
-Each communicator's worker is its stream: ops run later than the host call, and with
-``OVERLAP_STREAM_DELAY_MS=D`` (the stream layer's test mode, ``overlap.dist.streams``) each op
-first waits a random 0..D ms, so code that reads or reuses a buffer before waiting on the op
-that fills or reads it gives wrong numbers here, as on a GPU.
-
-What is not emulated: NCCL's eager delivery of small messages (the twin always takes the
-rendezvous path, the strict case), CUDA stream semantics of the caller, and
-``recv`` from any source (NCCL has none either: it raises). torch internals that call the C++
-backend directly rather than the Python group (DDP's one-time parameter-shape check) run on a
-second, plain gloo communicator of the same ranks.
-
-Use: ``launch(fn, n, backend="nccl_twin")`` (the test harness's default), or call
-:func:`register` and then ``dist.init_process_group("nccl_twin", ...)``; every group created
-later with ``dist.new_group`` inherits it.
+The narrative: docs/design/dist.md.
 """
 
 from __future__ import annotations

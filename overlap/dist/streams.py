@@ -1,29 +1,17 @@
 """Device-neutral streams and events: CUDA streams on a GPU, a faithful twin on CPU.
 
-On a GPU, work runs on streams asynchronously to the host: a buffer is safe to reuse only once
-the work that reads it is ordered before the write *on the device* (events, ``wait_event``),
-not once the host has issued it. The CPU twin keeps exactly that rule:
+A buffer is safe to reuse only once the work that reads it is ordered before the write on the
+device (``Event.record(stream)``, ``stream.wait_event(event)``), not once the host issued it.
+On CPU each ``Stream`` is a worker thread running enqueued work in order (``enqueue`` returns at
+once); on CUDA ``enqueue(fn)`` runs ``fn`` at once with the stream current, and events are
+``torch.cuda.Event``. ``event.query()`` says whether the event's point has run;
+``event.synchronize()`` blocks the host (counted by ``overlap.profile.syncs``);
+``event.wait(timeout)`` makes the caller's stream wait (on CPU the host blocks; on CUDA not).
+``OVERLAP_STREAM_DELAY_MS=D`` delays every twin work item by a random 0..D ms (seeded by
+``OVERLAP_STREAM_SEED``). Errors raised by twin work are re-raised by the next host
+``synchronize``/event wait.
 
-- each ``Stream`` is a worker thread that runs enqueued work in order, later than the host
-  call (``enqueue`` returns at once);
-- ``Event.record(stream)`` marks a point in a stream; ``stream.wait_event(event)`` makes later
-  work on that stream wait until the event's point has run; ``event.query()`` says whether it
-  has; ``event.synchronize()`` blocks the host (counted by ``overlap.profile.syncs``);
-- with ``OVERLAP_STREAM_DELAY_MS=D`` every work item first sleeps a random 0..D ms (seeded by
-  ``OVERLAP_STREAM_SEED``), so an order that holds only because the host happened to be slow
-  fails in tests instead of on a cluster.
-
-On CUDA, ``enqueue(fn)`` runs ``fn`` on the host at once with the stream current, so its
-kernels go to the stream asynchronously; events are ``torch.cuda.Event``.
-
-``event.wait(timeout)`` is "the caller's stream waits for this event": on CUDA
-``current_stream().wait_event`` (the host never blocks, so it is not a host sync); on CPU the
-caller's stream is the host thread itself, so the host blocks until the event's point has run,
-and while it waits it may run the stream's queued work itself (one runner at a time, in order:
-on a busy CPU a woken worker can wait milliseconds for a core, and the caller with it).
-
-Errors raised by twin work are kept and re-raised by the next ``synchronize``/event wait on the
-host, as a CUDA error surfaces at the next sync.
+The narrative: docs/design/dist.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """Overlap metrics of one rank, per step, from its classified spans (``spans.RankTrace``).
 
-Definitions (all unions of intervals, so nested or concurrent rows never count twice):
+Definitions, all unions of intervals (nested or concurrent rows never count twice):
+    mode        "device" if the trace has kernel or copy rows (CUDA), else "host" (the CPU twin)
+    C compute   device: compute kernels and copies; host: the training thread's compute ranges
+                minus its comm ranges; both plus fused comm+GEMM rows minus their waits
+    M comm      every communication row or range on any thread or stream, plus fused rows
+    hidden = |M ∩ C|    exposed = |M| - hidden    fused = |fused rows|
+    overlap % = hidden / |M|    exposed % = exposed / step time
 
-- mode: "device" when the trace has kernel or copy rows (a CUDA trace), else "host" (the CPU
-  twin, where the host threads do the work). In device mode host ranges only mark steps and
-  name the rows they launched; in host mode, compute is the training thread's work;
-- compute C: device mode: compute kernels and copies; host mode: compute ranges of the training
-  thread (the one that owns the ``step:`` ranges) minus that thread's communication ranges
-  (time inside a wait or a launch is communication, whatever ops run inside it). Plus fused
-  comm+GEMM rows minus their waits (signal-wait ranges on the fused row's own stream/thread);
-- communication M: every communication row or range on any thread or stream, plus fused rows
-  (their communication runs concurrently with their compute);
-- hidden = |M ∩ C|: communication while compute ran on the same rank; exposed = |M| - hidden;
-- overlap % = hidden / |M|; exposed % = exposed / step time; fused = |fused rows|.
+Steps: each ``step:<n>`` range of the training thread is a window (no step ranges: one window);
+a device row counts in the step whose range launched it, else the step in which it starts.
 
-Steps: each ``step:<n>`` range of the training thread is a window. Host ranges count where they
-fall inside it; a device row counts in the step whose range contains its launch (CUDA
-correlation), else the step in which it starts, so work the host queued ahead is not lost. The
-step time spans the host range and the device rows it launched. A trace without step ranges is
-one window.
+The narrative: docs/design/profiling.md.
 """
 
 from __future__ import annotations

@@ -1,40 +1,18 @@
 """The one naming scheme for overlap's profiler ranges, shared by the writer and the reader.
 
-The runtime names its ranges through the builders below (``overlap.profile.nvtx`` and
-``overlap.profile.timers`` write them as NVTX ranges on CUDA and torch.profiler
-``record_function`` ranges everywhere); the analyzer (``overlap-analyze``, ``trace.classify``)
-reads them back with ``classify_range``. A range is only useful if its reader knows what it
-means, so both sides use this module and nothing else.
+The runtime names its ranges with the builders below, ``overlap-analyze`` reads them back with
+``classify_range``; a comm range on the training thread holds only a launch or a wait:
 
-Range names
-    step:<n>                          one training step: the analyzer's unit of report
-    comm_wait:<what>                  the host blocked on communication (a wait)
-    comm:<what> / compute:<what>      communication / compute work without a finer name
-    <path>.<role>[<index>].<suffix>   a piece of an op; ``[<index>]`` and ``.<suffix>`` optional
-        path    dotted identifiers saying whose piece it is: ``<op>.<backend>`` for the fused
-                TP ops (``all_gather_matmul.chunked``), ``pp.stage<s>``, ``dp.grads``,
-                ``dp.params``, ``quant.<op>``
-        role    ``comm`` communication; ``gemm``, ``compute``, ``F``/``B``/``I``/``W`` (pipeline
-                actions), ``quantize``, ``dequantize`` compute; ``fused`` one fused comm+GEMM
-                kernel (compute with its communication hidden)
-        index   free text without ``]``: chunk, ``<peer>.<piece>``, micro-batch, bucket
-        suffix  ``wait`` marks a blocking wait on that piece (communication, and a wait); any
-                other suffix (``reduce``, ``launch``) keeps the role's kind
-    Examples: ``all_gather_matmul.chunked.comm[3].wait``, ``matmul_reduce_scatter.symmetric
-    .gemm[2.0]``, ``pp.stage1.F[3]``, ``dp.grads.comm[0]``, ``quant.all_reduce.quantize[1]``.
-    A comm range on the training thread must hold only the launch or the wait, never compute:
-    the analyzer counts its whole time as communication.
+    step:<n>                         one training step, the analyzer's unit of report
+    comm_wait:<what>                 the host blocked on communication (a wait)
+    comm:<what> / compute:<what>     communication / compute without a finer name
+    <path>.<role>[<index>].<suffix>  a piece of an op: all_gather_matmul.chunked.comm[3].wait
+        path   <op>.<backend>, pp.stage<s>, dp.grads, dp.params, quant.<op>
+        role   comm; gemm, compute, F, B, I, W, quantize, dequantize (compute); fused
+        index  optional, free text without ]; suffix optional: wait = a blocking wait
+    gloo:*, nccl:*, c10d::*, record_param_comms: comm; aten::*: compute; ProfilerStep#<n>: step
 
-Names that PyTorch and its backends write: ``gloo:*``, ``nccl:*``, ``c10d::*`` and
-``record_param_comms`` are communication, ``aten::*`` compute, ``ProfilerStep#<n>`` a step.
-
-Device rows (kernels and copies, from CUDA traces)
-    kernels   overlap's own by ``overlap.kernels.registry`` (comm, compute or fused; signal-wait
-              kernels are waits); any other kernel whose name contains ``nccl`` is comm; the
-              rest compute
-    memcpy    peer-to-peer copies are comm; device-to-device copies are comm on a comm stream
-              (one that runs a comm kernel, or no compute kernel: the copy engine's side
-              stream) and compute elsewhere; host<->device copies are not counted
+The narrative (roles, device rows, examples): docs/design/profiling.md.
 """
 
 from __future__ import annotations

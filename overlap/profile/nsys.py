@@ -1,24 +1,16 @@
 """Read an ``nsys export --type sqlite`` file into one ``RankTrace`` per profiled process.
 
-The tables and columns used, as the Nsight Systems SQLite schema reference documents them
-(schema 3.28.1, nsys 2026.4; older exports lack some columns, and tables are created lazily, so
-any table but one of NVTX_EVENTS / CUPTI_ACTIVITY_KIND_KERNEL may be missing):
+Tables read (Nsight Systems SQLite schema 3.28.1; any table but one of NVTX_EVENTS /
+CUPTI_ACTIVITY_KIND_KERNEL may be missing): StringIds, NVTX_EVENTS (ranges only: eventType 59
+and 60), CUPTI_ACTIVITY_KIND_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY, CUPTI_ACTIVITY_KIND_RUNTIME
+(the launch of each kernel or copy) and META_DATA_EXPORT. Serialized ids:
 
-    StringIds (id, value)                              names of kernels and registered strings
-    NVTX_EVENTS (start, end, eventType, text, textId, globalTid)
-        eventType 59 = push/pop range, 60 = start/end range (ENUM_NSYS_EVENT_TYPE); marks,
-        domain and category rows are skipped. The name is ``text``, else StringIds[textId].
-    CUPTI_ACTIVITY_KIND_KERNEL (start, end, deviceId, streamId, globalPid, correlationId,
-        shortName / demangledName -> StringIds)
-    CUPTI_ACTIVITY_KIND_MEMCPY (start, end, deviceId, streamId, globalPid, correlationId, bytes,
-        copyKind, srcDeviceId, dstDeviceId); copyKind follows CUPTI's CUpti_ActivityMemcpyKind
-        (8 = device-to-device, 10 = peer-to-peer), labelled by ENUM_CUDA_MEMCPY_OPER when present
-    CUPTI_ACTIVITY_KIND_RUNTIME (start, globalTid, correlationId): the launch of each kernel/copy
-    META_DATA_EXPORT (name, value): EXPORT_SCHEMA_VERSION
+    PID = globalTid / 0x1000000 % 0x1000000,   TID = globalTid % 0x1000000   (globalPid alike)
 
-Serialized ids: PID = globalTid / 0x1000000 % 0x1000000, TID = globalTid % 0x1000000 (globalPid
-carries the PID the same way). One process is one rank; ranks are numbered by their first
-device id, then PID. Timestamps are nanoseconds in the file and microseconds here.
+One process is one rank; ranks are numbered by their first device id, then PID. Timestamps are
+nanoseconds in the file and microseconds here.
+
+The narrative (columns, enums): docs/design/profiling.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
-"""Device-neutral profiler ranges: one ``with nvtx.range("ag_matmul.chunked.gemm[3]"):`` marks
-a span for both tools that look at overlap.
+"""Device-neutral profiler ranges: one ``with nvtx.range("all_gather_matmul.chunked.gemm[3]"):`` marks
+a span as a ``torch.profiler.record_function`` (every device) and, when CUDA is available, as an
+NVTX range (Nsight Systems).
 
-- ``torch.profiler.record_function``: the span appears in torch.profiler traces on every device
-  (so the CPU twin's traces show each chunk's comm and GEMM, per thread);
-- ``torch.cuda.nvtx``: when CUDA is available the same span is pushed as an NVTX range, which
-  Nsight Systems shows on the CPU thread that launched the work.
+A range measures the *host* time spent inside it: for work the host only enqueues, the launch
+cost, not the device time. Names follow the one scheme in ``overlap/profile/names.py`` (build
+them with its helpers), which ``overlap-analyze`` reads back. ``OVERLAP_NVTX=0`` turns ranges
+into no-ops, except those passed ``required=True`` (``step`` and ``comm_wait``).
 
-A range measures the *host* time spent inside it. For work the host only enqueues (CUDA kernels,
-async collectives) that is the launch cost, not the device time: read device spans from the
-kernel rows of the trace, and use the ranges to attribute them to chunks.
-
-Names follow the one scheme in ``overlap/profile/names.py`` (build them with its helpers:
-``names.chunk(...)``, ``names.pp_action(...)``), which is what ``overlap-analyze`` reads back.
-
-Set ``OVERLAP_NVTX=0`` to turn ranges into no-ops. Without a running torch.profiler a range
-costs about 1 us on CPU (no ``record_function``), plus an NVTX push/pop on CUDA. The
-ranges the analyzer cannot do without (``step`` and ``comm_wait``) pass ``required=True`` and
-stay on.
+The narrative: docs/design/profiling.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,16 @@
 """Count host-device synchronisations: the runtime's own counter, which tests keep at 0 in
 steady state.
 
-On a GPU every one of these stalls the host until the device catches up, so the host cannot
-queue the next GEMM and the overlap is lost: ``Tensor.item()``, ``.tolist()``, ``.cpu()``,
-``.numpy()``, and the implicit ones (``bool(t)``, ``int(t)``, ``float(t)``, ``t.__index__``),
-plus explicit stream or event synchronisation (counted by ``overlap.dist.streams`` through
-:func:`record`). The CPU twin counts them on CPU tensors too, where they cost nothing: a twin
-must be as strict as the GPU, so an op that would sync there shows a non-zero count here.
+Counted, on CPU tensors too: ``Tensor.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``,
+``bool(t)``, ``int(t)``, ``float(t)``, ``t.__index__``, and explicit stream or event
+synchronisation (reported through :func:`record`). Only the calling thread is counted (torch
+function modes are per thread). Use::
 
     with count_host_syncs() as syncs:
         y = all_gather_matmul(x, w, comm=comm)
     assert syncs.count == 0, syncs.where
 
-Counting covers the calling thread (torch function modes are per thread); work that the
-runtime runs on its own threads (copy threads, stream twins) does not block the host.
+The narrative: docs/design/profiling.md.
 """
 
 from __future__ import annotations

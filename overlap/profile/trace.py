@@ -1,32 +1,18 @@
 """Overlap metrics of one trace as a whole: how much communication ran, and how much of it the
-rank's compute hid. (``overlap-analyze`` reports the same metrics per step and per rank, from
-torch.profiler or nsys files: ``overlap/profile/analyze.py``.)
+rank's compute hid (``overlap-analyze``, ``overlap/profile/analyze.py``, reports them per step).
 
-Input: a Chrome-trace JSON as written by ``torch.profiler.profile.export_chrome_trace`` (CPU
-here; with CUDA activities on GPUs), or the same event list built from ``nsys export --type
-sqlite`` (``events_from_nsys_sqlite``). Events are classified by the project's naming scheme and
-kernel registry (``overlap/profile/names.py``, ``overlap/kernels/registry.py``):
+Input: a Chrome-trace JSON (``torch.profiler.profile.export_chrome_trace``), or the same event
+list built from ``nsys export --type sqlite`` (``events_from_nsys_sqlite``); events are
+classified by ``overlap/profile/names.py`` and ``overlap/kernels/registry.py``. Over the span
+of the ``step:*`` ranges (or the whole trace):
 
-- communication: ``comm:*`` / ``comm_wait:*`` ranges and the ``<op>.<backend>.comm[..]``
-  pieces of the fused ops, ``gloo:*`` / ``nccl:*`` / ``c10d::*`` / ``record_param_comms``,
-  NCCL kernels, overlap's comm kernels (signal waits, peer copies), peer and comm-stream copies;
-- compute: ``compute:*`` and ``.gemm[..]`` ranges, ``aten::*`` ops, every other kernel; a fused
-  comm+GEMM kernel (``_all_gather_matmul_kernel``) counts as compute with its communication hidden.
-
-Metrics per trace (one rank), over the span of the ``step:*`` ranges (or the whole trace):
-
-- ``compute_s``: the union of compute on the *training thread* (the thread that owns the
-  ``step:*`` ranges, else the one with the most compute) minus that thread's communication
-  ranges, or, in a CUDA trace, of compute kernels. Copies a copier thread makes for
-  communication are not compute;
-- ``comm_s``: the union of all communication intervals on any thread or stream;
-- ``exposed_comm_s``: communication time not covered by compute: on CPU the time the training
-  thread waits while gloo (or a copier) moves bytes; on GPU the NCCL or copy time no compute
-  kernel runs under;
-- ``hidden_comm_s = comm_s - exposed_comm_s``, ``exposed_fraction = exposed_comm_s / step_s``
-  and ``hidden_fraction = hidden_comm_s / comm_s``.
+    compute_s       training thread's compute minus its comm ranges (CUDA: compute kernels)
+    comm_s          the union of all communication intervals on any thread or stream
+    exposed_comm_s  communication not covered by compute; hidden_comm_s = comm_s - exposed_comm_s
+    exposed_fraction = exposed_comm_s / step_s, hidden_fraction = hidden_comm_s / comm_s
 
 ``exposed_comm_s <= comm_s`` holds by construction, and both fractions lie in [0, 1].
+The narrative: docs/design/profiling.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,16 @@
 """CUDA backend of SymmetricWorkspace: GPU userbuffers every rank of a node maps.
 
-Memory: one device allocation per rank, ``[header | flags | data]`` like the shm backend.
-It comes from torch's symmetric memory (``torch.distributed._symmetric_memory.empty`` +
-``rendezvous``) where the installed torch has it, else from ``cudaMalloc`` shared by CUDA IPC
-handles (cupy), exchanged with one ``all_gather_object`` over the group. torch 2.6-2.7 need
-``enable_symm_mem_for_group(group_name)`` before ``rendezvous`` (without it rendezvous fails and
-we would silently fall back to IPC); later torch deprecates the call and may drop it, so it is
-made only where it exists (``enable_symm_mem``). ``ws.memory`` (and the repr) says which path
-was taken, ``ws.memory_fallback`` why symmetric memory was not used.
+Memory: one device allocation per rank, ``[header | flags | data]``, from torch's symmetric
+memory where the installed torch has it, else ``cudaMalloc`` shared by CUDA IPC handles (cupy);
+``ws.memory`` (and the repr) says which, ``ws.memory_fallback`` why not symmetric memory.
+Signals are stream-ordered: one-thread kernels from csrc/signal.cu on the current stream. A wait
+kernel that times out or sees a peer's ``abort()`` records the error and returns; every fused op
+ends with ``poison_if_error`` on its outputs (NaN bytes), and the next op on the workspace calls
+``raise_pending``, which raises SignalTimeout/PeerDied naming the op, the slot and the peer.
+``check_errors()`` (``barrier()``, ``close()``) synchronises first; ``wait(..., blocking=True)``
+synchronises and checks at once. GPU only: its CPU twin is overlap.symm.shm.
 
-Signals are *stream-ordered*: ``signal`` and ``wait`` launch one-thread kernels from
-csrc/signal.cu on the current stream, so "copy chunk, then signal" and "wait, then GEMM" are
-ordered on the GPU with no host synchronisation. A wait kernel never spins forever: on timeout
-or on a peer's ``abort()`` it writes an error record (mapped pinned host memory) and returns.
-The stream then goes on, so every fused op ends with ``poison_if_error`` on its outputs (a kernel
-that fills them with NaN bytes when the record is set: stale chunks never pass for a result),
-and the next op on the workspace calls ``raise_pending`` (a host read of the record, no sync),
-which raises SignalTimeout/PeerDied naming the op, the slot and the peer. ``check_errors()``
-(``barrier()``, ``close()``) synchronises first; ``wait(..., blocking=True)`` synchronises and
-checks at once.
-
-This file cannot run on the CPU-only machines that build and test the project; its CPU twin is
-overlap.symm.shm, which runs the same protocol and is tested on 1, 2 and 4 processes.
+The narrative: docs/design/dist.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """CPU backend of SymmetricWorkspace: POSIX shared memory mapped by every local rank.
 
-Each rank creates one segment ``/dev/shm/overlap_<pid>_<seq>_<token>`` (the creator's pid in
-the name lets a launcher find and remove the segments of ranks that crashed), the names are
-exchanged with one ``all_gather_object`` over the group, every rank maps every segment, a second
-collective confirms that all mappings exist, and then each rank unlinks its own segment. From
-then on the memory lives exactly as long as some process maps it: a crash leaks nothing.
+Each rank creates one segment ``/dev/shm/overlap_<pid>_<seq>_<token>`` (the creator's pid lets a
+launcher find and remove the segments of crashed ranks); every rank maps every segment, and once
+all mappings exist each rank unlinks its own, so a crash leaks nothing. Signals are int64 words
+set and waited on with the acquire/release atomics of ``overlap._C`` (csrc/signal.cpp); waits
+run in 50 ms slices with the GIL released, checking between slices that every peer process is
+alive and that nobody called ``abort()``. A wait raises where it gives up (SignalTimeout /
+PeerDied); with ``OVERLAP_SHM_DEVICE_WAITS=1`` it records the error and returns instead, like the
+CUDA wait kernel (``poison_if_error``, ``raise_pending``).
 
-Signals are int64 words in the segments, set and waited on with the acquire/release atomics of
-``overlap._C`` (csrc/signal.cpp). Waits run in 50 ms slices with the GIL released; between
-slices the waiter checks that every peer process is alive and that nobody called ``abort()``.
-
-A wait raises where it gives up (SignalTimeout / PeerDied). With ``OVERLAP_SHM_DEVICE_WAITS=1``
-the twin instead behaves like the CUDA wait kernel, the strict case: the wait records the error
-(csrc/signal.cuh ErrorWord) and returns, the op goes on with whatever its buffers hold, and only
-``poison_if_error`` (NaN outputs) and ``raise_pending`` (the next op raises) keep stale numbers
-from passing for a result. Tests use it to check that contract on CPU.
+The narrative: docs/design/dist.md.
 """
 
 from __future__ import annotations

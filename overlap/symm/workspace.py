@@ -1,28 +1,18 @@
 """SymmetricWorkspace: the userbuffer transport every fused op uses.
 
-For a process group of ``world`` ranks, every rank owns a buffer of the same size and can read
-and write every peer's buffer directly as a tensor, plus an array of int64 signal flags:
+For a group of ``world`` ranks, every rank owns a buffer of the same size plus an array of int64
+signal flags, and reads and writes every peer's buffer directly as a tensor::
 
-```
-  rank 0 segment                 rank 1 segment                ...
-  +--------+-------------+---------------------+
-  | header | flags[S]    | data[nbytes]        |   every rank maps every segment:
-  +--------+-------------+---------------------+   ws.buffer(r), ws.view(r, dtype, shape, off)
-```
+    segment of rank r = | header | flags[S] | data[nbytes] |        S = num_signals
+    every rank maps every segment: ws.buffer(r), ws.view(r, dtype, shape, off)
 
-Signal protocol (see csrc/signal.cuh): flags are monotonically increasing phase counters.
-A producer writes its payload into a peer's buffer, then ``signal(peer, slot, phase)`` stores
-``phase`` into the peer's flag with release order; the consumer ``wait(slot, phase)`` spins on
-its own flag with acquire order until it is >= phase, then reads. Nobody resets flags, so a
-waiter cannot miss a signal and back-to-back ops only need a growing phase.
+Flags are monotonic phase counters, never reset: ``signal(peer, slot, phase)`` (release) after
+the payload, ``wait(slot, phase)`` (acquire) until its own flag is >= phase. ``wait`` raises
+:class:`SignalTimeout` after ``timeout`` seconds and :class:`PeerDied` once a peer has exited
+or called ``abort()``. Kinds (``kind=``): ``shm`` (CPU, one host; overlap.symm.shm) and ``cuda``
+(overlap.symm.cuda); ``create_workspace`` picks one.
 
-Nothing waits forever: ``wait`` raises :class:`SignalTimeout` naming the group, slot, expected
-and last seen value after ``timeout`` seconds, and raises :class:`PeerDied` as soon as a peer
-process of the group has exited (shm kind) or a peer called ``abort()``.
-
-Kinds (``kind=``): ``shm`` (POSIX shared memory, CPU, ranks on one host; overlap.symm.shm) and
-``cuda`` (torch symmetric memory or CUDA IPC; overlap.symm.cuda). ``create_workspace`` picks
-one. ("backend" is reserved for the TP op backends and torch.distributed's.)
+The narrative: docs/design/dist.md.
 """
 
 from __future__ import annotations
