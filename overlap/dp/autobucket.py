@@ -1,21 +1,16 @@
 """Bucket sizes planned from the measured backward and a measured link: ``bucket_cap_mb="auto"``.
 
-A fixed byte cap is a guess that trades two costs: small buckets start communication early in
-the backward but pay the per-collective latency many times; large ones pay it once but start
-late, so their communication is exposed after the backward. With the gradient-ready timeline
-of one real backward and a two-parameter link model (a collective of ``b`` bytes takes
-``alpha + beta * b`` seconds, issued in order, one at a time) the best split of the ready-order
-parameter sequence into contiguous buckets is an exact dynamic program:
+Legend: ``ready[j]`` the time parameter j's gradient is ready (in ready order), ``bytes(i..j-1)``
+a bucket's size, ``alpha + beta * b`` seconds per collective of ``b`` bytes. The best split into
+contiguous buckets is the exact dynamic program::
 
     end[0] = 0
     end[j] = min over i < j of  max(ready[j-1], end[i]) + alpha + beta * bytes(i..j-1)
 
-``end[i]`` is the earliest time the first ``i`` parameters' communication can be complete when
-the last bucket is ``i..j-1``: a bucket launches when its last gradient is ready and the
-previous collective is done. ``end[n]`` is when the reduction ends; the exposed part is
-``end[n] - ready[n-1]``. A bucket never spans two dtypes (it is one slice of one flat buffer).
-O(n^2) in the number of parameters, run once on DP rank 0 and broadcast so every rank buckets
+A bucket never spans two dtypes. Planned on DP rank 0 and broadcast, so every rank buckets
 identically.
+
+The narrative: docs/design/dp.md.
 """
 
 from __future__ import annotations

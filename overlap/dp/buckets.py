@@ -1,26 +1,17 @@
 """Bucket assignment, flat-buffer layout and bucket collectives for data-parallel gradient
 reduction, and ``ReducerConfig`` (the knobs of both).
 
-A *layout* places every parameter of a module in one flat buffer per dtype. The buffer is split
-into buckets; each bucket is one contiguous slice, so one collective reduces it. Buckets are
-filled in a given parameter order (the order gradients are expected to become ready) and
-closed once they hold at least their byte cap, like torch DDP: the first bucket of each dtype
-uses ``first_cap_bytes`` (small, so the first collective starts early in the backward), the
-others ``cap_bytes``. A cap of 0 puts one parameter in each bucket.
-
-Flat buffer of one dtype, length ``sum(padded)``::
+Flat buffer of one dtype, length ``sum(padded)``; each bucket is one contiguous slice::
 
     | bucket i: p_a | p_b | ... | pad | bucket j: p_c | ... | pad | ...
       offset_i                          offset_j = offset_i + padded_i
 
-``padded = ceil(numel / pad_to) * pad_to``: a sharded optimizer pads to a multiple of the DP
-size so that a reduce-scatter gives rank ``r`` the slice ``[offset + r*padded/dp, offset +
-(r+1)*padded/dp)`` of every bucket. Bucket indices follow the order of each bucket's first
-parameter in the given order, which is the order the collectives are issued in.
+``padded = ceil(numel / pad_to) * pad_to``; with ``pad_to = dp`` a reduce-scatter gives rank
+``r`` the slice ``[offset + r*padded/dp, offset + (r+1)*padded/dp)``. Bucket indices are the
+issue order of the collectives. The collectives here are the only ``torch.distributed`` calls of
+``overlap.dp``: asynchronous, each returns a handle with ``wait(timeout)``; sums only.
 
-The bucket collectives at the end of this file are the only place where ``overlap.dp`` talks
-to ``torch.distributed``; every one is asynchronous and returns a handle with
-``wait(timeout)``. Sums only: averaging is a pre-division by the caller.
+The narrative: docs/design/dp.md.
 """
 
 from __future__ import annotations

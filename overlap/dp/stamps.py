@@ -1,25 +1,17 @@
 """Per-call agreement of GradReducer buckets (overlap.dist.stamp applied to the DP group).
 
-Every bucket all-reduce on more than one rank carries a stamp: the bucket's index, its element
-counts, dtype, a signature of the parameters it holds (their indices and shapes) and the
-reduction op, plus the reducer's call counter. The stamp rides in a tail of the bucket's own
-flat buffer (``Bucket.tail``, reserved by the layout, so nothing is copied): each rank writes its
-stamp as small integers into its own row of a ``[dp, words * chunks]`` tail and zeros into the
-others (``overlap.dist.stamp.pack_sum_tail``); the all-reduce that sums the gradients sums the
-tail too, exactly, so afterwards every rank holds every rank's stamp and compares it with its
-own before the gradients are used. No extra collective, message or host sync: the tail is
-``dp * 36`` fp32 elements (``dp * 72`` in 16-bit buffers) per bucket.
+Every bucket all-reduce on more than one rank carries a stamp (bucket index, sizes, dtype,
+parameter signature, op, call counter) in a tail of the bucket's flat buffer (``Bucket.tail``,
+``dp * 36`` fp32 or ``dp * 72`` 16-bit elements), summed by the same all-reduce: no extra
+collective, message or host sync.
 
-A rank whose bucket holds other parameters than its peers' (same size: no size check sees it)
-or another size, or that skipped or repeated a bucket, raises ``Disagreement`` naming the
-bucket, the first differing field and both ranks' values; with sizes that differ the transport
-refuses the all-reduce on every rank first (nccl_twin) and its error names the sizes.
+Errors: a rank whose bucket holds other parameters or another size, or that skipped or repeated
+a bucket, raises ``Disagreement`` naming the bucket, the first differing field and both ranks'
+values (sizes that differ are refused first by the transport). bf16 / int8 buckets are checked
+by ``overlap.comm.quant`` with ``tag=bucket_tag(...)``; the fp32 reduce-scatter of
+``shard=True`` is not stamped yet.
 
-The bf16 / int8 buckets go through ``overlap.comm.quant``, whose own stamp carries the call's
-sizes, dtype and call number, and ``tag=bucket_tag(...)``: the bucket index and parameter
-signature. Not stamped yet: the fp32 reduce-scatter of ``shard=True`` (a SUM tail would land in
-one rank's shard only, and the flat buffer has no room in every shard without a copy); there
-the transport's size check and the first-call parameter check remain.
+The narrative: docs/design/dp.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """What each of overlap's own kernels does, for the trace analyzer (``overlap-analyze``).
 
-A profiler only sees a kernel's name and its start and end. Whether that time hid communication
-or was communication depends on what the kernel does, and only the code that defines the kernel
-knows. So every kernel this project launches (the Triton ``*_kernel`` functions in
-``overlap/kernels/triton`` and the ``__global__`` functions in ``csrc/*.cu``) declares here one
-of three kinds:
+Every kernel this project launches (the Triton ``*_kernel`` functions in overlap/kernels/triton
+and the ``__global__`` functions in csrc/*.cu) declares here one of three kinds:
 
-- ``comm``: moves or waits for data from peers (copies into or out of symmetric buffers, signal
-  kernels, the reduction of a reduce-scatter). Its time is communication;
-- ``compute``: local math (quantize, dequantize). Its time is compute, the same as a GEMM;
-- ``fused``: a GEMM that reads from or writes to peers while it runs. Its time counts as
-  compute with its communication hidden, except the time it spends waiting on a peer's signal,
-  which the analyzer measures from signal-wait ranges on the kernel's own stream or thread
-  where the trace has them.
+- ``comm``: moves or waits for data from peers; its time is communication;
+- ``compute``: local math (quantize, dequantize); its time is compute, like a GEMM's;
+- ``fused``: a GEMM that reads from or writes to peers while it runs; its time is compute with
+  its communication hidden, except the time it waits on a peer's signal.
 
-``waits=True`` marks a kernel that does nothing but wait on a peer's signal: its whole time is
-a wait (the "signal waits" lane of the timeline).
-
-Add a kernel here in the same change that adds it; ``tests/test_profile_names.py`` fails when a
-``*_kernel`` or ``__global__`` function has no entry, or an entry names no kernel in the source.
+``waits=True`` marks a kernel that only waits on a peer's signal: its whole time is a wait.
+Add a kernel here in the same change that adds it; tests/test_profile_names.py fails on a
+kernel without an entry or an entry naming no kernel.
+The narrative: docs/design/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
 """Split a stage's backward into an input-gradient pass (I) and a weight-gradient pass (W).
 
-For ``y = f(x; w)`` with upstream gradient ``dy``, the I pass computes ``dx = dy @ df/dx``
-only, and the W pass computes ``dw = dy @ df/dw`` later. The I pass is what the previous stage
-waits for; W can be delayed to fill pipeline bubbles (zero-bubble schedules).
+For ``y = f(x; w)`` with upstream gradient ``dy``: I computes only ``dx = dy @ df/dx`` (what the
+previous stage waits for); W computes ``dw = dy @ df/dw`` later, to fill pipeline bubbles
+(zero-bubble schedules), reusing gradients saved during I instead of redoing its work.
 
-How W reuses the work of I instead of redoing it: in the autograd graph of ``y``, call the
-nodes that lie on a path from ``y`` to ``x`` the *input path*. Every parameter hangs off the
-input path at some node whose child leads only to parameters (a Linear's ``AddmmBackward``,
-a LayerNorm's ``NativeLayerNormBackward``, ...). Those nodes are the *boundary*. While I runs
-(``torch.autograd.grad`` w.r.t. ``x`` only, so autograd skips the weight branches), a pre-hook
-on each boundary node saves the gradient flowing into it. W then starts backward *at* the
-boundary nodes (``GradientEdge(node, i)`` with the saved gradients) towards the parameters
-only, so it evaluates just the weight branches.
+Contract: ``backward_input`` returns ``dx`` and a ``WeightGradState`` and leaves ``param.grad``
+alone; ``backward_weight(state)`` accumulates into ``param.grad`` across micro-batches and fires
+post-accumulate-grad hooks (a data-parallel reducer) exactly as a plain backward does, counting
+a weight used in two places once.
 
-Boundary nodes whose parameter sets overlap (a weight used in two places) are handled in one
-backward call; pre-hooks then clamp each such node's incoming gradient to the saved value, so
-gradient flowing from one boundary node down to another is not counted twice.
-
-W computes each group's weight gradients with ``torch.autograd.grad``, then accumulates all of
-them in one ``torch.autograd.backward`` rooted at the parameters, so ``param.grad`` accumulates
-across micro-batches and post-accumulate-grad hooks (a data-parallel reducer) fire exactly as
-in a plain backward, within one backward call.
+The narrative: docs/design/pp.md.
 """
 
 from __future__ import annotations

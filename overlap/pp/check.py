@@ -1,21 +1,15 @@
 """Validate, simulate and print pipeline schedules (see overlap.pp.schedules for the vocabulary).
 
-``check_schedule`` runs before any rank executes a schedule and proves:
+``check_schedule`` runs before any rank executes a schedule and raises ``ScheduleError`` unless
+(1) each (stage, micro-batch) has one F and one B, or one I and one W, on the stage's rank, in
+the order F < B, F < I < W; (2) every cross-rank message has its send right after its producer
+and its receive before its consumer, posted in the sender's order; (3) no rank program can
+deadlock. It returns the peak number of live activations per rank (F until B, or until W).
 
-1. every (stage, micro-batch) has exactly one F and either one B or one I and one W, on the
-   rank that owns the stage, in the order F < B, F < I < W;
-2. every message that crosses ranks has a send right after its producer and a receive before
-   its consumer, and on every ordered rank pair the receives are posted in the senders' order;
-3. the per-rank programs cannot deadlock: an event simulation in which a compute action starts
-   when its rank is free and its input exists (comm takes no time) runs every action;
+``simulate`` runs a schedule with per-kind costs (``DEFAULT_COSTS``: F=1, B=2, I=W=1); the bubble
+fraction of rank r is ``1 - busy_r / makespan``.
 
-and returns the peak number of live activations per rank (an activation is live from its F
-until its B, or until its W when the backward is split).
-
-``simulate`` is the same simulation with per-kind costs; its bubble fraction per rank is
-``1 - busy_r / makespan``. With F=1 and B=2 (I=W=1 when split) these are exact:
-GPipe and 1F1B ``(p-1)/(m+p-1)``, interleaved 1F1B ``(p-1)/(v*m+p-1)`` (m a multiple of p),
-ZB-H1 ``(p-1)/(3m+p-1)``; as a ratio of idle to compute time: (p-1)/m, (p-1)/(v*m), (p-1)/(3m).
+The narrative: docs/design/pp.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,17 @@
 """Run a validated PipelineSchedule on this rank's stages: ``Pipeline(...).step(inputs, targets)``.
 
-The executor interprets its rank's plan (``overlap.pp.programs.rank_plan``): it posts batches on
-per-direction channel communicators, waits for a received tensor right before the compute that
-consumes it, runs the compute, and hands its output to the next send. ``build_schedule`` has
-simulated exactly these plans of every rank under NCCL's ordering rules
-(``overlap.pp.programs.check_nccl_order``), so they cannot deadlock on NCCL.
+The executor runs its rank's plan (``overlap.pp.programs.rank_plan``) on per-direction channel
+communicators; ``build_schedule`` proved those plans deadlock-free under NCCL's rules. Pp ranks
+that disagree on the schedule get a ``ValueError`` at construction. Shapes need no user input:
+the first step with new micro-batch shapes sends shape headers, later steps reuse the cached
+ones; a stage whose output shape changes while its input shapes do not raises ``ValueError``.
 
-Shapes. Receive buffers need shapes before data arrives. At the start of every step pp rank 0
-publishes a 63-bit digest of its micro-batches' shapes and dtypes through the job's store (host
-to host: no device collective, no host-device sync). The
-first step with a new digest runs in *header mode*: each activation is preceded by a shape
-header, and receives are posted when needed (header first). Every rank records the shapes it
-saw under that digest, so later steps with the same digest post all receives early with the
-cached shapes (the two modes have separate plans, both checked). Variable sequence lengths therefore work, and cost a header round trip only the
-first time each length appears. A stage whose output shape changes while its input shapes do
-not (data-dependent shapes) gets a clear error.
+Loss and gradients, for every schedule: the last stage computes ``loss_fn(output_mb,
+target_mb)`` per micro-batch and backpropagates it scaled by ``1/m``; ``step`` returns the mean
+loss on the rank holding the last stage (None elsewhere), and ``param.grad`` accumulates the
+gradient of that mean loss (the caller zeroes it between steps).
 
-Loss and gradients are returned the same way for every schedule: the last stage computes
-``loss_fn(output_mb, target_mb)`` per micro-batch, backpropagates it scaled by ``1/m``, and
-``step`` returns the mean loss on the rank that holds the last stage (None elsewhere). So
-``param.grad`` ends up equal to the gradient of the mean loss over the m micro-batches, summed
-into ``param.grad`` (which must be zeroed by the caller between steps, as usual).
+The narrative: docs/design/pp.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """Asynchronous point-to-point transfers between pipeline ranks.
 
-Every transfer is posted with ``dist.batch_isend_irecv`` on the communicator of its channel
-(one direction of one link; one call per channel and group of adjacent comm actions of a
-schedule, see ``overlap.pp.programs``) and returns at once; the executor waits on a receive only right before
-the compute that consumes it, and on a send only at the end of the step (send buffers are
-fresh tensors that nothing overwrites, so the step end is the first time a buffer could be
-reused). Transfers are issued on a comm stream of the device-neutral stream layer
-(``overlap.dist.streams``), which first waits for the compute stream (so a send never reads a
-buffer before the compute writing it is done); waiting on a transfer makes the caller's stream
-wait for its issue and then for the transfer. On GPU this is a side CUDA stream and the host
-never blocks; on CPU it is the stream twin, which posts the transfers later than the host call
-(with injected delays under ``OVERLAP_STREAM_DELAY_MS``), so a send buffer the host touched
-after posting would show up as wrong numbers here, as it would on a GPU.
+Every transfer is posted with ``dist.batch_isend_irecv`` on its channel's communicator (one
+direction of one link), issued on a comm stream (``overlap.dist.streams``), and returns at once;
+the executor waits on a receive right before its consumer and on sends at the end of the step.
+Shapes travel in a header of ``HEADER_LEN`` int64 (ndim, dtype code, sizes) only when the
+receiver does not know them yet.
 
-Shapes travel in a fixed-size header (``HEADER_LEN`` int64: ndim, dtype code, sizes) only when
-the receiver does not know them yet; the executor caches them (see ``overlap.pp.executor``).
+Errors: every wait has a timeout; a timeout or a dead peer raises ``P2PError`` naming the op,
+the pp rank, the peer (pp and global rank) and what was being transferred.
 
-Every wait has a timeout; a timeout or a dead peer raises ``P2PError`` naming the op, the
-pp rank, the peer (pp and global rank) and what was being transferred.
+The narrative: docs/design/pp.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,18 @@
 """What a pipeline rank posts, waits for and computes, step by step, and a proof that it cannot
 deadlock under NCCL's ordering rules.
 
-The executor (``overlap.pp.executor``) interprets exactly the steps :func:`rank_plan` returns, and
-:func:`check_nccl_order` simulates the same steps of every rank, so the validator and the
-executor cannot drift apart.
+The executor interprets exactly the steps :func:`rank_plan` returns and :func:`check_nccl_order`
+simulates the same steps of every rank (raising ``NcclOrderDeadlock`` if any could hang), so the
+validator and the executor cannot drift apart. A channel ``(src, dst)`` is one direction of one
+link, a communicator of its own (``channels="single"``: the old shared layout, for tests).
 
-**Channels.** Every direction of every pipeline link is its own communicator: a channel
-``(src, dst)`` carries only src's sends to dst. Its FIFO on the sender holds sends in send order
-and its FIFO on the receiver holds receives in the same order (``lower`` posts receives in the
-senders' order), so the two ends of every channel always post matching ops, whatever the
-schedule. One communicator for both directions (what the executor used to do) does not have this
-property: rank 0 posts {send F0, recv B0} then {send F1} while rank 1 posts {recv F0}, {recv F1},
-{send B0}, and NCCL deadlocks. ``channels="single"`` reproduces that layout so tests can show
-that the simulation rejects it.
+Steps (tuples): ``("post", channel, items)`` posts one batch, items ``(part, msg, is_send)``
+with part "hdr" (shape header) or "data" and msg ``(kind, stage of the receiver, micro-batch)``;
+``("wait", (part, msg))`` blocks until the batch holding that receive completes;
+``("compute", action)`` runs a compute action; ``("end",)`` waits for every posted batch.
+``header_mode=True`` gives the plan of a first step with new shapes.
 
-**Steps** (tuples):
-
-- ``("post", channel, items)``: post one batch on ``channel``; ``items`` are
-  ``(part, msg, is_send)`` with ``part`` "hdr" (shape header) or "data" and ``msg`` the message
-  key ``(kind, stage of the receiver, micro-batch)`` used throughout ``overlap.pp``.
-- ``("wait", (part, msg))``: the host blocks until the batch holding that receive completes.
-- ``("compute", action)``: run a compute action (its input is there: a wait precedes it).
-- ``("end",)``: the host waits for every batch it posted (the sends) to complete.
-
-In steady state receives are posted one compute before their consumer, as ``lower`` places
-them, so a transfer runs during the compute before it. In *header mode* (the first step with new
-shapes) receives wait until the consumer needs them: the header first, then the payload, draining
-the channel in send order.
+The narrative: docs/design/pp.md.
 """
 
 from __future__ import annotations

@@ -1,36 +1,18 @@
 """Pipeline schedules as data: per-rank lists of actions, built by a function, then validated.
 
-Vocabulary. ``p`` pipeline ranks, ``v`` virtual stages (model chunks) per rank, ``S = v*p``
-stages, ``m`` micro-batches. Stage ``s`` lives on pp rank ``s % p`` (rank ``r`` holds stages
-``r, r+p, ..., r+(v-1)p``), so activations always flow to the next rank (wrapping from ``p-1``
-to ``0`` between chunks) and gradients to the previous one.
+Legend: ``p`` pipeline ranks, ``v`` virtual stages (model chunks) per rank, ``S = v*p`` stages,
+``m`` micro-batches; stage ``s`` lives on pp rank ``s % p``.
+Compute kinds (``Action.kind``): ``F`` forward (with the loss on the last stage), ``B`` full
+backward, ``I`` / ``W`` input- / weight-gradient halves of a split backward (W after its I).
+Comm kinds, inserted only by :func:`lower`: ``SEND_F`` / ``RECV_F`` (stage s's output to the
+rank of s+1 / its input from the rank of s-1), ``SEND_B`` / ``RECV_B`` (the gradient of s's
+input to the rank of s-1 / of s's output from the rank of s+1).
 
-Compute actions (``Action.kind``):
+Contract: on every ordered rank pair receives are posted in the sender's order, and a schedule
+from ``build_schedule`` has passed :func:`overlap.pp.check.check_schedule` and
+:func:`overlap.pp.programs.check_nccl_order`, so no rank can deadlock, even on NCCL.
 
-- ``F``  forward of (stage, micro-batch); on the last stage it includes the loss.
-- ``B``  full backward: input gradient and weight gradient together.
-- ``I``  input-gradient half of a split backward (the zero-bubble "B").
-- ``W``  weight-gradient half of a split backward; runs any time after its ``I``.
-
-Communication actions, inserted by :func:`lower` (never written by hand):
-
-- ``SEND_F`` (stage s) sends s's output activation to the rank of s+1; ``RECV_F`` (stage s)
-  receives s's input from the rank of s-1.
-- ``SEND_B`` (stage s) sends the gradient of s's input to the rank of s-1; ``RECV_B``
-  (stage s) receives the gradient of s's output from the rank of s+1.
-
-``lower`` places every send right after the compute that produces it and every receive one
-compute action *before* the compute that consumes it, so the transfer runs while that compute
-runs. Messages on each ordered rank pair (src, dst) are received in exactly the order src sends
-them (``lower`` posts a receive early enough that every receive earlier in that pair's send
-order is posted before it). Why this cannot deadlock, even under NCCL's rules (one op at a time
-per communicator, in issue order, and rendezvous sends): each direction of each link is a
-communicator of its own (``overlap.pp.programs``), so both of its ends hold the same messages in
-the same order; the executor blocks only when a compute action needs a received tensor; and
-:func:`overlap.pp.check.check_schedule` (compute order) and
-:func:`overlap.pp.programs.check_nccl_order` (the posted batches, exactly as the executor posts
-them) simulate every rank to prove that every wait is eventually satisfied, before any rank runs
-the schedule.
+The narrative: docs/design/pp.md.
 """
 
 from __future__ import annotations

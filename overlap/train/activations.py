@@ -1,32 +1,16 @@
 """Activation memory per transformer layer: measured, and Korthikanti et al.'s formulas.
 
-``saved_bytes(fn, *args)`` runs ``fn`` under ``torch.autograd.graph.saved_tensors_hooks`` and
-adds up the bytes autograd keeps for the backward: each storage once (a tensor saved by two
-ops, or two views of one buffer, is memory once), parameters excluded. Under recomputation,
-``torch.utils.checkpoint`` (non-reentrant) saves the checkpointed region's inputs through the
-same hooks, and the region's own saves go to its hook (freed, recomputed in the backward), so
-the count is what stays alive between forward and backward in every mode.
+``saved_bytes(fn, *args)`` counts the bytes autograd keeps for the backward (each storage once,
+parameters excluded), in every recomputation mode; ``korthikanti_bytes`` gives the paper's
+formula, ``expected_bytes`` the same count for *our* block term by term; ``as_on_gpu`` makes
+the CPU twin save what the GPU kernels save (measure in bf16).
 
-Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
-bytes per layer with 16-bit activations, 1-byte dropout masks, ``s`` sequence, ``b``
-micro-batch, ``h`` hidden, ``a`` heads, ``t`` TP degree:
+Legend (bytes per layer, 16-bit activations, 1-byte dropout masks): ``s`` sequence, ``b``
+micro-batch, ``h`` hidden, ``a`` heads, ``t`` TP degree. Mode none: ``sbh(10 + 24/t +
+5as/(ht))`` without sequence parallelism, ``sbh(34 + 5as/h)/t`` with it (t=1: both); selective:
+the same without the ``5as/h`` term; full: ``2sbh`` (``/t`` with sequence parallelism).
 
-    none:       s*b*h * (10 + 24/t + 5*a*s/(h*t))      (tp without sequence parallelism)
-                s*b*h * (34 + 5*a*s/h) / t             (with sequence parallelism; t=1: both)
-    selective:  the same without the 5as/h term (scores, softmax, dropout recomputed)
-    full:       2*s*b*h (/ t with SP): the block input only
-
-``expected_bytes`` is the same count for *our* block as built, term by term (see its
-docstring), so a test can check the measurement exactly and explain every difference from the
-formula.
-
-Measuring on the CPU twin: its kernels do not save what the GPU's do. The CPU
-``scaled_dot_product_attention`` flash kernel saves no s x s tensor, and its math kernel upcasts
-bf16 to fp32 and saves the scores in fp32; the CPU ``nn.Dropout`` saves its mask in the
-activation dtype (2 bytes) where CUDA's fused dropout saves 1 byte. ``as_on_gpu`` swaps in the
-attention core written out in the activation dtype (scores, causal mask, softmax, dropout,
-weighted sum: the unfused path the formula describes, the same function as
-``CausalSelfAttention.core``) and the fused ``native_dropout``; the measurement is in bf16.
+The narrative: docs/design/training.md.
 """
 
 from __future__ import annotations

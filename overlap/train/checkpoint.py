@@ -1,35 +1,17 @@
 """Distributed checkpoints of the main job with torch.distributed.checkpoint (DCP), reshardable.
 
 Every tensor is saved under the name and in the coordinates of the *unsharded* model, so a
-checkpoint written with one tp x pp x dp layout loads into any other:
+checkpoint written with one tp x pp x dp layout loads into any other. Keys: ``model.<fqn>``
+(parameters of ``GPT``, global shape); ``optim.master.<fqn>``, ``optim.exp_avg.<fqn>``,
+``optim.exp_avg_sq.<fqn>`` (fp32 masters and AdamW moments, ZeRO shards saved as such);
+``optim.step``; ``train`` (the next step, the global batch); ``rng.rank<r>`` (generator states,
+restored only under the same layout).
 
-- ``model.<fqn>``: parameter ``<fqn>`` of ``GPT`` (e.g. ``blocks.1.attn.q_proj.weight``), global
-  shape. Each rank contributes its TP shard as one chunk at its offset; DP replicas and
-  TP-replicated parameters (norms) write the same chunk and DCP keeps one.
-- ``optim.master.<fqn>``, ``optim.exp_avg.<fqn>``, ``optim.exp_avg_sq.<fqn>``: fp32 master
-  weights and AdamW moments. With the sharded optimizer they are saved as what they are: each
-  DP rank writes only its ZeRO shard, i.e. the element range ``[lo, hi)`` of the flattened TP
-  shard that it owns, cut into at most three rectangles of the global tensor (a partial first
-  row, whole rows, a partial last row). Loading asks DCP for the rectangles *this* rank owns in
-  the new layout, and DCP reads them from whichever chunks overlap.
-- ``optim.step``: AdamW's step count; ``train``: the next step (the data position: batches
-  are a pure function of the step), the global batch; ``rng.rank<r>``: every rank's generator
-  states (restored only when the layout is the same; a new layout reseeds, see ``rng.py``).
+Contract: ``latest_checkpoint`` returns only complete checkpoints (a renamed ``DIR/step_<N>``
+with ``.metadata``), never one a fault interrupted; ``CheckpointWriter`` saves asynchronously,
+at most one save in flight.
 
-The pieces a rank holds are ``Chunks`` objects: DCP's ``__create_write_items__`` /
-``__create_chunk_list__`` protocol (the one DTensor implements) plus two planners that look
-chunks up by offset, so no DeviceMesh is needed and uneven ZeRO ranges work.
-
-Completeness. A checkpoint is written to ``DIR/step_<N>.tmp.a<attempt>`` and renamed to
-``DIR/step_<N>`` by rank 0 only once DCP's save has finished on every rank (DCP writes
-``.metadata`` last, after gathering every rank's write results). ``latest_checkpoint`` only
-returns renamed directories with ``.metadata``, so a checkpoint that a fault interrupted is
-never read.
-
-Asynchrony. ``dcp.async_save`` runs the write on a thread over a dedicated gloo group (the
-training collectives keep their own communicator, so the NCCL ordering of the job is not
-touched); staging is a copy of this rank's tensors taken at the step boundary, so training goes
-on while the files are written. At most one save is in flight: the next one waits for it.
+The narrative: docs/design/training.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,16 @@
 """One rank of the 3D-parallel training job, and the single-process reference it is checked
 against.
 
-Per rank, in order (every piece is the library's public API, nothing demo-specific):
+``train_rank(cfg)`` builds, with the library's public API only: the process groups
+(``ParallelDims``, TP innermost), the same-seed ``GPT`` parallelized with the GPT plan, this
+rank's pipeline chunks and a validated schedule, one ``GradReducer`` (and a ``ShardedOptimizer``
+or AdamW) per stage, and the training features of ``overlap.train``.
 
-1. ``ParallelDims.build(tp, pp, dp)``: the process groups (TP innermost).
-2. The same-seed ``GPT`` on every rank, then ``parallelize`` with the GPT plan: sequence-parallel
-   TP layers over the fused ops (``tp_backend``), vocab-parallel head and loss.
-3. ``pipeline_stages`` + ``build_schedule`` + ``Pipeline``: this rank's chunks and a validated
-   1F1B (or other) schedule whose P2P transfers overlap compute.
-4. One ``GradReducer`` per stage over the DP group, synchronising only on the stage's last
-   gradient-accumulating action of the step (``stage.last_backward``), so the DP reduction of a
-   stage runs under the backward of the micro-batches and stages still in flight; with
-   ``sharded_optimizer`` a ``ShardedOptimizer`` (ZeRO-1/2) per stage, else AdamW.
+Contract: the gradient is that of the mean loss over every sequence of the step (micro-batch
+losses scaled by 1/m, the DP reduction averaged over dp): exactly what ``reference_losses``
+computes on one process.
 
-5. Training features (``overlap.train``): AdamW param groups (no weight decay on norms,
-   biases and embeddings), warm-up + cosine LR, global-norm clipping over every shard
-   (``clip_grads``), dropout through a TP-aware RNG tracker (``rng.py``), activation
-   recomputation (``recompute.py``), bf16 with fp32 master weights, and asynchronous DCP
-   checkpoints that resume on any layout (``checkpoint.py``).
-
-The micro-batch losses are averaged (each scaled by 1/m in the pipeline) and the DP reduction
-averages over dp, so the gradient is that of the mean loss over every sequence of the step:
-exactly what ``reference_losses`` computes on one process.
+The narrative: docs/design/training.md.
 """
 
 from __future__ import annotations

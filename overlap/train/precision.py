@@ -1,20 +1,15 @@
 """bf16 training without the sharded optimizer: fp32 master weights for a plain torch optimizer.
 
-With ``--dtype bf16`` the parameters and activations are bf16 and the ``GradReducer`` (built
-with ``grad_dtype=torch.float32``) accumulates and reduces every gradient in an fp32 buffer
-exposed as ``p.main_grad``, leaving ``p.grad`` None. The sharded optimizer keeps fp32 masters of
-its shard; without it, ``MasterOptimizer`` does the same for the whole (DP-replicated) model,
-as Megatron's ``Float16OptimizerWithFloat16Params`` does:
+``MasterOptimizer`` steps fp32 masters from the fp32 ``p.main_grad`` of a ``GradReducer`` built
+with ``grad_dtype=torch.float32``, then casts them into the bf16 parameters:
 
     step:  w_master (fp32) = inner_step(w_master, main_grad (fp32))   (no cast of the grad)
            w (bf16)        = cast(w_master)
 
-so the update is computed and accumulated in fp32 and only the parameter copy the forward
-reads is rounded. Parameters that already are fp32 are stepped in place (their master is
-themselves). The optimizer state (AdamW's moments) is fp32, keyed by the masters:
-``param_groups`` and ``state`` are the inner optimizer's, so an LR schedule and a checkpoint
-use them as they would a torch optimizer's; ``master_of(p)`` maps a model parameter to its
-master.
+fp32 parameters are their own masters. ``param_groups`` and ``state`` (fp32, keyed by the
+masters) are the inner optimizer's; ``master_of(p)`` maps a parameter to its master.
+
+The narrative: docs/design/training.md.
 """
 
 from __future__ import annotations

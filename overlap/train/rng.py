@@ -1,23 +1,15 @@
 """Dropout randomness under tensor parallelism: one generator per kind of region.
 
-A TP rank runs two kinds of regions (Megatron's ``CudaRNGStatesTracker``, here on the CPU
-generator, which is what dropout draws from on the CPU twin):
+Replicated regions (the same tensor on every TP rank) draw the *same* mask on every TP rank from
+torch's default generator; TP-sharded regions (a different slice per TP rank) run inside
+``tracker.fork()`` and draw an *independent* mask per rank from a second generator seeded with
+``+ 2718 + tp_rank``.
 
-- *replicated* regions, whose activations are the same tensor on every TP rank (the residual
-  stream without sequence parallelism): their dropout must draw the *same* mask on every TP
-  rank, else the replicas diverge. They use torch's default generator, seeded identically on
-  the ranks of a TP group (and differently per pipeline and data-parallel rank).
-- *TP-sharded* regions, whose activations are different slices on each TP rank (the attention
-  core: heads are sharded; with sequence parallelism also the residual-stream dropouts, which
-  see sequence shards): each rank must draw an *independent* mask, else the mask repeats
-  across shards. They run inside ``tracker.fork()``, which swaps in a second generator state
-  seeded with ``+ 2718 + tp_rank``.
+Contract: ``state()`` / ``load_state()`` carry both generators through a checkpoint (a resumed
+run draws the masks of the uninterrupted one); ``recompute_context()`` gives the context
+managers for ``torch.utils.checkpoint(context_fn=...)`` that replay the forward's masks.
 
-``state()`` / ``load_state()`` carry both generators through a checkpoint, so a resumed run
-draws exactly the masks of the uninterrupted one. Activation recomputation must replay the
-masks of the forward: ``recompute_context()`` gives the pair of context managers that
-``torch.utils.checkpoint(context_fn=...)`` runs around the forward and the recomputation (torch
-itself restores the default generator; this restores the forked one).
+The narrative: docs/design/training.md.
 """
 
 from __future__ import annotations

@@ -5,41 +5,14 @@ on the wire, each taking an explicit ``group``.
     reduce_scatter(t, *, group, ...)   t [n*m0, *rest] -> this rank's reduced [m0, *rest]
     all_gather(t, *, group, ...)       t [m0, *rest]   -> [n*m0, *rest], rank-major
 
-``comm_dtype``: "fp32" (no quantization: the plain collective in t's own dtype), "bf16" (cast
-for the wire, sum in fp32) or "int8" (symmetric per-block scales in fp32, round-to-nearest-even
-or stochastic; dequantize and sum in fp32, never in int8). Inputs fp32/bf16/fp16 (any dtype for
-"fp32"); the result has the input's dtype and is identical on every rank. A group of one rank
-returns the input exactly (nothing to send, so nothing is quantized). ``op``: "sum" or "avg" (or
-dist.ReduceOp.SUM / AVG). With ``async_op=True`` each returns a ``QuantWork`` whose ``wait()``
-returns the result; ops on one group run in call order, and a plain ``torch.distributed`` call
-on that group must wait for them (``wait()`` or ``drain(group)``; see ``work``). Do not modify
-``t`` before ``wait()``. The phases and wire sizes are in ``paths``, the kernels in ``kernels``.
-
-Agreement (``stamps``): every call carries a stamp (op, the group's call number, numel, dim,
-rows, dtype, comm_dtype, op, block_size) in the data it exchanges anyway, compared on receipt
-before the result is used, so ranks that disagree on a call (or a rank that skipped one) raise
-``Disagreement`` (a ValueError) on every rank naming the op, the call and both ranks' values,
-at no extra collective or host sync; sizes the transport refuses are named the same way.
-
-Failures (``state``): ``timeout`` (seconds, default 300) bounds every wait of an op. Any error
-in an op, on any rank, fails the group: every later call on it raises ``QuantCommFailed``
-("communicator failed earlier: <first error>"); peers waiting on the failed rank raise
-``QuantCommError`` naming it, a stall raises ``QuantTimeout``. Rebuild the group to continue.
-
-INT8 accuracy (docs/quantized.md). With M_r the absmax of
-block b of rank r's input (as fp32), S = sum_r M_r, and Q(M) = M/254 + M*2^-21 + 2^-118 the
-error of one quantization of a block with absmax M, every element i of block b satisfies
-
-    all_gather:      |out_i - x_i|          <= Q(M_r)
-    reduce_scatter:  |out_i - sum_r x_r,i|  <= sum_r Q(M_r) + n*2^-23*S
-    all_reduce:      |out_i - sum_r x_r,i|  <= sum_r Q(M_r) + n*2^-23*S
-                                                + Q(S*(1 + 2^-7) + n*2^-118)
-                                             ~= S/127   (two quantizations of ~S/254 each)
-
-divided by n for "avg" (plus 2^-23*S/n + 2^-117), plus the rounding of the result to t's dtype
-(2^-8 relative for bf16, 2^-11 for fp16). Stochastic rounding: 2Q in place of Q. Non-finite
-inputs come back as NaN for those elements only (code -128); a sum that overflows fp32 comes
-back NaN (all-reduce) or Inf (reduce-scatter). An all-zero block is exact.
+``comm_dtype``: "fp32" (the plain collective), "bf16" or "int8"; sums run in fp32; ``op``: "sum"
+or "avg". The result has t's dtype, is identical on every rank and, for INT8, errs per element
+by at most about S/127 (S = the sum of the ranks' block absmax). ``async_op=True`` returns a
+``QuantWork``: do not modify ``t`` before ``wait()``; ``wait()`` or ``drain(group)`` before a
+plain torch.distributed call on the group. Ranks that disagree on a call raise ``Disagreement``
+(a ValueError) on every rank. Any error fails the group: later calls raise ``QuantCommFailed``;
+waits raise ``QuantCommError`` naming a failed peer, or ``QuantTimeout`` after ``timeout`` (300 s).
+The narrative: docs/design/quantized.md.
 """
 
 from __future__ import annotations

@@ -1,49 +1,15 @@
-"""Blockwise INT8 quantization kernels behind one interface (``impl=``): the torch reference
-("torch"), the C++ CPU kernels ("cpp": ``overlap._C``, arithmetic in csrc/quant.cuh), the Triton
-kernels ("triton": ``overlap.kernels.triton.quant``) and the CUDA kernels ("cuda": csrc/quant.cu,
-the same quant.cuh arithmetic, compiled at first use by ``overlap.kernels.cuda``). "auto" is
-"cpp" on CPU tensors and "triton" on GPU tensors, or "cuda" where Triton is not installed. All
-write the same bytes; tests/test_quant_kernels.py checks the first three, which run here (the
-CUDA kernels are compile-checked only: .ci/nvcc_check.sh). The collectives of
-``overlap.comm.quant`` (``paths``) call only this module.
+"""Blockwise INT8 quantization kernels behind one interface (``impl=``): "torch" (the reference),
+"cpp" (``overlap._C``), "triton" (``overlap.kernels.triton.quant``) and "cuda" (csrc/quant.cu);
+"auto" is "cpp" on CPU tensors and "triton" on GPU tensors ("cuda" without Triton). All write
+the same bytes: the arithmetic of csrc/quant.cuh, with values below 2^-125 read and written as 0.
+One quantization of a block with absmax M errs by at most Q(M) = M/254 + M*2^-21 + 2^-118
+(stochastic rounding: 2Q); a non-finite input gets code -128, which dequantizes to NaN.
 
-Quantization of block b (``block`` consecutive elements of the flat tensor, zero-padded)::
-
-    tz(v) = 0 if |v| < 2^-125 else v            ("tiny to zero", the denormal rule below)
-    absmax_b = max_{i in b, x_i finite} |x_i|              scale_b = tz(fl(absmax_b / 127))
-    q_i = -128 if x_i is NaN/Inf;  0 if scale_b == 0;
-          clamp(rne(tz(fl(tz(x_i) / scale_b))), -127, 127) otherwise
-    deq_i = NaN if q_i == -128;  clamp(fl(q_i * tz(scale_b)), -FLT_MAX, FLT_MAX)
-    reduce: acc = tz(fl(acc + deq)) per source in order, then tz(fl(acc / divisor))
-
-with ``rne`` round-half-to-even, or ``floor(v + u_i)`` for stochastic rounding,
-where ``u_i = (mix32(uint32(index_base + i) ^ key) >> 8) * 2^-24`` (the same hash everywhere).
-
-Tiny and subnormal values. Compiled GPU code may run with flush-to-zero: cupy compiles
-csrc/quant.cu with ``-ftz=true``, and Triton's libdevice calls follow its FTZ flag. FTZ hardware
-reads a subnormal operand (|v| < 2^-126) as 0 and writes a subnormal result as 0, where the CPU
-keeps it; without ``tz`` a block with a tiny absmax would get a subnormal scale on the CPU and a
-zero scale on the GPU. ``tz`` removes the dependence, so every implementation, with or without
-FTZ, writes the same bytes (tests/test_quant_denormals.py checks them against an emulated FTZ
-device). What it means for the numbers:
-
-- a block whose absmax is below 127 * 2^-125 (~3.0e-36) is a zero block: scale 0, codes 0, it
-  dequantizes to zeros (error < 2^-118 per element);
-- in any block, an element below 2^-125 (every fp32 subnormal included) quantizes to 0;
-- scales are 0 or >= 2^-125, so dequantized values are never subnormal; a reduced sum or quotient
-  below 2^-125 becomes 0 (error < 2^-125 each).
-
-The bound for one quantization of a block with absmax M is therefore
-``Q(M) = M/254 + M*2^-21 + 2^-118`` (stochastic rounding: 2Q); the 2^-118 term covers zero
-blocks and only matters for M < ~2^-110. The cut is 2^-125 rather than FLT_MIN = 2^-126 so that a
-quotient FTZ hardware flushes before rounding, and IEEE rounds up to exactly 2^-126, is 0 on both.
-
-Buffer layout: ``q`` is an int8 view [rows, row_len] and ``s`` an fp32 view [rows, row_len /
-block], each with unit inner stride and any row stride, so a collective quantizes straight into
-its wire buffer (one [codes | scales] row per destination rank). Row r stands for the slice
-``flat[r * flat_row : (r + 1) * flat_row]`` of a flat tensor (``flat_row <= row_len``); what lies
-past ``flat_row`` or the tensor's end is zero padding. The noise index of an element is its
-index in the flat tensor (plus ``index_base``).
+Buffers: ``q`` an int8 view [rows, row_len] and ``s`` an fp32 view [rows, row_len / block], each
+with unit inner stride and any row stride (one [codes | scales] wire row per destination rank).
+Row r stands for ``flat[r * flat_row : (r + 1) * flat_row]`` (``flat_row <= row_len``), the rest
+zero padding; an element's noise index is its index in the flat tensor plus ``index_base``.
+The narrative: docs/design/quantized.md.
 """
 
 from __future__ import annotations

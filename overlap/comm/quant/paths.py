@@ -2,38 +2,15 @@
 
 Called by ``overlap.comm.quant`` after validation, inline or on a worker thread, with an
 ``OpRun`` (``work``) that issues every collective with a bounded wait and hands out the group's
-scratch. Notation: n = group size, N = elements of the input, B = block size, m = elements per
-shard, L = ceil(m / B) * B (a shard padded to whole blocks), C = L + 4 L / B (bytes of one
-quantized shard on the wire: L int8 codes then L / B fp32 scales).
+scratch. Every call carries its stamp (``stamps``) in its first exchange, compared before the
+received data is used, at no extra collective, message or host sync. Wire buffers are the
+group's scratch, reused across calls; results handed back to the caller are fresh tensors.
 
-Every call carries its stamp (``stamps``: op, call number, numel/dim/rows, dtype, comm_dtype,
-op, block_size, the caller's tag; STAMP_BYTES = 88 bytes) in its first exchange, compared before the received
-data is used; S = ceil(C / 8) * 8 + 88 is a stamped row (payload padded to 8 bytes, then the
-stamp).
-
-INT8 all-reduce (two-shot; reduction in fp32, never in int8), m = ceil(N / n):
-    1. quantize x into n rows, row j = x[j*m : (j+1)*m]          send [n, S] bytes, stamped
-    2. all_to_all: row j goes to rank j                          recv [n, S]: my shard, from all;
-                                                                 compare the n stamps
-    3. y = sum_r deq(recv[r]) in fp32 in rank order (/ n for avg); requantize y -> [C]
-    4. all_gather the requantized shards                        [n, C]
-    5. dequantize into x (cast to x's dtype)
-INT8 reduce-scatter: steps 1-3 with m = N / n, and y (cast) is the result.
-INT8 all-gather: quantize the local tensor (one stamped row, m = N), all_gather, compare,
-dequantize.
-BF16 (comm_dtype="bf16"): the same shapes with a bf16 cast (RNE) instead of quantize (rows of
-2m bytes, stamped the same way); sums in fp32 in rank order. "fp32": the plain
-torch.distributed collective in the input's own dtype; the all-gather sends stamped byte rows,
-the all-reduce and reduce-scatter reduce (SUM; "avg" divides afterwards) a copy of the input
-with a tail of n * 11 * 64/bits stamp chunks (see the comment above ``plain_all_reduce``).
-Cost of the stamp: 88 bytes (+ up to 7 of padding) per row of the first exchange; for "fp32"
-SUMs n * 44 elements in fp32 (n * 88 in bf16), per shard for reduce-scatter, plus a copy of the
-input into the scratch and back. No extra collective, message or host sync.
-
-Wire buffers are the group's scratch (``state.GroupState.buffer``), reused across calls. That
-is safe because the ops of this package on one group never overlap (``work`` keeps them in
-order) and a failed group drops its scratch; results handed back to the caller are always fresh
-tensors.
+Notation: n = group size, N = elements of the input, B = block size, m = elements per shard,
+L = ceil(m / B) * B (a shard padded to whole blocks), C = L + 4 L / B (bytes of one quantized
+shard on the wire: L int8 codes then L / B fp32 scales), S = ceil(C / 8) * 8 + 88 (a stamped
+row: the payload padded to 8 bytes, then the STAMP_BYTES = 88 bytes of the stamp).
+The narrative: docs/design/quantized.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Per-call agreement of the quantized collectives (overlap.dist.stamp applied to a group).
 
-Every call on a group of more than one rank counts itself (a per-group call counter) and
-carries a stamp: the op, the call number and what every rank must pass alike (numel, dim,
-rows, dtype, comm_dtype, op, block_size, and the caller's ``tag``: GradReducer passes a
-signature of the bucket's parameters), ``WORDS`` int64 words. The stamp rides in the data
-the call exchanges anyway and is compared where it is received, before the result is used
-(``paths`` says where, per op and comm dtype):
-
-- byte copies (the int8 / bf16 all-to-all, every all-gather): ``STAMP_BYTES`` extra bytes at
-  the end of each row (rows padded to 8 bytes), so every rank receives every rank's stamp in
-  the first exchange of the call;
-- SUM reductions (the plain "fp32" all-reduce and reduce-scatter, in the input's dtype): a
-  tail of small integers (``overlap.dist.stamp.pack_sum_tail``), one row per rank.
-
-A mismatch raises ``Disagreement`` (op, call, both ranks' values) on every rank that received
-a differing stamp, which is every rank: each one receives every peer's stamp. Sizes that differ
-between ranks cannot be exchanged (the transport refuses them: nccl_twin raises on every rank);
-then each rank publishes its stamp in the job's store next to its failure and reads its peers'
-for a moment (``exchange_on_failure``): only on that error path, never in steady state.
+Every call on a group of more than one rank carries a stamp of ``WORDS`` int64 words: the op,
+the group's call number and what every rank must pass alike (numel, dim, rows, dtype,
+comm_dtype, op, block_size, the caller's ``tag``). It rides in the data the call exchanges
+anyway (``STAMP_BYTES`` at the end of each byte row, or a tail of small integers in a SUM
+reduction) and is compared where it is received, before the result is used. A mismatch raises
+``Disagreement`` (op, call, both ranks' values) on every rank. Sizes the transport refuses are
+named through the job's store (``exchange_on_failure``), on that error path only.
+The narrative: docs/design/quantized.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """What the quantized collectives keep per process group, and the rule that a failure stays one.
 
 A ``GroupState`` holds, for one ``ProcessGroup`` object, the wire scratch buffers, the last
-async op (so ops keep their issue order, see ``work``) and the first error seen on the group.
-It lives in a ``WeakKeyDictionary`` keyed by the group object itself, so it dies with the
-group: a group that is destroyed and created again is a new object with a fresh state. (A dict
-keyed by the group's address would hand a dead group's buffers, queue and failure to whichever
-group is next allocated at the same address.)
+async op (issue order, see ``work``) and the first error seen on the group. It is keyed weakly
+by the group object, so it dies with the group; a re-created group starts afresh.
 
-**Failure rule.** Any error inside a quantized op on a group, on any rank, local (bad input,
-a kernel error) or remote (a peer died, stalled or failed), fails that group's state: every
-later quantized call on it raises ``QuantCommFailed`` ("communicator failed earlier: <first
-error>") and never returns numbers, as a NCCL communicator does once aborted. Build a new group
-to continue. Without this, a rank that retries after a local refusal would pair its retry with
-a peer's previous call and both would return wrong numbers.
-
-**Telling the peers.** A rank whose op fails writes the error to the job's TCPStore under
-``overlap.comm.quant/<group name>/failed/<group rank>``; it also records its pid and host when
-the state is created. A rank waiting in a collective checks, every 50 ms of waiting (never on
-the fast path), whether a peer has published a failure or a same-host peer process has exited,
-and raises at once naming that peer, instead of waiting out its timeout. Failures that merely
-echo a peer's published one are not published again, so peers see the root cause.
+Failure rule: any error in a quantized op on a group, on any rank, local or remote, fails the
+group's state; every later quantized call on it raises ``QuantCommFailed`` ("communicator
+failed earlier: <first error>") and never returns numbers. Build a new group to continue.
+A failing rank publishes its error in the job's TCPStore; a rank waiting in a collective checks
+every 50 ms for a published failure or an exited same-host peer and raises naming that peer.
+The narrative: docs/design/quantized.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """How the quantized collectives run: issue order per group, async handles, bounded waits.
 
-An INT8 all-reduce is two collectives with compute in between (quantize, all-to-all, dequantize
-and reduce, requantize, all-gather, dequantize), so no single ``torch.distributed`` Work can
-stand for it. An async op therefore runs on the group's communication stream
-(``overlap.dist.streams``: a CUDA stream, or its CPU twin, a worker that runs the op later
-than the host call) and returns a ``QuantWork``.
+An async op runs on the group's communication stream (``overlap.dist.streams``) and returns a
+``QuantWork``. The ops of this package on one group run strictly in call order. Contract: while
+one is in flight on a group, issue no other collective on that group except through this
+package; call ``wait()`` on it, or ``drain(group)``, before a plain ``torch.distributed`` call
+on that group.
 
-Collectives are matched between ranks by the order in which each rank issues them, so the ops
-of this package on one group run strictly in call order: each worker starts only when the
-previous async op on that group has finished, and a synchronous call first waits for the
-pending ones. Contract: while an async op of this package is in flight on a group, issue no
-other collective on that group except through this package; call ``wait()`` on it, or
-``drain(group)``, before a plain ``torch.distributed`` call on that group.
-
-Every collective an op issues goes through ``OpRun``: on CPU tensors it is issued async and
-waited for at most ``timeout`` seconds, in 50 ms slices between which the group state checks
-for a failed or exited peer (``state``). On CUDA tensors the wait is stream-ordered
-(``work.wait()`` with no host block: a bounded wait would be a host sync per collective), and
-the bound is the NCCL watchdog's, i.e. the process group's timeout.
+``OpRun`` issues every collective of an op. On CPU tensors each wait is bounded by ``timeout``
+seconds, checked in 50 ms slices for a failed or exited peer (``state``); on CUDA tensors the
+wait is stream-ordered and bounded by the NCCL watchdog (the process group's timeout).
+The narrative: docs/design/quantized.md.
 """
 
 from __future__ import annotations

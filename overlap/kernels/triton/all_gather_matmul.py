@@ -8,33 +8,10 @@ Shapes (per rank of a TP group of ``world`` ranks; ``m`` rows per shard, M = wor
     y         [M, N]        y = all_gather(x_shard, dim 0) @ w
     gathered  [M, K]        all_gather(x_shard, dim 0), for the backward (if asked)
 
-Design: *pull*. Each rank copies its shard into its own workspace buffer and signals "ready" to
-every peer; the GEMM tile for rows of shard s waits on s's ready flag, then loads A from peer
-s's buffer through the pointer table. Pull over push because (1) on NVLink the GEMM reads peer
-memory directly, so the shard crosses the link once, inside the kernel that needs it, with no
-copy engine and no second buffer (the design of Flux and Triton-distributed); (2) a rank only
-writes its own memory, so a slow peer never has another rank's writes land in its buffer.
-Tile order starts at this rank's own shard, then rank+1, ...: the first tiles never wait, and
-at any moment each producer's buffer is read by about one consumer, which spreads the NVLink
-traffic over all links.
-
-Buffering and signals (``phase`` is the call's phase, b = phase % 2 the buffer it uses):
-
-    workspace bytes  two halves; buffer b at b * (nbytes / 2) holds this rank's shard [m, K]
-    slot s           (0 <= s < world)  on consumer r: source s published phase p into buffer b
-    slot world + c   (0 <= c < world)  on producer s: consumer c finished reading s's buffer at p
-
-    publish kernel   wait every ack[c] >= previous phase that used buffer b -> copy x_shard into
-                     buffer b -> the last program release-stores ready[rank] = phase on every rank
-    gemm kernel      tile of source s: wait ready[s] >= phase -> K loop loading A from peer s ->
-                     the last tile of s release-stores ack[rank] = phase on s -> store y
-
-So back-to-back calls need no barrier: a producer overwrites buffer b only after every
-consumer acknowledged the previous phase that used b, while the other buffer carries the next
-call. No program waits on a later program of its own kernel, only on other ranks and earlier
-kernels, so it runs under the interpreter (programs in sequence) and on a GPU (programs not
-all co-resident). The gathered x is written by the tiles of the first column block (tn == 0)
-from the A tiles they load anyway.
+Signals (b = phase % 2 picks one of the workspace's two buffers): slot s < world on consumer r:
+source s published phase p into its buffer b; slot world + c on producer s: consumer c finished
+reading s's buffer at phase p. Calls back to back need no barrier.
+The narrative: docs/design/kernels.md.
 """
 
 from __future__ import annotations

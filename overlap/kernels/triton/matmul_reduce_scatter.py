@@ -5,35 +5,13 @@ Shapes (per rank of a TP group of ``world`` ranks; M = world * m):
 
     x         [M, K]        this rank's activation (typically a column shard of the features)
     w         [K, N]        this rank's weight (typically a row shard of a Linear)
-    y_shard   [m, N]        y_shard = reduce_scatter(x @ w, dim 0): rows [rank*m, (rank+1)*m)
-                            of sum over ranks s of x_s @ w_s
+    y_shard   [m, N]        rows [rank*m, (rank+1)*m) of sum over ranks s of x_s @ w_s
 
-    y_shard[i, j] = sum_{s = 0 .. world-1} round_dtype((x_s @ w_s)[rank*m + i, j])   in fp32,
-    rounded once to the input dtype. Each partial is rounded to the dtype like the unfused
-    reference ``x @ w`` (the staging is in the input dtype, half the NVLink bytes of fp32 for
-    bf16), and the sum runs in the fixed order s = 0, 1, ..., so every run gives the same bits.
-
-Buffering and signals (b = phase % 2):
-
-    workspace bytes  two halves; buffer b at b * (nbytes / 2) = staging[world][m][N]: slot s
-                     holds source s's partial of this rank's rows
-    slot s           (0 <= s < world)  on owner r: source s wrote its partial of phase p
-    slot world + o   (0 <= o < world)  on source s: owner o finished reducing phase p
-
-    gemm kernel      tile of owner o: K loop -> wait ack[o] >= previous phase that used buffer
-                     b -> store the tile into o's staging[b][rank] -> the last tile of o
-                     release-stores ready[rank] = phase on o
-    reduce kernel    wait ready[s] >= phase for every s -> sum staging[b][0..world-1] in fp32
-                     -> store y_shard -> the last program release-stores ack[rank] = phase on
-                     every source
-
-Signalling choice: per-owner "last tile" counters in the kernel rather than a host signal after
-the kernel, so an owner's slot is announced as soon as the source's tiles for it are done
-(tile order starts at owner rank+1 and ends with this rank's own rows, so the remote writes go
-first and each owner receives from about one source at a time). A per-tile signal_add would
-also work but needs cross-process atomic adds, which the interpreter does not have.
-No program waits on a later program of its own kernel: the GEMM waits on owners' reduce
-kernels of an earlier call, the reduce on the sources' GEMM kernels (its own ran before it).
+Each partial is rounded to the input dtype, summed in fp32 in rank order and rounded once, so
+every run gives the same bits. Signals (b = phase % 2): slot s < world on owner r: source s
+wrote its partial of phase p into staging buffer b; slot world + o on source s: owner o
+finished reducing phase p. Calls back to back need no barrier.
+The narrative: docs/design/kernels.md.
 """
 
 from __future__ import annotations

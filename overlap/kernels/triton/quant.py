@@ -1,24 +1,14 @@
 """Blockwise INT8 quantize, dequantize and fused dequantize-reduce(-requantize) in Triton.
 
-The arithmetic is the one csrc/quant.cuh pins down, step for step, so these kernels write the
-same bytes as the C++ and CUDA kernels and the torch reference (overlap/comm/quant/kernels.py):
-
-    tz(v) = 0 if |v| < 2^-125 else v   (so FTZ and IEEE hardware agree; see quant.cuh)
-    absmax_b = max |x_i| over finite x_i of block b       scale_b = tz(absmax_b / 127)  (div_rn)
-    q_i = -128 (non-finite) | 0 (scale 0) | clamp(rne(tz(tz(x_i) / scale_b)), -127, 127)
-    deq_i = NaN (q_i = -128) | clamp(q_i * tz(scale_b), -FLT_MAX, FLT_MAX)
-    reduce: acc = tz(acc + deq_r) per source, tz(acc / divisor)
-
-rne(v) is (v + 1.5 * 2^23) - 1.5 * 2^23 (libdevice.rint has no interpreter twin). Kernels are
-launched with ``enable_fp_fusion=False`` so ``acc + q * scale`` is never contracted into an FMA.
-Outputs are fp32; callers cast to bf16/fp16 with torch (the interpreter's fp32->bf16 cast does
-not round to nearest-even).
+The arithmetic is csrc/quant.cuh's, step for step, so these kernels write the same bytes as the
+C++ and CUDA kernels and the torch reference (overlap/comm/quant/kernels.py). Outputs are fp32;
+callers cast to bf16/fp16 with torch.
 
 Layout: ``rows`` rows of ``row_len`` codes, row r at ``q + r * q_stride`` with its scales at
-``s + r * s_stride`` (so a collective can quantize straight into a [codes | scales] wire row).
-Row r stands for ``flat[r * flat_row : (r + 1) * flat_row]`` of a flat tensor of ``numel``
-elements, zero-padded to ``row_len``. Each program handles GROUP quantization blocks as a
-[GROUP, BLOCK] tile.
+``s + r * s_stride``. Row r stands for ``flat[r * flat_row : (r + 1) * flat_row]`` of a flat
+tensor of ``numel`` elements, zero-padded to ``row_len``. Each program handles GROUP
+quantization blocks as a [GROUP, BLOCK] tile.
+The narrative: docs/design/kernels.md.
 """
 
 from __future__ import annotations

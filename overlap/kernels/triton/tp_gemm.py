@@ -7,13 +7,10 @@
 
 Both run over a SymmetricWorkspace of the TP group sized by ``*_workspace_bytes`` and
 ``*_num_signals``; each op kind needs its own workspace. ``phase`` grows by one per call on a
-workspace (the same on every rank); calls back to back need no barrier (double buffers by
-phase parity, consumers acknowledge). A wait that times out raises TimeoutError after the
-call, or, with ``sync=False``, at the next call on the workspace or in ``check_pending(ws)``.
-
-Design, shapes and signal layout: all_gather_matmul.py and matmul_reduce_scatter.py; the
-shared wait/signal machinery: tp_sync.py. The same kernels run on CUDA tensors over a cuda
-workspace and, here, under TRITON_INTERPRET=1 over shared memory across processes.
+workspace (the same on every rank); calls back to back need no barrier. A wait that times out
+raises TimeoutError after the call, or, with ``sync=False``, at the next call on the workspace
+or in ``check_pending(ws)``. Runs on CUDA tensors and under TRITON_INTERPRET=1.
+The narrative: docs/design/kernels.md.
 """
 
 from overlap.kernels.triton.all_gather_matmul import (all_gather_matmul,

@@ -2,35 +2,13 @@
 bounded signal waits, the status word, "last program" arrival, bf16 rounding, per-workspace
 phase bookkeeping, blocks.
 
-Signals are int64 phase counters in a SymmetricWorkspace (see overlap/symm/workspace.py). Every
-flag used here has exactly ONE writer, which stores the phase with a release store at system
-scope; readers spin with acquire loads until the flag is >= the phase they need. A single writer
-per flag means no cross-process read-modify-write is ever needed (the Triton interpreter's
-atomics are not atomic across processes; its plain loads and stores are, for aligned words).
-Under the interpreter, atomic_load/atomic_store are plain numpy loads and stores, so the CPU twin
-relies on x86 total store order for "payload, then flag" (stores are not reordered with stores,
-loads not with loads); an ARM host would need fences the interpreter does not emit.
-
-Memory ordering on the GPU follows the CUTLASS semaphore pattern:
-
-    producer program:  stores -> debug_barrier (bar.sync) -> release atomic at sys scope
-    consumer program:  acquire spin at sys scope -> debug_barrier -> loads
-
-"Last program" arrival: the programs of one kernel cannot wait for each other (they are not
-all co-resident on a GPU and run one after the other under the interpreter), so a signal that
-covers the work of many programs is sent by whichever program finishes last: each program bumps
-a per-call counter (acq_rel, sys scope; the counter is a fresh zeroed tensor per call, local to
-this process) and the one that sees ``total - 1`` release-stores the flag. Its release covers
-the other programs' stores, which happen-before its counter update.
-
-Bounded waits: a wait gives up after ``timeout`` seconds. On a GPU the bound is real time, read
-from the %globaltimer register. The interpreter has no clock, so the bound is a spin count,
-``timeout * INTERP_SPINS_PER_S``; one spin of the interpreted loop costs about 250 us on the
-2-core x86 CI machine, so the real wait is roughly 0.5-2x the timeout depending on CPU speed
-and load (it only decides how soon a dead peer is reported, never correctness).
-A failed wait records (slot + 1, last seen, wanted) in the op's status word; later waits of the
-same op see the word and give up at once (so a dead peer costs one timeout, not one per tile),
-and the host turns the word into a TimeoutError after the kernels.
+Signals are int64 phase counters in a SymmetricWorkspace, each with exactly one writer (a
+release store at system scope); readers spin with acquire loads until the flag is >= the phase
+they need. A wait gives up after ``timeout`` seconds (GPU: %globaltimer; interpreter: a spin
+count, ``timeout * INTERP_SPINS_PER_S``) and records (slot + 1, last seen, wanted) in the op's
+status word; later waits of the op give up at once, and the host raises TimeoutError after the
+kernels.
+The narrative: docs/design/kernels.md.
 """
 
 from __future__ import annotations
