@@ -1,40 +1,17 @@
 """Tensor-parallel plans for overlap's own GPT and for Hugging Face ``transformers`` models.
 
-Written against transformers 5.x module names (checked against 4.46+ too where they agree):
+Plans: overlap ``GPT`` (also with sequence parallelism), GPT-2, Llama, Qwen2, Mistral, Qwen3,
+Gemma, Gemma2, Phi-3, GPT-NeoX and OPT, written against transformers 5.x module names (checked
+against 4.46+ too where they agree). Which style each module gets and which config attributes
+are divided: docs/design/nn.md.
 
-- overlap ``GPT``: q/k/v column, o row, fc1 column, fc2 row, vocab-parallel ``tok_emb`` and
-  ``lm_head``; ``attn.num_heads`` becomes the local count, and the attention becomes a
-  ``ParallelCausalSelfAttention`` (same parameters) that runs q/k/v as one column GEMM, so
-  the input is gathered (or its gradient reduced) once. Supports sequence parallelism: the
-  token embedding reduce-scatters along the sequence, the position table is cut to the local
-  shard, the norms run on sequence shards, the column layers all-gather the sequence inside
-  their GEMM (all_gather_matmul) and the row layers reduce-scatter it (matmul_reduce_scatter).
-- GPT-2 (``GPT2LMHeadModel`` / ``GPT2Model``): its linears are ``Conv1D`` (weight [in, out]);
-  the fused ``c_attn`` output is [q; k; v] and is sharded as three parts ("qkv" style), so the
-  local output still splits into local q, k, v at ``split_size`` = d/tp; ``num_heads`` and
-  ``split_size`` are divided. ``lm_head`` stays tied to ``wte``.
-- Llama, Qwen2, Mistral (``*ForCausalLM`` / ``*Model``): q/k/v column, o row, gate/up column,
-  down row. Their attention infers the local head count from the projection width
-  (``view(..., -1, head_dim)``) and ``num_key_value_groups`` (q heads per kv head) is unchanged
-  by sharding, so no attribute is divided, but both ``num_attention_heads`` and
-  ``num_key_value_heads`` must be divisible by tp (each rank keeps whole kv groups).
-- Qwen3: the Llama plan plus its per-head ``q_norm``/``k_norm`` (replicated RMSNorms that run
-  on this rank's heads) as ``sum_grads``: their gradients are summed over TP.
-
-- Gemma, Gemma2: the Llama plan; their ``embed_tokens`` (a scaled ``nn.Embedding`` subclass
-  with its own forward) is wrapped so the sqrt(d) scale is kept (overlap.nn.wrap).
-- Phi-3: fused ``qkv_proj`` ``[q: H*d | k: KV*d | v: KV*d]`` as unequal parts in heads, fused
-  ``gate_up_proj`` as two halves; ``num_key_value_heads`` and (on a per-attention copy of the
-  config) ``config.num_attention_heads`` are divided.
-- GPT-NeoX: per-head interleaved ``query_key_value`` (``layout="per_head"``), dense row,
-  MLP column/row, ``embed_out`` head.
-- OPT: q/k/v column, out_proj row, fc1/fc2, ``num_heads`` divided, ``lm_head`` tied.
-
-The Hugging Face models keep their residual stream replicated between TP regions (their
-decoder layers add full-sequence residuals), so their plans refuse ``sequence_parallel=True``
-with NotImplementedError. Their ``lm_head`` uses the "head" style (full logits, so the model's
-own loss works); pass a plan with "vocab_head" and use ``vocab_parallel_cross_entropy`` to keep
+Contract: Llama-style attention needs both ``num_attention_heads`` and ``num_key_value_heads``
+divisible by tp (each rank keeps whole kv groups). The Hugging Face models keep their residual
+stream replicated between TP regions, so their plans refuse ``sequence_parallel=True`` with
+NotImplementedError. Their ``lm_head`` uses the "head" style (full logits, so the model's own
+loss works); pass a plan with "vocab_head" and use ``vocab_parallel_cross_entropy`` to keep
 logits sharded.
+The narrative: docs/design/nn.md.
 """
 
 from __future__ import annotations

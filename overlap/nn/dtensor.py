@@ -1,26 +1,14 @@
 """DTensor views of a parallelized model's state, for torch.distributed.checkpoint (DCP).
 
-``dtensor_state_dict(model, mesh)`` returns the model's state dict with every TP parameter as a
-DTensor on the 1-D TP ``mesh`` whose *global* shape and layout are the unsharded model's, so
-DCP saves a checkpoint that any TP degree (or an unsharded model) can load:
-
-- a layer whose local shard is one contiguous, even piece of the full tensor (a plain column
-  or row layer) is wrapped without a copy: ``DTensor.from_local(shard, [Shard(dim)])``;
-- a fused layer (``parts=3``, ``parts=(q, k, v)``: the local shard is ``[q_r; k_r; v_r]``, not
-  a piece of the full tensor) or an uneven one (a vocabulary that tp does not divide) is
-  gathered to the full tensor in its original layout and re-cut by DTensor
-  (``distribute_tensor``), a copy made at save/load time only.
-
+Contract: ``dtensor_state_dict(model, mesh)`` returns the model's state dict with every TP
+parameter as a DTensor on the 1-D TP ``mesh`` whose *global* shape and layout are the unsharded
+model's, so DCP saves a checkpoint that any TP degree (or an unsharded model) can load. A shard
+that is one contiguous, even piece of the full tensor is wrapped without a copy; a fused
+(``parts``) or uneven shard is gathered and re-cut, a copy made at save/load time only.
 Everything else (replicated norms, biases of row layers, buffers) stays a plain tensor, which
-DCP treats as replicated. ``load_dtensor_state_dict(model, sd)`` writes such a state dict (for
-example one that ``dcp.load`` filled in place) back into the model's shards.
-
-    sd = dtensor_state_dict(model, mesh)
-    dcp.save(sd, checkpoint_id=path)           # at tp=2
-    ...
-    sd = dtensor_state_dict(model4, mesh4)     # a tp=4 model, or model.state_dict() at tp=1
-    dcp.load(sd, checkpoint_id=path)
-    load_dtensor_state_dict(model4, sd)
+DCP treats as replicated. ``load_dtensor_state_dict(model, sd)`` writes such a state dict back
+into the model's shards.
+The narrative (and an example): docs/design/nn.md.
 """
 
 from __future__ import annotations

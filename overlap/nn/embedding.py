@@ -4,21 +4,13 @@ Shape legend: ``tp`` size of the TP group, ``V`` vocabulary, ``V_r`` this rank's
 (rows ``[start_r, start_r + V_r)``; the first ``V % tp`` ranks hold one extra row, so any V
 works), ``d`` embedding dim, ``b`` batch, ``t`` sequence, ``n`` tokens (any leading dims).
 
-VocabParallelEmbedding, weight_shard_v [V_r, d], ids (b, t) replicated:
-  forward  e_partial = where(start_r <= ids < start_r + V_r, weight_shard_v[ids - start_r], 0)
-           e = all_reduce(e_partial)                      (b, t, d)      sequence_parallel=False
-           e_shard_s = reduce_scatter_s(e_partial)        (b, t/tp, d)   sequence_parallel=True
-                       (ids (t, b) with sequence_dim=0 give (t/tp, b, d))
-  wgrad    dweight_shard_v[i] = sum of de over the tokens whose id is start_r + i
-
-vocab_parallel_cross_entropy, logits_shard_v (..., V_r) (e.g. from a ColumnParallelLinear head
-without gather_output), targets (...) replicated:
-  m    = all_reduce_max(max_v logits_shard_v)
-  s    = all_reduce_sum(sum_v exp(logits_shard_v - m))
-  z_y  = all_reduce_sum(logits_shard_v[y - start_r] if y is local else 0)
-  loss = log(s) + m - z_y            (0 where y == ignore_index; mean over the others)
-  dlogits_shard_v = (softmax_shard_v - onehot_shard_v(y)) * dloss
-Only (n,)-sized vectors cross the wire; each rank keeps n x V_r numbers.
+VocabParallelEmbedding: weight_shard_v [V_r, d], ids (b, t) replicated -> e (b, t, d), or with
+sequence_parallel=True e_shard_s (b, t/tp, d) (ids (t, b) with sequence_dim=0: (t/tp, b, d)).
+vocab_parallel_cross_entropy: logits_shard_v (..., V_r) (e.g. from a ColumnParallelLinear head
+without gather_output), targets (...) replicated -> the loss, 0 where y == ignore_index and
+averaged over the others. Only (n,)-sized vectors cross the wire; each rank keeps n x V_r
+numbers.
+The narrative (forward and backward equations): docs/design/nn.md.
 """
 
 from __future__ import annotations

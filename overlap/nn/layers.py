@@ -3,24 +3,16 @@
 Shape legend: ``tp`` size of the TP group, ``K`` in_features, ``N`` out_features, ``b`` batch,
 ``t`` sequence, ``...`` any leading dims. Weights keep the ``nn.Linear`` layout [out, in]; the
 fused ops take ``w`` as [K, N], so the layers pass ``weight.t()``. Suffixes name the sharding:
-``_shard_n`` split over the output features, ``_shard_k`` over the input features, ``_shard_s``
-over the sequence: dim ``seq_dim`` of a 3-D input (1: batch-first (b, t, K), the default,
-as in Hugging Face and overlap's GPT; 0: sequence-first (t, b, K), Megatron's layout), dim 0 of
-a 2-D (M, K) input.
+``_shard_n`` over the output features, ``_shard_k`` over the input features, ``_shard_s`` over
+the sequence: dim ``seq_dim`` of a 3-D input (1: batch-first (b, t, K), the default; 0:
+sequence-first (t, b, K)), dim 0 of a 2-D (M, K) input.
 
-A column layer followed by a row layer is one TP region (attention: q/k/v column, o row; MLP:
-fc1 column, fc2 row). Between regions the activations are replicated (sequence_parallel=False)
-or sharded along the sequence (sequence_parallel=True, so norms and dropout run on 1/tp of the
-tokens). Every layer takes its communicator explicitly as ``comm=``, a TPComm (group, backend,
-chunks, timeout, check_inputs; ``dims.tp_comm()`` builds one); there is no default group.
-Per-layer settings stay on the layer: ``sequence_parallel``, ``seq_dim``, ``parts``,
-``gather_output`` (column), ``input_is_parallel`` (row).
-
-Both layers are built either fresh (``ColumnParallelLinear(K, N, ...)``: a full ``nn.Linear``
-is created with the current RNG, exactly as the unsharded layer would be, then sliced, so the
-same seed on every rank gives the shards of the same full weight) or from an existing module
-(``from_linear``: ``nn.Linear`` or Hugging Face ``Conv1D``). ``full_state_dict()`` gathers the
-unsharded parameters back (collective) in the source module's layout.
+Contract: every layer takes its TPComm explicitly as ``comm=`` (there is no default group);
+per-layer settings stay on the layer (``sequence_parallel``, ``seq_dim``, ``parts``,
+``gather_output`` (column), ``input_is_parallel`` (row)). Built fresh, a layer holds the shards
+of the full ``nn.Linear`` the same seed builds; ``from_linear`` takes ``nn.Linear`` or HF
+``Conv1D``; ``full_state_dict()`` (collective) gathers the unsharded parameters in its layout.
+The narrative: docs/design/nn.md.
 """
 
 from __future__ import annotations

@@ -2,21 +2,8 @@
 
 A plan (``TPPlan``) maps module-name glob patterns (``fnmatch``, ``*`` also matches dots) to a
 style; the first pattern that matches a module wins. Styles (strings or ``Style`` objects):
-
-=================  =========================================================================
-``column``         ColumnParallelLinear, output sharded over features (tp must divide N)
-``qkv``            column over a fused [q; k; v] output: each third sharded separately
-``gate_up``        column over a fused [gate; up] output: each half sharded separately
-``row``            RowParallelLinear, input sharded over features (tp must divide K)
-``embedding``      VocabParallelEmbedding (any vocabulary size)
-``vocab_head``     column over the vocabulary, logits stay sharded (for
-                   vocab_parallel_cross_entropy); any vocabulary size
-``head``           like vocab_head, then gathers full logits (for a loss that wants them)
-``sp_norm``        LayerNorm/RMSNorm on sequence shards (only with sequence_parallel=True)
-``sp_positions``   position table cut to the local sequence shard (only with SP)
-``sum_grads``      the module stays as it is (replicated) but runs on TP-sharded activations
-                   (Qwen3's per-head ``q_norm``): its parameters' gradients are summed over TP
-=================  =========================================================================
+``column``, ``qkv``, ``gate_up``, ``row``, ``embedding``, ``vocab_head``, ``head``, ``sp_norm``,
+``sp_positions``, ``sum_grads`` (what each does: docs/design/nn.md).
 
 Contract: every check (patterns, module types, divisibility, ties) runs before anything is
 changed and all failures come in one ValueError; with ``verify`` (the default, overlap.nn.probes)
@@ -24,6 +11,7 @@ the parallel model is compared with the unsharded one on a probe, and a mismatch
 unsharded model and raises naming the module, style, error and likely cause. Replicated modules
 found running on TP-sharded activations sum their gradients over TP. Fused layouts, subclass
 wrapping, ``divide``, ties and the gather helpers: docs/parallelize.md.
+The narrative: docs/design/nn.md.
 """
 
 from __future__ import annotations

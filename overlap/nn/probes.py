@@ -1,26 +1,15 @@
 """parallelize's self-verification: the parallel model proves, on a probe, that it computes
 what the unsharded one did, before it is handed back.
 
-Three checks, all on by default (``parallelize(verify=True)``), all collective over the TP
-group, none in a forward pass:
-
-1. **Same model on every rank** (``check_same_weights``): one content hash (four int64
-   words) per parameter and buffer, all-gathered once. A mismatch names the first differing
-   tensor and the ranks that disagree.
-2. **Each replaced layer** (``LeafProbe``): before replacement, the unsharded module's output
-   and input gradient on a small deterministic input, (2, 2*tp, K) features or (2, 2*tp) ids,
-   the same on every rank; after, the TP layer's, compared on this rank's shard.
-3. **Each region** (``UnitProbe``): the modules that contain replaced layers (attention,
-   MLP, the decoder stack; with ``verify="model"`` the whole model) are recorded during one
-   probe forward of the unsharded model (token ids built from the vocabulary size, or the
-   caller's ``probe=``): their inputs, output and input gradient. After replacement each is
-   re-run on its recorded inputs, so a wrong layout, an undivided head count or a lost forward
-   shows up in the module where it happens, not as noise at the logits.
-
-Errors are max |parallel - reference| / max |reference| per tensor; every rank's worst is
-all-reduced (MAX), so all ranks decide alike. The tolerance defaults to 1e-4 for fp32/fp64
-and 3e-2 for 16-bit models (bf16 regions measured up to about 1e-2). The probe runs in eval
-mode (no dropout) and draws from its own generators, never the global RNG.
+Contract: three checks, all on by default (``parallelize(verify=True)``), all collective over
+the TP group, none in a forward pass: the same model on every rank (``check_same_weights``),
+each replaced layer against the unsharded module (``LeafProbe``) and each region that contains
+replaced layers (``UnitProbe``; the whole model with ``verify="model"``). Errors are
+max |parallel - reference| / max |reference| per tensor; every rank's worst is all-reduced
+(MAX), so all ranks decide alike. The tolerance defaults to 1e-4 for fp32/fp64 and 3e-2 for
+16-bit models. The probe runs in eval mode and draws from its own generators, never the global
+RNG.
+The narrative: docs/design/nn.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,18 @@
 """Autograd-aware collectives at the edges of tensor- and sequence-parallel regions.
 
-Each function is a pair of collectives that are each other's adjoint (forward / backward), the
-conjugate operators of the Megatron-LM paper. ``tp`` below is the size of ``group``.
+Forward/backward pairs of collectives that are each other's adjoint (``tp`` = size of the group):
+    function                    forward                     backward
+    copy_to_tp                  identity                    all_reduce(dy)
+    reduce_from_tp              all_reduce(x)               identity
+    scatter_to_tp(dim)          x.chunk(tp, dim)[rank]      all_gather(dy, dim)
+    gather_from_tp(dim)         all_gather(x, dim)          dy.chunk(tp, dim)[rank]
+    reduce_scatter_to_sp(dim)   reduce_scatter(x, dim)      all_gather(dy, dim)
+    gather_from_sp(dim)         all_gather(x, dim)          reduce_scatter(dy, dim)
 
-==========================  ==========================  ==========================
-function                    forward                     backward
-==========================  ==========================  ==========================
-copy_to_tp                  identity                    all_reduce(dy)
-reduce_from_tp              all_reduce(x)               identity
-scatter_to_tp(dim)          x.chunk(tp, dim)[rank]      all_gather(dy, dim)
-gather_from_tp(dim)         all_gather(x, dim)          dy.chunk(tp, dim)[rank]
-reduce_scatter_to_sp(dim)   reduce_scatter(x, dim)      all_gather(dy, dim)
-gather_from_sp(dim)         all_gather(x, dim)          reduce_scatter(dy, dim)
-==========================  ==========================  ==========================
-
-``gather_from_tp`` / ``scatter_to_tp`` accept ``sizes`` (one entry per rank) for uneven shards,
-e.g. a vocabulary that tp does not divide. ``copy_to_tp`` is also how a replicated parameter
-used on a sequence shard gets its full gradient (the sum of every rank's partial gradient).
-
-Each takes the layer's TPComm as ``comm=`` (or, in eager, ``group=`` and ``timeout=``). Each is
-one autograd Function whose forward and backward collectives are implemented once, reached
-directly in eager and as a custom op under ``torch.compile`` (overlap.tp.ops.call_op). Every
-collective is posted async and waited with a timeout (``timeout=`` seconds, default
-``TIMEOUT``; layers pass their TPComm's), so a dead or stalled peer turns into a RuntimeError
-naming the op and the group instead of a hang. With a group of size 1 every function is the
-identity and issues no collective.
+Contract: ``sizes`` (one per rank) gives gather_from_tp/scatter_to_tp uneven shards. Each takes
+``comm=`` (eager: ``group=``, ``timeout=``); every collective waits with a timeout (default
+``TIMEOUT``), so a stalled peer raises RuntimeError naming op and group. Size 1: the identity.
+The narrative: docs/design/nn.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
 """Modules that run on sequence shards between TP regions (sequence parallelism).
 
-With sequence parallelism the residual stream is (b, t/tp, d) on each rank: norms see only this
-rank's tokens, so the gradient of their (replicated) parameters is a partial sum that must be
-summed over the TP group. The classes here are drop-in subclasses that keep the parameter
-names (and share the parameter objects) of the module they replace, so state dicts and
-optimizers see no difference.
+Each class is a drop-in subclass that keeps the parameter names (and shares the parameter
+objects) of the module it replaces, so state dicts and optimizers see no difference.
 
 SequenceParallelLayerNorm / SequenceParallelRMSNorm, weight and bias replicated:
   forward  y_shard_s = norm(x_shard_s; copy_to_tp(weight), copy_to_tp(bias))
   wgrad    dweight = all_reduce(sum over local tokens of dy_shard_s * x_hat_shard_s)
-
 SequenceShardedPositions (an ``nn.Embedding`` of positions, replicated), positions (..., t):
   forward  p_shard_s = scatter_s(weight[positions])       this rank's t/tp positions
   wgrad    dweight = scatter-add of all_gather_s(dp_shard_s)   (full on every rank)
 
-The same holds inside a TP region without sequence parallelism: a replicated parameter that
-acts on activations sharded over heads or features (Qwen3's per-head ``q_norm``/``k_norm``
-between the column-parallel q/k projections and the row-parallel output) sees only this rank's
-heads, so its gradient is this rank's share. ``sum_grads_over_tp(module)`` makes any module
-(of any class) use ``copy_to_tp(p)`` for each of its own parameters during its forward, so the
-gradients become the sum over the TP group. ``parallelize`` applies it to every module it finds
-in that position (and the style ``"sum_grads"`` names one explicitly).
+``sum_grads_over_tp(module)`` makes any module use ``copy_to_tp(p)`` for each of its own
+parameters during its forward, so their gradients become the sum over the TP group.
+The narrative: docs/design/nn.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """How a tensor-parallel parameter is cut from the full one, and how to put it back together.
 
 A ``ShardSpec`` describes one parameter of a TP layer:
+- ``dim``: the tensor dim that is split over the tp ranks (None: replicated on every rank);
+- ``parts``: the full dim is blocks laid end to end, each split over the ranks separately: an
+  int is that many equal blocks (a fused ``[q; k; v]``: parts=3), a tuple gives the block sizes
+  (grouped-query attention: parts=(H*d, KV*d, KV*d)); the local shard is ``[q_r; k_r; v_r]``;
+- ``sizes``: uneven per-rank sizes along ``dim`` (only with parts=1); None means ``full // tp``;
+- ``transpose``: the *source* module stores the transpose of our [out, in] layout (HF
+  ``Conv1D``); ``gather`` transposes back, so a gathered state dict matches the unsharded model.
 
-- ``dim``: the tensor dim that is split over the tp ranks (None: replicated on every rank).
-- ``parts``: the full dim is blocks laid end to end, each split over the ranks separately:
-  an int is that many equal blocks (a fused qkv projection ``[q; k; v]``: parts=3), a tuple
-  gives the block sizes (grouped-query attention ``[q: H*d | k: KV*d | v: KV*d]``:
-  parts=(H*d, KV*d, KV*d)). The local shard is ``[q_r; k_r; v_r]``, so the layer's output
-  splits into local q, k, v the way the unsharded model splits its full output (at local sizes
-  ``size / tp``). A per-head interleaved layout (GPT-NeoX ``[h0: q k v | h1: q k v | ...]``)
-  is one block (parts=1) cut at head boundaries: each rank keeps whole heads.
-- ``sizes``: uneven per-rank sizes along ``dim`` (only with parts=1), e.g. a vocabulary that
-  tp does not divide; None means ``full // tp`` each.
-- ``transpose``: the *source* module stores the transpose of our layout (Hugging Face
-  ``Conv1D`` keeps its weight as [in, out]; ours is [out, in] like ``nn.Linear``). Sharding
-  transposes on the way in and ``gather`` transposes back, so a gathered state dict has the
-  keys and shapes of the unsharded model.
-
-``shard(full, spec, tp_rank, tp)`` is pure; ``gather(local, spec, group)`` is a collective that
-returns the full tensor on every rank.
+Contract: ``shard(full, spec, tp_rank, tp)`` is pure; ``gather(local, spec, group)`` is a
+collective that returns the full tensor on every rank.
+The narrative: docs/design/nn.md.
 """
 
 from __future__ import annotations

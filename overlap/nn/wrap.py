@@ -1,21 +1,14 @@
 """Subclass safety: a matched module whose type overrides ``forward`` keeps its own behaviour.
 
-``parallelize`` replaces an ``nn.Linear`` / ``nn.Embedding`` / HF ``Conv1D`` by a TP layer. A
-*subclass* of one of them with its own ``forward`` (Gemma's ``GemmaTextScaledWordEmbedding``
-multiplies the embedding by sqrt(d); 24 transformers families have such a scaled embedding)
-would silently lose that behaviour if it were swapped for a plain TP layer. Instead it is
-*wrapped*: the replacement is an instance of a class built here,
-
-    Parallel<Original>(Original, <TPLayer>As<Base>)        MRO: Original, TPLayer, ..., Base
-
-so ``Original.forward`` still runs, and its ``super().forward(...)`` (which meant the base
-``nn.Embedding.forward``) now reaches the TP layer's forward. The wrapped module keeps the
-original's extra attributes, buffers and submodules, and is a ``TPModule`` (state dicts
-gather as usual). A forward that does not go through ``super().forward`` (it reads
-``self.weight`` itself) cannot be rescued this way; ``parallelize``'s verification catches it
-("module has its own forward"). ``subclasses="refuse"`` refuses such modules up front instead,
-``subclasses="replace"`` swaps in the plain TP layer (the old behaviour; verification still
-runs).
+Contract: a subclass of ``nn.Linear`` / ``nn.Embedding`` / HF ``Conv1D`` with its own ``forward``
+is *wrapped*, not swapped: its replacement is an instance of a class ``Parallel<Original>``
+built here (MRO: Original, TPLayer, ..., Base), so ``Original.forward`` still runs and its
+``super().forward(...)`` reaches the TP layer's forward. The wrapped module keeps the
+original's extra attributes, buffers and submodules, and is a ``TPModule``. A forward that does
+not go through ``super().forward`` cannot be rescued this way; ``parallelize``'s verification
+catches it ("module has its own forward"). ``subclasses="refuse"`` refuses such modules up
+front instead, ``subclasses="replace"`` swaps in the plain TP layer (verification still runs).
+The narrative: docs/design/nn.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """overlap.plan: predict memory, pipeline bubble, communication and step time of a 3D layout,
 and search for the best one (``overlap-plan``).
 
-    from overlap.plan import ClusterSpec, Layout, estimate, get_model, get_profile, search
-    model = get_model("gpt3-175b")
-    cluster = ClusterSpec(device=get_profile("a100-80g"), num_gpus=512)
-    est = estimate(model, cluster, Layout(tp=8, pp=8, global_batch=1536, micro_batch=1))
-    est.step_time_s, est.mfu, est.peak_memory.total, est.bubble_fraction
-    best = search(model, cluster, 1536).ranked[0]
+Entry points: ``estimate(model, cluster, layout) -> Estimate`` and ``search(model, cluster,
+global_batch).ranked``, with ``get_model``, ``get_profile``, ``ClusterSpec`` and ``Layout``.
 
 Modules: ``models`` (shapes, parameters, FLOPs), ``hardware`` + ``profiles`` (device data and
 sources), ``layout``, ``memory``, ``compute``, ``comm``, ``bubble`` (the project's pipeline
@@ -14,6 +10,7 @@ schedules replayed with per-stage costs), ``stages``, ``estimate``, ``search``, 
 ``report`` (text), ``config`` + ``cli`` (``overlap-plan``), ``fit`` (calibration to Narayanan
 et al. 2021), ``calibrate`` + ``calibrate_bench`` (this machine), ``selfpredict`` (the CPU
 self-prediction of ``python -m overlap.train``).
+The narrative (and an example): docs/design/planner.md.
 """
 
 from overlap.plan.estimate import Estimate, estimate

@@ -1,22 +1,16 @@
 """Pipeline timing from the project's own schedules, fed with per-stage costs.
 
-The schedules are ``overlap.pp``'s builders (the same per-rank action lists the executor runs).
-Timing follows ``overlap.pp.check.simulate``'s rules exactly: an action starts when its rank is
-free and its input exists (the previous stage's F for an F, the next stage's B or I for a B or
-I, its own I for a W), and transfers take no time (their cost is folded into the action costs by
-the caller). ``overlap.pp.check.simulate`` takes one cost per action kind; the planner needs one
-per stage (the first stage also embeds, the last also projects to the vocabulary and takes the
-loss), so :func:`simulate_stages` replays the same rules with a per-stage cost table, and
-tests pin it to ``overlap.pp.check.simulate`` whenever the stages cost the same.
-
-Large micro-batch counts. After a transient, every schedule here repeats with period p
-micro-batches, so every time it reports is affine in m. For m > ``6p`` the replay runs m = p,
-2p, 3p, ... until two consecutive differences agree and extrapolates from there (tests check
-this against the full replay, with uneven stage costs and m not a multiple of p).
+Contract: the schedules are ``overlap.pp``'s builders (the same per-rank action lists the
+executor runs), and :func:`simulate_stages` follows ``overlap.pp.check.simulate``'s timing rules
+exactly, with a per-stage cost table instead of one cost per action kind (tests pin the two
+together whenever the stages cost the same). Transfers take no time (the caller folds their
+cost into the action costs). For m > ``6p`` micro-batches the replay extrapolates from the
+schedules' period p (tests check it against the full replay).
 
 Closed forms (F, B per micro-batch per stage, uniform stages), as a fraction of the step:
 GPipe and 1F1B ``(p-1)/(m+p-1)``, interleaved ``(p-1)/(v*m+p-1)``, ZB-H1 with F = I = W
 ``(p-1)/(3m+p-1)``.
+The narrative: docs/design/planner.md.
 """
 
 from __future__ import annotations

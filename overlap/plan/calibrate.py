@@ -1,32 +1,14 @@
 """``overlap-plan --calibrate``: measure this machine and write a device profile (JSON).
 
 On a machine without GPUs a "device" is one rank: a single-threaded process, as
-``overlap.dist.launch`` starts them. What is measured (rank-side benchmarks in
-:mod:`overlap.plan.calibrate_bench`), and where it goes in the profile:
-
-- GEMM throughput by shape: fp32 ``a @ b`` for M, N, K in {16, 64, 256, 1024}, CPU time per
-  call with ``ranks`` ranks sweeping at once (shared caches); the curve
-  ``t = overhead + 2MNK / (peak * e_max * g(M) g(N) g(K))`` is fitted to them (``gemm``);
-  ``peak_flops`` is the fastest shape measured. ``hbm_bandwidth``: the bytes the planner counts
-  for a layer's element-wise ops (norms, residual adds, GeLU; forward and backward) over the
-  time they take, measured the same way (on a CPU these ops are bound by arithmetic and
-  dispatch more than by memory, so a plain copy would be far too fast).
-- Collectives of the local backend (``launch(..., backend="nccl_twin")``): all-reduce,
-  all-gather, reduce-scatter and a send/receive pair, 1 KiB to 4 MiB, on 2 ranks alone. One
-  least-squares fit of ``base + steps * latency + factor * bytes / bandwidth`` over all of them
-  gives ``base_latency_s`` and the ``intra`` link. The fused tensor-parallel ops the runtime
-  uses here (``all_gather_matmul``, ``matmul_reduce_scatter``, backend "auto"), forward and
-  backward minus the same GEMMs, give ``tp_link`` and ``tp_base_latency_s``.
-- Host costs, with ``ranks`` ranks busy at once, as in the jobs to predict (contention makes
-  every op cost more CPU than it does alone): the runtime's own stack at negligible size (GPT
-  stages of 1 and 3 layers in its 1F1B executor, 2 and 6 micro-batches, with its data-parallel
-  hooks; plain and tensor-parallel with tp 2, sequence parallelism and the fused ops), split
-  into a cost per layer, per compute action and per step (``host_*layer_s``,
-  ``host_*action_s``, ``host_*step_s``); the CPU per small collective step and per P2P side
-  (``comm_cpu_s``, ``p2p_cpu_s``).
-- The cores the ranks actually get (``host_cores``): ``ranks`` busy processes against one.
-  Other jobs on a shared machine lower it; the profile records what was free when it was
-  measured.
+``overlap.dist.launch`` starts them. The rank-side benchmarks are in
+:mod:`overlap.plan.calibrate_bench`. Profile fields written: ``gemm`` and ``peak_flops`` (GEMM
+throughput by shape), ``hbm_bandwidth`` (a layer's element-wise ops), ``base_latency_s`` and
+``intra`` (collectives of the local backend), ``tp_link`` and ``tp_base_latency_s`` (the fused
+TP ops), ``host_*layer_s``, ``host_*action_s``, ``host_*step_s``, ``comm_cpu_s`` and
+``p2p_cpu_s`` (host costs with ``ranks`` ranks busy at once), ``host_cores`` (the cores the
+ranks actually get; the profile records what was free when it was measured).
+The narrative (what each benchmark measures, and the fits): docs/design/planner.md.
 """
 
 from __future__ import annotations

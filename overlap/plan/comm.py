@@ -1,19 +1,15 @@
 """Collective and point-to-point times from an alpha-beta model per link class.
 
-Placement. Ranks are laid out as ``overlap.dist.ParallelDims`` does, TP innermost:
-``rank = ((d*pp + p)*cp + c)*tp + t``, so an axis group has stride 1 (tp), tp (cp), tp*cp (pp)
-or tp*cp*pp (dp). A group of n ranks with stride ``st`` on nodes of g GPUs has
-``k = clamp(g // st, 1, n)`` members per node and spans ``ceil(n / k)`` nodes.
-
-Bandwidth. Inside a node every GPU has its NVLink bandwidth. A group that spans nodes runs its
-rings through k NICs per node (one per GPU, as on DGX nodes), so its bus bandwidth is
-``min(NVLink, k * IB)``, each times its fitted efficiency.
-
-Ring (NCCL's model, src/graph/tuning.cc): all-reduce moves ``2(n-1)/n`` of the buffer over the
-bus bandwidth in ``2(n-1)`` steps, all-gather and reduce-scatter ``(n-1)/n`` in ``n-1`` steps;
-latency = base + one hop latency per step (network steps cost the network latency). Tree
-(all-reduce across nodes only): latency ``base + 2((k-1)*a_nvlink + log2(nodes)*a_net)`` and
-algorithm bandwidth ``0.5 * 0.9 *`` bus bandwidth (NCCL's tree factors). The faster one is used.
+Placement: ranks are laid out as ``overlap.dist.ParallelDims`` does, TP innermost:
+``rank = ((d*pp + p)*cp + c)*tp + t``. A group of n ranks with stride ``st`` on nodes of g GPUs
+has ``k = clamp(g // st, 1, n)`` members per node and spans ``ceil(n / k)`` nodes.
+Bandwidth: NVLink inside a node; a group that spans nodes gets ``min(NVLink, k * IB)``.
+Ring (NCCL's model): all-reduce moves ``2(n-1)/n`` of the buffer over the bus bandwidth in
+``2(n-1)`` steps, all-gather and reduce-scatter ``(n-1)/n`` in ``n-1`` steps; latency = base +
+one hop latency per step. Tree (all-reduce across nodes only): latency
+``base + 2((k-1)*a_nvlink + log2(nodes)*a_net)`` and algorithm bandwidth ``0.5 * 0.9 *`` bus
+bandwidth. The faster one is used.
+The narrative: docs/design/planner.md.
 """
 
 from __future__ import annotations

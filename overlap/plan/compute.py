@@ -6,22 +6,11 @@ the gathered T tokens), forward:
     qkv    (T, (h + 2kv)/t, h)      scores  b*a/t x (s/cp, s, hd)     av  b*a/t x (s/cp, hd, s)
     out    (T, h, h/t)              fc1     (T, n_act*F/t, h)         fc2 (T, h, F/t)
 
-Backward: every weight GEMM (m, n, k) has a dgrad (m, k, n) and a wgrad (k, n, m); attention's
-four backward GEMMs are all input gradients. A GEMM costs ``max(FLOPs / (peak * eff(shape)),
-HBM bytes / achievable bandwidth) + overhead`` (:mod:`overlap.plan.hardware`).
-
-Element-wise work is HBM traffic: per element of the (T, h) residual stream (T*h/t with
-sequence parallelism) two norms (4 bytes each), two residual adds (6 each) and, with dropout,
-two dropouts (5 each); per element of the (T, F/t) MLP activation 4 bytes (GeLU) or 6 (SwiGLU);
-without flash attention a softmax (4) and its dropout (5) per score. Backward moves twice that.
-
-Tensor-parallel communication of one layer (T*h*2 bytes per collective in bf16): with sequence
-parallelism an all-gather before qkv and fc1 and a reduce-scatter after out and fc2, in the
-forward and again in the backward; without it an all-reduce after out and fc2 in the forward
-and after the qkv and fc1 dgrad in the backward. This runtime fuses each with its GEMM
-(all_gather_matmul, matmul_reduce_scatter, matmul_all_reduce), chunked ``tp`` ways, so a fused
-op takes ``max(c, g) + min(c, g)/tp``: its exposed part is ``max(0, c - g) + min(c, g)/tp``.
-Unfused, all of ``c`` is exposed.
+Backward: every weight GEMM (m, n, k) has a dgrad (m, k, n) and a wgrad (k, n, m). A GEMM costs
+``max(FLOPs / (peak * eff(shape)), HBM bytes / achievable bandwidth) + overhead``; element-wise
+work is HBM traffic. A fused TP op takes ``max(c, g) + min(c, g)/tp``: its exposed part is
+``max(0, c - g) + min(c, g)/tp``. Unfused, all of ``c`` is exposed.
+The narrative: docs/design/planner.md.
 """
 
 from __future__ import annotations

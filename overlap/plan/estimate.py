@@ -3,19 +3,10 @@
 Step time = pipeline makespan (the schedule replayed with per-stage costs that already contain
 the exposed TP, CP, P2P and ZeRO-3 communication) + exposed data-parallel reduction + exposed
 parameter all-gather (ZeRO >= 1) + the tied-embedding gradient all-reduce (pp > 1) + the
-optimizer step (memory bound: 32 bytes per local parameter).
-
-Data parallelism, overlapped (this runtime): a pp rank's gradients are reduced in buckets that
-launch during its last backward of the step (``GradReducer.sync_if(last_backward)``), so the
-reduction hides under that last backward and under the time the rank then waits for the others
-(``makespan - finish``); only the last bucket's collective cannot start before the backward
-ends. After the optimizer, the ZeRO parameter all-gather is waited for per module in the next
-forward, so it hides under the rank's pipeline fill (``first_start``) and its first forward.
-Not overlapped: both are exposed in full after the flush.
-
-CPU twin. When ranks outnumber cores (``cluster.cores_per_node``), the step also cannot be
-shorter than the node's CPU work (compute, the host side of every collective, the optimizer)
-divided by the cores; the estimate takes the larger of the two.
+optimizer step (memory bound: 32 bytes per local parameter). When ranks outnumber cores
+(``cluster.cores_per_node``, the CPU twin), the step is also never shorter than the node's CPU
+work divided by the cores.
+The narrative: docs/design/planner.md.
 """
 
 from __future__ import annotations

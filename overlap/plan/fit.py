@@ -3,23 +3,11 @@
 ``python -m overlap.plan.fit`` fits and prints the table; ``python -m overlap.plan.fit
 --report`` only prints the per-row error of the shipped ``FITTED`` parameters.
 
-The data (``data/narayanan2021_table1.csv``, copied from the paper): ten GPT models, 1.7B to 1T
-parameters, on 32 to 3072 A100-80GB GPUs in DGX A100 nodes, with the achieved TFLOP/s per GPU.
-Only four numbers are fitted: the GEMM efficiency curve (``e_max``, ``d_half``) and the
-achieved fraction of NVLink and InfiniBand bandwidth. Everything else is fixed beforehand:
-
-- the runs as the paper describes them: vocab 51200, seq 2048, full activation recomputation,
-  fp16 weights and gradients, no sequence parallelism (it came a year later) and no flash
-  attention, Megatron's scatter/gather for P2P, gradients all-reduced after the pipeline
-  flush, and none of the TP, DP or P2P communication overlapped (``Overlap.none()``);
-- what the table does not give, chosen once and not tuned: micro-batch 1; the interleaved
-  schedule with the smallest number of chunks v >= 2 that splits the layers evenly (1F1B when
-  none does; no pipeline for pp = 1); ZeRO 0.
-
-Objective: the sum over rows of ``log(predicted / published)^2`` of TFLOP/s per GPU, where the
-predicted value counts the paper's FLOPs (its formula equals the planner's hardware FLOPs with
-full recomputation; a test checks this) over the predicted step time. Minimised by Nelder-Mead
-in a transformed space that keeps every efficiency in (0, 1] and ``d_half`` positive.
+The data: ``data/narayanan2021_table1.csv``, copied from the paper. Only four numbers are
+fitted: the GEMM efficiency curve (``e_max``, ``d_half``) and the achieved fraction of NVLink
+and InfiniBand bandwidth; everything else is fixed beforehand. Objective: the sum over rows of
+``log(predicted / published)^2`` of TFLOP/s per GPU, minimised by Nelder-Mead.
+The narrative (what is fixed, and how): docs/design/planner.md.
 """
 
 from __future__ import annotations

@@ -4,16 +4,12 @@ A device is a peak, a GEMM-efficiency curve, a memory and two link classes (insi
 across nodes). Shipped profiles live in :mod:`overlap.plan.profiles`, each number with its source;
 ``overlap-plan --calibrate`` writes the same structure as JSON for the local machine.
 
-GEMM efficiency. A (M, N, K) GEMM runs at ``peak * e_max * g(M) g(N) g(K)`` with
-``g(d) = d / (d + d_half)``: big GEMMs reach ``e_max`` of the peak, and a GEMM with a small
-dimension (attention's head dim, a thin tensor-parallel shard) loses throughput as tiles go
-partly empty. Its time is also never below its HBM traffic over the achievable bandwidth, and
-``overhead_s`` is a fixed cost per call (host dispatch; zero on GPUs, where launches are
-asynchronous and hide behind running kernels).
-
-Links (alpha-beta). A transfer of ``n`` bytes over a link costs ``latency_s + n / (bandwidth *
-efficiency)``; collectives add NCCL's per-collective ``base_latency_s`` and one latency per
-algorithm step (see :mod:`overlap.plan.comm`).
+GEMM efficiency: a (M, N, K) GEMM runs at ``peak * e_max * g(M) g(N) g(K)`` with
+``g(d) = d / (d + d_half)``; its time is never below its HBM traffic over the achievable
+bandwidth, and ``overhead_s`` is a fixed cost per call. Links (alpha-beta): ``n`` bytes cost
+``latency_s + n / (bandwidth * efficiency)``; collectives add ``base_latency_s`` and one
+latency per algorithm step (see :mod:`overlap.plan.comm`).
+The narrative: docs/design/planner.md.
 """
 
 from __future__ import annotations

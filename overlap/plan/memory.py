@@ -1,35 +1,17 @@
 """Memory per GPU: weights, gradients, optimizer state and activations, per pipeline rank.
 
 Model state (bytes per parameter held by the GPU): bf16 weights 2, gradients 4 with fp32 main
-grads (2 without), Adam optimizer state 12 (fp32 master weights, first and second moments).
-ZeRO over the ``dp * cp`` ranks that hold the same parameters divides the optimizer state
-(stage 1), also the gradients (stage 2), also the weights (stage 3, plus two layers of gathered
-bf16 weights in flight).
+grads (2 without), Adam optimizer state 12. ZeRO over the ``dp * cp`` ranks that hold the same
+parameters divides the optimizer state (stage 1), also the gradients (stage 2), also the
+weights (stage 3, plus two layers of gathered bf16 weights in flight).
 
-Activations: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-Models", arXiv 2205.05198, Section 4), per layer and micro-batch, in bytes, with 2-byte
-activations and 1-byte dropout masks. For a GPT layer (kv = h, F = 4h, dropout)::
-
-    no recompute, no SP    s*b*h*(10 + 24/t + 5*a*s/(h*t))
-    no recompute, SP       s*b*h*(34 + 5*a*s/h) / t
-    selective              the same without the 5*a*s/h attention term
-                           (also what no recompute stores with flash attention, which never
-                           materialises the scores)
-    full                   2*s*b*h (the layer input; / t with SP)
-
-The 34 is 11 (attention) + 19 (MLP) + 4 (two norms); the planner derives each term from the
-shapes, so grouped-query attention, other MLP widths, SwiGLU and dropout-free models get their
-own count (see :func:`layer_activation_bytes`). Without SP, 10*s*b*h is replicated on every TP
-rank (norm inputs, the inputs of the column-parallel GEMMs, dropout masks).
-
-A pipeline rank holds the activations of its peak number of live (stage, micro-batch) pairs,
-taken from the schedule (:func:`overlap.plan.bubble.peak_live`): 1F1B holds p micro-batches on
-the first rank, so L layers in total; interleaving raises that to ``L*(1 + (p-1)/(p*v))``
-(Korthikanti's interleaving penalty, reproduced by the schedule count). The first stage also
-keeps the embedding dropout mask (``s*b*h/t`` per live micro-batch) and the last stage the
-output layer's ``4*s*b*h/t*(1 + V/h)`` (norm input, head input, fp32 logits), for one
-micro-batch. With full recomputation the layer being recomputed also holds its full (no
-recompute) activations during its backward.
+Activations per layer and micro-batch follow Korthikanti et al. 2022 (arXiv 2205.05198),
+each term derived from the shapes (:func:`layer_activation_bytes`). A pipeline rank holds
+those of its peak number of live (stage, micro-batch) pairs, taken from the schedule
+(:func:`overlap.plan.bubble.peak_live`); the first stage adds the embedding dropout mask, the
+last stage the output layer's activations for one micro-batch. With full recomputation the
+layer being recomputed also holds its full (no recompute) activations during its backward.
+The narrative (with the formulas): docs/design/planner.md.
 """
 
 from __future__ import annotations

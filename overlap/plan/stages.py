@@ -1,25 +1,13 @@
 """Per-stage, per-micro-batch costs: the numbers the pipeline replay is fed with.
 
 A stage is ``n`` layers (:mod:`overlap.plan.compute`) plus, on the first stage, the embedding
-(a gather, and with TP a reduce of the vocab-parallel partial sums) and, on the last, the final
-norm, the vocabulary projection (T, V/t, h) and the vocab-parallel cross-entropy (fp32 logits
-written, read and their gradient written: 12 bytes per logit, plus three per-token all-reduces).
-
-Pipeline transfers. Every stage but the first receives its input activation (``T*h*2`` bytes,
-1/t of it per TP rank: with sequence parallelism it is sharded already, without it Megatron's
-scatter/gather sends 1/t and all-gathers it over NVLink on arrival), and every stage but the last
-receives the gradient of its output. With the runtime's overlapped P2P a receive runs under the
-compute before it, so only ``max(0, transfer - that compute)`` is exposed; otherwise all of it
-is. ZeRO-3 gathers the stage's weights in the forward and again in the backward and
-reduce-scatters their gradients, per micro-batch.
-
-Replicated parameters under sequence parallelism. Norm weights and the biases of row-parallel
-layers are replicated over TP but see only 1/t of the tokens, so this runtime all-reduces their
-gradients over the TP group, one small asynchronous all-reduce per tensor and micro-batch
-(hidden under the rest of the backward; on the CPU twin each costs its host CPU time).
-
-Operation counts per micro-batch (``tp_ops`` fused TP ops, ``coll_ops`` other collectives,
-``p2p_ops`` transfer sides) feed the CPU twin's host-CPU accounting.
+and, on the last, the final norm, the vocabulary projection (T, V/t, h) and the vocab-parallel
+cross-entropy. Its costs also hold the exposed part of its pipeline transfers (``T*h*2`` bytes,
+1/t of it per TP rank), ZeRO-3's weight gathers and gradient reduce-scatters, and, with
+sequence parallelism, the TP all-reduces of the replicated parameters' gradients. Operation
+counts per micro-batch (``tp_ops``, ``coll_ops``, ``p2p_ops``) feed the CPU twin's host-CPU
+accounting.
+The narrative: docs/design/planner.md.
 """
 
 from __future__ import annotations

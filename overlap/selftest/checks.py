@@ -1,20 +1,17 @@
 """The checks. Each runs on every rank, on that rank's device, against its reference, and
 returns what it measured (``Measured``: value <= limit passes) or raises.
 
-Every rank builds every input from fixed seeds, so each can compute the unsharded reference
-locally. Every check gets its own process group (``ctx.new_group()``): a failure stays in
-that check and cannot fail the communicators of the next one.
-
+Every rank builds every input from fixed seeds and computes the unsharded reference locally;
+every check gets its own process group (``ctx.new_group()``), so a failure stays in it.
 Tolerances:
 - fused TP ops and the pipeline step: max |got - ref| / (1 + max |ref|) <= 1e-5 over the output
-  and every gradient (fp32; only the summation order differs from the reference);
-- INT8 collectives: the per-element bound of ``overlap.comm.quant`` (Q(M) = M/254 + M*2^-21 +
-  2^-118 per quantization of a block with absmax M; 2^-118 covers the flush-to-zero rule for
-  tiny values), reported as max |err| / bound <= 1;
-- BF16 collectives, with u = 2^-8 (round to nearest) and A_i = sum_r |x_r,i|: all_gather
-  u*|x_i|; reduce_scatter e = (u + n*2^-24)(1 + u)*A_i (wire cast, fp32 sum); all_reduce
-  e + u*(|sum_i| + e) (the sum is cast to bf16 again for the all-gather);
-- signal rings: exact (the payload is copied, never computed).
+  and every gradient (fp32);
+- INT8 collectives: max |err| / bound <= 1, the per-element bound of ``overlap.comm.quant``
+  (Q(M) = M/254 + M*2^-21 + 2^-118 per quantization of a block with absmax M);
+- BF16 collectives, u = 2^-8, A_i = sum_r |x_r,i|: all_gather u*|x_i|; reduce_scatter
+  e = (u + n*2^-24)(1 + u)*A_i; all_reduce e + u*(|sum_i| + e);
+- signal rings: exact.
+The narrative: docs/design/planner.md.
 """
 
 from __future__ import annotations

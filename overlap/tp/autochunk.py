@@ -1,27 +1,16 @@
 """``chunks="auto"``: a communicator picks how its ops run by measurement.
 
-Two kinds of call exist: **whole** (``chunks=1``: the whole collective, then the whole GEMM,
-as the unfused order runs them) and **pieces** (``chunks = world x s``, s = 1, 2, 4: the
-collective chunk by chunk under the GEMM). During the communicator's first calls (its race)
-each call is one kind or the other by a fixed pseudo-random sequence of the race's call
-number, and a pieces call takes its (op, shape)'s next piece count in turn; each (op, shape,
-count) is timed after one settling call. Once every (op, shape) seen has ``TRIALS`` timed
-calls of each count (or after ``MAX_RACE`` calls), one all-reduce of the medians (MAX: the
-slowest rank decides) picks the communicator's kind, by the call-weighted total over every op
-and shape, and each (op, shape)'s best piece count. Shapes first seen later run in the
-chosen kind (pieces: world pieces).
+Two kinds of call exist: **whole** (``chunks=1``: the whole collective, then the whole GEMM) and
+**pieces** (``chunks = world x s``, s = 1, 2, 4: the collective chunk by chunk under the GEMM).
+During the communicator's first calls (its race) each (op, shape, count) is timed; then one
+all-reduce of the medians picks the communicator's kind and each (op, shape)'s piece count.
 
-Why one kind per communicator, following the call number rather than the op or the shape:
-ranks that disagree on a call (its shapes, or which op it is) must still post the same kind
-of transfer, or one would wait in a collective while its peer waits in a send, and neither
-could name the other. Before such a call every rank has made the same calls and holds the
-same tables, so the kind (a function of the race's call number and those tables) is the same
-everywhere and the call's stamps name the disagreement. Piece counts may differ: pieces calls
-of any count exchange their stamps in the first hop.
-
-The race's all-reduce is its only host sync (tuning only); on a GPU calls are timed with CUDA
-events, read there. The choice changes summation order, not results beyond rounding: pass an
-int ``chunks`` for bit-reproducible runs.
+Contract: the kind of a call is a function of its call number and of tables every rank holds
+alike, so ranks that disagree on a call still post the same kind of transfer and the call's
+stamps name the disagreement. The race's all-reduce is its only host sync (tuning only). The
+choice changes summation order, not results beyond rounding: pass an int ``chunks`` for
+bit-reproducible runs.
+The narrative: docs/design/tp.md.
 """
 
 from __future__ import annotations

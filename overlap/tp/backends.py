@@ -2,22 +2,14 @@
 overlap.tp.ops; the settings and state live on overlap.tp.comm.TPComm).
 
 A backend says how big a workspace an op needs for a shape (``workspace``; None: no workspace)
-and implements the three ops on 2-D, validated inputs:
+and implements the three ops on 2-D, validated inputs: ``ChunkedBackend`` (ring / chunked
+collectives, any transport), ``SymmetricBackend`` (userbuffers on one host), ``TritonBackend``
+(Triton kernels; the "auto" choice on CUDA, never on CPU) and ``UnfusedBackend`` ("unfused":
+the no-overlap baseline).
 
-- ``ChunkedBackend``: async torch.distributed ring / chunked collectives; any transport;
-- ``SymmetricBackend``: userbuffers over a SymmetricWorkspace on one host (copy thread on CPU,
-  copy-engine side stream on GPU);
-- ``TritonBackend``: Triton kernels that wait on peer signals inside the GEMM (the "auto"
-  choice on CUDA). Never chosen by "auto" on CPU: the interpreter is a correctness twin;
-- ``UnfusedBackend`` ("unfused"): the whole collective, waited, then the whole GEMM (or the
-  reverse), as an unfused implementation runs them: the no-overlap baseline
-  (``overlap-train --compare-no-overlap``, ``bench_tp_block --compare-no-overlap``).
-
-Workspace sizes are computed only here, and the phase counter lives only on the context.
-Default ``chunks`` = world for every op: for the two ring/pull ops a rank's shard is the natural
-message (one signal and one transfer per peer); finer pieces add a per-message latency and
-smaller GEMMs. For matmul_all_reduce it splits M into world row blocks, so the reduction of all
-but the last block runs under the GEMMs.
+Contract: workspace sizes are computed only here, and the phase counter lives only on the
+context. Default ``chunks`` = world for every op.
+The narrative: docs/design/tp.md.
 """
 
 from __future__ import annotations

@@ -23,14 +23,15 @@ reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
                          or dist.reduce_scatter_tensor)
 
 
-def wait(work, *, op: str, group, timeout: float = TIMEOUT) -> None:
-    """Wait for an async collective, at most ``timeout`` s; name the op and group on failure."""
+def wait(work, *, op: str, group, timeout: float = TIMEOUT, axis: str = "tp") -> None:
+    """Wait for an async collective, at most ``timeout`` s; name the op and group on failure.
+    ``axis`` prefixes the op's name ("tp", "ep")."""
     try:
-        with comm_wait(f"tp.{op}"):
+        with comm_wait(f"{axis}.{op}"):
             work.wait(timeout=timedelta(seconds=timeout))
     except Exception as exc:  # gloo raises RuntimeError, NCCL DistBackendError
         ranks = dist.get_process_group_ranks(group)
-        raise RuntimeError(f"tp {op}: collective on group {ranks} failed or timed out after "
+        raise RuntimeError(f"{axis} {op}: collective on group {ranks} failed or timed out after "
                            f"at most {timeout:g}s (rank {dist.get_rank()}): {exc}") from exc
 
 

@@ -4,19 +4,12 @@ A :class:`TPContext` owns, for one fused op over one TP group, a SymmetricWorksp
 counter that orders its signals, and (symmetric backend) the copier (overlap.tp.copier).
 
 Concurrency contract: **one op in flight per context.** Every rank of the group must call the
-ops of a context in the same order (each call takes the next phase, and phases pair the ranks'
-signals). Back-to-back calls are safe: the workspace is double-buffered by phase parity and a
-buffer is rewritten only after every peer has acknowledged reading it two phases ago.
-
-A TPComm (overlap.tp.comm) keeps one per ``(op, backend, x shape, N, dtype, device)``, sized
-exactly for that call and created collectively by every rank at the same call (after the
-call's stamps agreed, overlap.tp.stamps); the comm closes them (least recently used first past
-``MAX_CONTEXTS``, all at ``close()``). A call whose shapes need more bytes than its context
-has raises ValueError before touching the workspace.
-
-On any error inside an op the comm fails, and with it every context: ``fail`` aborts the
-workspace (peers waiting on this rank raise PeerDied at once, with this rank's reason, instead
-of timing out) and closes it.
+ops of a context in the same order (each call takes the next phase). Back-to-back calls are
+safe: the workspace is double-buffered by phase parity. A call whose shapes need more bytes than
+its context has raises ValueError before touching the workspace. On any error inside an op the
+comm fails, and with it every context: ``fail`` aborts the workspace (peers waiting on this
+rank raise PeerDied) and closes it. A TPComm keeps one context per op and shape.
+The narrative: docs/design/tp.md.
 """
 
 from __future__ import annotations

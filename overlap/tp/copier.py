@@ -1,22 +1,15 @@
 """The copier of the symmetric backend: where peer copies run while the GEMM runs.
 
-A copier is one stream of the device-neutral stream layer (``overlap.dist.streams``): on a GPU
-a side CUDA stream (the copy engine), on CPU the stream twin (a worker thread that runs work
-later than the host call, in order, with injected delays under ``OVERLAP_STREAM_DELAY_MS``).
-The symmetric ops issue the same ordering code on both:
+A copier is one stream of the device-neutral stream layer (``overlap.dist.streams``): a side
+CUDA stream on a GPU, the stream twin (a worker thread) on CPU; the symmetric ops issue the same
+ordering code on both.
 
-- ``submit(fn, *tensors)`` makes the copier stream wait for the caller's stream (so the copy
-  sees the tensors the caller just produced), enqueues ``fn`` (its copies, signal sets and
-  signal waits) and returns an event (the ticket). ``tensors`` are what ``fn`` touches that
-  the caller's stream allocated (``record_stream`` on CUDA).
-- ``wait(ticket)`` makes the caller's stream wait for the ticket: a device-side wait on CUDA
-  (the host never blocks); on CPU the host blocks, with a timeout, and runs queued copies
-  itself if the worker has not got to them (torch releases the GIL inside ``copy_`` and the
-  workspace releases it while waiting on a signal, so the copies really run beside the GEMM).
-
-Work runs in submission order, so "wait for peer, copy, signal" sequences never reorder. A
-failure inside the copier is sticky: it is re-raised by every later ``wait`` until the owner
-closes the copier (the op's context is then unusable, see overlap.tp.context).
+Contract: ``submit(fn, *tensors)`` makes the copier stream wait for the caller's stream,
+enqueues ``fn`` and returns an event (the ticket); ``tensors`` are what ``fn`` touches that the
+caller's stream allocated. ``wait(ticket)`` makes the caller's stream wait for the ticket (on
+CPU the host blocks, with a timeout). Work runs in submission order. A failure inside the
+copier is sticky: it is re-raised by every later ``wait`` until the owner closes the copier.
+The narrative: docs/design/tp.md.
 """
 
 from __future__ import annotations

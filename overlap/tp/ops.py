@@ -9,17 +9,10 @@ activation, m = M / world rows of a shard, K input features, N output features o
 ``w`` [K, N] (an nn.Linear passes ``weight.t()``). 3-D activations are sequence-first
 [S, B, K] and are gathered/scattered along S (``seq_dim=1``: batch-first [B, S, K]).
 
-Each op is implemented once: one autograd Function whose forward and backward call one
-implementation function each (validation, backend, failure handling). Eager calls them
-directly; under ``torch.compile`` the same functions are reached through their
-``torch.library`` custom ops (``overlap::<op>``, with fake implementations), which take the
-TPComm itself as an opaque object, so ``fullgraph=True`` works for every op and gradient
-pattern and no registry of communicators exists. docs/design/engine.md explains the shape.
-
-Contract: local checks before any communication (ValueError/TypeError naming op, argument,
-rank); every call carries a stamp compared by every peer (overlap.tp.stamps); any error fails
-the communicator (later calls raise TPCommFailed). fp32 results equal the unfused product
-within 1e-5 relative (summation order).
+Contract: local checks before any communication (ValueError/TypeError naming op, argument, rank);
+every call carries a stamp compared by every peer (overlap.tp.stamps); any error fails the comm
+(later calls raise TPCommFailed); fp32 results equal the unfused product within 1e-5 relative.
+The narrative: docs/design/tp.md (the op's shape: docs/design/engine.md).
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """Per-call agreement for the fused TP ops (overlap.dist.stamp applied to a TPComm).
 
-Every op call on a communicator of more than one rank publishes a stamp: the op, the
+Contract: every op call on a communicator of more than one rank publishes a stamp (the op, the
 communicator's call number, the 2-D shapes the backend sees, the dtype, ``chunks``, flags and
-the backend. Where it travels:
-
-- ``chunked``: in front of the first piece each rank sends to its right neighbour, plus a tiny
-  message to and from every peer that is not a neighbour (none at world 2) in the same batch,
-  so every rank holds every rank's stamp after one hop;
-- ``symmetric`` and ``triton``: in a :class:`HeaderBlock`, a small userbuffer the communicator
-  maps once: a rank writes its stamp into its own ring slot, then signals every peer (no wait).
-  The symmetric data phase of a call whose workspace exists already runs at once; every peer
-  publishes its stamp before any signal of its data, so when the data has arrived the stamps
-  have too, and they are compared before the call returns (``settle``: no extra round trip).
-  Anything else waits for every peer's stamp and compares first: a workspace for a new shape
-  (created collectively), the triton kernels (their waits run on the device), the plain
-  backward collectives. A data wait that is not satisfied for a while compares the stamps
-  already published (``watch``, the wait's slow path), so a peer that took another path (a
-  new shape, another op) is named at once instead of waited for.
-
-The comparison and the error are overlap.dist.stamp's (``Agreement.verify``).
+the backend), and every rank compares every peer's stamp before the call returns; a
+disagreement raises overlap.dist.stamp's error (``Agreement.verify``) on every rank. The stamp
+travels in data exchanged anyway: ``chunked`` in front of the first piece sent, ``symmetric``
+and ``triton`` in a :class:`HeaderBlock` (a small userbuffer the communicator maps once). A
+data wait that is slow compares the stamps already published (``watch``), so a peer that took
+another path is named at once instead of waited for.
+The narrative: docs/design/tp.md.
 """
 
 from __future__ import annotations
