@@ -1,0 +1,90 @@
+"""EPComm: the expert-parallel communicator of a process group (the MoE layer's ``comm=``).
+
+``chunks``: pieces per exchange (1: the sequential schedule; see overlap.moe.exchange).
+``all_to_all(x, out_splits, in_splits)`` (or ``post`` then ``finish``) exchanges rows of
+``x`` (split sizes in rows, None for equal splits), posted async and waited at most ``timeout`` s: a dead or stalled peer becomes a
+RuntimeError naming the op, the group and the rank. ``check_same(op, **values)`` raises the
+same ValueError on every rank when ranks disagree on a setting (one small all-gather).
+The narrative: docs/moe.md.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from overlap.defaults import TIMEOUT_S, positive_int, positive_seconds
+from overlap.tp.collectives import wait
+
+__all__ = ["EPComm"]
+
+
+class EPComm:
+    """Holds the group, this rank's place in it and the timeout; no state between calls."""
+
+    def __init__(self, group: dist.ProcessGroup, *, chunks: int = 2,
+                 timeout: float = TIMEOUT_S):
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"EPComm: group must be a torch.distributed ProcessGroup, got "
+                            f"{type(group).__name__}")
+        positive_seconds(timeout, "EPComm: timeout")
+        positive_int(chunks, "EPComm: chunks")
+        self.group, self.timeout, self.chunks = group, float(timeout), int(chunks)
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.global_rank = dist.get_rank()
+
+    def __repr__(self) -> str:
+        return (f"EPComm(rank {self.rank}/{self.world}, chunks={self.chunks}, "
+                f"timeout={self.timeout:g}s)")
+
+    def all_to_all(self, x: torch.Tensor, out_splits: list[int] | None,
+                   in_splits: list[int] | None, *, op: str = "all_to_all") -> torch.Tensor:
+        return self.finish(self.post(x, out_splits, in_splits, op=op))
+
+    def post(self, x: torch.Tensor, out_splits: list[int] | None,
+             in_splits: list[int] | None, *, op: str = "all_to_all") -> "_Posted":
+        """Start the exchange; ``finish`` waits for it and returns the received rows. ``x``
+        and the output stay referenced until then (a GPU may still be reading them)."""
+        rows = sum(out_splits) if out_splits is not None else x.shape[0]
+        out = x.new_empty((rows, *x.shape[1:]))
+        if self.world == 1:
+            return _Posted(out.copy_(x), x, None, op)
+        x = x.contiguous()
+        work = dist.all_to_all_single(out, x, out_splits, in_splits, group=self.group,
+                                      async_op=True)
+        return _Posted(out, x, work, op)
+
+    def finish(self, posted: "_Posted") -> torch.Tensor:
+        if posted.work is not None:
+            wait(posted.work, op=posted.op, group=self.group, timeout=self.timeout, axis="ep")
+        return posted.out
+
+    def check_same(self, op: str, **values: float) -> None:
+        """Every rank passed the same ``values`` (numbers), or a ValueError on every rank that
+        names each differing argument and what every rank passed."""
+        if self.world == 1:
+            return
+        mine = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        work = dist.all_gather(every, mine, group=self.group, async_op=True)
+        wait(work, op=f"{op} settings", group=self.group, timeout=self.timeout, axis="ep")
+        table = torch.stack(every)
+        differ = [name for i, name in enumerate(values) if (table[:, i] != table[0, i]).any()]
+        if differ:
+            listed = "; ".join(f"{name}: {[_num(v) for v in table[:, values_index].tolist()]}"
+                               for values_index, name in enumerate(values) if name in differ)
+            raise ValueError(f"{op}: the EP ranks disagree on {', '.join(differ)} (by EP rank: "
+                             f"{listed}) (rank {self.global_rank})")
+
+
+class _Posted(NamedTuple):
+    out: torch.Tensor
+    source: torch.Tensor
+    work: object
+    op: str
+
+
+def _num(v: float):
+    return int(v) if float(v).is_integer() else v

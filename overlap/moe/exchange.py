@@ -1,0 +1,175 @@
+"""The expert-parallel exchange: dispatch rows to the ranks that own their experts, run the
+experts there, combine the results back, in pieces so the all-to-alls hide under the experts.
+
+Legend: ``ep`` ranks, ``El`` local experts per rank, ``c`` pieces. ``rows [R, d]`` on a source
+rank are sorted by global expert, i.e. by (owner rank, local expert); block (dst, j) holds
+``n[dst][j]`` rows. A piece takes a sub-range of every block: capacity mode splits each
+block's ``C`` slots into ``c`` ranges (Tutel's split of the capacity dimension); dropless mode
+gives each piece a range of local experts (at most ``El`` pieces). Forward: every piece's
+dispatch is posted at once; piece p's experts run as soon as its rows arrive, and its combine
+is posted while piece p+1 computes. The backward mirrors it (the output gradient travels like
+a dispatch, the input gradient like a combine) with each piece's wgrad and dgrad under the
+other pieces' transfers. ``c = 1`` is the sequential reference schedule. No host syncs: the
+split sizes come from host integers (static in capacity mode, counted once in dropless mode).
+The narrative: docs/moe.md.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from overlap.moe.comm import EPComm
+
+__all__ = ["Pieces", "static_pieces", "counted_pieces", "exchange"]
+
+
+class Pieces(NamedTuple):
+    send_index: list[torch.Tensor]   # per piece: rows of ``rows`` it sends, by destination
+    send_splits: list[list[int]]     # per piece: rows to each destination
+    recv_splits: list[list[int]]     # per piece: rows from each source
+    regroup: list[torch.Tensor]      # per piece: received rows in expert-major order
+    ungroup: list[torch.Tensor]      # its inverse
+    offsets: list[torch.Tensor]      # per piece: int32 [El] end row of each local expert
+
+
+def _ranges(starts: list[int], lengths: list[int]) -> torch.Tensor:
+    """Concatenation of ``arange(s, s + n)`` over the pairs, built without a Python loop over
+    rows."""
+    n = torch.tensor(lengths, dtype=torch.int64)
+    total = sum(lengths)  # host integers: no tensor read
+    if total == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    first = torch.tensor(starts, dtype=torch.int64) - (torch.cumsum(n, 0) - n)
+    return torch.repeat_interleave(first, n, output_size=total) + torch.arange(total)
+
+
+def _prefix(counts: list[list[int]]) -> list[list[int]]:
+    """Start of each block of a [outer][inner] row-major layout."""
+    out, at = [], 0
+    for row in counts:
+        out.append([])
+        for n in row:
+            out[-1].append(at)
+            at += n
+    return out
+
+
+def _length(bounds: tuple[int, int]) -> int:
+    return bounds[1] - bounds[0]
+
+
+def _build(send_n, recv_n, take_send, take_recv, pieces: int, device) -> Pieces:
+    """``take_*(p, a, j, n) -> (lo, hi)``: piece p's sub-range of block (a, j) of length n."""
+    ep, el = len(send_n), len(send_n[0])
+    s_start = _prefix(send_n)
+    out = Pieces([], [], [], [], [], [])
+    for p in range(pieces):
+        starts, lengths, splits = [], [], []
+        for dst in range(ep):
+            total = 0
+            for j in range(el):
+                lo, hi = take_send(p, dst, j, send_n[dst][j])
+                starts.append(s_start[dst][j] + lo)
+                lengths.append(hi - lo)
+                total += hi - lo
+            splits.append(total)
+        out.send_index.append(_ranges(starts, lengths).to(device))
+        out.send_splits.append(splits)
+        # Received: by source, then local expert; m[s][j] rows of (s, j) in this piece.
+        m = [[_length(take_recv(p, s, j, recv_n[s][j])) for j in range(el)] for s in range(ep)]
+        out.recv_splits.append([sum(row) for row in m])
+        pos = _prefix(m)
+        regroup = _ranges([pos[s][j] for j in range(el) for s in range(ep)],
+                          [m[s][j] for j in range(el) for s in range(ep)])
+        out.regroup.append(regroup.to(device))
+        out.ungroup.append(torch.argsort(regroup).to(device))
+        per_expert = [sum(m[s][j] for s in range(ep)) for j in range(el)]
+        out.offsets.append(torch.tensor(per_expert, dtype=torch.int64).cumsum(0)
+                           .to(torch.int32).to(device))
+    return out
+
+
+def static_pieces(ep: int, el: int, cap: int, pieces: int, device) -> Pieces:
+    """Capacity mode: every block is ``cap`` slots; piece p takes slots
+    ``[p*cap//c, (p+1)*cap//c)`` of each."""
+    c = max(1, min(pieces, cap))
+    n = [[cap] * el for _ in range(ep)]
+
+    def take(p, a, j, length):
+        return p * length // c, (p + 1) * length // c
+
+    return _build(n, n, take, take, c, device)
+
+
+def counted_pieces(send_n: list[list[int]], recv_n: list[list[int]], pieces: int,
+                   device) -> Pieces:
+    """Dropless mode: piece p takes the whole blocks of local experts
+    ``[p*El//c, (p+1)*El//c)`` (c at most El)."""
+    el = len(send_n[0])
+    c = max(1, min(pieces, el))
+
+    def take(p, a, j, length):
+        inside = p * el // c <= j < (p + 1) * el // c
+        return (0, length) if inside else (0, 0)
+
+    return _build(send_n, recv_n, take, take, c, device)
+
+
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, w1, w2, pieces: Pieces, comm: EPComm, experts: Callable):
+        n = len(pieces.send_index)
+        posted = [comm.post(rows.index_select(0, pieces.send_index[p]),
+                            pieces.recv_splits[p], pieces.send_splits[p], op="moe dispatch")
+                  for p in range(n)]
+        w1_, w2_ = w1.detach().requires_grad_(), w2.detach().requires_grad_()
+        saved, combines = [], []
+        for p in range(n):
+            got = comm.finish(posted[p])
+            with torch.enable_grad():
+                x = got.index_select(0, pieces.regroup[p]).requires_grad_()
+                y = experts(x, w1_, w2_, pieces.offsets[p])
+            saved.append((x, y))
+            combines.append(comm.post(y.detach().index_select(0, pieces.ungroup[p]),
+                                      pieces.send_splits[p], pieces.recv_splits[p],
+                                      op="moe combine"))
+        back = rows.new_zeros(rows.shape)
+        for p in range(n):
+            back.index_copy_(0, pieces.send_index[p], comm.finish(combines[p]))
+        ctx.pieces, ctx.comm, ctx.saved, ctx.weights = pieces, comm, saved, (w1_, w2_)
+        ctx.rows_shape = rows.shape
+        return back
+
+    @staticmethod
+    def backward(ctx, g_back):
+        pieces, comm, saved = ctx.pieces, ctx.comm, ctx.saved
+        n = len(pieces.send_index)
+        g_back = g_back.contiguous()
+        posted = [comm.post(g_back.index_select(0, pieces.send_index[p]),
+                            pieces.recv_splits[p], pieces.send_splits[p], op="moe combine grad")
+                  for p in range(n)]
+        w1_, w2_ = ctx.weights
+        dw1, dw2, returns = None, None, []
+        for p in range(n):
+            g = comm.finish(posted[p]).index_select(0, pieces.regroup[p])
+            x, y = saved[p]
+            dx, d1, d2 = torch.autograd.grad(y, (x, w1_, w2_), g, allow_unused=True)
+            dw1 = d1 if dw1 is None else dw1 + d1
+            dw2 = d2 if dw2 is None else dw2 + d2
+            returns.append(comm.post(dx.index_select(0, pieces.ungroup[p]),
+                                     pieces.send_splits[p], pieces.recv_splits[p],
+                                     op="moe dispatch grad"))
+        d_rows = g_back.new_zeros(ctx.rows_shape)
+        for p in range(n):
+            d_rows.index_copy_(0, pieces.send_index[p], comm.finish(returns[p]))
+        ctx.saved = None
+        return d_rows, dw1, dw2, None, None, None
+
+
+def exchange(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, pieces: Pieces,
+             comm: EPComm, experts: Callable) -> torch.Tensor:
+    """``experts(x, w1, w2, offsets)`` of every row on its owner, returned to its source, in
+    ``rows``' order (differentiable in ``rows``, ``w1`` and ``w2``)."""
+    return _Exchange.apply(rows, w1, w2, pieces, comm, experts)

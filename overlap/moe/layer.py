@@ -1,0 +1,163 @@
+"""MoE: a mixture-of-experts layer whose experts are sharded over an expert-parallel group.
+
+Legend: ``T`` tokens of this rank, ``d`` hidden size, ``E`` experts, ``El = E / ep`` local
+experts (rank r owns experts ``[r*El, (r+1)*El)``), ``k`` experts per token, ``C`` capacity.
+``MoE(x [..., d]) -> y [..., d]``; after each forward ``layer.aux`` holds this batch's
+load-balancing loss, z-loss and dropped-assignment count (tensors, no host sync).
+Capacity mode (``capacity_factor``): ``C = ceil(cf * T * k / E)`` slots per (source rank,
+expert); assignments are served slot-major (every token's first choice before any second
+choice), then in token order, and those past ``C`` are dropped: static all-to-all splits and
+0 host syncs. Dropless mode: exact counts; EP > 1 reads the split sizes on the host once per
+forward (the backward reuses them). Every rank of the group must pass the same settings.
+The narrative: docs/moe.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+
+from overlap.defaults import positive_int
+from overlap.moe.comm import EPComm
+from overlap.moe.exchange import counted_pieces, exchange, static_pieces
+from overlap.moe.experts import SwiGLU, SwiGLUExperts, swiglu_grouped
+from overlap.moe.router import TopKRouter, load_balancing_loss, z_loss
+
+__all__ = ["MoE", "MoEAux", "capacity"]
+
+
+class MoEAux(NamedTuple):
+    load_balancing: torch.Tensor  # scalar fp32
+    z: torch.Tensor               # scalar fp32
+    dropped: torch.Tensor         # scalar int64: assignments past capacity (0 if dropless)
+
+
+def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Slots per (source rank, expert) in capacity mode."""
+    return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
+
+
+class MoE(nn.Module):
+    """Router, SwiGLU experts (sharded over ``comm``'s group) and optional shared experts.
+
+    ``comm``: an EPComm (None: one process holds every expert). ``capacity_factor``: None for
+    dropless, else a positive number. ``shared_d_ff``: the FFN size of a dense shared expert
+    added to every token's output (None: none)."""
+
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *,
+                 comm: EPComm | None = None, score: str = "softmax", normalize: bool = True,
+                 capacity_factor: float | None = None, shared_d_ff: int | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        if comm is not None and not isinstance(comm, EPComm):
+            raise TypeError(f"MoE: comm must be an EPComm (or None), got {type(comm).__name__}")
+        ep, rank = (comm.world, comm.rank) if comm is not None else (1, 0)
+        positive_int(num_experts, "MoE: num_experts")
+        if num_experts % ep:
+            raise ValueError(f"MoE: num_experts={num_experts} is not divisible by the EP size "
+                             f"{ep} (rank {rank})")
+        if capacity_factor is not None and not (
+                isinstance(capacity_factor, (int, float)) and not isinstance(capacity_factor, bool)
+                and capacity_factor > 0 and math.isfinite(capacity_factor)):
+            raise ValueError(f"MoE: capacity_factor must be None (dropless) or a positive "
+                             f"number, got {capacity_factor!r}")
+        self.comm, self.ep, self.ep_rank = comm, ep, rank
+        self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.router = TopKRouter(d_model, num_experts, top_k, score=score, normalize=normalize,
+                                 device=device, dtype=dtype)
+        # Every expert drawn from the same RNG stream on every rank, then this rank's slice:
+        # the same seed gives the shards of the same full layer at any EP size.
+        full = SwiGLUExperts.create(num_experts, d_model, d_ff, device=device, dtype=dtype)
+        local = slice(rank * (num_experts // ep), (rank + 1) * (num_experts // ep))
+        self.experts = SwiGLUExperts(full.w_gate_up.data[local].clone(),
+                                     full.w_down.data[local].clone())
+        self.shared = None if shared_d_ff is None else SwiGLU(d_model, shared_d_ff,
+                                                              device=device, dtype=dtype)
+        if comm is not None:
+            comm.check_same("MoE", d_model=d_model, d_ff=d_ff, num_experts=num_experts,
+                            top_k=top_k, capacity=-1.0 if capacity_factor is None
+                            else float(capacity_factor))
+        self.aux: MoEAux | None = None
+        self._static_pieces: dict = {}
+
+    @property
+    def num_local(self) -> int:
+        return self.num_experts // self.ep
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 1 or x.shape[-1] != self.d_model:
+            raise ValueError(f"MoE: input last dim must be {self.d_model}, got shape "
+                             f"{tuple(x.shape)} (rank {self.ep_rank})")
+        x2 = x.reshape(-1, self.d_model)
+        t, k, e = x2.shape[0], self.top_k, self.num_experts
+        routing = self.router(x2)
+        # Assignments in priority order: slot-major (all first choices, then all second...),
+        # then token order. ``tok[i]`` is the token of assignment i.
+        flat_e = routing.experts.t().reshape(-1)
+        flat_w = routing.weights.t().reshape(-1)
+        tok = torch.arange(t, device=x2.device).repeat(k)
+        if self.capacity_factor is not None:
+            gathered, dropped = self._capacity(x2, flat_e, tok, t)
+        else:
+            gathered, dropped = self._dropless(x2, flat_e, tok), flat_e.new_zeros(())
+        weighted = (gathered.float() * flat_w.unsqueeze(1)).to(x2.dtype)
+        out = x2.new_zeros(t, self.d_model).index_add(0, tok, weighted)
+        if self.shared is not None:
+            out = out + self.shared(x2)
+        self.aux = MoEAux(load_balancing_loss(routing, e), z_loss(routing), dropped)
+        return out.reshape(x.shape)
+
+    # -- capacity mode: static shapes, no host sync
+    def _capacity(self, x2, flat_e, tok, t):
+        e, d = self.num_experts, self.d_model
+        c = capacity(t, self.top_k, e, self.capacity_factor)
+        # scatter_, not F.one_hot: one_hot checks its input's range on the host (a sync on CUDA)
+        onehot = torch.zeros(flat_e.shape[0], e, dtype=torch.int64,
+                             device=flat_e.device).scatter_(1, flat_e.unsqueeze(1), 1)
+        pos = (onehot.cumsum(0) * onehot).sum(1) - 1  # place of each assignment in its expert
+        keep = pos < c
+        dest = torch.where(keep, flat_e * c + pos, torch.full_like(pos, e * c))  # e*c: dropped
+        slots = x2.new_zeros(e * c + 1, d).index_add(0, dest, x2[tok])[:e * c]
+        y = self._experts_static(slots, c)
+        y = torch.cat([y, y.new_zeros(1, d)])
+        return y[dest], (~keep).sum()
+
+    def _experts_static(self, slots, c):
+        el, ep = self.num_local, self.ep
+        if ep == 1:
+            offsets = torch.arange(1, el + 1, device=slots.device, dtype=torch.int32) * c
+            return self.experts(slots, offsets)
+        key = (ep, el, c, self.comm.chunks, slots.device)
+        pieces = self._static_pieces.get(key)
+        if pieces is None:  # static shapes: built once per (tokens, capacity)
+            pieces = self._static_pieces[key] = static_pieces(ep, el, c, self.comm.chunks,
+                                                              slots.device)
+        return exchange(slots, self.experts.w_gate_up, self.experts.w_down, pieces, self.comm,
+                        swiglu_grouped)
+
+    # -- dropless mode: exact counts
+    def _dropless(self, x2, flat_e, tok):
+        n = flat_e.shape[0]
+        key = flat_e * n + torch.arange(n, device=flat_e.device)
+        order = torch.argsort(key)                   # by expert, priority order inside
+        # index_add_, not bincount: CUDA's bincount reads the input's max on the host
+        counts = torch.zeros(self.num_experts, dtype=torch.int64,
+                             device=flat_e.device).index_add_(0, flat_e, torch.ones_like(flat_e))
+        y_sorted = self._experts_dropless(x2[tok[order]], counts)
+        return y_sorted[torch.argsort(order)]
+
+    def _experts_dropless(self, rows, counts):
+        el, ep = self.num_local, self.ep
+        if ep == 1:
+            return self.experts(rows, counts.cumsum(0).to(torch.int32))
+        # Counts per (source, local expert), then on the host: the one declared host sync of
+        # the dropless EP forward (NCCL's uneven all_to_all takes host split sizes).
+        recv_counts = self.comm.all_to_all(counts, None, None, op="moe counts")
+        send_n, recv_n = torch.stack([counts, recv_counts]).reshape(2, ep, el).tolist()
+        pieces = counted_pieces(send_n, recv_n, self.comm.chunks, rows.device)
+        return exchange(rows, self.experts.w_gate_up, self.experts.w_down, pieces, self.comm,
+                        swiglu_grouped)

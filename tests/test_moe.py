@@ -1,0 +1,203 @@
+"""The MoE layer (overlap.moe) against the single-process reference (reference_moe), at EP 1, 2
+and 4 on the NCCL-ordering twin: outputs, the input's and every parameter's gradient, the
+auxiliary losses, the drop count, and the parameters after 3 AdamW steps; capacity mode (with
+drops) and dropless, softmax and sigmoid scores, with and without a shared expert. Then the host
+syncs per direction (capacity 0; dropless EP > 1: one in the forward, none in the backward) and
+the bad-input errors, raised on every rank.
+
+Tolerance: fp32, |ours - ref| <= 1e-5 * max(1, max|ref|). The two sides differ only in the
+summation order of each dot product (grouped GEMM vs one GEMM per expert; index_add order), a
+few ulps (2^-23 each) times reduction lengths of at most 64 here: below 1e-5 relative with
+margin on any x86 summation order. The AdamW steps divide by sqrt(v) + eps, which can magnify a
+gradient difference in a coordinate whose gradient is near zero: Adam's step is invariant to the
+gradient's scale, so it is known only to the gradient's relative accuracy there. The parameters
+after the steps are compared at 1e-5 on the coordinates whose reference gradient stayed above
+1e-3 of its tensor's (its expert's) largest, or exactly zero (an expert no token reached), at
+every step (there a rounding difference of the gradient moves the step by ~1e-4 of lr or less);
+the others (asserted to be under 20%: the seeds are fixed, so this share is a property of the
+data, not of the machine) are only checked against the largest change 3 steps can make (3 * lr *
+1.1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+
+D, FF, E, K = 16, 32, 8, 2
+LR = 1e-2
+TOL = 1e-5
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / max(1.0, float(b.float().abs().max())))
+
+
+def _batches(world: int, step: int):
+    xs = [torch.randn(2, 12, D, generator=torch.Generator().manual_seed(100 * step + r))
+          for r in range(world)]
+    gs = [torch.randn(2, 12, D, generator=torch.Generator().manual_seed(7000 + 100 * step + r))
+          for r in range(world)]
+    return xs, gs
+
+
+def _loss(y, g, aux):
+    return (y * g).sum() + 0.01 * aux.load_balancing + 0.001 * aux.z
+
+
+def _ep_case(cf, score, shared, chunks):
+    from overlap.moe import EPComm, MoE, reference_moe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kw = dict(capacity_factor=cf, score=score, shared_d_ff=16 if shared else None)
+    torch.manual_seed(0)
+    layer = MoE(D, FF, E, K, comm=EPComm(dist.group.WORLD, chunks=chunks, timeout=30), **kw)
+    torch.manual_seed(0)
+    ref = MoE(D, FF, E, K, **kw)
+    el = E // world
+    mine = slice(rank * el, (rank + 1) * el)
+    opt = torch.optim.AdamW(layer.parameters(), lr=LR)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    replicated = [p for n, p in layer.named_parameters() if not n.startswith("experts.")]
+    errs: dict[str, float] = {}
+    steady = {n: torch.ones_like(p, dtype=torch.bool) for n, p in ref.named_parameters()}
+
+    def note(key, got, want):
+        errs[key] = max(errs.get(key, 0.0), _rel(got.detach(), want.detach()))
+
+    for step in range(3):
+        xs, gs = _batches(world, step)
+        x = xs[rank].clone().requires_grad_()
+        y = layer(x)
+        _loss(y, gs[rank], layer.aux).backward()
+        for p in replicated:  # data-parallel replicas over the EP ranks: sum their gradients
+            dist.all_reduce(p.grad, group=dist.group.WORLD)
+        xr = [t.clone().requires_grad_() for t in xs]
+        outs = [reference_moe(t, ref) for t in xr]
+        sum(_loss(yr, g, aux) for (yr, aux), g in zip(outs, gs)).backward()
+        yr, aux = outs[rank]
+        note("out", y, yr)
+        note("dx", x.grad, xr[rank].grad)
+        note("lb", layer.aux.load_balancing, aux.load_balancing)
+        note("z", layer.aux.z, aux.z)
+        errs["dropped_diff"] = max(errs.get("dropped_diff", 0),
+                                   abs(int(layer.aux.dropped) - int(aux.dropped)))
+        errs["dropped"] = errs.get("dropped", 0) + int(aux.dropped)
+        rp = dict(ref.named_parameters())
+        for n, p in layer.named_parameters():
+            want = rp[n].grad[mine] if n.startswith("experts.") else rp[n].grad
+            note(f"grad {n}", p.grad, want)
+            g = rp[n].grad
+            # per expert for the expert tensors: an expert that few tokens reached has small
+            # gradients everywhere, which is no conditioning problem
+            top = (g.abs().amax(dim=(1, 2), keepdim=True) if n.startswith("experts.")
+                   else g.abs().max())
+            steady[n] &= (g.abs() >= 1e-3 * top) | (g == 0)
+        opt.step()
+        ropt.step()
+        opt.zero_grad(set_to_none=True)
+        ropt.zero_grad(set_to_none=True)
+    rp = dict(ref.named_parameters())
+    for n, p in layer.named_parameters():
+        pick = (lambda t: t[mine]) if n.startswith("experts.") else (lambda t: t)
+        want, ok = pick(rp[n].detach()), pick(steady[n])
+        note(f"param {n}", p.detach()[ok], want[ok])
+        errs[f"bound {n}"] = float((p.detach() - want).abs().max()) / (3 * LR * 1.1) * TOL
+        errs[f"ill-conditioned share {n}"] = float((~ok).float().mean()) * TOL / 0.2
+    return errs
+
+
+# chunks 1 is the sequential schedule; dropless pieces are capped at El (2 at EP 4).
+CASES = [(None, "softmax", False, 1), (1.0, "softmax", True, 2), (0.5, "sigmoid", False, 3),
+         (None, "sigmoid", True, 4), (1.0, "sigmoid", False, 1)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("cf,score,shared,chunks", CASES)
+def test_ep_layer_matches_reference(world, cf, score, shared, chunks):
+    res = run_ranks(_ep_case, world, cf, score, shared, chunks, timeout=120)
+    for rank, errs in enumerate(res):
+        assert errs["dropped_diff"] == 0, f"rank {rank}: drop counts differ: {errs}"
+        if cf == 0.5:
+            assert errs["dropped"] > 0, f"rank {rank}: the capacity case must drop: {errs}"
+        if cf is None:
+            assert errs["dropped"] == 0
+        bad = {k: v for k, v in errs.items() if not k.startswith("dropped") and v > TOL}
+        assert not bad, f"rank {rank} (world {world}): beyond {TOL}: {bad}"
+
+
+def _host_syncs(cf):
+    from overlap.moe import EPComm, MoE
+    from overlap.profile.syncs import count_host_syncs
+
+    torch.manual_seed(0)
+    layer = MoE(D, FF, E, K, comm=EPComm(dist.group.WORLD, timeout=30), capacity_factor=cf)
+    x = torch.randn(2, 12, D, generator=torch.Generator().manual_seed(dist.get_rank()))
+    layer(x).sum().backward()  # warm-up
+    counts = []
+    for _ in range(2):
+        with count_host_syncs() as fwd:
+            y = layer(x)
+            loss = y.sum() + layer.aux.load_balancing
+        with count_host_syncs() as bwd:
+            loss.backward()
+        counts.append((fwd.count, bwd.count, fwd.where))
+    return counts
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("cf,want_fwd", [(1.0, 0), (None, 1)])
+def test_host_syncs_per_direction(world, cf, want_fwd):
+    for rank, counts in enumerate(run_ranks(_host_syncs, world, cf, timeout=60)):
+        for fwd, bwd, where in counts:
+            assert (fwd, bwd) == (want_fwd, 0), f"rank {rank}: fwd {fwd} bwd {bwd}: {where}"
+
+
+def test_single_rank_capacity_mode_makes_no_host_sync():
+    from overlap.moe import MoE
+    from overlap.profile.syncs import count_host_syncs
+
+    for cf in (None, 1.25):
+        torch.manual_seed(0)
+        layer = MoE(D, FF, E, K, capacity_factor=cf)
+        x = torch.randn(24, D)
+        with count_host_syncs() as syncs:
+            layer(x).sum().backward()
+        assert syncs.count == 0, syncs.where
+
+
+def _bad_inputs():
+    from overlap.moe import EPComm, MoE
+
+    rank = dist.get_rank()
+    comm = EPComm(dist.group.WORLD, timeout=30)
+    errors = []
+    for make in (lambda: MoE(D, FF, 6, K, comm=comm),                      # 6 % 4
+                 lambda: MoE(D, FF, E, E + 1, comm=comm),                  # top_k > E
+                 lambda: MoE(D, FF, E, K, comm=comm, capacity_factor=1.0 + rank),  # disagree
+                 lambda: MoE(D, FF, E, K, comm=comm, capacity_factor=-1.0),
+                 lambda: MoE(D, FF, E, K, comm=dist.group.WORLD),
+                 lambda: MoE(D, 30, E, K, comm=comm),                     # unaligned d_ff
+                 lambda: MoE(D, FF, E, K, comm=comm)(torch.randn(3, D + 1))):
+        try:
+            make()
+            errors.append(None)
+        except (ValueError, TypeError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    return errors
+
+
+def test_bad_inputs_raise_on_every_rank():
+    for rank, errs in enumerate(run_ranks(_bad_inputs, 4, timeout=60)):
+        assert all(e is not None for e in errs), f"rank {rank}: some bad input passed: {errs}"
+        assert "num_experts=6 is not divisible by the EP size 4" in errs[0], errs[0]
+        assert "top_k=9 is larger than num_experts=8" in errs[1], errs[1]
+        assert "disagree on capacity" in errs[2] and "[1, 2, 3, 4]" in errs[2], errs[2]
+        assert f"(rank {rank})" in errs[2]
+        assert "capacity_factor must be None (dropless) or a positive number" in errs[3]
+        assert errs[4].startswith("TypeError") and "EPComm" in errs[4]
+        assert "d_ff=30 must be a multiple of 4" in errs[5], errs[5]
+        assert "input last dim must be 16" in errs[6] and f"rank {rank}" in errs[6]
