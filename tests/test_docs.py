@@ -86,6 +86,21 @@ def test_file_map_names_every_module():
     assert not stale, f"README's file map names directories that do not exist: {stale}"
 
 
+def test_module_docstrings_are_short():
+    """A module docstring holds the contract and the shape legend (at most 15 lines); the
+    narrative lives in docs/design/."""
+    import ast
+
+    long = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "overlap", "**", "*.py"), recursive=True)):
+        with open(path) as f:
+            doc = ast.get_docstring(ast.parse(f.read()), clean=False)
+        lines = len(doc.strip("\n").split("\n")) if doc else 0
+        if lines > 15:
+            long.append(f"{_rel(path)}: {lines} lines")
+    assert not long, "module docstrings over 15 lines:\n" + "\n".join(long)
+
+
 def test_every_relative_link_resolves():
     broken = []
     for doc in _doc_files():
