@@ -201,3 +201,48 @@ def test_bad_inputs_raise_on_every_rank():
         assert errs[4].startswith("TypeError") and "EPComm" in errs[4]
         assert "d_ff=30 must be a multiple of 4" in errs[5], errs[5]
         assert "input last dim must be 16" in errs[6] and f"rank {rank}" in errs[6]
+
+
+def _peer_fault(kind, cf, timeout):
+    import os
+    import time
+
+    from overlap.moe import EPComm, MoE
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    layer = MoE(D, FF, E, K, comm=EPComm(dist.group.WORLD, chunks=2, timeout=timeout),
+                capacity_factor=cf)
+    x = torch.randn(12, D)
+    layer(x).sum().backward()  # one good step first
+    dist.barrier()
+    if rank == world - 1:
+        if kind == "dead":
+            os._exit(3)
+        time.sleep(timeout * 3)  # alive, but not taking part
+        return None
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    try:
+        layer(x).sum().backward()
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
+    return time.monotonic() - t0, "returned"
+
+
+@pytest.mark.parametrize("kind", ["dead", "stalled"])
+@pytest.mark.parametrize("cf", [1.0, None])
+def test_dead_or_stalled_peer_is_an_error_on_every_survivor(kind, cf):
+    from harness import run_ranks_outcomes
+
+    timeout, world = 2.0, 4
+    outcomes = run_ranks_outcomes(_peer_fault, world, kind, cf, timeout, timeout=60, grace=20)
+    first_op = "moe dispatch" if cf is not None else "moe counts"
+    for out in outcomes[:-1]:
+        assert out.status == "ok", (out.status, out.error)
+        took, msg = out.value
+        assert msg.startswith("RuntimeError"), msg
+        assert f"ep {first_op}" in msg and f"(rank {out.rank})" in msg, msg
+        assert took <= 2 * timeout + 1, (took, msg)
+        if kind == "stalled":
+            assert "timed out" in msg, msg
