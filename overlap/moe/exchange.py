@@ -119,11 +119,18 @@ def counted_pieces(send_n: list[list[int]], recv_n: list[list[int]], pieces: int
 
 class _Exchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, w1, w2, pieces: Pieces, comm: EPComm, experts: Callable):
+    def forward(ctx, rows, w1, w2, local_x, pieces: Pieces, comm: EPComm, experts: Callable,
+                local: Callable | None, *local_params):
         n = len(pieces.send_index)
         posted = [comm.post(rows.index_select(0, pieces.send_index[p]),
                             pieces.recv_splits[p], pieces.send_splits[p], op="moe dispatch")
                   for p in range(n)]
+        local_saved = None
+        if local is not None:  # the shared expert, while the dispatch is in flight
+            with torch.enable_grad():
+                lx = local_x.detach().requires_grad_()
+                ly = local(lx)
+            local_saved = (lx, ly)
         w1_, w2_ = w1.detach().requires_grad_(), w2.detach().requires_grad_()
         saved, combines = [], []
         for p in range(n):
@@ -139,17 +146,26 @@ class _Exchange(torch.autograd.Function):
         for p in range(n):
             back.index_copy_(0, pieces.send_index[p], comm.finish(combines[p]))
         ctx.pieces, ctx.comm, ctx.saved, ctx.weights = pieces, comm, saved, (w1_, w2_)
+        ctx.local, ctx.local_params = local_saved, local_params
         ctx.rows_shape = rows.shape
-        return back
+        local_out = local_saved[1].detach() if local_saved is not None else rows.new_zeros(0)
+        return back, local_out
 
     @staticmethod
-    def backward(ctx, g_back):
+    def backward(ctx, g_back, g_local):
         pieces, comm, saved = ctx.pieces, ctx.comm, ctx.saved
         n = len(pieces.send_index)
         g_back = g_back.contiguous()
         posted = [comm.post(g_back.index_select(0, pieces.send_index[p]),
                             pieces.recv_splits[p], pieces.send_splits[p], op="moe combine grad")
                   for p in range(n)]
+        local_grads: tuple = ()
+        d_local_x = None
+        if ctx.local is not None:  # the shared expert's backward under the first transfers
+            lx, ly = ctx.local
+            grads = torch.autograd.grad(ly, (lx, *ctx.local_params), g_local,
+                                        allow_unused=True)
+            d_local_x, local_grads = grads[0], grads[1:]
         w1_, w2_ = ctx.weights
         dw1, dw2, returns = None, None, []
         for p in range(n):
@@ -164,12 +180,18 @@ class _Exchange(torch.autograd.Function):
         d_rows = g_back.new_zeros(ctx.rows_shape)
         for p in range(n):
             d_rows.index_copy_(0, pieces.send_index[p], comm.finish(returns[p]))
-        ctx.saved = None
-        return d_rows, dw1, dw2, None, None, None
+        ctx.saved = ctx.local = None
+        return (d_rows, dw1, dw2, d_local_x, None, None, None, None, *local_grads)
 
 
 def exchange(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, pieces: Pieces,
-             comm: EPComm, experts: Callable) -> torch.Tensor:
+             comm: EPComm, experts: Callable, *, local: torch.nn.Module | None = None,
+             local_x: torch.Tensor | None = None):
     """``experts(x, w1, w2, offsets)`` of every row on its owner, returned to its source, in
-    ``rows``' order (differentiable in ``rows``, ``w1`` and ``w2``)."""
-    return _Exchange.apply(rows, w1, w2, pieces, comm, experts)
+    ``rows``' order, and ``local(local_x)`` (the shared expert) computed while the dispatch is
+    in flight: returns ``(rows_out, local_out or None)``, differentiable in ``rows``, ``w1``,
+    ``w2``, ``local_x`` and ``local``'s parameters."""
+    params = tuple(local.parameters()) if local is not None else ()
+    back, local_out = _Exchange.apply(rows, w1, w2, local_x, pieces, comm, experts, local,
+                                      *params)
+    return back, (local_out if local is not None else None)

@@ -101,13 +101,13 @@ class MoE(nn.Module):
         flat_w = routing.weights.t().reshape(-1)
         tok = torch.arange(t, device=x2.device).repeat(k)
         if self.capacity_factor is not None:
-            gathered, dropped = self._capacity(x2, flat_e, tok, t)
+            gathered, dropped, shared = self._capacity(x2, flat_e, tok, t)
         else:
-            gathered, dropped = self._dropless(x2, flat_e, tok), flat_e.new_zeros(())
+            (gathered, shared), dropped = self._dropless(x2, flat_e, tok), flat_e.new_zeros(())
         weighted = (gathered.float() * flat_w.unsqueeze(1)).to(x2.dtype)
         out = x2.new_zeros(t, self.d_model).index_add(0, tok, weighted)
-        if self.shared is not None:
-            out = out + self.shared(x2)
+        if self.shared is not None:  # computed under the dispatch at EP > 1
+            out = out + (shared if shared is not None else self.shared(x2))
         self.aux = MoEAux(load_balancing_loss(routing, e), z_loss(routing), dropped)
         return out.reshape(x.shape)
 
@@ -122,22 +122,22 @@ class MoE(nn.Module):
         keep = pos < c
         dest = torch.where(keep, flat_e * c + pos, torch.full_like(pos, e * c))  # e*c: dropped
         slots = x2.new_zeros(e * c + 1, d).index_add(0, dest, x2[tok])[:e * c]
-        y = self._experts_static(slots, c)
+        y, shared = self._experts_static(slots, c, x2)
         y = torch.cat([y, y.new_zeros(1, d)])
-        return y[dest], (~keep).sum()
+        return y[dest], (~keep).sum(), shared
 
-    def _experts_static(self, slots, c):
+    def _experts_static(self, slots, c, x2):
         el, ep = self.num_local, self.ep
         if ep == 1:
             offsets = torch.arange(1, el + 1, device=slots.device, dtype=torch.int32) * c
-            return self.experts(slots, offsets)
+            return self.experts(slots, offsets), None
         key = (ep, el, c, self.comm.chunks, slots.device)
         pieces = self._static_pieces.get(key)
         if pieces is None:  # static shapes: built once per (tokens, capacity)
             pieces = self._static_pieces[key] = static_pieces(ep, el, c, self.comm.chunks,
                                                               slots.device)
         return exchange(slots, self.experts.w_gate_up, self.experts.w_down, pieces, self.comm,
-                        swiglu_grouped)
+                        swiglu_grouped, local=self.shared, local_x=x2)
 
     # -- dropless mode: exact counts
     def _dropless(self, x2, flat_e, tok):
@@ -147,17 +147,17 @@ class MoE(nn.Module):
         # index_add_, not bincount: CUDA's bincount reads the input's max on the host
         counts = torch.zeros(self.num_experts, dtype=torch.int64,
                              device=flat_e.device).index_add_(0, flat_e, torch.ones_like(flat_e))
-        y_sorted = self._experts_dropless(x2[tok[order]], counts)
-        return y_sorted[torch.argsort(order)]
+        y_sorted, shared = self._experts_dropless(x2[tok[order]], counts, x2)
+        return y_sorted[torch.argsort(order)], shared
 
-    def _experts_dropless(self, rows, counts):
+    def _experts_dropless(self, rows, counts, x2):
         el, ep = self.num_local, self.ep
         if ep == 1:
-            return self.experts(rows, counts.cumsum(0).to(torch.int32))
+            return self.experts(rows, counts.cumsum(0).to(torch.int32)), None
         # Counts per (source, local expert), then on the host: the one declared host sync of
         # the dropless EP forward (NCCL's uneven all_to_all takes host split sizes).
         recv_counts = self.comm.all_to_all(counts, None, None, op="moe counts")
         send_n, recv_n = torch.stack([counts, recv_counts]).reshape(2, ep, el).tolist()
         pieces = counted_pieces(send_n, recv_n, self.comm.chunks, rows.device)
         return exchange(rows, self.experts.w_gate_up, self.experts.w_down, pieces, self.comm,
-                        swiglu_grouped)
+                        swiglu_grouped, local=self.shared, local_x=x2)
