@@ -12,7 +12,8 @@ in turn (so drift hits them alike), ``rounds`` rounds, the median reported:
 - ``torch``: torch's differentiable functional ``all_to_all_single`` and one GEMM pair per
   expert (a loop): what a user writes with torch alone;
 - ``sequential``: overlap's layer with ``chunks=1`` (dispatch, wait, experts, combine, wait);
-- ``chunked c``: the same layer with the exchange in ``c`` pieces;
+- ``chunked c``: the same layer with the exchange in ``c`` pieces; ``chunked 2 int8`` also
+  sends the dispatch as blockwise INT8 (128 values per fp32 scale; its wire_MB counts fp32);
 - capacity mode (``capacity_factor`` 1.25) and dropless.
 
 ``ratio`` = sequential / variant (higher is faster). ``comm_ms``: the same four exchanges
@@ -102,6 +103,10 @@ def _rank(cfg: BenchConfig, world: int) -> list[dict] | None:
                 variants[(mode, name)] = MoE(d, f, e, k, capacity_factor=cf, shared_d_ff=shared,
                                              comm=EPComm(group, chunks=chunks))
             if cf is not None:
+                torch.manual_seed(0)
+                variants[(mode, "chunked 2 int8")] = MoE(
+                    d, f, e, k, capacity_factor=cf, shared_d_ff=shared,
+                    comm=EPComm(group, chunks=2, dispatch="int8"))
                 torch.manual_seed(0)
                 variants[(mode, "torch")] = _torch_layer(
                     MoE(d, f, e, k, capacity_factor=cf, shared_d_ff=shared,

@@ -181,7 +181,11 @@ def _bad_inputs():
                  lambda: MoE(D, FF, E, K, comm=comm, capacity_factor=-1.0),
                  lambda: MoE(D, FF, E, K, comm=dist.group.WORLD),
                  lambda: MoE(D, 30, E, K, comm=comm),                     # unaligned d_ff
-                 lambda: MoE(D, FF, E, K, comm=comm)(torch.randn(3, D + 1))):
+                 lambda: MoE(D, FF, E, K, comm=comm)(torch.randn(3, D + 1)),
+                 lambda: MoE(D, FF, E, K, comm=EPComm(dist.group.WORLD, dispatch="int8",
+                                                      quant_block=5)),
+                 lambda: MoE(D, FF, E, K, comm=EPComm(dist.group.WORLD, chunks=1 + rank % 2)),
+                 lambda: EPComm(dist.group.WORLD, dispatch="fp8")):
         try:
             make()
             errors.append(None)
@@ -201,6 +205,9 @@ def test_bad_inputs_raise_on_every_rank():
         assert errs[4].startswith("TypeError") and "EPComm" in errs[4]
         assert "d_ff=30 must be a multiple of 4" in errs[5], errs[5]
         assert "input last dim must be 16" in errs[6] and f"rank {rank}" in errs[6]
+        assert "d_model=16 is not a multiple of the EPComm's quant_block=5" in errs[7], errs[7]
+        assert "disagree on chunks" in errs[8] and "[1, 2, 1, 2]" in errs[8], errs[8]
+        assert "dispatch must be one of" in errs[9] and "'fp8'" in errs[9], errs[9]
 
 
 def _peer_fault(kind, cf, timeout):
@@ -246,3 +253,58 @@ def test_dead_or_stalled_peer_is_an_error_on_every_survivor(kind, cf):
         assert took <= 2 * timeout + 1, (took, msg)
         if kind == "stalled":
             assert "timed out" in msg, msg
+
+
+def _wire_round_trip(dispatch, cf):
+    """The exchange with identity experts: what comes back is exactly what the owner received
+    (the combine travels in the activation dtype), so the error is the dispatch's alone."""
+    from overlap.moe import EPComm
+    from overlap.moe.exchange import counted_pieces, exchange, static_pieces
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = EPComm(dist.group.WORLD, chunks=2, dispatch=dispatch, quant_block=8, timeout=30)
+    el, d = 2, 16
+    gen = torch.Generator().manual_seed(rank)
+    if cf is not None:
+        cap = 5
+        rows = torch.randn(world * el * cap, d, generator=gen)
+        pieces = static_pieces(world, el, cap, comm.chunks, rows.device)
+    else:
+        send_n = [[(3 * rank + 2 * dst + j) % 4 for j in range(el)] for dst in range(world)]
+        recv_n = [[(3 * src + 2 * rank + j) % 4 for j in range(el)] for src in range(world)]
+        rows = torch.randn(sum(map(sum, send_n)), d, generator=gen)
+        pieces = counted_pieces(send_n, recv_n, comm.chunks, rows.device)
+    # Spread the magnitudes over many binades, so the blockwise scales matter.
+    rows = rows * torch.logspace(-6, 6, rows.numel(), base=2.0).reshape(rows.shape)
+    rows.requires_grad_()
+    w1, w2 = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
+    back, _ = exchange(rows, w1, w2, pieces, comm, lambda x, a, b, offs: x * 1.0)
+    g = torch.randn(back.shape, generator=gen)
+    back.backward(g)
+    exact = rows.detach()
+    err = (back.detach() - exact).abs()
+    if dispatch == "int8":
+        blocks = exact.reshape(-1, 8).abs().amax(1, keepdim=True)
+        bound = (blocks / 254 + blocks * 2.0 ** -21 + 2.0 ** -118).expand(-1, 8).reshape(err.shape)
+    elif dispatch == "bf16":
+        bound = exact.abs() * 2.0 ** -8
+    else:
+        bound = torch.zeros_like(exact)
+    return (bool((err <= bound).all()), float((err / bound.clamp_min(1e-30)).max()),
+            float(err.max()), bool(torch.equal(rows.grad, g)))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dispatch", ["same", "bf16", "int8"])
+@pytest.mark.parametrize("cf", [1.0, None])
+def test_dispatch_on_the_wire_within_its_bound(world, dispatch, cf):
+    """INT8: each value within Q(M) = M/254 + M*2^-21 + 2^-118 of the exact one, M the absmax
+    of its block of quant_block values (the quantized collectives' bound for one quantization);
+    BF16: within |x| * 2^-8 (round to nearest); "same": exact. The gradient is passed straight
+    through (the combine-side exchanges carry the activation dtype) and arrives exactly."""
+    for rank, (ok, worst, err, grad_exact) in enumerate(
+            run_ranks(_wire_round_trip, world, dispatch, cf, timeout=60)):
+        assert ok, f"rank {rank}: error {err} at {worst:.3g}x its bound"
+        assert grad_exact, f"rank {rank}: the straight-through gradient changed"
+        if dispatch != "same":
+            assert err > 0, f"rank {rank}: {dispatch} dispatch sent exact values"

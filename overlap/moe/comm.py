@@ -1,6 +1,8 @@
 """EPComm: the expert-parallel communicator of a process group (the MoE layer's ``comm=``).
 
 ``chunks``: pieces per exchange (1: the sequential schedule; see overlap.moe.exchange).
+``dispatch``: "same", "bf16" or "int8" (blockwise, ``quant_block`` values per scale) on the wire
+for the forward dispatch only; the combine and every gradient travel in the activation dtype.
 ``all_to_all(x, out_splits, in_splits)`` (or ``post`` then ``finish``) exchanges rows of
 ``x`` (split sizes in rows, None for equal splits), posted async and waited at most ``timeout`` s: a dead or stalled peer becomes a
 RuntimeError naming the op, the group and the rank. ``check_same(op, **values)`` raises the
@@ -18,26 +20,34 @@ import torch.distributed as dist
 from overlap.defaults import TIMEOUT_S, positive_int, positive_seconds
 from overlap.tp.collectives import wait
 
-__all__ = ["EPComm"]
+__all__ = ["EPComm", "DISPATCH"]
+
+# What the dispatch puts on the wire: the activations as they are, bf16, or blockwise INT8
+# (codes and one fp32 scale per quant_block values; see docs/moe.md for the bound).
+DISPATCH = ("same", "bf16", "int8")
 
 
 class EPComm:
     """Holds the group, this rank's place in it and the timeout; no state between calls."""
 
-    def __init__(self, group: dist.ProcessGroup, *, chunks: int = 2,
-                 timeout: float = TIMEOUT_S):
+    def __init__(self, group: dist.ProcessGroup, *, chunks: int = 2, dispatch: str = "same",
+                 quant_block: int = 128, timeout: float = TIMEOUT_S):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"EPComm: group must be a torch.distributed ProcessGroup, got "
                             f"{type(group).__name__}")
         positive_seconds(timeout, "EPComm: timeout")
         positive_int(chunks, "EPComm: chunks")
+        positive_int(quant_block, "EPComm: quant_block")
+        if dispatch not in DISPATCH:
+            raise ValueError(f"EPComm: dispatch must be one of {DISPATCH}, got {dispatch!r}")
         self.group, self.timeout, self.chunks = group, float(timeout), int(chunks)
+        self.dispatch, self.quant_block = dispatch, int(quant_block)
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.global_rank = dist.get_rank()
 
     def __repr__(self) -> str:
         return (f"EPComm(rank {self.rank}/{self.world}, chunks={self.chunks}, "
-                f"timeout={self.timeout:g}s)")
+                f"dispatch={self.dispatch!r}, timeout={self.timeout:g}s)")
 
     def all_to_all(self, x: torch.Tensor, out_splits: list[int] | None,
                    in_splits: list[int] | None, *, op: str = "all_to_all") -> torch.Tensor:

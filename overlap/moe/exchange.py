@@ -20,9 +20,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from overlap.comm.quant import kernels as quant
 from overlap.moe.comm import EPComm
 
-__all__ = ["Pieces", "static_pieces", "counted_pieces", "exchange"]
+__all__ = ["Pieces", "static_pieces", "counted_pieces", "exchange", "encode", "decode"]
 
 
 class Pieces(NamedTuple):
@@ -117,12 +118,40 @@ def counted_pieces(send_n: list[list[int]], recv_n: list[list[int]], pieces: int
     return _build(send_n, recv_n, take, take, c, device)
 
 
+def encode(x: torch.Tensor, comm: EPComm) -> torch.Tensor:
+    """The dispatch's wire rows: ``x`` itself, bf16, or per row ``[d int8 codes | d/block fp32
+    scales]`` as one int8 row (the quantized collectives' kernels, round to nearest)."""
+    if comm.dispatch == "same":
+        return x
+    if comm.dispatch == "bf16":
+        return x.to(torch.bfloat16)
+    rows, d = x.shape
+    block = comm.quant_block
+    wire = torch.empty(rows, d + 4 * (d // block), dtype=torch.int8, device=x.device)
+    if rows:
+        quant.quantize_into(x.contiguous().reshape(-1), wire[:, :d],
+                            wire[:, d:].view(torch.float32), block=block, flat_row=d)
+    return wire
+
+
+def decode(wire: torch.Tensor, comm: EPComm, d: int, dtype: torch.dtype) -> torch.Tensor:
+    if comm.dispatch == "same":
+        return wire
+    if comm.dispatch == "bf16":
+        return wire.to(dtype)
+    out = torch.empty(wire.shape[0] * d, dtype=torch.float32, device=wire.device)
+    if wire.shape[0]:
+        quant.dequantize_into(wire[:, :d], wire[:, d:].view(torch.float32), out,
+                              block=comm.quant_block, flat_row=d)
+    return out.view(-1, d).to(dtype)
+
+
 class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, w1, w2, local_x, pieces: Pieces, comm: EPComm, experts: Callable,
                 local: Callable | None, *local_params):
         n = len(pieces.send_index)
-        posted = [comm.post(rows.index_select(0, pieces.send_index[p]),
+        posted = [comm.post(encode(rows.index_select(0, pieces.send_index[p]), comm),
                             pieces.recv_splits[p], pieces.send_splits[p], op="moe dispatch")
                   for p in range(n)]
         local_saved = None
@@ -134,7 +163,7 @@ class _Exchange(torch.autograd.Function):
         w1_, w2_ = w1.detach().requires_grad_(), w2.detach().requires_grad_()
         saved, combines = [], []
         for p in range(n):
-            got = comm.finish(posted[p])
+            got = decode(comm.finish(posted[p]), comm, rows.shape[1], rows.dtype)
             with torch.enable_grad():
                 x = got.index_select(0, pieces.regroup[p]).requires_grad_()
                 y = experts(x, w1_, w2_, pieces.offsets[p])

@@ -8,7 +8,8 @@ Capacity mode (``capacity_factor``): ``C = ceil(cf * T * k / E)`` slots per (sou
 expert); assignments are served slot-major (every token's first choice before any second
 choice), then in token order, and those past ``C`` are dropped: static all-to-all splits and
 0 host syncs. Dropless mode: exact counts; EP > 1 reads the split sizes on the host once per
-forward (the backward reuses them). Every rank of the group must pass the same settings.
+forward (the backward reuses them). Every rank of the group must pass the same settings
+(checked once, at construction).
 The narrative: docs/moe.md.
 """
 
@@ -21,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from overlap.defaults import positive_int
-from overlap.moe.comm import EPComm
+from overlap.moe.comm import DISPATCH, EPComm
 from overlap.moe.exchange import counted_pieces, exchange, static_pieces
 from overlap.moe.experts import SwiGLU, SwiGLUExperts, swiglu_grouped
 from overlap.moe.router import TopKRouter, load_balancing_loss, z_loss
@@ -64,6 +65,10 @@ class MoE(nn.Module):
                 and capacity_factor > 0 and math.isfinite(capacity_factor)):
             raise ValueError(f"MoE: capacity_factor must be None (dropless) or a positive "
                              f"number, got {capacity_factor!r}")
+        if comm is not None and comm.dispatch == "int8" and d_model % comm.quant_block:
+            raise ValueError(f"MoE: d_model={d_model} is not a multiple of the EPComm's "
+                             f"quant_block={comm.quant_block} (INT8 dispatch scales whole "
+                             f"blocks of a row) (rank {rank})")
         self.comm, self.ep, self.ep_rank = comm, ep, rank
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
@@ -80,7 +85,9 @@ class MoE(nn.Module):
         if comm is not None:
             comm.check_same("MoE", d_model=d_model, d_ff=d_ff, num_experts=num_experts,
                             top_k=top_k, capacity=-1.0 if capacity_factor is None
-                            else float(capacity_factor))
+                            else float(capacity_factor), chunks=comm.chunks,
+                            dispatch=DISPATCH.index(comm.dispatch),
+                            quant_block=comm.quant_block)
         self.aux: MoEAux | None = None
         self._static_pieces: dict = {}
 
