@@ -18,7 +18,8 @@ TP = [f"tp.{op}.{be}" for op in ("all_gather_matmul", "matmul_reduce_scatter",
 QUANT = [f"quant.{op}.{dt}.{mode}" for op in ("all_reduce", "reduce_scatter", "all_gather")
          for dt in ("int8", "bf16") for mode in ("sync", "async")]
 CPU_CHECKS = TP + QUANT + ["symm.signal_ring", "symm.signal_ring.triton", "streams.event_order",
-                           "symm.poisoned_output", "pp.1f1b_step",
+                           "symm.poisoned_output", "pp.1f1b_step", "ep.moe.capacity",
+                           "ep.moe.dropless", "ep.int8_dispatch",
                            "timeout.missing_peer.all_gather_matmul"]
 NO_GPU = not torch.cuda.is_available()
 PEER_TIMEOUT = 2.0
@@ -44,7 +45,7 @@ def test_cli_runs_every_check_and_passes(tmp_path):
         assert c["passed"] is True and c["error"] == "", c
         assert 0 < c["seconds"] < 60, c
         assert c["measured"] <= c["limit"], c
-    for name in TP + ["pp.1f1b_step"]:
+    for name in TP + ["pp.1f1b_step", "ep.moe.capacity", "ep.moe.dropless"]:
         assert (checks[name]["metric"], checks[name]["limit"]) == ("rel err", 1e-5)
     # The lossy paths lose something (so they ran quantized), and stay within their bounds.
     for name in QUANT:
@@ -53,6 +54,9 @@ def test_cli_runs_every_check_and_passes(tmp_path):
     for name in ("symm.signal_ring", "symm.signal_ring.triton", "streams.event_order",
                  "symm.poisoned_output"):
         assert (checks[name]["measured"], checks[name]["limit"]) == (0.0, 0.0)
+    # The INT8 dispatch quantizes (a nonzero error) and stays within Q(M) of every value.
+    ep = checks["ep.int8_dispatch"]
+    assert ep["metric"] == "err/bound" and 0.05 < ep["measured"] <= ep["limit"] == 1.0, ep
     # Rank 0 (stage 0 of 2 GPT blocks) compares its parameters' gradients in both steps.
     assert checks["pp.1f1b_step"]["detail"].endswith("over 2 steps")
     timeout = checks["timeout.missing_peer.all_gather_matmul"]
@@ -63,13 +67,15 @@ def test_cli_runs_every_check_and_passes(tmp_path):
     rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1]
             and line.split()[0] in checks]
     assert [r[0] for r in rows] == CPU_CHECKS and all(r[1] == "pass" for r in rows)
-    assert "27 of 27 checks passed" in proc.stdout
+    assert "30 of 30 checks passed" in proc.stdout
     env = doc["environment"]
     assert (env["nccl"], env["peer_access"], env["nvlink"]) == ("n/a", "n/a", "n/a")
 
 
 @pytest.mark.parametrize("name, metric", [("tp.matmul_reduce_scatter.symmetric", "rel err"),
                                           ("pp.1f1b_step", "rel err"),
+                                          ("ep.moe.dropless", "rel err"),
+                                          ("ep.int8_dispatch", "err/bound"),
                                           ("streams.event_order", "max |err|"),
                                           ("symm.poisoned_output", "wrong elements"),
                                           ("quant.all_gather.int8.async", "err/bound")])

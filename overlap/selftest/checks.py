@@ -4,8 +4,8 @@ returns what it measured (``Measured``: value <= limit passes) or raises.
 Every rank builds every input from fixed seeds and computes the unsharded reference locally;
 every check gets its own process group (``ctx.new_group()``), so a failure stays in it.
 Tolerances:
-- fused TP ops and the pipeline step: max |got - ref| / (1 + max |ref|) <= 1e-5 over the output
-  and every gradient (fp32);
+- fused TP ops, the pipeline step and the MoE layer: max |got - ref| / (1 + max |ref|) <= 1e-5
+  over the output and every gradient (fp32); the INT8 EP dispatch: err / Q(M) <= 1;
 - INT8 collectives: max |err| / bound <= 1, the per-element bound of ``overlap.comm.quant``
   (Q(M) = M/254 + M*2^-21 + 2^-118 per quantization of a block with absmax M);
 - BF16 collectives, u = 2^-8, A_i = sum_r |x_r,i|: all_gather u*|x_i|; reduce_scatter
@@ -385,6 +385,54 @@ def poisoned_output(ctx: RankContext, numel: int = 256) -> Measured:
     return Measured(bad, 0.0, "wrong elements")
 
 
+# ---------------------------------------------------------------- expert parallelism
+def _ep_layer(mode: str) -> Callable[[RankContext], Measured]:
+    """The MoE layer over an EP group of every rank vs the single-process reference: output,
+    input gradient and every gradient of this rank's experts and the router."""
+    def run(ctx: RankContext) -> Measured:
+        from overlap.moe import EPComm, MoE, reference_moe
+
+        n, r, d, f, e, k = ctx.world, ctx.rank, 16, 16, 2 * ctx.world, 2
+        cf = 1.0 if mode == "capacity" else None
+        xs, gs = ctx.randn(n, 12, d, seed=11), ctx.randn(n, 12, d, seed=12)
+        torch.manual_seed(5)
+        layer = MoE(d, f, e, k, capacity_factor=cf, device=ctx.device,
+                    comm=EPComm(ctx.new_group(), chunks=2, timeout=ctx.op_timeout))
+        torch.manual_seed(5)
+        ref = MoE(d, f, e, k, capacity_factor=cf, device=ctx.device)
+        x = xs[r].clone().requires_grad_()
+        y = layer(x)
+        y.backward(gs[r])
+        xr = [xs[q].clone().requires_grad_() for q in range(n)]
+        outs = [reference_moe(xr[q], ref)[0] for q in range(n)]
+        sum((o * gs[q]).sum() for q, o in enumerate(outs)).backward()
+        mine = slice(r * (e // n), (r + 1) * (e // n))
+        err = max(_rel_err(ctx.observed(y), outs[r]), _rel_err(x.grad, xr[r].grad),
+                  _rel_err(layer.experts.w_gate_up.grad, ref.experts.w_gate_up.grad[mine]),
+                  _rel_err(layer.experts.w_down.grad, ref.experts.w_down.grad[mine]))
+        return Measured(err, REL_TOL, "rel err", f"EP {n}, {mode}, chunks 2")
+
+    return run
+
+
+def ep_int8_dispatch(ctx: RankContext) -> Measured:
+    """The INT8 dispatch with identity experts: every value the owner received within Q(M) of
+    the exact one (M: its block's absmax)."""
+    from overlap.moe import EPComm
+    from overlap.moe.exchange import exchange, static_pieces
+
+    n, r, el, cap, d = ctx.world, ctx.rank, 2, 3, 2 * _BLOCK
+    comm = EPComm(ctx.new_group(), chunks=2, dispatch="int8", quant_block=_BLOCK,
+                  timeout=ctx.op_timeout)
+    rows = ctx.randn(n * el * cap, d, seed=20 + r)
+    one = torch.zeros(1, device=ctx.device)
+    back, _ = exchange(rows, one, one, static_pieces(n, el, cap, 2, ctx.device), comm,
+                       lambda x, a, b, offs: x)
+    bound = _int8_q(rows.reshape(-1, _BLOCK).abs().amax(1, keepdim=True))
+    err = (ctx.observed(back) - rows).abs().reshape(-1, _BLOCK)
+    return Measured(float((err / bound).max()), 1.0, "err/bound", f"EP {n}, block {_BLOCK}")
+
+
 def plan(device: torch.device) -> list[tuple[str, Callable[[RankContext], Measured | None]]]:
     """Every check for this device type, in run order (the same list on every rank)."""
     checks: list[tuple[str, Callable[[RankContext], Measured | None]]] = [
@@ -399,5 +447,7 @@ def plan(device: torch.device) -> list[tuple[str, Callable[[RankContext], Measur
     checks.append(("streams.event_order", stream_order))
     checks.append(("symm.poisoned_output", poisoned_output))
     checks.append(("pp.1f1b_step", pipeline_step))
+    checks += [(f"ep.moe.{mode}", _ep_layer(mode)) for mode in ("capacity", "dropless")]
+    checks.append(("ep.int8_dispatch", ep_int8_dispatch))
     checks.append(("timeout.missing_peer.all_gather_matmul", missing_peer))
     return checks
