@@ -73,13 +73,13 @@ def _torch_layer(layer):
             start = end
         return torch.cat(outs)
 
-    def static(slots, c):
+    def static(slots, c, x2):
         el, ep, d = layer.num_local, layer.ep, layer.d_model
         recv = a2a(slots, None, None, group)
         grouped = recv.reshape(ep, el, c, d).transpose(0, 1).reshape(el * ep * c, d)
         y = experts_loop(grouped, [(j + 1) * ep * c for j in range(el)])
         y = y.reshape(el, ep, c, d).transpose(0, 1).reshape(ep * el * c, d)
-        return a2a(y, None, None, group)
+        return a2a(y, None, None, group), None  # the layer adds its shared expert itself
 
     layer._experts_static = static
     return layer

@@ -48,13 +48,21 @@ def _loss(y, g, aux):
     return (y * g).sum() + 0.01 * aux.load_balancing + 0.001 * aux.z
 
 
-def _ep_case(cf, score, shared, chunks):
-    from overlap.moe import EPComm, MoE, reference_moe
+def _comm(backend, **kw):
+    from overlap.moe import EPComm
+
+    extra = dict(max_tokens=24) if backend == "symmetric" else {}
+    return EPComm(dist.group.WORLD, backend=backend, timeout=30, **extra, **kw)
+
+
+def _ep_case(cf, score, shared, chunks, backend):
+    from overlap.moe import MoE, reference_moe
 
     rank, world = dist.get_rank(), dist.get_world_size()
     kw = dict(capacity_factor=cf, score=score, shared_d_ff=16 if shared else None)
     torch.manual_seed(0)
-    layer = MoE(D, FF, E, K, comm=EPComm(dist.group.WORLD, chunks=chunks, timeout=30), **kw)
+    comm = _comm(backend, chunks=chunks)
+    layer = MoE(D, FF, E, K, comm=comm, **kw)
     torch.manual_seed(0)
     ref = MoE(D, FF, E, K, **kw)
     el = E // world
@@ -107,6 +115,7 @@ def _ep_case(cf, score, shared, chunks):
         note(f"param {n}", p.detach()[ok], want[ok])
         errs[f"bound {n}"] = float((p.detach() - want).abs().max()) / (3 * LR * 1.1) * TOL
         errs[f"ill-conditioned share {n}"] = float((~ok).float().mean()) * TOL / 0.2
+    comm.close()
     return errs
 
 
@@ -117,8 +126,9 @@ CASES = [(None, "softmax", False, 1), (1.0, "softmax", True, 2), (0.5, "sigmoid"
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("cf,score,shared,chunks", CASES)
-def test_ep_layer_matches_reference(world, cf, score, shared, chunks):
-    res = run_ranks(_ep_case, world, cf, score, shared, chunks, timeout=120)
+@pytest.mark.parametrize("backend", ["chunked", "symmetric"])
+def test_ep_layer_matches_reference(world, cf, score, shared, chunks, backend):
+    res = run_ranks(_ep_case, world, cf, score, shared, chunks, backend, timeout=120)
     for rank, errs in enumerate(res):
         assert errs["dropped_diff"] == 0, f"rank {rank}: drop counts differ: {errs}"
         if cf == 0.5:
@@ -129,12 +139,13 @@ def test_ep_layer_matches_reference(world, cf, score, shared, chunks):
         assert not bad, f"rank {rank} (world {world}): beyond {TOL}: {bad}"
 
 
-def _host_syncs(cf):
-    from overlap.moe import EPComm, MoE
+def _host_syncs(cf, backend):
+    from overlap.moe import MoE
     from overlap.profile.syncs import count_host_syncs
 
     torch.manual_seed(0)
-    layer = MoE(D, FF, E, K, comm=EPComm(dist.group.WORLD, timeout=30), capacity_factor=cf)
+    comm = _comm(backend)
+    layer = MoE(D, FF, E, K, comm=comm, capacity_factor=cf)
     x = torch.randn(2, 12, D, generator=torch.Generator().manual_seed(dist.get_rank()))
     layer(x).sum().backward()  # warm-up
     counts = []
@@ -145,13 +156,18 @@ def _host_syncs(cf):
         with count_host_syncs() as bwd:
             loss.backward()
         counts.append((fwd.count, bwd.count, fwd.where))
+    comm.close()
     return counts
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("cf,want_fwd", [(1.0, 0), (None, 1)])
-def test_host_syncs_per_direction(world, cf, want_fwd):
-    for rank, counts in enumerate(run_ranks(_host_syncs, world, cf, timeout=60)):
+@pytest.mark.parametrize("cf,backend,want_fwd", [(1.0, "chunked", 0), (None, "chunked", 1),
+                                                 (1.0, "symmetric", 0),
+                                                 (None, "symmetric", 0)])
+def test_host_syncs_per_direction(world, cf, backend, want_fwd):
+    """Capacity mode: 0; dropless: 1 in the forward on the chunked backend (NCCL's uneven
+    all_to_all takes host split sizes), 0 on the symmetric one (offsets on the device)."""
+    for rank, counts in enumerate(run_ranks(_host_syncs, world, cf, backend, timeout=60)):
         for fwd, bwd, where in counts:
             assert (fwd, bwd) == (want_fwd, 0), f"rank {rank}: fwd {fwd} bwd {bwd}: {where}"
 
@@ -210,7 +226,7 @@ def test_bad_inputs_raise_on_every_rank():
         assert "dispatch must be one of" in errs[9] and "'fp8'" in errs[9], errs[9]
 
 
-def _peer_fault(kind, cf, timeout):
+def _peer_fault(kind, cf, timeout, backend="chunked"):
     import os
     import time
 
@@ -218,7 +234,9 @@ def _peer_fault(kind, cf, timeout):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    layer = MoE(D, FF, E, K, comm=EPComm(dist.group.WORLD, chunks=2, timeout=timeout),
+    extra = dict(max_tokens=12) if backend == "symmetric" else {}
+    layer = MoE(D, FF, E, K, comm=EPComm(dist.group.WORLD, chunks=2, timeout=timeout,
+                                         backend=backend, **extra),
                 capacity_factor=cf)
     x = torch.randn(12, D)
     layer(x).sum().backward()  # one good step first
@@ -253,6 +271,68 @@ def test_dead_or_stalled_peer_is_an_error_on_every_survivor(kind, cf):
         assert took <= 2 * timeout + 1, (took, msg)
         if kind == "stalled":
             assert "timed out" in msg, msg
+
+
+@pytest.mark.parametrize("kind", ["dead", "stalled"])
+@pytest.mark.parametrize("cf", [1.0, None])
+def test_symmetric_dead_or_stalled_peer_is_an_error_on_every_survivor(kind, cf):
+    """The userbuffer waits end with the cause (PeerDied at once for a dead peer, SignalTimeout
+    after the timeout for a stalled one); the first survivor to see it aborts the workspace, so
+    the others end too, with its reason."""
+    from harness import run_ranks_outcomes
+
+    timeout, world = 2.0, 4
+    outcomes = run_ranks_outcomes(_peer_fault, world, kind, cf, timeout, "symmetric",
+                                  timeout=60, grace=20)
+    for out in outcomes[:-1]:
+        assert out.status == "ok", (out.status, out.error)
+        took, msg = out.value
+        assert msg.startswith("RuntimeError") and "moe dispatch" in msg, msg
+        assert f"(rank {out.rank}" in msg and "rank 3" in msg, msg
+        assert took <= 2 * timeout + 1, (took, msg)
+        if kind == "stalled":
+            assert "within 2s" in msg, msg
+        else:
+            assert "has exited" in msg, msg
+
+
+def _too_many_tokens(tokens_on_1):
+    import time
+
+    from overlap.moe import EPComm, MoE
+
+    rank = dist.get_rank()
+    comm = EPComm(dist.group.WORLD, backend="symmetric", max_tokens=24, timeout=30)
+    torch.manual_seed(0)
+    layer = MoE(D, FF, E, K, comm=comm)
+    layer(torch.randn(24, D)).sum().backward()  # at the limit: fine
+    t0 = time.monotonic()
+    try:
+        layer(torch.randn(tokens_on_1 if rank == 1 else 12, D))
+    except (ValueError, RuntimeError) as exc:
+        took, msg = time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
+    else:
+        took, msg = time.monotonic() - t0, "returned"
+    try:  # the communicator stays failed
+        layer(torch.randn(12, D))
+    except RuntimeError as exc:
+        after = str(exc)
+    else:
+        after = "returned"
+    comm.close()
+    return took, msg, after
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_symmetric_buffers_too_small_is_an_error_on_every_rank(world):
+    """More tokens than max_tokens on one rank: a ValueError there, and on every peer a
+    RuntimeError with that reason at once (the workspace is aborted), not a timeout."""
+    for rank, (took, msg, after) in enumerate(run_ranks(_too_many_tokens, world, 25,
+                                                        timeout=60)):
+        assert "25 tokens on rank 1 exceed the EPComm's max_tokens=24" in msg, (rank, msg)
+        assert msg.startswith("ValueError" if rank == 1 else "RuntimeError"), (rank, msg)
+        assert took < 10, (rank, took)
+        assert "failed earlier" in after, (rank, after)
 
 
 def _wire_round_trip(dispatch, cf):

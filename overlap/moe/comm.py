@@ -1,6 +1,8 @@
 """EPComm: the expert-parallel communicator of a process group (the MoE layer's ``comm=``).
 
-``chunks``: pieces per exchange (1: the sequential schedule; see overlap.moe.exchange).
+``backend``: "chunked" (all_to_all pieces; ``chunks`` per exchange, 1 is the sequential
+schedule) or "symmetric" (rows written into the owners' userbuffers, overlap.moe.symmetric;
+buffers sized for ``max_tokens`` tokens per rank per call; call ``close()`` on every rank).
 ``dispatch``: "same", "bf16" or "int8" (blockwise, ``quant_block`` values per scale) on the wire
 for the forward dispatch only; the combine and every gradient travel in the activation dtype.
 ``all_to_all(x, out_splits, in_splits)`` (or ``post`` then ``finish``) exchanges rows of
@@ -12,15 +14,20 @@ The narrative: docs/moe.md.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from overlap.defaults import TIMEOUT_S, positive_int, positive_seconds
+from overlap.symm.workspace import PeerDied, SignalTimeout, create_workspace
 from overlap.tp.collectives import wait
 
-__all__ = ["EPComm", "DISPATCH"]
+__all__ = ["EPComm", "DISPATCH", "BACKENDS"]
+
+BACKENDS = ("chunked", "symmetric")
 
 # What the dispatch puts on the wire: the activations as they are, bf16, or blockwise INT8
 # (codes and one fp32 scale per quant_block values; see docs/moe.md for the bound).
@@ -31,7 +38,8 @@ class EPComm:
     """Holds the group, this rank's place in it and the timeout; no state between calls."""
 
     def __init__(self, group: dist.ProcessGroup, *, chunks: int = 2, dispatch: str = "same",
-                 quant_block: int = 128, timeout: float = TIMEOUT_S):
+                 quant_block: int = 128, timeout: float = TIMEOUT_S,
+                 backend: str = "chunked", max_tokens: int | None = None):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"EPComm: group must be a torch.distributed ProcessGroup, got "
                             f"{type(group).__name__}")
@@ -40,14 +48,106 @@ class EPComm:
         positive_int(quant_block, "EPComm: quant_block")
         if dispatch not in DISPATCH:
             raise ValueError(f"EPComm: dispatch must be one of {DISPATCH}, got {dispatch!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"EPComm: backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "symmetric":
+            if max_tokens is None:
+                raise ValueError("EPComm: backend='symmetric' needs max_tokens= (tokens per "
+                                 "rank per call; its buffers are sized for the worst case)")
+            positive_int(max_tokens, "EPComm: max_tokens")
+        self.backend = backend
+        self.max_tokens = None if max_tokens is None else int(max_tokens)
+        self._ws = None           # the symmetric backend's workspace (made by reserve)
+        self._phase = 0
+        self._failed: str | None = None
         self.group, self.timeout, self.chunks = group, float(timeout), int(chunks)
         self.dispatch, self.quant_block = dispatch, int(quant_block)
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.global_rank = dist.get_rank()
 
     def __repr__(self) -> str:
-        return (f"EPComm(rank {self.rank}/{self.world}, chunks={self.chunks}, "
+        return (f"EPComm(rank {self.rank}/{self.world}, {self.backend}, chunks={self.chunks}, "
                 f"dispatch={self.dispatch!r}, timeout={self.timeout:g}s)")
+
+    # -- the symmetric backend's workspace
+    def reserve(self, nbytes: int, device) -> None:
+        """Make the workspace hold at least ``nbytes`` per rank (collective: every rank
+        reserves in the same order, as it builds the same layers)."""
+        if self._ws is not None and self._ws.nbytes >= nbytes:
+            return
+        if self._ws is not None:
+            self._ws.close()
+        self._ws = create_workspace(self.group, nbytes, num_signals=2 * self.world,
+                                    device=device, timeout=self.timeout)
+        self._phase = 0
+
+    def workspace(self, op: str):
+        if self._failed is not None:
+            raise RuntimeError(f"{op}: this EPComm failed earlier and cannot be used again: "
+                               f"{self._failed} (rank {self.global_rank})")
+        if self._ws is None:
+            raise RuntimeError(f"{op}: the EPComm has no workspace (closed, or no layer "
+                               f"reserved one) (rank {self.global_rank})")
+        return self._ws
+
+    def next_phase(self, op: str) -> int:
+        self._phase += 1
+        return self._phase
+
+    def wait_signal(self, ws, slot: int, value: int, peer: int, what: str) -> None:
+        try:
+            ws.wait(slot, value, self.timeout, peer=peer)
+        except (SignalTimeout, PeerDied) as exc:
+            # The peers learn the cause from the abort reason, which holds 80 bytes.
+            if isinstance(exc, SignalTimeout):
+                short = f"no signal from EP rank {peer} within {self.timeout:g}s"
+            elif " aborted: " in str(exc):
+                short = str(exc).split(" aborted: ", 1)[1]
+            else:
+                short = f"EP rank {exc.peer} has exited"
+            error = RuntimeError(f"{what}: {exc} (rank {self.global_rank}, EP group of "
+                                 f"{self.world})")
+            error.short = short
+            raise error from exc
+
+    @contextlib.contextmanager
+    def guard(self, op: str):
+        """Any error inside a symmetric call fails the communicator: the peers' waits end at
+        once with the (short) reason, and every later call raises."""
+        try:
+            yield
+        except BaseException as exc:
+            self.fail(getattr(exc, "short", None) or f"{op} failed on EP rank {self.rank}: "
+                      f"{type(exc).__name__}")
+            raise
+
+    def fail(self, reason: str) -> None:
+        if self._failed is not None or self._ws is None:
+            self._failed = self._failed or reason
+            return
+        self._failed = reason
+        ws = self._ws
+        try:
+            ws.abort(reason)
+        except Exception:
+            pass
+        # Freed once the peers let go of this rank's buffer (bounded), off the caller's path.
+        threading.Thread(target=ws.close, kwargs={"timeout": min(5.0, self.timeout)},
+                         daemon=True, name="overlap-ep-deferred-free").start()
+
+    def close(self) -> None:
+        """Free the symmetric workspace (every rank closes it, as every rank made it)."""
+        ws, self._ws = self._ws, None
+        if ws is not None and self._failed is None:
+            ws.close(timeout=min(5.0, self.timeout))
+
+    def __del__(self) -> None:
+        try:
+            ws, self._ws = self._ws, None
+            if ws is not None:
+                ws.close(wait_for_peers=False)
+        except Exception:
+            pass
 
     def all_to_all(self, x: torch.Tensor, out_splits: list[int] | None,
                    in_splits: list[int] | None, *, op: str = "all_to_all") -> torch.Tensor:

@@ -22,12 +22,17 @@ import torch
 import torch.nn as nn
 
 from overlap.defaults import positive_int
-from overlap.moe.comm import DISPATCH, EPComm
+from overlap.moe.comm import BACKENDS, DISPATCH, EPComm
 from overlap.moe.exchange import counted_pieces, exchange, static_pieces
 from overlap.moe.experts import SwiGLU, SwiGLUExperts, swiglu_grouped
 from overlap.moe.router import TopKRouter, load_balancing_loss, z_loss
+from overlap.moe.symmetric import Layout, Route, exchange_symmetric
 
 __all__ = ["MoE", "MoEAux", "capacity"]
+
+
+def _align16(n: int) -> int:
+    return -(-n // 16) * 16
 
 
 class MoEAux(NamedTuple):
@@ -87,9 +92,28 @@ class MoE(nn.Module):
                             top_k=top_k, capacity=-1.0 if capacity_factor is None
                             else float(capacity_factor), chunks=comm.chunks,
                             dispatch=DISPATCH.index(comm.dispatch),
-                            quant_block=comm.quant_block)
+                            quant_block=comm.quant_block,
+                            backend=BACKENDS.index(comm.backend),
+                            max_tokens=comm.max_tokens or 0)
         self.aux: MoEAux | None = None
         self._static_pieces: dict = {}
+        self._layout = None
+        if comm is not None and comm.backend == "symmetric" and ep > 1:
+            self._layout = self._symmetric_layout(self.experts.w_gate_up.dtype)
+            comm.reserve(self._layout.nbytes(ep), self.experts.w_gate_up.device)
+
+    def _symmetric_layout(self, dtype: torch.dtype) -> Layout:
+        """The worst case of ``max_tokens`` tokens per rank: dropless, every token's k choices
+        can go to one owner (at most min(k, El) of them); capacity mode, El * C slots."""
+        el, t = self.num_local, self.comm.max_tokens
+        if self.capacity_factor is None:
+            rows = t * min(self.top_k, el)
+        else:
+            rows = el * capacity(t, self.top_k, self.num_experts, self.capacity_factor)
+        act = self.d_model * dtype.itemsize
+        wire = {"same": act, "bf16": 2 * self.d_model,
+                "int8": self.d_model + 4 * (self.d_model // self.comm.quant_block)}
+        return Layout(rows, el, _align16(max(act, wire[self.comm.dispatch])), _align16(act))
 
     @property
     def num_local(self) -> int:
@@ -101,6 +125,12 @@ class MoE(nn.Module):
                              f"{tuple(x.shape)} (rank {self.ep_rank})")
         x2 = x.reshape(-1, self.d_model)
         t, k, e = x2.shape[0], self.top_k, self.num_experts
+        if self._layout is not None and t > self.comm.max_tokens:
+            reason = (f"{t} tokens on rank {self.ep_rank} exceed the EPComm's max_tokens="
+                      f"{self.comm.max_tokens}")
+            self.comm.fail(reason)  # the peers' waits end now, with this reason
+            raise ValueError(f"MoE: {reason} (the symmetric buffers hold that many tokens per "
+                             f"rank per call; the communicator is now failed on every rank)")
         routing = self.router(x2)
         # Assignments in priority order: slot-major (all first choices, then all second...),
         # then token order. ``tok[i]`` is the token of assignment i.
@@ -138,6 +168,18 @@ class MoE(nn.Module):
         if ep == 1:
             offsets = torch.arange(1, el + 1, device=slots.device, dtype=torch.int32) * c
             return self.experts(slots, offsets), None
+        if self._layout is not None:
+            key = ("symmetric", c, slots.device)
+            route = self._static_pieces.get(key)
+            if route is None:  # static shapes: built once per capacity
+                at = torch.arange(slots.shape[0], device=slots.device)
+                route = self._static_pieces[key] = Route(
+                    at // (el * c), at % (el * c),
+                    torch.full((ep, el), c, dtype=torch.int64, device=slots.device),
+                    self._layout)
+            return exchange_symmetric(slots, self.experts.w_gate_up, self.experts.w_down,
+                                      route, self.comm, swiglu_grouped, local=self.shared,
+                                      local_x=x2)
         key = (ep, el, c, self.comm.chunks, slots.device)
         pieces = self._static_pieces.get(key)
         if pieces is None:  # static shapes: built once per (tokens, capacity)
@@ -154,13 +196,22 @@ class MoE(nn.Module):
         # index_add_, not bincount: CUDA's bincount reads the input's max on the host
         counts = torch.zeros(self.num_experts, dtype=torch.int64,
                              device=flat_e.device).index_add_(0, flat_e, torch.ones_like(flat_e))
-        y_sorted, shared = self._experts_dropless(x2[tok[order]], counts, x2)
+        y_sorted, shared = self._experts_dropless(x2[tok[order]], counts, x2, flat_e[order])
         return y_sorted[torch.argsort(order)], shared
 
-    def _experts_dropless(self, rows, counts, x2):
+    def _experts_dropless(self, rows, counts, x2, experts_sorted):
         el, ep = self.num_local, self.ep
         if ep == 1:
             return self.experts(rows, counts.cumsum(0).to(torch.int32)), None
+        if self._layout is not None:  # every index on the device: no host sync
+            per_owner = counts.view(ep, el)
+            totals = per_owner.sum(1)
+            owner = experts_sorted // el
+            place = torch.arange(rows.shape[0], device=rows.device) - (
+                totals.cumsum(0) - totals)[owner]
+            return exchange_symmetric(rows, self.experts.w_gate_up, self.experts.w_down,
+                                      Route(owner, place, per_owner, self._layout), self.comm,
+                                      swiglu_grouped, local=self.shared, local_x=x2)
         # Counts per (source, local expert), then on the host: the one declared host sync of
         # the dropless EP forward (NCCL's uneven all_to_all takes host split sizes).
         recv_counts = self.comm.all_to_all(counts, None, None, op="moe counts")

@@ -1,0 +1,204 @@
+"""The symmetric (userbuffer) EP exchange: rows written straight into the owners' buffers.
+
+Every rank's workspace holds, per source rank ``s``: a counts row ``[El]`` int64, a receive
+region of ``R + 1`` rows (``R``: the layer's rows per source; the last row takes the writes a
+destination does not want) and a combine region of ``R`` rows. A call (phase ``p``): each source
+writes its rows for owner ``o`` at their place inside ``o``'s region ``s`` and its counts, then
+signals ``o``; each owner runs its experts on a source's region as soon as that source's signal
+is there (its own first), with offsets from the counts on the device, and writes the results
+into the source's combine region, then signals it; each source gathers its rows back. No host
+sync in either mode. Buffers are single: a source writes call p+1 only after reading every
+combine of call p, which each owner wrote after reading that source's call-p rows.
+The narrative: docs/moe.md.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from overlap.moe.exchange import decode, encode
+
+__all__ = ["Route", "Layout", "exchange_symmetric"]
+
+
+class Layout(NamedTuple):
+    """Byte layout of one layer's calls in a rank's workspace."""
+    rows: int         # R: rows per (source, owner) pair
+    num_local: int    # El
+    row_in: int       # bytes of a receive row (max of the wire row and the activation row)
+    row_out: int      # bytes of a combine row
+
+    def counts_at(self, s: int) -> int:
+        return 8 * self.num_local * s
+
+    def receive_at(self, ep: int, s: int) -> int:
+        return _align(8 * self.num_local * ep) + s * (self.rows + 1) * self.row_in
+
+    def combine_at(self, ep: int, s: int) -> int:
+        return _align(self.receive_at(ep, ep)) + s * self.rows * self.row_out
+
+    def nbytes(self, ep: int) -> int:
+        return self.combine_at(ep, ep)
+
+
+def _align(n: int, a: int = 64) -> int:
+    return -(-n // a) * a
+
+
+class Route(NamedTuple):
+    """Where each of this rank's rows goes: owner rank and row inside the owner's region."""
+    owner: torch.Tensor    # [rows] int64
+    place: torch.Tensor    # [rows] int64, < layout.rows
+    counts: torch.Tensor   # [ep, El] int64: rows to each (owner, local expert)
+    layout: Layout
+
+
+class _Call:
+    """One phase of the exchange over ``comm``'s workspace (forward or backward)."""
+
+    def __init__(self, comm, layout: Layout, op: str):
+        self.comm, self.ws, self.layout, self.op = comm, comm.workspace(op), layout, op
+        self.ep, self.rank = comm.world, comm.rank
+        self.phase = comm.next_phase(op)
+
+    def _typed(self, r: int, at: int, rows: int, row_bytes: int, dtype) -> torch.Tensor:
+        return self.ws.view(r, dtype, (rows, row_bytes // dtype.itemsize), at)
+
+    def send(self, rows: torch.Tensor, route: Route, counts: bool) -> None:
+        """Write ``rows`` into every owner's region of this rank, then signal the owner."""
+        lay, dtype = self.layout, rows.dtype
+        if rows.shape[1] * dtype.itemsize > lay.row_in:
+            raise ValueError(f"{self.op}: a row of {rows.shape[1]} {dtype} does not fit the "
+                             f"{lay.row_in}-byte rows the layer reserved (rank {self.rank}); "
+                             "inputs must have the layer's dtype")
+        for o in self._order():
+            region = self._typed(o, lay.receive_at(self.ep, self.rank), lay.rows + 1,
+                                 lay.row_in, dtype)[:, :rows.shape[1]]
+            # Rows for other owners land in the trash row R: fixed shapes, no host sync.
+            where = torch.where(route.owner == o, route.place, lay.rows)
+            region.index_copy_(0, where, rows)
+            if counts:
+                self._typed(o, lay.counts_at(self.rank), 1, 8 * lay.num_local,
+                            torch.int64)[0].copy_(route.counts[o])
+            self.ws.signal(o, self.rank, self.phase)
+
+    def receive(self, s: int, width: int, dtype) -> torch.Tensor:
+        """Source ``s``'s rows (all R of them; those past its count are stale), waited for."""
+        self._wait(s, s, "rows from")
+        lay = self.layout
+        return self._typed(self.rank, lay.receive_at(self.ep, s), lay.rows, lay.row_in,
+                           dtype)[:, :width].clone()
+
+    def received_counts(self, s: int) -> torch.Tensor:
+        lay = self.layout
+        return self._typed(self.rank, lay.counts_at(s), 1, 8 * lay.num_local,
+                           torch.int64)[0].clone()
+
+    def answer(self, s: int, y: torch.Tensor) -> None:
+        """Write the results for source ``s`` into its combine region, then signal it."""
+        lay = self.layout
+        self._typed(s, lay.combine_at(self.ep, self.rank), lay.rows, lay.row_out,
+                    y.dtype)[:, :y.shape[1]].copy_(y)
+        self.ws.signal(s, self.ep + self.rank, self.phase)
+
+    def gather(self, route: Route, width: int, dtype) -> torch.Tensor:
+        """This rank's rows back from every owner's answer, in ``rows``' order."""
+        for o in self._order():
+            if o != self.rank:
+                self._wait(self.ep + o, o, "results from")
+        lay = self.layout
+        every = self._typed(self.rank, lay.combine_at(self.ep, 0), self.ep * lay.rows,
+                            lay.row_out, dtype)[:, :width]
+        return every.index_select(0, route.owner * lay.rows + route.place)
+
+    def sources(self) -> list[int]:
+        return self._order()
+
+    def _order(self) -> list[int]:
+        return [(self.rank + i) % self.ep for i in range(self.ep)]
+
+    def _wait(self, slot: int, peer: int, what: str) -> None:
+        if peer == self.rank:
+            return
+        self.comm.wait_signal(self.ws, slot, self.phase, peer, f"{self.op} ({what} EP rank "
+                                                                 f"{peer})")
+
+
+def _valid(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int32 end row of each expert, [rows, 1] bool: row holds a real token)."""
+    ends = counts.cumsum(0)
+    valid = torch.arange(rows, device=counts.device) < ends[-1]
+    return ends.to(torch.int32), valid.unsqueeze(1)
+
+
+class _SymmetricExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, w1, w2, local_x, route: Route, comm, experts: Callable,
+                local: Callable | None, *local_params):
+        d = rows.shape[1]
+        call = _Call(comm, route.layout, "moe dispatch")
+        with comm.guard(call.op):
+            call.send(encode(rows, comm), route, counts=True)
+            local_saved = None
+            if local is not None:  # the shared expert, while the peers' rows arrive
+                with torch.enable_grad():
+                    lx = local_x.detach().requires_grad_()
+                    ly = local(lx)
+                local_saved = (lx, ly)
+            w1_, w2_ = w1.detach().requires_grad_(), w2.detach().requires_grad_()
+            wire = encode(rows[:0], comm)
+            saved = []
+            for s in call.sources():
+                got = call.receive(s, wire.shape[1], wire.dtype)
+                ends, valid = _valid(call.received_counts(s), route.layout.rows)
+                x = torch.where(valid, decode(got, comm, d, rows.dtype), 0)
+                with torch.enable_grad():
+                    x.requires_grad_()
+                    y = experts(x, w1_, w2_, ends)
+                saved.append((s, x, y, ends, valid))
+                call.answer(s, y.detach())
+            back = call.gather(route, d, rows.dtype)
+        ctx.route, ctx.comm, ctx.saved, ctx.weights = route, comm, saved, (w1_, w2_)
+        ctx.local, ctx.local_params = local_saved, local_params
+        local_out = local_saved[1].detach() if local_saved is not None else rows.new_zeros(0)
+        return back, local_out
+
+    @staticmethod
+    def backward(ctx, g_back, g_local):
+        route, comm = ctx.route, ctx.comm
+        g_back = g_back.contiguous()
+        d = g_back.shape[1]
+        call = _Call(comm, route.layout, "moe combine grad")
+        with comm.guard(call.op):
+            call.send(g_back, route, counts=False)
+            local_grads: tuple = ()
+            d_local_x = None
+            if ctx.local is not None:  # the shared expert's backward under the transfers
+                lx, ly = ctx.local
+                grads = torch.autograd.grad(ly, (lx, *ctx.local_params), g_local,
+                                            allow_unused=True)
+                d_local_x, local_grads = grads[0], grads[1:]
+            w1_, w2_ = ctx.weights
+            dw1 = dw2 = None
+            for s, x, y, ends, valid in ctx.saved:
+                g = torch.where(valid, call.receive(s, d, g_back.dtype), 0)
+                dx, d1, d2 = torch.autograd.grad(y, (x, w1_, w2_), g)
+                dw1 = d1 if dw1 is None else dw1 + d1
+                dw2 = d2 if dw2 is None else dw2 + d2
+                call.answer(s, torch.where(valid, dx, 0))
+            d_rows = call.gather(route, d, g_back.dtype)
+        ctx.saved = ctx.local = None
+        return (d_rows, dw1, dw2, d_local_x, None, None, None, None, *local_grads)
+
+
+def exchange_symmetric(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, route: Route,
+                       comm, experts: Callable, *, local: torch.nn.Module | None = None,
+                       local_x: torch.Tensor | None = None):
+    """As ``overlap.moe.exchange.exchange``, over ``comm``'s workspace: ``rows [n, d]`` go to
+    ``route.owner`` at ``route.place``; returns ``(rows_out, local_out or None)``."""
+    params = tuple(local.parameters()) if local is not None else ()
+    back, local_out = _SymmetricExchange.apply(rows, w1, w2, local_x, route, comm, experts,
+                                               local, *params)
+    return back, (local_out if local is not None else None)
