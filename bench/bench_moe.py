@@ -14,10 +14,13 @@ in turn (so drift hits them alike), ``rounds`` rounds, the median reported:
 - ``sequential``: overlap's layer with ``chunks=1`` (dispatch, wait, experts, combine, wait);
 - ``chunked c``: the same layer with the exchange in ``c`` pieces; ``chunked 2 int8`` also
   sends the dispatch as blockwise INT8 (128 values per fp32 scale; its wire_MB counts fp32);
+- ``symmetric``: rows written into the owners' shared-memory userbuffers, each source's
+  rows computed as soon as they are signalled (``symmetric int8``: INT8 dispatch);
 - capacity mode (``capacity_factor`` 1.25) and dropless.
 
 ``ratio`` = sequential / variant (higher is faster). ``comm_ms``: the same four exchanges
-alone; ``best``: the ratio a perfect overlap could reach, sequential / max(sequential -
+alone over gloo (the symmetric rows move through shared memory instead, so their ratio also
+holds the cheaper transport); ``best``: the ratio a perfect overlap could reach, sequential / max(sequential -
 comm_ms, comm_ms). ``wire_MB`` = bytes one rank sends to others per forward + backward
 (capacity mode sends its empty slots too). On this machine the ranks share 2 cores: the question these numbers answer is whether
 the pieces' transfers hide under the other pieces' GEMMs when the transport (gloo over TCP
@@ -34,7 +37,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.runner import Table, command_line, parse_config
+from bench.runner import (Table, TraceOptions, Tracer, check_trace_options, command_line,
+                          finish_trace_column, parse_config, trace_columns)
 
 SHAPES = {
     # name: (tokens per rank, d, f, E, k, shared f or None)
@@ -44,7 +48,7 @@ SHAPES = {
 
 
 @dataclasses.dataclass
-class BenchConfig:
+class BenchConfig(TraceOptions):
     world_sizes: tuple[int, ...] = (2, 4)
     shapes: tuple[str, ...] = tuple(SHAPES)
     chunks: tuple[int, ...] = (2, 4)
@@ -90,6 +94,7 @@ def _rank(cfg: BenchConfig, world: int) -> list[dict] | None:
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     rank, group = dist.get_rank(), dist.group.WORLD
+    tracer = Tracer(cfg, rank=rank, device=torch.device("cpu"), prefix=f"ep{world}_")
     rows = []
     for shape in cfg.shapes:
         t, d, f, e, k, shared = SHAPES[shape]
@@ -102,6 +107,11 @@ def _rank(cfg: BenchConfig, world: int) -> list[dict] | None:
                 name = "sequential" if chunks == 1 else f"chunked {chunks}"
                 variants[(mode, name)] = MoE(d, f, e, k, capacity_factor=cf, shared_d_ff=shared,
                                              comm=EPComm(group, chunks=chunks))
+            for name, dispatch in (("symmetric", "same"), ("symmetric int8", "int8")):
+                torch.manual_seed(0)
+                variants[(mode, name)] = MoE(
+                    d, f, e, k, capacity_factor=cf, shared_d_ff=shared,
+                    comm=EPComm(group, backend="symmetric", max_tokens=t, dispatch=dispatch))
             if cf is not None:
                 torch.manual_seed(0)
                 variants[(mode, "chunked 2 int8")] = MoE(
@@ -128,21 +138,23 @@ def _rank(cfg: BenchConfig, world: int) -> list[dict] | None:
         samples = {key: [] for key in variants}
         comm = {mode: [] for mode in wire}
         dropped = {}
-        for _ in range(cfg.rounds):
-            for key, layer in variants.items():
-                dist.barrier(group=group)
-                t0 = time.perf_counter()
-                dropped[key] = step(layer)
-                dist.barrier(group=group)
-                samples[key].append(time.perf_counter() - t0)
-            for mode, rows_out in wire.items():
-                buf = torch.randn(rows_out, d)
-                dist.barrier(group=group)
-                t0 = time.perf_counter()
-                for _ in range(4):
-                    dist.all_to_all_single(torch.empty_like(buf), buf, group=group)
-                dist.barrier(group=group)
-                comm[mode].append(time.perf_counter() - t0)
+        with tracer.region(shape):
+            for _ in range(cfg.rounds):
+                for key, layer in variants.items():
+                    dist.barrier(group=group)
+                    with tracer.sample(f"{shape} {key}"):
+                        t0 = time.perf_counter()
+                        dropped[key] = step(layer)
+                        dist.barrier(group=group)
+                        samples[key].append(time.perf_counter() - t0)
+                for mode, rows_out in wire.items():
+                    buf = torch.randn(rows_out, d)
+                    dist.barrier(group=group)
+                    t0 = time.perf_counter()
+                    for _ in range(4):
+                        dist.all_to_all_single(torch.empty_like(buf), buf, group=group)
+                    dist.barrier(group=group)
+                    comm[mode].append(time.perf_counter() - t0)
         for (mode, name), layer in variants.items():
             med = statistics.median(samples[(mode, name)])
             base = statistics.median(samples[(mode, "sequential")])
@@ -152,7 +164,11 @@ def _rank(cfg: BenchConfig, world: int) -> list[dict] | None:
                              ms=1e3 * med, ratio=base / med, spread=spread,
                              comm_ms=1e3 * t_comm, best=base / max(base - t_comm, t_comm),
                              wire_MB=4 * wire[mode] * d * 4 * (world - 1) / world / 1e6,
-                             dropped=int(dropped[(mode, name)])))
+                             dropped=int(dropped[(mode, name)]),
+                             **tracer.info(f"{shape} {(mode, name)}")))
+        for layer in variants.values():
+            layer.comm.close()
+    tracer.close()
     return rows if rank == 0 else None
 
 
@@ -171,20 +187,30 @@ def main(argv: list[str] | None = None) -> None:
     from overlap.dist.launch import launch
 
     cfg = parse_config(BenchConfig, __doc__.splitlines()[0], argv)
+    check_trace_options(cfg, "bench_moe", cuda=False)
+    notes = []
+    if cfg.profile:
+        notes.append(f"trace_overlap% = 100 * hidden / communication time over the row's timed "
+                     f"steps on every rank, from torch.profiler traces in {cfg.profile} by "
+                     "overlap-analyze's code (the moe.<backend>.comm/gemm ranges); on CPU "
+                     "gloo's own threads carry no range, so it counts issue and wait time")
     table = Table("MoE layer forward + backward: chunked exchange vs sequential",
-                  ["shape", "ep", "mode", "variant", "ms", "ratio", "spread", "comm_ms",
-                   "best", "wire_MB", "dropped"],
+                  trace_columns(["shape", "ep", "mode", "variant", "ms", "ratio", "spread",
+                                 "comm_ms", "best", "wire_MB", "dropped"], cfg, after="best"),
                   notes=[f"command: {command_line('bench.bench_moe', cfg)}",
                          f"median of {cfg.rounds} rounds, every variant once per round; "
                          "ratio = sequential ms / variant ms (same mode, same run)",
                          "comm_ms: the four exchanges of one step (dispatch, combine, their "
                          "gradients) alone, same volume; best = sequential / max(sequential - "
                          "comm_ms, comm_ms): the ratio a perfect overlap would reach",
-                         "transport: gloo on TCP loopback; ranks share the machine's cores"])
+                         "transport: gloo on TCP loopback (symmetric: POSIX shared memory); ranks "
+                         "share the machine's cores", *notes])
+    rows = []
     for world in cfg.world_sizes:
-        for row in launch(_rank, world, args=(cfg, world), timeout=cfg.timeout,
-                          backend="gloo")[0]:
-            table.add(**row)
+        rows += launch(_rank, world, args=(cfg, world), timeout=cfg.timeout, backend="gloo")[0]
+    finish_trace_column(cfg, rows, cfg.out, "bench_moe")
+    for row in rows:
+        table.add(**row)
     table.publish(cfg.out)
 
 

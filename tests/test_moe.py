@@ -335,6 +335,49 @@ def test_symmetric_buffers_too_small_is_an_error_on_every_rank(world):
         assert "failed earlier" in after, (rank, after)
 
 
+def _nonfinite(cf, backend, check_finite):
+    from overlap.moe import MoE
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = _comm(backend)
+    torch.manual_seed(0)
+    layer = MoE(D, FF, E, K, comm=comm, capacity_factor=cf, check_finite=check_finite)
+    x = torch.randn(12, D, generator=torch.Generator().manual_seed(rank))
+    if rank == world - 1:
+        x[3, 5] = float("nan")
+        x[7, 0] = float("inf")
+    try:
+        y = layer(x)
+    except ValueError as exc:
+        result = f"ValueError: {exc}"
+    else:
+        bad_rows = (~torch.isfinite(y)).any(1).nonzero().flatten().tolist()
+        result = (bad_rows, int(layer.aux.nonfinite))
+    comm.close()
+    return result
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("cf,backend,check_finite", [
+    (None, "chunked", False),      # carried on the counts exchange: always checked
+    (1.0, "chunked", True), (1.0, "symmetric", True), (None, "symmetric", True)])
+def test_nonfinite_router_logits_raise_on_every_rank(world, cf, backend, check_finite):
+    for rank, res in enumerate(run_ranks(_nonfinite, world, cf, backend, check_finite,
+                                         timeout=60)):
+        assert isinstance(res, str), (rank, res)
+        assert "NaN or inf router logits" in res and f"{{{world - 1}: 2}}" in res, (rank, res)
+        assert f"(rank {rank})" in res, res
+
+
+@pytest.mark.parametrize("cf,backend", [(1.0, "chunked"), (1.0, "symmetric"),
+                                        (None, "symmetric")])
+def test_nonfinite_router_logits_unchecked_poison_only_their_tokens(cf, backend):
+    """Without check_finite (0 host syncs), a token whose logits are not finite comes out
+    non-finite, every other token stays finite, and aux.nonfinite counts it."""
+    for rank, res in enumerate(run_ranks(_nonfinite, 2, cf, backend, False, timeout=60)):
+        assert res == (([3, 7], 2) if rank == 1 else ([], 0)), (rank, res)
+
+
 def _wire_round_trip(dispatch, cf):
     """The exchange with identity experts: what comes back is exactly what the owner received
     (the combine travels in the activation dtype), so the error is the dispatch's alone."""
@@ -388,3 +431,31 @@ def test_dispatch_on_the_wire_within_its_bound(world, dispatch, cf):
         assert grad_exact, f"rank {rank}: the straight-through gradient changed"
         if dispatch != "same":
             assert err > 0, f"rank {rank}: {dispatch} dispatch sent exact values"
+
+
+def test_bench_moe_runs_every_variant_and_traces_the_exchange(tmp_path):
+    """A tiny bench_moe run as a user starts it: every variant of both modes in the table,
+    ratios against the same run's sequential row, and with --profile the trace column filled
+    from the moe.<backend> ranges (the chunked rows' transfers partly hidden, so above 0)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "moe"
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_moe", "--world-sizes", "2",
+                           "--rounds", "1", "--warmup", "1", "--shapes", "mixtral-like",
+                           "--out", str(out), "--profile", str(tmp_path / "traces")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    got = {(r["mode"], r["variant"]) for r in rows}
+    for mode in ("capacity", "dropless"):
+        for name in ("sequential", "chunked 2", "chunked 4", "symmetric", "symmetric int8"):
+            assert (mode, name) in got, (mode, name, sorted(got))
+    assert {("capacity", "torch"), ("capacity", "chunked 2 int8")} <= got
+    for r in rows:
+        assert r["ms"] > 0 and r["dropped"] == 0, r
+        seq = next(s for s in rows if s["mode"] == r["mode"] and s["variant"] == "sequential")
+        assert abs(r["ratio"] - seq["ms"] / r["ms"]) < 1e-9, r
+        assert 0 <= r["trace_overlap%"] <= 100, r
+    assert any(r["trace_overlap%"] > 0 for r in rows if r["variant"].startswith("chunked")), rows

@@ -171,6 +171,14 @@ class EPComm:
             wait(posted.work, op=posted.op, group=self.group, timeout=self.timeout, axis="ep")
         return posted.out
 
+    def all_gather_ints(self, value: torch.Tensor, *, op: str) -> list[int]:
+        """Every rank's scalar ``value``, by EP rank (one small all-gather and a host read)."""
+        mine = value.reshape(1).to(torch.int64)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        work = dist.all_gather(every, mine, group=self.group, async_op=True)
+        wait(work, op=op, group=self.group, timeout=self.timeout, axis="ep")
+        return [int(t) for t in every]
+
     def check_same(self, op: str, **values: float) -> None:
         """Every rank passed the same ``values`` (numbers), or a ValueError on every rank that
         names each differing argument and what every rank passed."""

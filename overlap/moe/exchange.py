@@ -22,8 +22,16 @@ import torch
 
 from overlap.comm.quant import kernels as quant
 from overlap.moe.comm import EPComm
+from overlap.profile import names, nvtx
 
-__all__ = ["Pieces", "static_pieces", "counted_pieces", "exchange", "encode", "decode"]
+__all__ = ["Pieces", "static_pieces", "counted_pieces", "exchange", "encode", "decode",
+           "piece_range"]
+
+
+def piece_range(backend: str, role: str, index: object):
+    """The profiler range of one piece of the MoE exchange: ``moe.<backend>.<role>[<index>]``
+    (role comm, gemm or compute; overlap-analyze classifies it by the role)."""
+    return nvtx.range(names.chunk("moe", backend, role, index))
 
 
 class Pieces(NamedTuple):
@@ -151,12 +159,15 @@ class _Exchange(torch.autograd.Function):
     def forward(ctx, rows, w1, w2, local_x, pieces: Pieces, comm: EPComm, experts: Callable,
                 local: Callable | None, *local_params):
         n = len(pieces.send_index)
-        posted = [comm.post(encode(rows.index_select(0, pieces.send_index[p]), comm),
-                            pieces.recv_splits[p], pieces.send_splits[p], op="moe dispatch")
-                  for p in range(n)]
+        posted = []
+        for p in range(n):
+            with piece_range("chunked", "comm", f"dispatch.{p}"):
+                posted.append(comm.post(encode(rows.index_select(0, pieces.send_index[p]), comm),
+                                        pieces.recv_splits[p], pieces.send_splits[p],
+                                        op="moe dispatch"))
         local_saved = None
         if local is not None:  # the shared expert, while the dispatch is in flight
-            with torch.enable_grad():
+            with torch.enable_grad(), piece_range("chunked", "compute", "shared"):
                 lx = local_x.detach().requires_grad_()
                 ly = local(lx)
             local_saved = (lx, ly)
@@ -164,13 +175,14 @@ class _Exchange(torch.autograd.Function):
         saved, combines = [], []
         for p in range(n):
             got = decode(comm.finish(posted[p]), comm, rows.shape[1], rows.dtype)
-            with torch.enable_grad():
+            with torch.enable_grad(), piece_range("chunked", "gemm", p):
                 x = got.index_select(0, pieces.regroup[p]).requires_grad_()
                 y = experts(x, w1_, w2_, pieces.offsets[p])
             saved.append((x, y))
-            combines.append(comm.post(y.detach().index_select(0, pieces.ungroup[p]),
-                                      pieces.send_splits[p], pieces.recv_splits[p],
-                                      op="moe combine"))
+            with piece_range("chunked", "comm", f"combine.{p}"):
+                combines.append(comm.post(y.detach().index_select(0, pieces.ungroup[p]),
+                                          pieces.send_splits[p], pieces.recv_splits[p],
+                                          op="moe combine"))
         back = rows.new_zeros(rows.shape)
         for p in range(n):
             back.index_copy_(0, pieces.send_index[p], comm.finish(combines[p]))
@@ -185,27 +197,33 @@ class _Exchange(torch.autograd.Function):
         pieces, comm, saved = ctx.pieces, ctx.comm, ctx.saved
         n = len(pieces.send_index)
         g_back = g_back.contiguous()
-        posted = [comm.post(g_back.index_select(0, pieces.send_index[p]),
-                            pieces.recv_splits[p], pieces.send_splits[p], op="moe combine grad")
-                  for p in range(n)]
+        posted = []
+        for p in range(n):
+            with piece_range("chunked", "comm", f"combine_grad.{p}"):
+                posted.append(comm.post(g_back.index_select(0, pieces.send_index[p]),
+                                        pieces.recv_splits[p], pieces.send_splits[p],
+                                        op="moe combine grad"))
         local_grads: tuple = ()
         d_local_x = None
         if ctx.local is not None:  # the shared expert's backward under the first transfers
             lx, ly = ctx.local
-            grads = torch.autograd.grad(ly, (lx, *ctx.local_params), g_local,
-                                        allow_unused=True)
+            with piece_range("chunked", "compute", "shared_grad"):
+                grads = torch.autograd.grad(ly, (lx, *ctx.local_params), g_local,
+                                            allow_unused=True)
             d_local_x, local_grads = grads[0], grads[1:]
         w1_, w2_ = ctx.weights
         dw1, dw2, returns = None, None, []
         for p in range(n):
             g = comm.finish(posted[p]).index_select(0, pieces.regroup[p])
             x, y = saved[p]
-            dx, d1, d2 = torch.autograd.grad(y, (x, w1_, w2_), g, allow_unused=True)
-            dw1 = d1 if dw1 is None else dw1 + d1
-            dw2 = d2 if dw2 is None else dw2 + d2
-            returns.append(comm.post(dx.index_select(0, pieces.ungroup[p]),
-                                     pieces.send_splits[p], pieces.recv_splits[p],
-                                     op="moe dispatch grad"))
+            with piece_range("chunked", "gemm", f"grad.{p}"):
+                dx, d1, d2 = torch.autograd.grad(y, (x, w1_, w2_), g, allow_unused=True)
+                dw1 = d1 if dw1 is None else dw1 + d1
+                dw2 = d2 if dw2 is None else dw2 + d2
+            with piece_range("chunked", "comm", f"dispatch_grad.{p}"):
+                returns.append(comm.post(dx.index_select(0, pieces.ungroup[p]),
+                                         pieces.send_splits[p], pieces.recv_splits[p],
+                                         op="moe dispatch grad"))
         d_rows = g_back.new_zeros(ctx.rows_shape)
         for p in range(n):
             d_rows.index_copy_(0, pieces.send_index[p], comm.finish(returns[p]))

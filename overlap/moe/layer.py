@@ -31,6 +31,13 @@ from overlap.moe.symmetric import Layout, Route, exchange_symmetric
 __all__ = ["MoE", "MoEAux", "capacity"]
 
 
+def _nonfinite_error(per_rank: list[int], rank: int) -> None:
+    bad = {r: n for r, n in enumerate(per_rank) if n}
+    if bad:
+        raise ValueError(f"MoE: NaN or inf router logits (tokens by EP rank: {bad}); the "
+                         f"layer's input or router weight is not finite (rank {rank})")
+
+
 def _align16(n: int) -> int:
     return -(-n // 16) * 16
 
@@ -39,6 +46,7 @@ class MoEAux(NamedTuple):
     load_balancing: torch.Tensor  # scalar fp32
     z: torch.Tensor               # scalar fp32
     dropped: torch.Tensor         # scalar int64: assignments past capacity (0 if dropless)
+    nonfinite: torch.Tensor | None = None  # scalar int64: tokens with a NaN/inf router logit
 
 
 def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -56,7 +64,7 @@ class MoE(nn.Module):
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *,
                  comm: EPComm | None = None, score: str = "softmax", normalize: bool = True,
                  capacity_factor: float | None = None, shared_d_ff: int | None = None,
-                 device=None, dtype=None):
+                 check_finite: bool = False, device=None, dtype=None):
         super().__init__()
         if comm is not None and not isinstance(comm, EPComm):
             raise TypeError(f"MoE: comm must be an EPComm (or None), got {type(comm).__name__}")
@@ -95,6 +103,7 @@ class MoE(nn.Module):
                             quant_block=comm.quant_block,
                             backend=BACKENDS.index(comm.backend),
                             max_tokens=comm.max_tokens or 0)
+        self.check_finite = bool(check_finite)
         self.aux: MoEAux | None = None
         self._static_pieces: dict = {}
         self._layout = None
@@ -132,6 +141,12 @@ class MoE(nn.Module):
             raise ValueError(f"MoE: {reason} (the symmetric buffers hold that many tokens per "
                              f"rank per call; the communicator is now failed on every rank)")
         routing = self.router(x2)
+        nonfinite = (~torch.isfinite(routing.logits)).any(1).sum()
+        # Dropless over the chunked backend reads the counts on the host anyway: the flag
+        # rides along (no extra sync). Elsewhere only on request (one host read).
+        carried = self.capacity_factor is None and self.ep > 1 and self._layout is None
+        if self.check_finite and not carried:
+            self._raise_if_nonfinite(nonfinite)
         # Assignments in priority order: slot-major (all first choices, then all second...),
         # then token order. ``tok[i]`` is the token of assignment i.
         flat_e = routing.experts.t().reshape(-1)
@@ -140,12 +155,13 @@ class MoE(nn.Module):
         if self.capacity_factor is not None:
             gathered, dropped, shared = self._capacity(x2, flat_e, tok, t)
         else:
-            (gathered, shared), dropped = self._dropless(x2, flat_e, tok), flat_e.new_zeros(())
+            (gathered, shared), dropped = (self._dropless(x2, flat_e, tok, nonfinite),
+                                           flat_e.new_zeros(()))
         weighted = (gathered.float() * flat_w.unsqueeze(1)).to(x2.dtype)
         out = x2.new_zeros(t, self.d_model).index_add(0, tok, weighted)
         if self.shared is not None:  # computed under the dispatch at EP > 1
             out = out + (shared if shared is not None else self.shared(x2))
-        self.aux = MoEAux(load_balancing_loss(routing, e), z_loss(routing), dropped)
+        self.aux = MoEAux(load_balancing_loss(routing, e), z_loss(routing), dropped, nonfinite)
         return out.reshape(x.shape)
 
     # -- capacity mode: static shapes, no host sync
@@ -189,17 +205,27 @@ class MoE(nn.Module):
                         swiglu_grouped, local=self.shared, local_x=x2)
 
     # -- dropless mode: exact counts
-    def _dropless(self, x2, flat_e, tok):
+    def _raise_if_nonfinite(self, nonfinite: torch.Tensor) -> None:
+        """One host read (and at EP > 1 one small all-gather): the same ValueError on every
+        rank of the group if any rank's router saw a NaN or inf logit."""
+        if self.comm is None or self.ep == 1:
+            every = [int(nonfinite)]
+        else:
+            every = self.comm.all_gather_ints(nonfinite, op="MoE router check")
+        _nonfinite_error(every, self.ep_rank)
+
+    def _dropless(self, x2, flat_e, tok, nonfinite):
         n = flat_e.shape[0]
         key = flat_e * n + torch.arange(n, device=flat_e.device)
         order = torch.argsort(key)                   # by expert, priority order inside
         # index_add_, not bincount: CUDA's bincount reads the input's max on the host
         counts = torch.zeros(self.num_experts, dtype=torch.int64,
                              device=flat_e.device).index_add_(0, flat_e, torch.ones_like(flat_e))
-        y_sorted, shared = self._experts_dropless(x2[tok[order]], counts, x2, flat_e[order])
+        y_sorted, shared = self._experts_dropless(x2[tok[order]], counts, x2, flat_e[order],
+                                                  nonfinite)
         return y_sorted[torch.argsort(order)], shared
 
-    def _experts_dropless(self, rows, counts, x2, experts_sorted):
+    def _experts_dropless(self, rows, counts, x2, experts_sorted, nonfinite):
         el, ep = self.num_local, self.ep
         if ep == 1:
             return self.experts(rows, counts.cumsum(0).to(torch.int32)), None
@@ -214,8 +240,12 @@ class MoE(nn.Module):
                                       swiglu_grouped, local=self.shared, local_x=x2)
         # Counts per (source, local expert), then on the host: the one declared host sync of
         # the dropless EP forward (NCCL's uneven all_to_all takes host split sizes).
-        recv_counts = self.comm.all_to_all(counts, None, None, op="moe counts")
-        send_n, recv_n = torch.stack([counts, recv_counts]).reshape(2, ep, el).tolist()
+        # The last column carries this rank's non-finite token count to every peer.
+        send = torch.cat([counts.view(ep, el), nonfinite.view(1, 1).expand(ep, 1)], 1)
+        recv = self.comm.all_to_all(send.reshape(-1), None, None, op="moe counts")
+        both = torch.stack([send, recv.view(ep, el + 1)]).tolist()
+        _nonfinite_error([row[el] for row in both[1]], self.ep_rank)
+        send_n, recv_n = [[row[:el] for row in side] for side in both]
         pieces = counted_pieces(send_n, recv_n, self.comm.chunks, rows.device)
         return exchange(rows, self.experts.w_gate_up, self.experts.w_down, pieces, self.comm,
                         swiglu_grouped, local=self.shared, local_x=x2)

@@ -52,5 +52,6 @@ def reference_moe(x: torch.Tensor, layer: MoE) -> tuple[torch.Tensor, MoEAux]:
     share = torch.stack([(chosen == i).sum() for i in range(e)]).float() / (t * k)
     probs = scores / scores.sum(-1, keepdim=True)
     aux = MoEAux(e * (share * probs.mean(0)).sum(),
-                 torch.logsumexp(logits, -1).square().mean(), torch.tensor(dropped))
+                 torch.logsumexp(logits, -1).square().mean(), torch.tensor(dropped),
+                 (~torch.isfinite(logits)).any(1).sum())
     return y.reshape(x.shape), aux

@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from overlap.moe.exchange import decode, encode
+from overlap.moe.exchange import decode, encode, piece_range
 
 __all__ = ["Route", "Layout", "exchange_symmetric"]
 
@@ -68,6 +68,10 @@ class _Call:
 
     def send(self, rows: torch.Tensor, route: Route, counts: bool) -> None:
         """Write ``rows`` into every owner's region of this rank, then signal the owner."""
+        with piece_range("symmetric", "comm", f"{self.op.replace(' ', '_')}.send"):
+            self._send(rows, route, counts)
+
+    def _send(self, rows: torch.Tensor, route: Route, counts: bool) -> None:
         lay, dtype = self.layout, rows.dtype
         if rows.shape[1] * dtype.itemsize > lay.row_in:
             raise ValueError(f"{self.op}: a row of {rows.shape[1]} {dtype} does not fit the "
@@ -99,9 +103,10 @@ class _Call:
     def answer(self, s: int, y: torch.Tensor) -> None:
         """Write the results for source ``s`` into its combine region, then signal it."""
         lay = self.layout
-        self._typed(s, lay.combine_at(self.ep, self.rank), lay.rows, lay.row_out,
-                    y.dtype)[:, :y.shape[1]].copy_(y)
-        self.ws.signal(s, self.ep + self.rank, self.phase)
+        with piece_range("symmetric", "comm", f"{self.op.replace(' ', '_')}.answer.{s}"):
+            self._typed(s, lay.combine_at(self.ep, self.rank), lay.rows, lay.row_out,
+                        y.dtype)[:, :y.shape[1]].copy_(y)
+            self.ws.signal(s, self.ep + self.rank, self.phase)
 
     def gather(self, route: Route, width: int, dtype) -> torch.Tensor:
         """This rank's rows back from every owner's answer, in ``rows``' order."""
@@ -143,7 +148,7 @@ class _SymmetricExchange(torch.autograd.Function):
             call.send(encode(rows, comm), route, counts=True)
             local_saved = None
             if local is not None:  # the shared expert, while the peers' rows arrive
-                with torch.enable_grad():
+                with torch.enable_grad(), piece_range("symmetric", "compute", "shared"):
                     lx = local_x.detach().requires_grad_()
                     ly = local(lx)
                 local_saved = (lx, ly)
@@ -154,7 +159,7 @@ class _SymmetricExchange(torch.autograd.Function):
                 got = call.receive(s, wire.shape[1], wire.dtype)
                 ends, valid = _valid(call.received_counts(s), route.layout.rows)
                 x = torch.where(valid, decode(got, comm, d, rows.dtype), 0)
-                with torch.enable_grad():
+                with torch.enable_grad(), piece_range("symmetric", "gemm", s):
                     x.requires_grad_()
                     y = experts(x, w1_, w2_, ends)
                 saved.append((s, x, y, ends, valid))
@@ -177,16 +182,18 @@ class _SymmetricExchange(torch.autograd.Function):
             d_local_x = None
             if ctx.local is not None:  # the shared expert's backward under the transfers
                 lx, ly = ctx.local
-                grads = torch.autograd.grad(ly, (lx, *ctx.local_params), g_local,
-                                            allow_unused=True)
+                with piece_range("symmetric", "compute", "shared_grad"):
+                    grads = torch.autograd.grad(ly, (lx, *ctx.local_params), g_local,
+                                                allow_unused=True)
                 d_local_x, local_grads = grads[0], grads[1:]
             w1_, w2_ = ctx.weights
             dw1 = dw2 = None
             for s, x, y, ends, valid in ctx.saved:
                 g = torch.where(valid, call.receive(s, d, g_back.dtype), 0)
-                dx, d1, d2 = torch.autograd.grad(y, (x, w1_, w2_), g)
-                dw1 = d1 if dw1 is None else dw1 + d1
-                dw2 = d2 if dw2 is None else dw2 + d2
+                with piece_range("symmetric", "gemm", f"grad.{s}"):
+                    dx, d1, d2 = torch.autograd.grad(y, (x, w1_, w2_), g)
+                    dw1 = d1 if dw1 is None else dw1 + d1
+                    dw2 = d2 if dw2 is None else dw2 + d2
                 call.answer(s, torch.where(valid, dx, 0))
             d_rows = call.gather(route, d, g_back.dtype)
         ctx.saved = ctx.local = None
