@@ -459,3 +459,46 @@ def test_bench_moe_runs_every_variant_and_traces_the_exchange(tmp_path):
         assert abs(r["ratio"] - seq["ms"] / r["ms"]) < 1e-9, r
         assert 0 <= r["trace_overlap%"] <= 100, r
     assert any(r["trace_overlap%"] > 0 for r in rows if r["variant"].startswith("chunked")), rows
+
+
+def _uneven_tokens(cf, backend):
+    """Rank r routes 8 + 4r tokens: dropless mode and the symmetric backend take it (the
+    counts travel with the rows); chunked capacity mode cannot (every rank's static splits
+    follow its own capacity), so the exchange must refuse it on every rank."""
+    from overlap.moe import MoE, reference_moe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = _comm(backend)
+    torch.manual_seed(0)
+    layer = MoE(D, FF, E, K, comm=comm, capacity_factor=cf)
+    torch.manual_seed(0)
+    ref = MoE(D, FF, E, K, capacity_factor=cf)
+    xs = [torch.randn(8 + 4 * r, D, generator=torch.Generator().manual_seed(r))
+          for r in range(world)]
+    x = xs[rank].clone().requires_grad_()
+    try:
+        y = layer(x)
+        y.sum().backward()
+    except RuntimeError as exc:
+        comm.close()
+        return f"RuntimeError: {exc}"
+    xr = [t.clone().requires_grad_() for t in xs]
+    outs = [reference_moe(t, ref)[0] for t in xr]
+    sum(o.sum() for o in outs).backward()
+    mine = slice(rank * (E // world), (rank + 1) * (E // world))
+    comm.close()
+    return max(_rel(y, outs[rank]), _rel(x.grad, xr[rank].grad),
+               _rel(layer.experts.w_gate_up.grad, ref.experts.w_gate_up.grad[mine]),
+               _rel(layer.experts.w_down.grad, ref.experts.w_down.grad[mine]))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("cf,backend", [(None, "chunked"), (None, "symmetric"),
+                                        (1.0, "symmetric"), (1.0, "chunked")])
+def test_ranks_with_different_token_counts(world, cf, backend):
+    for rank, res in enumerate(run_ranks(_uneven_tokens, world, cf, backend, timeout=60)):
+        if (cf, backend) == (1.0, "chunked"):
+            assert isinstance(res, str) and "moe dispatch" in res, (rank, res)
+            assert "disagree on the sizes" in res and f"(rank {rank})" in res, (rank, res)
+        else:
+            assert isinstance(res, float) and res <= TOL, (rank, res)

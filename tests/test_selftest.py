@@ -19,7 +19,7 @@ QUANT = [f"quant.{op}.{dt}.{mode}" for op in ("all_reduce", "reduce_scatter", "a
          for dt in ("int8", "bf16") for mode in ("sync", "async")]
 CPU_CHECKS = TP + QUANT + ["symm.signal_ring", "symm.signal_ring.triton", "streams.event_order",
                            "symm.poisoned_output", "pp.1f1b_step", "ep.moe.capacity",
-                           "ep.moe.dropless", "ep.int8_dispatch",
+                           "ep.moe.dropless", "ep.moe.symmetric", "ep.int8_dispatch",
                            "timeout.missing_peer.all_gather_matmul"]
 NO_GPU = not torch.cuda.is_available()
 PEER_TIMEOUT = 2.0
@@ -45,7 +45,7 @@ def test_cli_runs_every_check_and_passes(tmp_path):
         assert c["passed"] is True and c["error"] == "", c
         assert 0 < c["seconds"] < 60, c
         assert c["measured"] <= c["limit"], c
-    for name in TP + ["pp.1f1b_step", "ep.moe.capacity", "ep.moe.dropless"]:
+    for name in TP + ["pp.1f1b_step", "ep.moe.capacity", "ep.moe.dropless", "ep.moe.symmetric"]:
         assert (checks[name]["metric"], checks[name]["limit"]) == ("rel err", 1e-5)
     # The lossy paths lose something (so they ran quantized), and stay within their bounds.
     for name in QUANT:
@@ -67,7 +67,7 @@ def test_cli_runs_every_check_and_passes(tmp_path):
     rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1]
             and line.split()[0] in checks]
     assert [r[0] for r in rows] == CPU_CHECKS and all(r[1] == "pass" for r in rows)
-    assert "30 of 30 checks passed" in proc.stdout
+    assert "31 of 31 checks passed" in proc.stdout
     env = doc["environment"]
     assert (env["nccl"], env["peer_access"], env["nvlink"]) == ("n/a", "n/a", "n/a")
 
@@ -75,6 +75,7 @@ def test_cli_runs_every_check_and_passes(tmp_path):
 @pytest.mark.parametrize("name, metric", [("tp.matmul_reduce_scatter.symmetric", "rel err"),
                                           ("pp.1f1b_step", "rel err"),
                                           ("ep.moe.dropless", "rel err"),
+                                          ("ep.moe.symmetric", "rel err"),
                                           ("ep.int8_dispatch", "err/bound"),
                                           ("streams.event_order", "max |err|"),
                                           ("symm.poisoned_output", "wrong elements"),

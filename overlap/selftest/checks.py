@@ -386,7 +386,7 @@ def poisoned_output(ctx: RankContext, numel: int = 256) -> Measured:
 
 
 # ---------------------------------------------------------------- expert parallelism
-def _ep_layer(mode: str) -> Callable[[RankContext], Measured]:
+def _ep_layer(mode: str, backend: str = "chunked") -> Callable[[RankContext], Measured]:
     """The MoE layer over an EP group of every rank vs the single-process reference: output,
     input gradient and every gradient of this rank's experts and the router."""
     def run(ctx: RankContext) -> Measured:
@@ -396,8 +396,9 @@ def _ep_layer(mode: str) -> Callable[[RankContext], Measured]:
         cf = 1.0 if mode == "capacity" else None
         xs, gs = ctx.randn(n, 12, d, seed=11), ctx.randn(n, 12, d, seed=12)
         torch.manual_seed(5)
-        layer = MoE(d, f, e, k, capacity_factor=cf, device=ctx.device,
-                    comm=EPComm(ctx.new_group(), chunks=2, timeout=ctx.op_timeout))
+        comm = EPComm(ctx.new_group(), chunks=2, timeout=ctx.op_timeout, backend=backend,
+                      max_tokens=12 if backend == "symmetric" else None)
+        layer = MoE(d, f, e, k, capacity_factor=cf, device=ctx.device, comm=comm)
         torch.manual_seed(5)
         ref = MoE(d, f, e, k, capacity_factor=cf, device=ctx.device)
         x = xs[r].clone().requires_grad_()
@@ -410,7 +411,9 @@ def _ep_layer(mode: str) -> Callable[[RankContext], Measured]:
         err = max(_rel_err(ctx.observed(y), outs[r]), _rel_err(x.grad, xr[r].grad),
                   _rel_err(layer.experts.w_gate_up.grad, ref.experts.w_gate_up.grad[mine]),
                   _rel_err(layer.experts.w_down.grad, ref.experts.w_down.grad[mine]))
-        return Measured(err, REL_TOL, "rel err", f"EP {n}, {mode}, chunks 2")
+        comm.close()
+        return Measured(err, REL_TOL, "rel err",
+                        f"EP {n}, {mode}, " + ("chunks 2" if backend == "chunked" else backend))
 
     return run
 
@@ -448,6 +451,7 @@ def plan(device: torch.device) -> list[tuple[str, Callable[[RankContext], Measur
     checks.append(("symm.poisoned_output", poisoned_output))
     checks.append(("pp.1f1b_step", pipeline_step))
     checks += [(f"ep.moe.{mode}", _ep_layer(mode)) for mode in ("capacity", "dropless")]
+    checks.append(("ep.moe.symmetric", _ep_layer("dropless", "symmetric")))
     checks.append(("ep.int8_dispatch", ep_int8_dispatch))
     checks.append(("timeout.missing_peer.all_gather_matmul", missing_peer))
     return checks
