@@ -51,6 +51,9 @@ _ENTRIES = (
     KernelInfo("_pull_kernel", COMM, _TRITON + "signal.py",
                what="waits on a peer's flag, then copies from the peer's buffer"),
     KernelInfo("_set_kernel", COMM, _TRITON + "signal.py", what="sets a (peer's) signal flag"),
+    KernelInfo("_ep_dispatch_kernel", COMM, _TRITON + "ep_dispatch.py",
+               what="MoE send: stores each routed row into its owner's buffer, then the "
+                    "counts, then signals every owner"),
     KernelInfo("_quantize_kernel", COMPUTE, _TRITON + "quant.py", what="blockwise INT8 quantize"),
     KernelInfo("_dequantize_kernel", COMPUTE, _TRITON + "quant.py",
                what="blockwise INT8 dequantize"),

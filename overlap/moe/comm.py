@@ -2,7 +2,8 @@
 
 ``backend``: "chunked" (all_to_all pieces; ``chunks`` per exchange, 1 is the sequential
 schedule) or "symmetric" (rows written into the owners' userbuffers, overlap.moe.symmetric;
-buffers sized for ``max_tokens`` tokens per rank per call; call ``close()`` on every rank).
+buffers sized for ``max_tokens`` tokens per rank per call; ``kernel`` "torch" or "triton"
+stores them; call ``close()`` on every rank).
 ``dispatch``: "same", "bf16" or "int8" (blockwise, ``quant_block`` values per scale) on the wire
 for the forward dispatch only; the combine and every gradient travel in the activation dtype.
 ``all_to_all(x, out_splits, in_splits)`` (or ``post`` then ``finish``) exchanges rows of
@@ -28,6 +29,9 @@ from overlap.tp.collectives import wait
 __all__ = ["EPComm", "DISPATCH", "BACKENDS"]
 
 BACKENDS = ("chunked", "symmetric")
+# How the symmetric backend stores rows into the peers' buffers: torch ops on the mapped
+# buffers, or one Triton kernel (permute + store + signal); "auto": Triton on CUDA devices.
+KERNELS = ("auto", "torch", "triton")
 
 # What the dispatch puts on the wire: the activations as they are, bf16, or blockwise INT8
 # (codes and one fp32 scale per quant_block values; see docs/moe.md for the bound).
@@ -39,7 +43,8 @@ class EPComm:
 
     def __init__(self, group: dist.ProcessGroup, *, chunks: int = 2, dispatch: str = "same",
                  quant_block: int = 128, timeout: float = TIMEOUT_S,
-                 backend: str = "chunked", max_tokens: int | None = None):
+                 backend: str = "chunked", max_tokens: int | None = None,
+                 kernel: str = "auto"):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"EPComm: group must be a torch.distributed ProcessGroup, got "
                             f"{type(group).__name__}")
@@ -55,7 +60,9 @@ class EPComm:
                 raise ValueError("EPComm: backend='symmetric' needs max_tokens= (tokens per "
                                  "rank per call; its buffers are sized for the worst case)")
             positive_int(max_tokens, "EPComm: max_tokens")
-        self.backend = backend
+        if kernel not in KERNELS:
+            raise ValueError(f"EPComm: kernel must be one of {KERNELS}, got {kernel!r}")
+        self.backend, self.kernel = backend, kernel
         self.max_tokens = None if max_tokens is None else int(max_tokens)
         self._ws = None           # the symmetric backend's workspace (made by reserve)
         self._phase = 0

@@ -77,6 +77,15 @@ class _Call:
             raise ValueError(f"{self.op}: a row of {rows.shape[1]} {dtype} does not fit the "
                              f"{lay.row_in}-byte rows the layer reserved (rank {self.rank}); "
                              "inputs must have the layer's dtype")
+        kernel = self.comm.kernel
+        if kernel == "triton" or (kernel == "auto" and rows.device.type == "cuda"):
+            from overlap.kernels.triton.ep_dispatch import dispatch_rows
+
+            index = torch.arange(rows.shape[0], device=rows.device)
+            dispatch_rows(self.ws, rows, index, route.owner, route.place, route.counts,
+                          receive_off=lay.receive_at(self.ep, 0), rows=lay.rows,
+                          row_bytes=lay.row_in, phase=self.phase)
+            return
         for o in self._order():
             region = self._typed(o, lay.receive_at(self.ep, self.rank), lay.rows + 1,
                                  lay.row_in, dtype)[:, :rows.shape[1]]
