@@ -174,28 +174,34 @@ class MoE(nn.Module):
         pos = (onehot.cumsum(0) * onehot).sum(1) - 1  # place of each assignment in its expert
         keep = pos < c
         dest = torch.where(keep, flat_e * c + pos, torch.full_like(pos, e * c))  # e*c: dropped
-        slots = x2.new_zeros(e * c + 1, d).index_add(0, dest, x2[tok])[:e * c]
-        y, shared = self._experts_static(slots, c, x2)
+        if self._layout is not None:  # the send gathers each slot's token itself
+            slot_token = torch.full((e * c + 1,), -1, dtype=torch.int64,
+                                    device=x2.device).scatter_(0, dest, tok)[:e * c]
+            y, shared = self._symmetric_static(x2, slot_token, c)
+        else:
+            slots = x2.new_zeros(e * c + 1, d).index_add(0, dest, x2[tok])[:e * c]
+            y, shared = self._experts_static(slots, c, x2)
         y = torch.cat([y, y.new_zeros(1, d)])
         return y[dest], (~keep).sum(), shared
+
+    def _symmetric_static(self, x2, slot_token, c):
+        el, ep = self.num_local, self.ep
+        key = ("symmetric", c, x2.device)
+        static = self._static_pieces.get(key)
+        if static is None:  # owner, place and counts of every slot: built once per capacity
+            at = torch.arange(self.num_experts * c, device=x2.device)
+            static = self._static_pieces[key] = (
+                at // (el * c), at % (el * c),
+                torch.full((ep, el), c, dtype=torch.int64, device=x2.device))
+        return exchange_symmetric(x2, self.experts.w_gate_up, self.experts.w_down,
+                                  Route(slot_token, *static, self._layout), self.comm,
+                                  swiglu_grouped, local=self.shared, local_x=x2)
 
     def _experts_static(self, slots, c, x2):
         el, ep = self.num_local, self.ep
         if ep == 1:
             offsets = torch.arange(1, el + 1, device=slots.device, dtype=torch.int32) * c
             return self.experts(slots, offsets), None
-        if self._layout is not None:
-            key = ("symmetric", c, slots.device)
-            route = self._static_pieces.get(key)
-            if route is None:  # static shapes: built once per capacity
-                at = torch.arange(slots.shape[0], device=slots.device)
-                route = self._static_pieces[key] = Route(
-                    at // (el * c), at % (el * c),
-                    torch.full((ep, el), c, dtype=torch.int64, device=slots.device),
-                    self._layout)
-            return exchange_symmetric(slots, self.experts.w_gate_up, self.experts.w_down,
-                                      route, self.comm, swiglu_grouped, local=self.shared,
-                                      local_x=x2)
         key = (ep, el, c, self.comm.chunks, slots.device)
         pieces = self._static_pieces.get(key)
         if pieces is None:  # static shapes: built once per (tokens, capacity)
@@ -221,23 +227,25 @@ class MoE(nn.Module):
         # index_add_, not bincount: CUDA's bincount reads the input's max on the host
         counts = torch.zeros(self.num_experts, dtype=torch.int64,
                              device=flat_e.device).index_add_(0, flat_e, torch.ones_like(flat_e))
-        y_sorted, shared = self._experts_dropless(x2[tok[order]], counts, x2, flat_e[order],
+        y_sorted, shared = self._experts_dropless(tok[order], counts, x2, flat_e[order],
                                                   nonfinite)
         return y_sorted[torch.argsort(order)], shared
 
-    def _experts_dropless(self, rows, counts, x2, experts_sorted, nonfinite):
+    def _experts_dropless(self, token, counts, x2, experts_sorted, nonfinite):
+        """``token``: the token of each assignment, in expert order."""
         el, ep = self.num_local, self.ep
-        if ep == 1:
-            return self.experts(rows, counts.cumsum(0).to(torch.int32)), None
-        if self._layout is not None:  # every index on the device: no host sync
+        if self._layout is not None and ep > 1:  # every index on the device: no host sync
             per_owner = counts.view(ep, el)
             totals = per_owner.sum(1)
             owner = experts_sorted // el
-            place = torch.arange(rows.shape[0], device=rows.device) - (
+            place = torch.arange(token.shape[0], device=x2.device) - (
                 totals.cumsum(0) - totals)[owner]
-            return exchange_symmetric(rows, self.experts.w_gate_up, self.experts.w_down,
-                                      Route(owner, place, per_owner, self._layout), self.comm,
-                                      swiglu_grouped, local=self.shared, local_x=x2)
+            return exchange_symmetric(x2, self.experts.w_gate_up, self.experts.w_down,
+                                      Route(token, owner, place, per_owner, self._layout),
+                                      self.comm, swiglu_grouped, local=self.shared, local_x=x2)
+        rows = x2[token]
+        if ep == 1:
+            return self.experts(rows, counts.cumsum(0).to(torch.int32)), None
         # Counts per (source, local expert), then on the host: the one declared host sync of
         # the dropless EP forward (NCCL's uneven all_to_all takes host split sizes).
         # The last column carries this rank's non-finite token count to every peer.

@@ -48,7 +48,9 @@ def _align(n: int, a: int = 64) -> int:
 
 
 class Route(NamedTuple):
-    """Where each of this rank's rows goes: owner rank and row inside the owner's region."""
+    """Where each of this rank's routed rows comes from and goes: its row of the source
+    tensor, its owner rank and its row inside the owner's region."""
+    index: torch.Tensor | None  # [rows] int64 row of the source (-1: an empty slot); None: all
     owner: torch.Tensor    # [rows] int64
     place: torch.Tensor    # [rows] int64, < layout.rows
     counts: torch.Tensor   # [ep, El] int64: rows to each (owner, local expert)
@@ -66,26 +68,31 @@ class _Call:
     def _typed(self, r: int, at: int, rows: int, row_bytes: int, dtype) -> torch.Tensor:
         return self.ws.view(r, dtype, (rows, row_bytes // dtype.itemsize), at)
 
-    def send(self, rows: torch.Tensor, route: Route, counts: bool) -> None:
-        """Write ``rows`` into every owner's region of this rank, then signal the owner."""
+    def send(self, src: torch.Tensor, index: torch.Tensor | None, route: Route,
+             counts: bool) -> None:
+        """Write the routed rows (``src[index]``; all of ``src`` if ``index`` is None) into
+        every owner's region of this rank, then signal the owner."""
         with piece_range("symmetric", "comm", f"{self.op.replace(' ', '_')}.send"):
-            self._send(rows, route, counts)
+            self._send(src, index, route, counts)
 
-    def _send(self, rows: torch.Tensor, route: Route, counts: bool) -> None:
-        lay, dtype = self.layout, rows.dtype
-        if rows.shape[1] * dtype.itemsize > lay.row_in:
-            raise ValueError(f"{self.op}: a row of {rows.shape[1]} {dtype} does not fit the "
+    def _send(self, src: torch.Tensor, index: torch.Tensor | None, route: Route,
+              counts: bool) -> None:
+        lay, dtype = self.layout, src.dtype
+        if src.shape[1] * dtype.itemsize > lay.row_in:
+            raise ValueError(f"{self.op}: a row of {src.shape[1]} {dtype} does not fit the "
                              f"{lay.row_in}-byte rows the layer reserved (rank {self.rank}); "
                              "inputs must have the layer's dtype")
         kernel = self.comm.kernel
-        if kernel == "triton" or (kernel == "auto" and rows.device.type == "cuda"):
+        if kernel == "triton" or (kernel == "auto" and src.device.type == "cuda"):
             from overlap.kernels.triton.ep_dispatch import dispatch_rows
 
-            index = torch.arange(rows.shape[0], device=rows.device)
-            dispatch_rows(self.ws, rows, index, route.owner, route.place, route.counts,
+            if index is None:
+                index = torch.arange(src.shape[0], device=src.device)
+            dispatch_rows(self.ws, src, index, route.owner, route.place, route.counts,
                           receive_off=lay.receive_at(self.ep, 0), rows=lay.rows,
                           row_bytes=lay.row_in, phase=self.phase)
             return
+        rows = src if index is None else _take(src, index)
         for o in self._order():
             region = self._typed(o, lay.receive_at(self.ep, self.rank), lay.rows + 1,
                                  lay.row_in, dtype)[:, :rows.shape[1]]
@@ -140,6 +147,12 @@ class _Call:
                                                                  f"{peer})")
 
 
+def _take(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``src[index]`` with zero rows where ``index`` is -1."""
+    rows = src.index_select(0, index.clamp_min(0))
+    return torch.where((index >= 0).unsqueeze(1), rows, 0)
+
+
 def _valid(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(int32 end row of each expert, [rows, 1] bool: row holds a real token)."""
     ends = counts.cumsum(0)
@@ -149,12 +162,13 @@ def _valid(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]
 
 class _SymmetricExchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, w1, w2, local_x, route: Route, comm, experts: Callable,
+    def forward(ctx, src, w1, w2, local_x, route: Route, comm, experts: Callable,
                 local: Callable | None, *local_params):
-        d = rows.shape[1]
+        d, rows = src.shape[1], src  # (rows: for dtype and device only)
         call = _Call(comm, route.layout, "moe dispatch")
         with comm.guard(call.op):
-            call.send(encode(rows, comm), route, counts=True)
+            # Encoded once per source row (not per routed row); the send gathers.
+            call.send(encode(src, comm), route.index, route, counts=True)
             local_saved = None
             if local is not None:  # the shared expert, while the peers' rows arrive
                 with torch.enable_grad(), piece_range("symmetric", "compute", "shared"):
@@ -175,7 +189,7 @@ class _SymmetricExchange(torch.autograd.Function):
                 call.answer(s, y.detach())
             back = call.gather(route, d, rows.dtype)
         ctx.route, ctx.comm, ctx.saved, ctx.weights = route, comm, saved, (w1_, w2_)
-        ctx.local, ctx.local_params = local_saved, local_params
+        ctx.local, ctx.local_params, ctx.src_shape = local_saved, local_params, src.shape
         local_out = local_saved[1].detach() if local_saved is not None else rows.new_zeros(0)
         return back, local_out
 
@@ -186,7 +200,7 @@ class _SymmetricExchange(torch.autograd.Function):
         d = g_back.shape[1]
         call = _Call(comm, route.layout, "moe combine grad")
         with comm.guard(call.op):
-            call.send(g_back, route, counts=False)
+            call.send(g_back, None, route, counts=False)
             local_grads: tuple = ()
             d_local_x = None
             if ctx.local is not None:  # the shared expert's backward under the transfers
@@ -205,16 +219,22 @@ class _SymmetricExchange(torch.autograd.Function):
                     dw2 = d2 if dw2 is None else dw2 + d2
                 call.answer(s, torch.where(valid, dx, 0))
             d_rows = call.gather(route, d, g_back.dtype)
+        if route.index is not None:  # the gradient of the gather: sum into the source rows
+            index = route.index
+            d_rows = g_back.new_zeros(ctx.src_shape).index_add_(
+                0, index.clamp_min(0), torch.where((index >= 0).unsqueeze(1), d_rows, 0))
         ctx.saved = ctx.local = None
         return (d_rows, dw1, dw2, d_local_x, None, None, None, None, *local_grads)
 
 
-def exchange_symmetric(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, route: Route,
+def exchange_symmetric(src: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, route: Route,
                        comm, experts: Callable, *, local: torch.nn.Module | None = None,
                        local_x: torch.Tensor | None = None):
-    """As ``overlap.moe.exchange.exchange``, over ``comm``'s workspace: ``rows [n, d]`` go to
-    ``route.owner`` at ``route.place``; returns ``(rows_out, local_out or None)``."""
+    """As ``overlap.moe.exchange.exchange``, over ``comm``'s workspace: routed row i is
+    ``src[route.index[i]]`` (zeros for -1; ``src[i]`` without an index) and goes to
+    ``route.owner[i]`` at ``route.place[i]``; returns ``(rows_out [n, d] in routed order,
+    local_out or None)``, differentiable in ``src`` (gathered rows' gradients summed)."""
     params = tuple(local.parameters()) if local is not None else ()
-    back, local_out = _SymmetricExchange.apply(rows, w1, w2, local_x, route, comm, experts,
+    back, local_out = _SymmetricExchange.apply(src, w1, w2, local_x, route, comm, experts,
                                                local, *params)
     return back, (local_out if local is not None else None)
