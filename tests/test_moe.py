@@ -582,3 +582,57 @@ def test_quantized_dispatch_is_the_same_on_every_backend(world, dispatch, cf):
                                                    timeout=120)):
         assert same <= TOL, (rank, same)
         assert lossy > 0, (rank, lossy)
+
+
+def _device_waits(mode, cf, timeout):
+    """The shm twin's waits as the CUDA wait kernel's (record the error and return): the call
+    runs to its end on whatever the buffers hold, so only poisoning stands between the caller
+    and stale rows."""
+    import os
+    import time
+
+    os.environ["OVERLAP_SHM_DEVICE_WAITS"] = "1"
+    from overlap.moe import EPComm, MoE
+    from overlap.symm.shm import ShmWorkspace
+
+    rank = dist.get_rank()
+    comm = EPComm(dist.group.WORLD, backend="symmetric", max_tokens=12, timeout=timeout)
+    torch.manual_seed(0)
+    layer = MoE(D, FF, E, K, comm=comm, capacity_factor=cf)
+    x = torch.randn(12, D, generator=torch.Generator().manual_seed(rank))
+    good = layer(x)
+    dist.barrier()
+    if rank == 1:
+        def failing_signal(self, peer, slot, value):
+            if mode == "kill":
+                os._exit(3)
+            time.sleep(timeout * 2.5)
+
+        ShmWorkspace.signal = failing_signal
+        try:
+            layer(x)
+        except Exception:  # noqa: BLE001
+            pass
+        return None
+    out = layer(x)  # returns: the device-side waits gave up without raising
+    try:
+        layer(x)
+        second = "returned"
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        second = f"{type(exc).__name__}: {exc}"
+    return bool(out.isnan().all()), bool(torch.isfinite(good).all()), second
+
+
+@pytest.mark.parametrize("mode", ["stall", "kill"])
+@pytest.mark.parametrize("cf", [4.0, None])
+def test_symmetric_device_side_wait_failure_poisons_the_output_and_the_next_call_raises(
+        mode, cf):
+    from harness import run_ranks_outcomes
+
+    outcomes = run_ranks_outcomes(_device_waits, 2, mode, cf, 1.5, timeout=60, grace=20)
+    assert outcomes[0].status == "ok", (outcomes[0].status, outcomes[0].error)
+    nan, finite_before, second = outcomes[0].value
+    assert finite_before and nan, (finite_before, nan)  # NaN, never stale numbers
+    # SignalTimeout (a stalled peer) or PeerDied (a dead one), naming the op, slot and peer
+    assert second.split(":")[0] in ("SignalTimeout", "PeerDied"), second
+    assert "moe dispatch" in second and "slot" in second and "rank 1" in second, second

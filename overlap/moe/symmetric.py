@@ -167,6 +167,7 @@ class _SymmetricExchange(torch.autograd.Function):
         d, rows = src.shape[1], src  # (rows: for dtype and device only)
         call = _Call(comm, route.layout, "moe dispatch")
         with comm.guard(call.op):
+            call.ws.raise_pending(call.op)  # what a device-side wait of an earlier call recorded
             # Encoded once per source row (not per routed row); the send gathers.
             call.send(encode(src, comm), route.index, route, counts=True)
             local_saved = None
@@ -188,6 +189,7 @@ class _SymmetricExchange(torch.autograd.Function):
                 saved.append((s, x, y, ends, valid))
                 call.answer(s, y.detach())
             back = call.gather(route, d, rows.dtype)
+            call.ws.poison_if_error(back)  # a device-side wait gave up: NaN, never stale rows
         ctx.route, ctx.comm, ctx.saved, ctx.weights = route, comm, saved, (w1_, w2_)
         ctx.local, ctx.local_params, ctx.src_shape = local_saved, local_params, src.shape
         local_out = local_saved[1].detach() if local_saved is not None else rows.new_zeros(0)
@@ -200,6 +202,7 @@ class _SymmetricExchange(torch.autograd.Function):
         d = g_back.shape[1]
         call = _Call(comm, route.layout, "moe combine grad")
         with comm.guard(call.op):
+            call.ws.raise_pending(call.op)
             call.send(g_back, None, route, counts=False)
             local_grads: tuple = ()
             d_local_x = None
@@ -219,6 +222,9 @@ class _SymmetricExchange(torch.autograd.Function):
                     dw2 = d2 if dw2 is None else dw2 + d2
                 call.answer(s, torch.where(valid, dx, 0))
             d_rows = call.gather(route, d, g_back.dtype)
+            dw1, dw2 = dw1.contiguous(), dw2.contiguous()
+            for t in (d_rows, dw1, dw2):
+                call.ws.poison_if_error(t)
         if route.index is not None:  # the gradient of the gather: sum into the source rows
             index = route.index
             d_rows = g_back.new_zeros(ctx.src_shape).index_add_(
