@@ -1,8 +1,8 @@
 """ParallelDims: the rank layout (pure), validation, and real groups on N gloo ranks.
 
 Expected groups are computed here from the formula
-``rank = ((d*pp + p)*cp + c)*tp + t`` with ``d = d_outer*ep + d_inner`` by brute force over
-coordinates, independently of ``ParallelDims.all_groups``.
+``rank = ((d*pp + p)*cp + c)*tp + t`` with ``d*cp + c = edp*ep + ep_rank`` by brute force
+over coordinates, independently of ``ParallelDims.all_groups``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from overlap.dist.dims import ParallelDims
 from harness import run_ranks
 
-AXES5 = ("tp", "cp", "pp", "dp", "ep")
+AXES5 = ("tp", "cp", "pp", "dp", "ep", "edp")
 
 
 def factorizations(world: int) -> list[tuple[int, int, int, int]]:
@@ -28,18 +28,19 @@ def factorizations(world: int) -> list[tuple[int, int, int, int]]:
 
 def with_ep(world: int) -> list[tuple[int, int, int, int, int]]:
     return [(dp, pp, cp, tp, ep) for dp, pp, cp, tp in factorizations(world)
-            for ep in range(1, dp + 1) if dp % ep == 0]
+            for ep in range(1, dp * cp + 1) if dp * cp % ep == 0]
 
 
 def expected_groups(dp, pp, cp, tp, ep) -> dict[str, dict[int, list[int]]]:
     """axis -> global rank -> sorted members of its group, from the formula alone."""
     coord = {}
     for d, p, c, t in itertools.product(range(dp), range(pp), range(cp), range(tp)):
+        x = d * cp + c
         coord[((d * pp + p) * cp + c) * tp + t] = {"dp": d, "pp": p, "cp": c, "tp": t,
-                                                   "d_outer": d // ep, "ep": d % ep}
+                                                   "edp": x // ep, "ep": x % ep}
     # Members of an axis group agree on every coordinate except that axis.
     keep = {"tp": ("dp", "pp", "cp"), "cp": ("dp", "pp", "tp"), "pp": ("dp", "cp", "tp"),
-            "dp": ("pp", "cp", "tp"), "ep": ("d_outer", "pp", "cp", "tp")}
+            "dp": ("pp", "cp", "tp"), "ep": ("edp", "pp", "tp"), "edp": ("ep", "pp", "tp")}
     out = {}
     for axis, fixed in keep.items():
         out[axis] = {r: sorted(q for q in coord if all(coord[q][k] == coord[r][k] for k in fixed))
@@ -62,7 +63,7 @@ def test_layout_and_groups_every_factorization(world, monkeypatch):
         assert (dims.dp, dims.pp, dims.cp, dims.tp, dims.ep) == (dp, pp, cp, tp, ep)
         assert ParallelDims.resolve(world_size=world, tp=tp, cp=cp, pp=pp, dp=dp, ep=ep) == dims
         want = expected_groups(dp, pp, cp, tp, ep)
-        size = {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "ep": ep}
+        size = {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "ep": ep, "edp": dp * cp // ep}
         for axis in AXES5:
             groups = dims.all_groups(axis)
             # A partition: every rank in exactly one group, each of the axis' size.
@@ -100,8 +101,10 @@ def test_ranks_per_node_from_env(monkeypatch):
     (dict(world_size=12, tp=8, ranks_per_node=16), r"cannot infer dp: world size 12 is not "
                                                    r"divisible by tp\*cp\*pp = 8\*1\*1 = 8"),
     (dict(world_size=6, tp=1, cp=2, pp=2), r"world size 6 is not divisible by .* = 4"),
-    (dict(world_size=8, tp=2, dp=4, ep=3), r"ep=3 must divide dp=4"),
-    (dict(world_size=8, tp=2, ep=8), r"ep=8 must divide dp=4"),
+    (dict(world_size=8, tp=2, dp=4, ep=3), r"ep=3 must divide dp\*cp = 4\*1 = 4"),
+    (dict(world_size=8, tp=2, ep=8), r"ep=8 must divide dp\*cp = 4\*1 = 4"),
+    (dict(world_size=8, tp=2, cp=2, ep=3), r"ep=3 must divide dp\*cp = 2\*2 = 4 \(expert "
+                                           r"parallelism is carved out"),
     (dict(world_size=16, tp=16, ranks_per_node=8), r"tp=16 is larger than ranks_per_node=8"),
     (dict(world_size=12, tp=4, ranks_per_node=6), r"tp=4 must divide ranks_per_node=6"),
     (dict(world_size=8, tp=0), r"tp must be a positive int, got 0"),
@@ -185,6 +188,9 @@ def _multi_cases():
     cases += [(dp, pp, cp, tp, 1) for dp, pp, cp, tp in factorizations(4)]
     cases += [(4, 1, 1, 1, 2), (2, 1, 1, 2, 2), (4, 1, 1, 1, 4)]
     cases += [(2, 2, 1, 2, 1), (2, 1, 2, 2, 1), (4, 1, 1, 2, 2)]
+    # EP across dp x cp (ep > dp), and the 4-axis layout of the main job (tp2 x pp2 x dp2, ep2)
+    cases += [(1, 1, 2, 1, 2), (2, 1, 2, 1, 4), (1, 2, 2, 2, 2), (2, 2, 1, 2, 2),
+              (2, 1, 2, 2, 4)]
     return cases
 
 
@@ -209,7 +215,7 @@ def test_build_groups_are_wired(world):
             assert rep["str"] == (f"ParallelDims(world={world}: dp={dp} x pp={pp} x cp={cp} "
                                   f"x tp={tp}, ep={ep})")
             d, p, c, t, e = rep["coords"]
-            assert rank == ((d * pp + p) * cp + c) * tp + t and e == d % ep
+            assert rank == ((d * pp + p) * cp + c) * tp + t and e == (d * cp + c) % ep
             # Every member of a group reports the same group: the ranks agree with each other.
             for axis in AXES5:
                 for q in rep[axis]:

@@ -1,16 +1,17 @@
-"""ParallelDims: one object that splits the world into tp x cp x pp x dp (x ep) process groups.
+"""ParallelDims: one object that splits the world into tp x cp x pp x dp process groups, plus
+the expert-parallel (ep) and expert-data-parallel (edp) groups carved out of dp x cp.
 
-Built once (``ParallelDims.build(...)``, a collective) and passed explicitly, keyword-only, to
-whatever needs a group; there is no module-global registry. ``ParallelDims.resolve(...)`` does
-the same validation without any process group. TP is the innermost axis, DP the outermost::
+Built once (``ParallelDims.build(...)``, a collective) and passed explicitly; no global
+registry. ``resolve(...)`` validates without any process group. TP innermost, DP outermost::
 
     global rank = ((d * pp + p) * cp + c) * tp + t        d < dp, p < pp, c < cp, t < tp
     layout(...)[d, p, c, t] = global rank                 shape (dp, pp, cp, tp)
-    ep divides dp:  d = d_outer * ep + d_inner,  ep_rank = d_inner = dp_rank % ep
+    ep divides dp*cp:  x = d * cp + c = edp_rank * ep + ep_rank
 
-Groups come from a torch ``DeviceMesh`` of shape (dp, pp, cp, tp), NCCL (``device_type="cuda"``)
-or gloo (``"cpu"``); an EP group is a separate communicator, even when its members equal DP's.
-
+An EP group varies ep_rank (same edp_rank, p, t): the ranks that split the experts; an EDP
+group varies edp_rank (same ep_rank, p, t): the ranks holding the same experts, over which the
+expert gradients reduce. Groups come from a torch ``DeviceMesh`` of shape (dp, pp, cp, tp), NCCL
+(``device_type="cuda"``) or gloo (``"cpu"``); EP and EDP groups are separate communicators.
 The narrative: docs/design/dist.md.
 """
 
@@ -27,9 +28,9 @@ from overlap.defaults import positive_int
 
 __all__ = ["ParallelDims", "AXES"]
 
-# Mesh order, outermost first. ep is not a mesh dim: it is carved out of dp.
+# Mesh order, outermost first. ep and edp are not mesh dims: they split dp x cp.
 AXES = ("dp", "pp", "cp", "tp")
-_ALL_AXES = ("tp", "cp", "pp", "dp", "ep")
+_ALL_AXES = ("tp", "cp", "pp", "dp", "ep", "edp")
 
 
 def _check_degree(name: str, value: Any, *, allow_infer: bool = False) -> None:
@@ -74,11 +75,13 @@ class ParallelDims:
     pp_group: Any = dataclasses.field(default=None, repr=False)
     dp_group: Any = dataclasses.field(default=None, repr=False)
     ep_group: Any = dataclasses.field(default=None, repr=False)
+    edp_group: Any = dataclasses.field(default=None, repr=False)
     tp_rank: int | None = None
     cp_rank: int | None = None
     pp_rank: int | None = None
     dp_rank: int | None = None
     ep_rank: int | None = None
+    edp_rank: int | None = None
     pp_prev_rank: int | None = None
     pp_next_rank: int | None = None
 
@@ -109,8 +112,10 @@ class ParallelDims:
             raise ValueError(
                 f"ParallelDims: dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp} = {dp * model} but the world "
                 f"size is {world_size}")
-        if dp % ep:
-            raise ValueError(f"ParallelDims: ep={ep} must divide dp={dp} (EP is a sub-axis of DP)")
+        if (dp * cp) % ep:
+            raise ValueError(f"ParallelDims: ep={ep} must divide dp*cp = {dp}*{cp} = {dp * cp} "
+                             "(expert parallelism is carved out of the data- and "
+                             "context-parallel ranks)")
         if tp > ranks_per_node:
             raise ValueError(
                 f"ParallelDims: tp={tp} is larger than ranks_per_node={ranks_per_node}; a TP "
@@ -140,23 +145,27 @@ class ParallelDims:
                                    pp=self.pp, dp=self.dp)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Coordinates of global ``rank`` on every axis (``ep`` is ``d_inner = d % ep``)."""
+        """Coordinates of global ``rank`` on every axis (``x = d*cp + c``: ``ep = x % ep``,
+        ``edp = x // ep``)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"ParallelDims.coords: rank {rank} is outside world {self.world_size}")
         t = rank % self.tp
         c = rank // self.tp % self.cp
         p = rank // (self.tp * self.cp) % self.pp
         d = rank // (self.tp * self.cp * self.pp)
-        return {"tp": t, "cp": c, "pp": p, "dp": d, "ep": d % self.ep}
+        x = d * self.cp + c
+        return {"tp": t, "cp": c, "pp": p, "dp": d, "ep": x % self.ep, "edp": x // self.ep}
 
     def all_groups(self, axis: str) -> list[list[int]]:
         """Every group on ``axis`` as a list of global ranks, in group-rank order. The groups
         of one axis partition the world."""
         grid = self.rank_layout()
-        if axis == "ep":
-            # (d_outer, d_inner, p, c, t) -> d_inner last: one row per EP group.
-            grid = grid.reshape(self.dp // self.ep, self.ep, self.pp, self.cp, self.tp)
-            return grid.permute(0, 2, 3, 4, 1).reshape(-1, self.ep).tolist()
+        if axis in ("ep", "edp"):
+            # (d, p, c, t) -> (x = d*cp + c, p, t) -> (edp, ep, p, t); the axis last.
+            grid = grid.permute(0, 2, 1, 3).reshape(self.dp * self.cp // self.ep, self.ep,
+                                                    self.pp, self.tp)
+            order = (0, 2, 3, 1) if axis == "ep" else (1, 2, 3, 0)
+            return grid.permute(*order).reshape(-1, grid.shape[order[-1]]).tolist()
         if axis not in AXES:
             raise ValueError(f"ParallelDims: axis must be one of {_ALL_AXES}, got {axis!r}")
         i = AXES.index(axis)
@@ -208,9 +217,12 @@ class ParallelDims:
         # collective over the default group unless local synchronisation is used).
         dims.ep_group, _ = dist.new_subgroups_by_enumeration(dims.all_groups("ep"),
                                                              group_desc="ep")
+        dims.edp_group, _ = dist.new_subgroups_by_enumeration(dims.all_groups("edp"),
+                                                              group_desc="edp")
         coords = dims.coords(rank)
         dims.tp_rank, dims.cp_rank = coords["tp"], coords["cp"]
         dims.pp_rank, dims.dp_rank, dims.ep_rank = coords["pp"], coords["dp"], coords["ep"]
+        dims.edp_rank = coords["edp"]
         pp_ranks = dims.group_ranks("pp", rank)
         dims.pp_prev_rank = pp_ranks[(dims.pp_rank - 1) % dims.pp]
         dims.pp_next_rank = pp_ranks[(dims.pp_rank + 1) % dims.pp]
@@ -251,6 +263,13 @@ class ParallelDims:
     def is_last_stage(self) -> bool:
         self._require_built("is_last_stage")
         return self.pp_rank == self.pp - 1
+
+    def ep_comm(self, **kwargs):
+        """An EPComm on this rank's EP group (``kwargs`` as EPComm's); the caller closes it."""
+        self._require_built("ep_comm")
+        from overlap.moe.comm import EPComm
+
+        return EPComm(self.ep_group, **kwargs)
 
     def __str__(self) -> str:
         return (f"ParallelDims(world={self.world_size}: dp={self.dp} x pp={self.pp} x "
