@@ -76,7 +76,14 @@ class GradReducer:
     parameters (count, shapes, dtypes) and, by default, broadcasts DP rank 0's values.
     """
 
-    def __init__(self, module: nn.Module, *, dp_group: dist.ProcessGroup, **config) -> None:
+    def __init__(self, module: nn.Module, *, dp_group: dist.ProcessGroup,
+                 params: list[nn.Parameter] | None = None, divisor: int | None = None,
+                 **config) -> None:
+        """``params``: reduce only these parameters of ``module`` (default: every parameter
+        that requires grad), e.g. the expert parameters over the expert-data-parallel group
+        and the rest over DP (``overlap.moe.split_expert_parameters``). ``divisor``: what
+        ``op="avg"`` divides by (default: the group's size); expert gradients, which already
+        sum the tokens of the whole EP group, divide by the DP size instead."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"GradReducer: module must be an nn.Module, got "
                             f"{type(module).__name__}")
@@ -94,10 +101,30 @@ class GradReducer:
         self.dp_rank = dist.get_rank(dp_group)
         self.rank = dist.get_rank()
         self._src = dist.get_global_rank(dp_group, 0)
-        self.params: list[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
+        if params is None:
+            self.params: list[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
+        else:
+            mine = {id(p) for p in module.parameters()}
+            self.params = list(params)
+            seen: set[int] = set()
+            bad = []
+            for i, p in enumerate(self.params):  # foreign, frozen or repeated
+                if id(p) not in mine or not p.requires_grad or id(p) in seen:
+                    bad.append(i)
+                seen.add(id(p))
+            if bad:
+                raise ValueError(f"GradReducer: rank {self.rank}: params must be distinct "
+                                 f"parameters of the module that require grad (entries {bad} "
+                                 "are not)")
         if not self.params:
             raise ValueError(f"GradReducer: rank {self.rank}: module has no parameter that "
-                             "requires grad")
+                             "requires grad" if params is None else
+                             f"GradReducer: rank {self.rank}: params is empty")
+        if divisor is not None and (isinstance(divisor, bool) or not isinstance(divisor, int)
+                                    or divisor < 1):
+            raise ValueError(f"GradReducer: rank {self.rank}: divisor must be a positive int "
+                             f"or None, got {divisor!r}")
+        self.divisor = self.dp_size if divisor is None else divisor
         if any(p.layout != torch.strided for p in self.params):
             raise TypeError(f"GradReducer: rank {self.rank}: only dense (strided) parameters "
                             "are supported")
@@ -123,7 +150,7 @@ class GradReducer:
         # (logically zero): the next gradient overwrites instead of adding.
         self._main = [gd is not None and p.dtype != gd for p in self.params]
         # op="avg": gradients are divided by the DP size as they are folded into the buffer.
-        self._scale = (1.0 / self.dp_size if self.config.op == "avg" and self.dp_size > 1
+        self._scale = (1.0 / self.divisor if self.config.op == "avg" and self.divisor > 1
                        else None)
         self._dead = [True] * len(self.params)
         # Per-call agreement of the plain all-reduce (overlap.dp.stamps): a stamp in a tail of

@@ -19,7 +19,18 @@ import torch.nn.functional as F
 
 from overlap.defaults import positive_int
 
-__all__ = ["SwiGLUExperts", "SwiGLU", "grouped_mm", "expert_init", "swiglu_grouped"]
+__all__ = ["SwiGLUExperts", "SwiGLU", "grouped_mm", "expert_init", "swiglu_grouped",
+           "split_expert_parameters"]
+
+
+def split_expert_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(dense, expert) parameters of ``module`` that require grad, in ``parameters()`` order:
+    the experts' weights (every ``SwiGLUExperts``) reduce over the expert-data-parallel group,
+    the rest (routers, shared experts, attention, ...) over DP."""
+    expert = {id(p) for m in module.modules() if isinstance(m, SwiGLUExperts)
+              for p in m.parameters()}
+    params = [p for p in module.parameters() if p.requires_grad]
+    return ([p for p in params if id(p) not in expert], [p for p in params if id(p) in expert])
 
 
 def expert_init(num_experts: int, fan_in: int, fan_out: int, *, device=None,
