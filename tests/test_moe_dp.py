@@ -46,9 +46,9 @@ def _batch(r):
     return torch.randn(10, D, generator=g), torch.randn(10, D, generator=g)
 
 
-def _reduced(dp, ep, cf):
+def _reduced(dp, ep, cf, sharded=False):
     from overlap.dist import ParallelDims
-    from overlap.dp import GradReducer
+    from overlap.dp import GradReducer, ShardedOptimizer
     from overlap.moe import split_expert_parameters
 
     dims = ParallelDims.build(dp=dp, ep=ep)
@@ -56,11 +56,14 @@ def _reduced(dp, ep, cf):
     torch.manual_seed(0)
     net = _Net(comm, cf)
     dense, expert = split_expert_parameters(net)
-    reducers = [GradReducer(net, dp_group=dims.dp_group, params=dense, timeout=30),
+    reducers = [GradReducer(net, dp_group=dims.dp_group, params=dense, timeout=30,
+                            shard=sharded),
                 GradReducer(net, dp_group=dims.edp_group, params=expert, divisor=dp,
-                            timeout=30)]
+                            timeout=30, shard=sharded)]
     torch.manual_seed(0)
     ref = _Net(None, cf)
+    if sharded:
+        return _sharded_steps(dims, net, ref, reducers, ShardedOptimizer, dp, ep)
     errs = {}
     for step in range(2):
         x, t = _batch(100 * step + dims.dp_rank)
@@ -86,6 +89,44 @@ def test_expert_gradients_reduce_over_the_expert_data_parallel_group(dp, ep, cf)
     for rank, (errs, expert_rows) in enumerate(run_ranks(_reduced, dp, dp, ep, cf,
                                                          timeout=120)):
         assert expert_rows == [E // ep] * 2, (rank, expert_rows)
+        bad = {k: v for k, v in errs.items() if v > TOL}
+        assert not bad, f"rank {rank} (dp {dp}, ep {ep}): beyond {TOL}: {bad}"
+
+
+def _sharded_steps(dims, net, ref, reducers, sharded_cls, dp, ep):
+    """Two ShardedOptimizers (dense over DP, experts over EDP) vs AdamW on one process, 3
+    steps. AdamW's eps (1e-3) is far above a gradient's rounding difference, so a step is
+    known to ~1e-7 of lr even where the gradient is near zero."""
+    opts = [sharded_cls(r, torch.optim.AdamW, lr=1e-2, eps=1e-3) for r in reducers]
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3)
+    el = E // ep
+    mine = slice(dims.ep_rank * el, (dims.ep_rank + 1) * el)
+    for step in range(3):
+        x, t = _batch(100 * step + dims.dp_rank)
+        ((net(x) - t) ** 2).mean().backward()
+        batches = [_batch(100 * step + r) for r in range(dp)]
+        (sum(((ref(bx) - bt) ** 2).mean() for bx, bt in batches) / dp).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        ropt.step()
+        ropt.zero_grad(set_to_none=True)
+    for o in opts:
+        o.wait_params()
+    rp = dict(ref.named_parameters())
+    errs = {n: _rel(p.detach(), rp[n].detach()[mine] if ".experts." in n else rp[n].detach())
+            for n, p in net.named_parameters()}
+    for o in opts:
+        o.close()
+    for r in reducers:
+        r.close()
+    return errs, [E // ep] * 2
+
+
+@pytest.mark.parametrize("dp,ep", [(2, 2), (4, 2)])
+def test_sharded_optimizers_per_group_equal_adamw_on_one_process(dp, ep):
+    for rank, (errs, _) in enumerate(run_ranks(_reduced, dp, dp, ep, None, True,
+                                               timeout=120)):
         bad = {k: v for k, v in errs.items() if v > TOL}
         assert not bad, f"rank {rank} (dp {dp}, ep {ep}): beyond {TOL}: {bad}"
 

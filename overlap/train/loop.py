@@ -326,7 +326,8 @@ def clip_grads(optimizers, reducers, replicated, max_norm: float, *, dims,
                sharded: bool) -> torch.Tensor:
     """Scale every gradient by ``min(1, max_norm / (||g|| + 1e-6))`` (torch's
     ``clip_grad_norm_``), ``||g||`` the L2 norm of the whole model's gradient: each element
-    counted once, i.e. on one DP rank (the one owning its ZeRO shard, else DP rank 0) and, for
+    counted once, i.e. on one rank of its reducer's group (the one owning its ZeRO shard, else
+    the group's rank 0: DP for dense parameters, expert-DP for experts) and, for
     TP-replicated parameters, on TP rank 0 only; summed over every rank. Returns the norm.
     Reads (and scales) the fp32 main grads where the reducer keeps them (bf16)."""
     from overlap.train.precision import grad_of
@@ -337,7 +338,7 @@ def clip_grads(optimizers, reducers, replicated, max_norm: float, *, dims,
         weights = [0.0 if (r and not tp0) else 1.0 for r in rep]
         if sharded:
             total += opt.grad_norm_sq(weights)
-        elif dims.dp_rank == 0:
+        elif red.dp_rank == 0:
             red.finish()
             for w, p in zip(weights, red.params):
                 g = grad_of(p)  # the fp32 main grad in bf16 training
