@@ -6,7 +6,8 @@ Shape legend: ``b`` batch, ``t`` sequence length (<= ``seq_len``), ``d`` d_model
 
 Module names are a contract other parts of the project rely on (TP plans match them):
 ``tok_emb``, ``pos_emb``, ``blocks[i].{ln1, attn.{q,k,v,o}_proj, ln2, mlp.{fc1, fc2}}``,
-``ln_f``, ``lm_head`` (untied from ``tok_emb``).
+``ln_f``, ``lm_head`` (untied from ``tok_emb``). With ``moe_experts > 0`` every
+``moe_every``-th block's ``mlp`` is a ``MoEMLP`` (``mlp.moe``: overlap.moe.MoE).
 
 ``GPT.pipeline_pieces()`` expresses the model as a sequence ``[embedding, block_0, ...,
 block_{L-1}, head]`` whose composition is exactly ``GPT.forward`` (same ops, same order), so a
@@ -23,8 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from overlap.defaults import positive_int
 
-__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "GPTEmbedding", "GPTHead",
-           "gpt_loss", "pipeline_piece_costs"]
+__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "MoEMLP", "GPTEmbedding",
+           "GPTHead", "gpt_loss", "pipeline_piece_costs"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -37,11 +38,39 @@ class GPTConfig:
     mlp_ratio: int = 4
     dropout: float = 0.0
     bias: bool = True
+    # Mixture of experts (0 experts: a dense model). Block i is MoE when i % moe_every ==
+    # moe_every - 1; experts are SwiGLU of moe_d_ff (default mlp_ratio * d_model);
+    # moe_shared shared experts of the same size run on every token; capacity_factor None is
+    # dropless. moe_token_groups: tokens are routed (and capacity applied) in that many
+    # contiguous groups along the sequence, so one process routes like tp sequence-parallel
+    # ranks. moe_aux_coef / moe_z_coef: weights of the load-balancing and z losses.
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_every: int = 1
+    moe_d_ff: int | None = None
+    moe_shared: int = 0
+    capacity_factor: float | None = None
+    moe_token_groups: int = 1
+    moe_aux_coef: float = 0.01
+    moe_z_coef: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "d_model", "n_layer", "n_head", "mlp_ratio"):
+        for name in ("vocab_size", "seq_len", "d_model", "n_layer", "n_head", "mlp_ratio",
+                     "moe_top_k", "moe_every", "moe_token_groups"):
             value = getattr(self, name)
             positive_int(value, f"GPTConfig: {name}")
+        if isinstance(self.moe_experts, bool) or not isinstance(self.moe_experts, int) \
+                or self.moe_experts < 0:
+            raise ValueError(f"GPTConfig: moe_experts must be an int >= 0, got "
+                             f"{self.moe_experts!r}")
+        if self.moe_experts and self.moe_top_k > self.moe_experts:
+            raise ValueError(f"GPTConfig: moe_top_k={self.moe_top_k} is larger than "
+                             f"moe_experts={self.moe_experts}")
+        if self.moe_experts and self.seq_len % self.moe_token_groups:
+            raise ValueError(f"GPTConfig: seq_len={self.seq_len} must be divisible by "
+                             f"moe_token_groups={self.moe_token_groups}")
+        if self.moe_shared < 0 or self.moe_aux_coef < 0 or self.moe_z_coef < 0:
+            raise ValueError("GPTConfig: moe_shared, moe_aux_coef and moe_z_coef must be >= 0")
         if self.d_model % self.n_head:
             raise ValueError(f"GPTConfig: d_model={self.d_model} must be divisible by "
                              f"n_head={self.n_head}")
@@ -105,15 +134,65 @@ class MLP(nn.Module):
         return self.drop(self.fc2(self.act(self.fc1(x))))
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)). (b, t, d) -> (b, t, d)."""
+class _AuxLoss(torch.autograd.Function):
+    """Identity on ``y`` whose backward also feeds ``scale`` into ``aux`` (the auxiliary
+    losses): their gradients reach the router without the loss being returned, so a pipeline
+    stage in the middle trains them too (Megatron's auxiliary-loss scaler)."""
 
-    def __init__(self, config: GPTConfig):
+    @staticmethod
+    def forward(ctx, y, aux, scale: float):
+        ctx.scale = scale
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, torch.full((), ctx.scale, dtype=torch.float32, device=g.device), None
+
+
+class MoEMLP(nn.Module):
+    """The MoE feed-forward of a block: (b, t, d) -> (b, t, d), routed in ``token_groups``
+    contiguous groups along t (1 where sequence parallelism already gives each rank one group).
+    ``aux_scale`` multiplies the auxiliary losses' gradient: set it to the main loss's scale
+    (1/micro-batches in a pipeline; 1/n for n micro-batches summed on one process)."""
+
+    def __init__(self, config: GPTConfig, ep_comm=None):
+        from overlap.moe import MoE
+
+        super().__init__()
+        d_ff = config.moe_d_ff or config.mlp_ratio * config.d_model
+        self.moe = MoE(config.d_model, d_ff, config.moe_experts, config.moe_top_k,
+                       comm=ep_comm, capacity_factor=config.capacity_factor,
+                       shared_d_ff=d_ff * config.moe_shared if config.moe_shared else None)
+        self.token_groups = config.moe_token_groups
+        self.groups_total = config.moe_token_groups  # what the aux losses are averaged over
+        self.coefs = (config.moe_aux_coef, config.moe_z_coef)
+        self.aux_scale = 1.0
+        self.last_aux: tuple[torch.Tensor, torch.Tensor] | None = None  # (lb, z) group means
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts, lb, z = [], 0.0, 0.0
+        for chunk in x.chunk(self.token_groups, dim=1) if self.token_groups > 1 else (x,):
+            parts.append(self.moe(chunk))
+            lb, z = lb + self.moe.aux.load_balancing, z + self.moe.aux.z
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        self.last_aux = (lb / self.groups_total, z / self.groups_total)
+        if self.training and torch.is_grad_enabled() and (self.coefs[0] or self.coefs[1]):
+            aux = self.coefs[0] * self.last_aux[0] + self.coefs[1] * self.last_aux[1]
+            y = _AuxLoss.apply(y, aux, self.aux_scale)
+        return self.drop(y)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)). (b, t, d) -> (b, t, d).
+    ``moe``: its ``mlp`` is a MoEMLP (experts sharded over ``ep_comm``'s group, if given)."""
+
+    def __init__(self, config: GPTConfig, *, moe: bool = False, ep_comm=None):
         super().__init__()
         self.ln1 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.d_model, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MoEMLP(config, ep_comm) if moe else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -154,7 +233,10 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig):
+    """``ep_comm``: an EPComm over which the MoE blocks shard their experts (None: every
+    expert here). The same seed gives the same model at any EP size."""
+
+    def __init__(self, config: GPTConfig, *, ep_comm=None):
         super().__init__()
         if not isinstance(config, GPTConfig):
             raise TypeError(f"GPT: config must be a GPTConfig, got {type(config).__name__}")
@@ -162,7 +244,10 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        every = config.moe_every
+        self.blocks = nn.ModuleList(
+            Block(config, moe=config.moe_experts > 0 and i % every == every - 1,
+                  ep_comm=ep_comm) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self._init_weights()
@@ -202,7 +287,15 @@ class GPT(nn.Module):
 def pipeline_piece_costs(config: GPTConfig) -> list[float]:
     """Forward FLOPs per token of each pipeline piece (for balancing a split):
     embedding ~ 0 (a lookup), block = 2*(4 d^2 + 2 r d^2) + 4 t d (projections, MLP,
-    attention at full length t), head = 2 d V."""
+    attention at full length t), head = 2 d V. A MoE block's feed-forward counts the top-k
+    experts and the shared ones a token runs (SwiGLU: 3 matrices of d x f) and the router."""
     d, t = config.d_model, config.seq_len
-    block = 2.0 * (4 + 2 * config.mlp_ratio) * d * d + 4.0 * t * d
-    return [float(d), *([block] * config.n_layer), 2.0 * d * config.vocab_size]
+    attn = 2.0 * 4 * d * d + 4.0 * t * d
+    dense = attn + 2.0 * 2 * config.mlp_ratio * d * d
+    f = config.moe_d_ff or config.mlp_ratio * d
+    moe = attn + 2.0 * 3 * d * f * (config.moe_top_k + config.moe_shared) \
+        + 2.0 * d * config.moe_experts
+    every = config.moe_every
+    blocks = [moe if config.moe_experts and i % every == every - 1 else dense
+              for i in range(config.n_layer)]
+    return [float(d), *blocks, 2.0 * d * config.vocab_size]
