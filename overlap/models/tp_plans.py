@@ -48,10 +48,21 @@ def _parallel_attention(module: nn.Module, *, comm, sequence_parallel: bool) -> 
     return new
 
 
-def gpt_plan(*, loss_parallel: bool = False) -> TPPlan:
+def gpt_plan(*, loss_parallel: bool = False, dense_mlp: bool = True,
+             sp_moe_blocks: tuple[int, ...] = ()) -> TPPlan:
     """Plan for ``overlap.models.GPT``. ``loss_parallel=True`` leaves the logits sharded over
     the vocabulary (use ``vocab_parallel_cross_entropy``; ``GPT.forward(idx, targets)`` would
-    then compute a wrong loss)."""
+    then compute a wrong loss). ``dense_mlp=False``: every block is a MoE block (its experts
+    shard over EP, not TP; the MoE parameters stay whole on every TP rank). ``sp_moe_blocks``:
+    the MoE blocks of a sequence-parallel run: each TP rank routes its own sequence shard (the
+    block's ``token_groups`` divided by tp) and the experts' gradients are summed over TP (the
+    router and shared experts are found by the verifier's probe; the experts' weights feed the
+    exchange directly)."""
+    mlp = {"blocks.*.mlp.fc1": "column", "blocks.*.mlp.fc2": "row"} if dense_mlp else {}
+    divide = {"blocks.*.attn": ("num_heads",)}
+    for i in sp_moe_blocks:
+        mlp[f"blocks.{i}.mlp.moe.experts"] = "sum_grads"
+        divide[f"blocks.{i}.mlp"] = ("token_groups",)
     return TPPlan(
         name="overlap-gpt",
         layers={
@@ -65,12 +76,11 @@ def gpt_plan(*, loss_parallel: bool = False) -> TPPlan:
             "blocks.*.attn.k_proj": "column",
             "blocks.*.attn.v_proj": "column",
             "blocks.*.attn.o_proj": "row",
-            "blocks.*.mlp.fc1": "column",
-            "blocks.*.mlp.fc2": "row",
+            **mlp,
             "ln_f": "sp_norm",
             "lm_head": "vocab_head" if loss_parallel else "head",
         },
-        divide={"blocks.*.attn": ("num_heads",)},
+        divide=divide,
         sequence_parallel=True,
     )
 

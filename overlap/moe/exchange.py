@@ -209,7 +209,7 @@ class _Exchange(torch.autograd.Function):
             lx, ly = ctx.local
             with piece_range("chunked", "compute", "shared_grad"):
                 grads = torch.autograd.grad(ly, (lx, *ctx.local_params), g_local,
-                                            allow_unused=True)
+                                            allow_unused=True, retain_graph=True)
             d_local_x, local_grads = grads[0], grads[1:]
         w1_, w2_ = ctx.weights
         dw1, dw2, returns = None, None, []
@@ -217,7 +217,8 @@ class _Exchange(torch.autograd.Function):
             g = comm.finish(posted[p]).index_select(0, pieces.regroup[p])
             x, y = saved[p]
             with piece_range("chunked", "gemm", f"grad.{p}"):
-                dx, d1, d2 = torch.autograd.grad(y, (x, w1_, w2_), g, allow_unused=True)
+                dx, d1, d2 = torch.autograd.grad(y, (x, w1_, w2_), g, allow_unused=True,
+                                                 retain_graph=True)
                 dw1 = d1 if dw1 is None else dw1 + d1
                 dw2 = d2 if dw2 is None else dw2 + d2
             with piece_range("chunked", "comm", f"dispatch_grad.{p}"):
@@ -227,7 +228,8 @@ class _Exchange(torch.autograd.Function):
         d_rows = g_back.new_zeros(ctx.rows_shape)
         for p in range(n):
             d_rows.index_copy_(0, pieces.send_index[p], comm.finish(returns[p]))
-        ctx.saved = ctx.local = None
+        # ctx keeps its state (and the inner graphs are retained): a zero-bubble W pass
+        # replays this backward (overlap.pp.backward); it all goes with the outer graph
         return (d_rows, dw1, dw2, d_local_x, None, None, None, None, *local_grads)
 
 

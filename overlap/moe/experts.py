@@ -95,7 +95,13 @@ class SwiGLUExperts(nn.Module):
     def num_local(self) -> int:
         return self.w_gate_up.shape[0]
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | None = None,
+                offsets: torch.Tensor | None = None):
+        """``(x, offsets) -> y``; with no arguments, the weights ``(w_gate_up, w_down)`` as the
+        forward returns them (what the MoE layer's exchange runs on), so wrappers that act
+        on a module's forward (TP gradient sums over sequence-parallel ranks) see every use."""
+        if x is None:
+            return self.w_gate_up, self.w_down
         return swiglu_grouped(x, self.w_gate_up, self.w_down, offsets)
 
 

@@ -141,6 +141,9 @@ class MoE(nn.Module):
             raise ValueError(f"MoE: {reason} (the symmetric buffers hold that many tokens per "
                              f"rank per call; the communicator is now failed on every rank)")
         routing = self.router(x2)
+        # The expert weights come out of the experts' forward, so wrappers that intercept a
+        # module's forward (parallelize's TP gradient sums) see their use.
+        w = self.experts()
         nonfinite = (~torch.isfinite(routing.logits)).any(1).sum()
         # Dropless over the chunked backend reads the counts on the host anyway: the flag
         # rides along (no extra sync). Elsewhere only on request (one host read).
@@ -153,9 +156,9 @@ class MoE(nn.Module):
         flat_w = routing.weights.t().reshape(-1)
         tok = torch.arange(t, device=x2.device).repeat(k)
         if self.capacity_factor is not None:
-            gathered, dropped, shared = self._capacity(x2, flat_e, tok, t)
+            gathered, dropped, shared = self._capacity(x2, flat_e, tok, t, w)
         else:
-            (gathered, shared), dropped = (self._dropless(x2, flat_e, tok, nonfinite),
+            (gathered, shared), dropped = (self._dropless(x2, flat_e, tok, nonfinite, w),
                                            flat_e.new_zeros(()))
         weighted = (gathered.float() * flat_w.unsqueeze(1)).to(x2.dtype)
         out = x2.new_zeros(t, self.d_model).index_add(0, tok, weighted)
@@ -165,7 +168,7 @@ class MoE(nn.Module):
         return out.reshape(x.shape)
 
     # -- capacity mode: static shapes, no host sync
-    def _capacity(self, x2, flat_e, tok, t):
+    def _capacity(self, x2, flat_e, tok, t, w):
         e, d = self.num_experts, self.d_model
         c = capacity(t, self.top_k, e, self.capacity_factor)
         # scatter_, not F.one_hot: one_hot checks its input's range on the host (a sync on CUDA)
@@ -177,14 +180,14 @@ class MoE(nn.Module):
         if self._layout is not None:  # the send gathers each slot's token itself
             slot_token = torch.full((e * c + 1,), -1, dtype=torch.int64,
                                     device=x2.device).scatter_(0, dest, tok)[:e * c]
-            y, shared = self._symmetric_static(x2, slot_token, c)
+            y, shared = self._symmetric_static(x2, slot_token, c, w)
         else:
             slots = x2.new_zeros(e * c + 1, d).index_add(0, dest, x2[tok])[:e * c]
-            y, shared = self._experts_static(slots, c, x2)
+            y, shared = self._experts_static(slots, c, x2, w)
         y = torch.cat([y, y.new_zeros(1, d)])
         return y[dest], (~keep).sum(), shared
 
-    def _symmetric_static(self, x2, slot_token, c):
+    def _symmetric_static(self, x2, slot_token, c, w):
         el, ep = self.num_local, self.ep
         key = ("symmetric", c, x2.device)
         static = self._static_pieces.get(key)
@@ -193,21 +196,20 @@ class MoE(nn.Module):
             static = self._static_pieces[key] = (
                 at // (el * c), at % (el * c),
                 torch.full((ep, el), c, dtype=torch.int64, device=x2.device))
-        return exchange_symmetric(x2, self.experts.w_gate_up, self.experts.w_down,
-                                  Route(slot_token, *static, self._layout), self.comm,
+        return exchange_symmetric(x2, *w, Route(slot_token, *static, self._layout), self.comm,
                                   swiglu_grouped, local=self.shared, local_x=x2)
 
-    def _experts_static(self, slots, c, x2):
+    def _experts_static(self, slots, c, x2, w):
         el, ep = self.num_local, self.ep
         if ep == 1:
             offsets = torch.arange(1, el + 1, device=slots.device, dtype=torch.int32) * c
-            return self.experts(slots, offsets), None
+            return swiglu_grouped(slots, *w, offsets), None
         key = (ep, el, c, self.comm.chunks, slots.device)
         pieces = self._static_pieces.get(key)
         if pieces is None:  # static shapes: built once per (tokens, capacity)
             pieces = self._static_pieces[key] = static_pieces(ep, el, c, self.comm.chunks,
                                                               slots.device)
-        return exchange(slots, self.experts.w_gate_up, self.experts.w_down, pieces, self.comm,
+        return exchange(slots, *w, pieces, self.comm,
                         swiglu_grouped, local=self.shared, local_x=x2)
 
     # -- dropless mode: exact counts
@@ -220,7 +222,7 @@ class MoE(nn.Module):
             every = self.comm.all_gather_ints(nonfinite, op="MoE router check")
         _nonfinite_error(every, self.ep_rank)
 
-    def _dropless(self, x2, flat_e, tok, nonfinite):
+    def _dropless(self, x2, flat_e, tok, nonfinite, w):
         n = flat_e.shape[0]
         key = flat_e * n + torch.arange(n, device=flat_e.device)
         order = torch.argsort(key)                   # by expert, priority order inside
@@ -228,10 +230,10 @@ class MoE(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.int64,
                              device=flat_e.device).index_add_(0, flat_e, torch.ones_like(flat_e))
         y_sorted, shared = self._experts_dropless(tok[order], counts, x2, flat_e[order],
-                                                  nonfinite)
+                                                  nonfinite, w)
         return y_sorted[torch.argsort(order)], shared
 
-    def _experts_dropless(self, token, counts, x2, experts_sorted, nonfinite):
+    def _experts_dropless(self, token, counts, x2, experts_sorted, nonfinite, w):
         """``token``: the token of each assignment, in expert order."""
         el, ep = self.num_local, self.ep
         if self._layout is not None and ep > 1:  # every index on the device: no host sync
@@ -240,12 +242,12 @@ class MoE(nn.Module):
             owner = experts_sorted // el
             place = torch.arange(token.shape[0], device=x2.device) - (
                 totals.cumsum(0) - totals)[owner]
-            return exchange_symmetric(x2, self.experts.w_gate_up, self.experts.w_down,
+            return exchange_symmetric(x2, *w,
                                       Route(token, owner, place, per_owner, self._layout),
                                       self.comm, swiglu_grouped, local=self.shared, local_x=x2)
         rows = x2[token]
         if ep == 1:
-            return self.experts(rows, counts.cumsum(0).to(torch.int32)), None
+            return swiglu_grouped(rows, *w, counts.cumsum(0).to(torch.int32)), None
         # Counts per (source, local expert), then on the host: the one declared host sync of
         # the dropless EP forward (NCCL's uneven all_to_all takes host split sizes).
         # The last column carries this rank's non-finite token count to every peer.
@@ -255,5 +257,5 @@ class MoE(nn.Module):
         _nonfinite_error([row[el] for row in both[1]], self.ep_rank)
         send_n, recv_n = [[row[:el] for row in side] for side in both]
         pieces = counted_pieces(send_n, recv_n, self.comm.chunks, rows.device)
-        return exchange(rows, self.experts.w_gate_up, self.experts.w_down, pieces, self.comm,
+        return exchange(rows, *w, pieces, self.comm,
                         swiglu_grouped, local=self.shared, local_x=x2)

@@ -210,14 +210,14 @@ class _SymmetricExchange(torch.autograd.Function):
                 lx, ly = ctx.local
                 with piece_range("symmetric", "compute", "shared_grad"):
                     grads = torch.autograd.grad(ly, (lx, *ctx.local_params), g_local,
-                                                allow_unused=True)
+                                                allow_unused=True, retain_graph=True)
                 d_local_x, local_grads = grads[0], grads[1:]
             w1_, w2_ = ctx.weights
             dw1 = dw2 = None
             for s, x, y, ends, valid in ctx.saved:
                 g = torch.where(valid, call.receive(s, d, g_back.dtype), 0)
                 with piece_range("symmetric", "gemm", f"grad.{s}"):
-                    dx, d1, d2 = torch.autograd.grad(y, (x, w1_, w2_), g)
+                    dx, d1, d2 = torch.autograd.grad(y, (x, w1_, w2_), g, retain_graph=True)
                     dw1 = d1 if dw1 is None else dw1 + d1
                     dw2 = d2 if dw2 is None else dw2 + d2
                 call.answer(s, torch.where(valid, dx, 0))
@@ -229,7 +229,8 @@ class _SymmetricExchange(torch.autograd.Function):
             index = route.index
             d_rows = g_back.new_zeros(ctx.src_shape).index_add_(
                 0, index.clamp_min(0), torch.where((index >= 0).unsqueeze(1), d_rows, 0))
-        ctx.saved = ctx.local = None
+        # ctx keeps its state (and the inner graphs are retained): a zero-bubble W pass
+        # replays this backward (overlap.pp.backward); it all goes with the outer graph
         return (d_rows, dw1, dw2, d_local_x, None, None, None, None, *local_grads)
 
 

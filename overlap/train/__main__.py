@@ -60,6 +60,12 @@ def _summary(cfg: TrainConfig, records: list[dict]) -> str:
              f"overlap         sequence-parallel fused TP ops ({cfg.tp_backend}) "
              f"{'on' if cfg.sequence_parallel else 'off'}, async P2P, bucketed DP reduction "
              f"({cfg.comm_dtype}), sharded optimizer {'on' if cfg.sharded_optimizer else 'off'}",
+             *([f"experts         {cfg.moe_experts} per MoE block (every {cfg.moe_every}), "
+                f"top-{cfg.moe_top_k}, "
+                + (f"capacity factor {cfg.capacity_factor:g}" if cfg.capacity_factor
+                   else "dropless")
+                + f", {cfg.moe_shared_experts} shared; ep={cfg.ep} ({cfg.ep_backend} "
+                  "exchange under the expert GEMMs)"] if cfg.moe_experts else []),
              f"precision       {cfg.dtype}" + (" parameters and activations, fp32 gradient "
                                                "buffers and master weights"
                                                if cfg.dtype == "bf16" else ""),

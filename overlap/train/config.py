@@ -22,6 +22,7 @@ TRANSPORTS = ("nccl_twin", "gloo")
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine")
+EP_BACKENDS = ("chunked", "symmetric")
 VOCAB_SIZE = 256  # byte-level tokenizer
 
 
@@ -69,6 +70,16 @@ class TrainConfig:
     sequence_parallel: bool = _field(True, "sequence-parallel TP layers (fused AG-GEMM / GEMM-RS)")
     tp_backend: str = _field("auto", "fused TP op backend", choices=TP_BACKENDS)
     comm_dtype: str = _field("fp32", "data-parallel gradient wire dtype", choices=COMM_DTYPES)
+    ep: int = _field(1, "expert-parallel degree: the MoE blocks' experts are sharded over ep "
+                        "data-parallel ranks (needs --moe-experts; ep must divide dp)")
+    moe_experts: int = _field(0, "experts per MoE block (0: a dense model)")
+    moe_top_k: int = _field(2, "experts per token")
+    moe_shared_experts: int = _field(0, "shared experts per MoE block (run on every token)")
+    moe_every: int = _field(1, "every N-th block is a MoE block")
+    capacity_factor: float = _field(0.0, "MoE capacity factor (tokens over capacity are "
+                                         "dropped); 0: dropless")
+    moe_aux_coef: float = _field(0.01, "load-balancing loss coefficient")
+    ep_backend: str = _field("chunked", "expert-parallel exchange", choices=EP_BACKENDS)
     bucket_mb: float = _field(0.25, "gradient bucket size in MiB (small: the demo model is "
                                     "small, and several buckets show the overlap)")
     sharded_optimizer: bool = _field(True, "ZeRO-style sharded optimizer over the dp axis")
@@ -129,11 +140,12 @@ class TrainConfig:
         _check_number("bucket_mb", self.bucket_mb, low=0.0)
         _check_number("timeout", self.timeout, low=0.0, low_open=True)
         _check_number("check_tolerance", self.check_tolerance, low=0.0, low_open=True)
+        self._validate_moe()
         from overlap.dist.dims import ParallelDims
 
         try:
             ParallelDims.resolve(world_size=self.world_size, tp=self.tp, pp=self.pp, dp=self.dp,
-                                 ranks_per_node=max(self.tp, self.world_size))
+                                 ep=self.ep, ranks_per_node=max(self.tp, self.world_size))
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if self.d_model % self.n_head:
@@ -159,6 +171,39 @@ class TrainConfig:
                               f"({self.micro_batches}) to be a multiple of --pp ({self.pp})")
         self._validate_data()
         self._validate_checkpoints()
+
+    def _validate_moe(self) -> None:
+        for name in ("ep", "moe_top_k", "moe_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
+        for name in ("moe_experts", "moe_shared_experts"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v}")
+        _check_number("capacity_factor", self.capacity_factor, low=0.0)
+        _check_number("moe_aux_coef", self.moe_aux_coef, low=0.0)
+        if not self.moe_experts:
+            if self.ep > 1:
+                raise ConfigError(f"--ep {self.ep} shards the experts of MoE blocks: pass "
+                                  "--moe-experts N too")
+            return
+        if self.moe_experts % self.ep:
+            raise ConfigError(f"--moe-experts {self.moe_experts} is not divisible by --ep "
+                              f"{self.ep}: every EP rank holds the same number of experts")
+        if self.moe_top_k > self.moe_experts:
+            raise ConfigError(f"--moe-top-k {self.moe_top_k} is larger than --moe-experts "
+                              f"{self.moe_experts}")
+        if self.seq_len % self.tp:
+            raise ConfigError(f"MoE blocks route each sequence in --tp {self.tp} groups (as "
+                              f"sequence-parallel ranks do): --seq-len {self.seq_len} must be "
+                              "divisible by it")
+        for flag, on in (("--save", self.save), ("--resume", self.resume),
+                         ("--dtype bf16", self.dtype == "bf16"),
+                         ("--recompute full", self.recompute == "full")):
+            if on:
+                raise ConfigError(f"--moe-experts with {flag} is not built yet (MoE in the "
+                                  "main job: docs/moe.md)")
 
     def _validate_data(self) -> None:
         if self.data is None:

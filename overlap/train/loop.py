@@ -53,9 +53,36 @@ class StepRecord:
 
 
 def model_config(cfg: TrainConfig, *, dropout: float | None = None) -> GPTConfig:
+    # MoE blocks route each sequence in tp groups, as tp sequence-parallel ranks do, so one
+    # process makes the same capacity decisions as the sharded job.
     return GPTConfig(vocab_size=VOCAB_SIZE, seq_len=cfg.seq_len, d_model=cfg.d_model,
                      n_layer=cfg.n_layer, n_head=cfg.n_head,
-                     dropout=cfg.dropout if dropout is None else dropout)
+                     dropout=cfg.dropout if dropout is None else dropout,
+                     moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k,
+                     moe_every=cfg.moe_every, moe_shared=cfg.moe_shared_experts,
+                     capacity_factor=cfg.capacity_factor or None, moe_token_groups=cfg.tp,
+                     moe_aux_coef=cfg.moe_aux_coef)
+
+
+def _moe_mlps(model: torch.nn.Module) -> list:
+    from overlap.models.gpt import MoEMLP
+
+    return [m for m in model.modules() if isinstance(m, MoEMLP)]
+
+
+def _ep_comm(cfg: TrainConfig, dims, overlap: bool):
+    """The job's EPComm (None without expert parallelism): chunked pieces (the sequential
+    exchange for the no-overlap baseline) or the symmetric buffers, sized for one MoE call's
+    tokens (a micro-batch's, divided over the TP ranks)."""
+    if not cfg.moe_experts or cfg.ep == 1:
+        return None
+    from overlap.moe import EPComm
+
+    extra = {}
+    if cfg.ep_backend == "symmetric":
+        extra["max_tokens"] = cfg.micro_batch_size * cfg.seq_len // cfg.tp
+    return EPComm(dims.ep_group, backend=cfg.ep_backend, chunks=2 if overlap else 1,
+                  timeout=cfg.timeout, **extra)
 
 
 def attempt_number() -> int:
@@ -126,10 +153,15 @@ def _build(cfg: TrainConfig, dims, device: torch.device, dtype: torch.dtype, *,
     if not overlap:
         cfg = dataclasses.replace(cfg, tp_backend="unfused")
     torch.manual_seed(cfg.seed)
-    model = GPT(model_config(cfg)).to(device=device, dtype=dtype)
+    ep_comm = _ep_comm(cfg, dims, overlap)
+    model = GPT(model_config(cfg), ep_comm=ep_comm).to(device=device, dtype=dtype)
     tp_comm = tp_comm_for(cfg, dims, device)
-    parallelize(model, comm=tp_comm, plan=gpt_plan(loss_parallel=True),
-                sequence_parallel=cfg.sequence_parallel)
+    moe_blocks = tuple(i for i, b in enumerate(model.blocks) if b.mlp in _moe_mlps(b))
+    plan = gpt_plan(loss_parallel=True, dense_mlp=len(moe_blocks) < cfg.n_layer,
+                    sp_moe_blocks=moe_blocks if cfg.sequence_parallel else ())
+    parallelize(model, comm=tp_comm, plan=plan, sequence_parallel=cfg.sequence_parallel)
+    for mlp in _moe_mlps(model):
+        mlp.aux_scale = 1.0 / cfg.micro_batches  # the pipeline's scale of each loss
     tracker = RNGTracker(seed=cfg.seed, tp_rank=dims.tp_rank, pp_rank=dims.pp_rank,
                          dp_rank=dims.dp_rank)
     if cfg.dropout > 0:
@@ -147,11 +179,12 @@ def _build(cfg: TrainConfig, dims, device: torch.device, dtype: torch.dtype, *,
     pipe = Pipeline(stages, schedule, loss_fn=loss_fn, pp_group=dims.pp_group,
                     timeout=cfg.timeout)
     reducers, optimizers = [], []
-    for stage in stages:
+    for stage, group, params, divisor in _reduction_groups(cfg, dims, stages):
         # rebuild_buckets=False: the bucket layout is fixed from the start, so a resumed run
         # (whose optimizer state is laid out over it) reduces exactly as the uninterrupted one
         extra = _grad_dtype_option(cfg)
-        red = GradReducer(stage.module, dp_group=dims.dp_group, comm_dtype=cfg.comm_dtype,
+        red = GradReducer(stage.module, dp_group=group, params=params, divisor=divisor,
+                          comm_dtype=cfg.comm_dtype,
                           bucket_cap_mb=cfg.bucket_mb, first_bucket_cap_mb=cfg.bucket_mb,
                           shard=cfg.sharded_optimizer, timeout=cfg.timeout,
                           rebuild_buckets=False, overlap=overlap, **extra)
@@ -169,7 +202,26 @@ def _build(cfg: TrainConfig, dims, device: torch.device, dtype: torch.dtype, *,
     replicated = _tp_replicated(model, reducers)
     return SimpleNamespace(model=model, tp_comm=tp_comm, tracker=tracker, stages=stages,
                            schedule=schedule, pipe=pipe, reducers=reducers,
-                           optimizers=optimizers, replicated=replicated, overlap=overlap)
+                           optimizers=optimizers, replicated=replicated, overlap=overlap,
+                           ep_comm=ep_comm)
+
+
+def _reduction_groups(cfg: TrainConfig, dims, stages):
+    """(stage, group, params, divisor) per reducer: every parameter of a stage over DP; with
+    expert parallelism the experts apart, over the expert-DP group (the ranks holding the same
+    experts), divided by dp like the rest (their local gradient already sums the tokens of
+    the whole EP group)."""
+    from overlap.moe import split_expert_parameters
+
+    for stage in stages:
+        if cfg.ep == 1 or not cfg.moe_experts:
+            yield stage, dims.dp_group, None, None
+            continue
+        dense, expert = split_expert_parameters(stage.module)
+        if dense:
+            yield stage, dims.dp_group, dense, None
+        if expert:
+            yield stage, dims.edp_group, expert, cfg.dp
 
 
 def _train_step(cfg: TrainConfig, job: SimpleNamespace, dims, step: int, x, y, lr: float,
@@ -220,7 +272,8 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     from overlap.tp import close_default_comms
 
     device = rank_device()
-    dims = ParallelDims.build(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, device_type=device.type)
+    dims = ParallelDims.build(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep,
+                              device_type=device.type)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     job = _build(cfg, dims, device, dtype)
     off = _build(cfg, dims, device, dtype, overlap=False) if cfg.compare_no_overlap else None
@@ -286,6 +339,8 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             for red in j.reducers:
                 red.close()
             j.tp_comm.close()
+            if j.ep_comm is not None:
+                j.ep_comm.close()
         if writer is not None:
             writer.close()
         close_default_comms()
@@ -478,6 +533,8 @@ def reference_model(cfg: TrainConfig, *, steps: int | None = None, dropout: floa
     (what the 3D job's pipeline and DP averaging compute) and takes one AdamW step."""
     torch.manual_seed(cfg.seed)
     model = GPT(model_config(cfg, dropout=dropout))
+    for mlp in _moe_mlps(model):
+        mlp.aux_scale = 1.0 / (cfg.dp * cfg.micro_batches)  # each micro-batch's loss scale
     opt = torch.optim.AdamW(param_groups(model, list(model.parameters()), cfg.weight_decay),
                             lr=cfg.lr, eps=cfg.adam_eps)
     batches = Batches(load_tokens(cfg.data), seq_len=cfg.seq_len,
