@@ -77,7 +77,7 @@ def _torch_layer(layer):
             start = end
         return torch.cat(outs)
 
-    def static(slots, c, x2):
+    def static(slots, c, x2, w):
         el, ep, d = layer.num_local, layer.ep, layer.d_model
         recv = a2a(slots, None, None, group)
         grouped = recv.reshape(ep, el, c, d).transpose(0, 1).reshape(el * ep * c, d)
