@@ -154,6 +154,18 @@ def decode(wire: torch.Tensor, comm: EPComm, d: int, dtype: torch.dtype) -> torc
     return out.view(-1, d).to(dtype)
 
 
+def shared_backward(ctx, g_local, backend: str):
+    """(input gradient or None, parameter gradients) of the shared expert an exchange ran
+    (``ctx.local = (input, output)`` or None); the graph is kept for a zero-bubble replay."""
+    if ctx.local is None:
+        return None, ()
+    lx, ly = ctx.local
+    with piece_range(backend, "compute", "shared_grad"):
+        grads = torch.autograd.grad(ly, (lx, *ctx.local_params), g_local, allow_unused=True,
+                                    retain_graph=True)
+    return grads[0], grads[1:]
+
+
 class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, w1, w2, local_x, pieces: Pieces, comm: EPComm, experts: Callable,
@@ -203,14 +215,8 @@ class _Exchange(torch.autograd.Function):
                 posted.append(comm.post(g_back.index_select(0, pieces.send_index[p]),
                                         pieces.recv_splits[p], pieces.send_splits[p],
                                         op="moe combine grad"))
-        local_grads: tuple = ()
-        d_local_x = None
-        if ctx.local is not None:  # the shared expert's backward under the first transfers
-            lx, ly = ctx.local
-            with piece_range("chunked", "compute", "shared_grad"):
-                grads = torch.autograd.grad(ly, (lx, *ctx.local_params), g_local,
-                                            allow_unused=True, retain_graph=True)
-            d_local_x, local_grads = grads[0], grads[1:]
+        # the shared expert's backward under the first transfers
+        d_local_x, local_grads = shared_backward(ctx, g_local, "chunked")
         w1_, w2_ = ctx.weights
         dw1, dw2, returns = None, None, []
         for p in range(n):

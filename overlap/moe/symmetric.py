@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from overlap.moe.exchange import decode, encode, piece_range
+from overlap.moe.exchange import decode, encode, piece_range, shared_backward
 
 __all__ = ["Route", "Layout", "exchange_symmetric"]
 
@@ -204,14 +204,8 @@ class _SymmetricExchange(torch.autograd.Function):
         with comm.guard(call.op):
             call.ws.raise_pending(call.op)
             call.send(g_back, None, route, counts=False)
-            local_grads: tuple = ()
-            d_local_x = None
-            if ctx.local is not None:  # the shared expert's backward under the transfers
-                lx, ly = ctx.local
-                with piece_range("symmetric", "compute", "shared_grad"):
-                    grads = torch.autograd.grad(ly, (lx, *ctx.local_params), g_local,
-                                                allow_unused=True, retain_graph=True)
-                d_local_x, local_grads = grads[0], grads[1:]
+            # the shared expert's backward under the transfers
+            d_local_x, local_grads = shared_backward(ctx, g_local, "symmetric")
             w1_, w2_ = ctx.weights
             dw1 = dw2 = None
             for s, x, y, ends, valid in ctx.saved:
