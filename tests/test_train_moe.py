@@ -73,3 +73,38 @@ def test_bad_moe_flags_fail_fast_with_one_line(args, message):
     assert len(lines) == 1 and lines[0].startswith("overlap-train: error: "), res.stderr
     assert message in lines[0], lines[0]
     assert "step" not in res.stdout
+
+
+CLIP_RUNS = {
+    "ep2 sharded": ["--clip-grad", "0.5"],
+    "edp2 unsharded": ["--clip-grad", "0.5", "--dp", "4", "--pp", "1",
+                       "--no-sharded-optimizer", "--capacity-factor", "1.0"],
+}
+
+
+def _train_each(runs):
+    from overlap.train.config import parse_args
+    from overlap.train.loop import train_rank
+
+    return [train_rank(parse_args(TINY + args), progress=False)["records"] for args in runs]
+
+
+def test_clip_grad_counts_every_expert_once():
+    """The global gradient norm with experts sharded over EP (and, at dp 4, replicated over
+    the expert-DP group) equals torch.nn.utils.clip_grad_norm_'s on one process, and so do the
+    losses after clipping on every step."""
+    import torch
+
+    from harness import run_ranks
+    from overlap.train.config import parse_args
+    from overlap.train.loop import reference_model
+
+    got = run_ranks(_train_each, 8, list(CLIP_RUNS.values()), timeout=400)[0]
+    for name, recs in zip(CLIP_RUNS, got):
+        cfg = parse_args(TINY + CLIP_RUNS[name])
+        ref_norms: list[float] = []
+        _, ref_losses = reference_model(cfg, norms=ref_norms)
+        assert all(n > 0.5 for n in ref_norms), (name, ref_norms)  # clipping active
+        assert max(abs(r["loss"] - x) for r, x in zip(recs, ref_losses)) <= 2e-3, name
+        torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in recs]),
+                                   torch.tensor(ref_norms), rtol=1e-5, atol=0, msg=name)
