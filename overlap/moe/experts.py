@@ -79,6 +79,9 @@ class SwiGLUExperts(nn.Module):
                        d_ff=w_down.shape[1])
         self.w_gate_up = nn.Parameter(w_gate_up)
         self.w_down = nn.Parameter(w_down)
+        # Where these experts sit among all of the layer's (set by an EP-sharded MoE layer):
+        # checkpoints save them at [first, first + num_local) of num_total.
+        self.first, self.num_total = 0, w_gate_up.shape[0]
 
     @classmethod
     def create(cls, num_experts: int, d_model: int, d_ff: int, *, device=None,

@@ -93,6 +93,7 @@ class MoE(nn.Module):
         local = slice(rank * (num_experts // ep), (rank + 1) * (num_experts // ep))
         self.experts = SwiGLUExperts(full.w_gate_up.data[local].clone(),
                                      full.w_down.data[local].clone())
+        self.experts.first, self.experts.num_total = local.start, num_experts
         self.shared = None if shared_d_ff is None else SwiGLU(d_model, shared_d_ff,
                                                               device=device, dtype=dtype)
         if comm is not None:

@@ -124,6 +124,7 @@ class _Staged(AsyncStager):
 def param_slices(model: torch.nn.Module, params) -> dict[int, tuple[str, tuple, tuple]]:
     """``{id(p): (fqn, global_shape, global_offsets)}`` for ``params`` of the parallelized
     ``model``: where each local (TP-sharded or replicated) tensor sits in the unsharded one."""
+    from overlap.moe.experts import SwiGLUExperts
     from overlap.nn.layers import TPModule
 
     names = {id(p): n for n, p in model.named_parameters()}
@@ -143,28 +144,35 @@ def param_slices(model: torch.nn.Module, params) -> dict[int, tuple[str, tuple, 
             sizes = list(spec.sizes) if spec.sizes is not None else [p.shape[spec.dim]] * tp
             shape[spec.dim] = sum(sizes)
             offsets[spec.dim] = sum(sizes[:r])
+        if isinstance(owner, SwiGLUExperts):  # an EP shard: these experts of all of them
+            shape[0], offsets[0] = owner.num_total, owner.first
         out[id(p)] = (fqn, tuple(shape), tuple(offsets))
     return out
 
 
 def _rects(local_shape, lo: int, hi: int):
-    """Elements [lo, hi) of a row-major tensor of ``local_shape`` (at most 2-D) as rectangles:
-    ``(local_offsets, sizes, start)`` with ``start`` the first element's index minus lo."""
-    if len(local_shape) <= 1:
-        return [((lo,), (hi - lo,), 0)] if hi > lo else []
-    if len(local_shape) != 2:
-        raise NotImplementedError(f"checkpoint: {len(local_shape)}-D ZeRO shards")
-    cols = local_shape[1]
+    """Elements [lo, hi) of a row-major tensor of ``local_shape`` as boxes:
+    ``(local_offsets, sizes, start)`` with ``start`` the first element's index minus lo. At
+    most two partial slices per dimension and one run of whole ones between them."""
+    shape = tuple(local_shape)
+    if hi <= lo:
+        return []
+    if len(shape) <= 1:
+        return [((lo,), (hi - lo,), 0)]
+    inner = 1
+    for s in shape[1:]:
+        inner *= s
     out = []
     pos = lo
     while pos < hi:
-        row, col = divmod(pos, cols)
-        if col or hi - pos < cols:  # a partial row
-            n = min(cols - col, hi - pos)
-            out.append(((row, col), (1, n), pos - lo))
-        else:  # whole rows
-            n = (hi - pos) // cols * cols
-            out.append(((row, 0), (n // cols, cols), pos - lo))
+        i, within = divmod(pos, inner)
+        if within or hi - pos < inner:  # a partial slice i of the outer dimension
+            n = min(inner - within, hi - pos)
+            for loc, sizes, start in _rects(shape[1:], within, within + n):
+                out.append(((i, *loc), (1, *sizes), pos - lo + start))
+        else:  # whole slices
+            n = (hi - pos) // inner * inner
+            out.append(((i, *[0] * (len(shape) - 1)), (n // inner, *shape[1:]), pos - lo))
         pos += n
     return out
 
@@ -182,16 +190,17 @@ def _flat_chunks(chunks: dict[str, Chunks], fqn, shape, offsets, local_shape, lo
 
 
 def build_state(*, model, stages, optimizers, sharded: bool) -> dict[str, Any]:
-    """The checkpointable tensors of this rank (views: loading writes into them)."""
+    """The checkpointable tensors of this rank (views: loading writes into them). Each
+    optimizer owns some of the stages' parameters (one per stage, or with expert parallelism
+    one for the dense and one for the expert parameters of a stage)."""
     state: dict[str, Any] = {"model": {}, "optim": {"master": {}, "exp_avg": {},
                                                      "exp_avg_sq": {}}}
-    for stage, opt in zip(stages, optimizers):
-        params = [p for p in stage.module.parameters() if p.requires_grad]
-        where = param_slices(model, params)
-        for p in params:
-            fqn, shape, off = where[id(p)]
-            c = state["model"].setdefault(fqn, Chunks(shape))
-            c.add(off, p.data)
+    everything = [p for stage in stages for p in stage.module.parameters() if p.requires_grad]
+    where = param_slices(model, everything)
+    for p in everything:
+        fqn, shape, off = where[id(p)]
+        state["model"].setdefault(fqn, Chunks(shape)).add(off, p.data)
+    for opt in optimizers:
         if sharded:
             opt.init_state()
             reducer_params = opt.reducer.params
@@ -205,7 +214,7 @@ def build_state(*, model, stages, optimizers, sharded: bool) -> dict[str, Any]:
             state["optim"]["step"] = opt.scalar_state()["step"]
         else:
             _init_adamw_state(opt)
-            for p in params:
+            for p in _params_of(opt):
                 fqn, shape, off = where[id(p)]
                 # bf16: the fp32 master (MasterOptimizer), else the parameter is its own master
                 master = opt.master_of(p) if hasattr(opt, "master_of") else p
@@ -215,6 +224,14 @@ def build_state(*, model, stages, optimizers, sharded: bool) -> dict[str, Any]:
                     state["optim"][key].setdefault(fqn, Chunks(shape)).add(off, st[key])
                 state["optim"]["step"] = st["step"]
     return state
+
+
+def _params_of(opt) -> list:
+    """The model parameters an (unsharded) optimizer steps: its own, or the ones its fp32
+    masters stand for (MasterOptimizer)."""
+    if hasattr(opt, "params"):
+        return list(opt.params)
+    return [p for group in opt.param_groups for p in group["params"]]
 
 
 def _init_adamw_state(opt: torch.optim.Optimizer) -> None:

@@ -198,8 +198,7 @@ class TrainConfig:
             raise ConfigError(f"MoE blocks route each sequence in --tp {self.tp} groups (as "
                               f"sequence-parallel ranks do): --seq-len {self.seq_len} must be "
                               "divisible by it")
-        for flag, on in (("--save", self.save), ("--resume", self.resume),
-                         ("--dtype bf16", self.dtype == "bf16"),
+        for flag, on in (("--dtype bf16", self.dtype == "bf16"),
                          ("--recompute full", self.recompute == "full")):
             if on:
                 raise ConfigError(f"--moe-experts with {flag} is not built yet (MoE in the "

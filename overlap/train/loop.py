@@ -367,13 +367,21 @@ def _die(cfg: TrainConfig) -> None:
 
 
 def _tp_replicated(model, reducers) -> list[list[bool]]:
-    """Per reducer, per parameter: is it replicated over TP (a norm, the position table)?"""
-    from overlap.train.checkpoint import param_slices
+    """Per reducer, per parameter: is it replicated over TP (a norm, the position table, an
+    expert: experts shard over EP, never over TP)?"""
+    from overlap.moe.experts import SwiGLUExperts
+    from overlap.nn.layers import TPModule
 
+    owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
     out = []
     for red in reducers:
-        where = param_slices(model, red.params)
-        out.append([tuple(p.shape) == where[id(p)][1] for p in red.params])
+        flags = []
+        for p in red.params:
+            owner = owners[id(p)]
+            name = next(n for n, q in owner.named_parameters(recurse=False) if q is p)
+            spec = owner.shard_specs.get(name) if isinstance(owner, TPModule) else None
+            flags.append(isinstance(owner, SwiGLUExperts) or spec is None or spec.dim is None)
+        out.append(flags)
     return out
 
 

@@ -62,6 +62,11 @@ class MasterOptimizer:
         return self.inner.param_groups
 
     @property
+    def params(self) -> list[torch.Tensor]:
+        """The model parameters these masters stand for, in order."""
+        return [p for p, _ in self._pairs]
+
+    @property
     def state(self):
         return self.inner.state
 
