@@ -464,10 +464,39 @@ def test_bench_moe_runs_every_variant_and_traces_the_exchange(tmp_path):
     assert any(r["trace_overlap%"] > 0 for r in rows if r["variant"].startswith("chunked")), rows
 
 
+def _late_writes(cf):
+    """The userbuffer rule a GPU enforces by stream order: a source's rows (and an owner's
+    results) must be stored before the signal that announces them. The shared-memory twin
+    stores synchronously, so a reordered store would only race; here rank 0 pauses after each
+    signal to a peer (and rank 1 never does, so it reads at once), so anything rank 0 stores
+    after its signal lands after rank 1 has read: wrong numbers every time, not now and then."""
+    import time
+
+    from overlap.symm.shm import ShmWorkspace
+
+    plain = ShmWorkspace.signal
+
+    def signal_then_pause(self, peer, slot, value):
+        plain(self, peer, slot, value)
+        if self.rank == 0 and peer != 0:
+            time.sleep(0.1)
+
+    ShmWorkspace.signal = signal_then_pause
+    return _ep_case(cf, "softmax", True, 1, "symmetric")
+
+
+@pytest.mark.parametrize("cf", [None, 1.0])
+def test_symmetric_stores_land_before_their_signal(cf):
+    for rank, errs in enumerate(run_ranks(_late_writes, 2, cf, timeout=120)):
+        bad = {k: v for k, v in errs.items() if not k.startswith("dropped") and v > TOL}
+        assert not bad, f"rank {rank}: beyond {TOL}: {bad}"
+
+
 def _uneven_tokens(cf, backend):
-    """Rank r routes 8 + 4r tokens: dropless mode and the symmetric backend take it (the
-    counts travel with the rows); chunked capacity mode cannot (every rank's static splits
-    follow its own capacity), so the exchange must refuse it on every rank."""
+    """After a call with equal token counts, rank r routes 8 + 4r tokens: dropless mode and
+    the symmetric backend take it (the counts travel with the rows); chunked capacity mode
+    cannot (every rank's static splits follow its own capacity, built once per capacity), so
+    the exchange must refuse that later call on every rank."""
     from overlap.moe import MoE, reference_moe
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -478,6 +507,8 @@ def _uneven_tokens(cf, backend):
     ref = MoE(D, FF, E, K, capacity_factor=cf)
     xs = [torch.randn(8 + 4 * r, D, generator=torch.Generator().manual_seed(r))
           for r in range(world)]
+    with torch.no_grad():  # a good call first: the refusal must hold on later calls too
+        layer(torch.randn(12, D, generator=torch.Generator().manual_seed(99)))
     x = xs[rank].clone().requires_grad_()
     try:
         y = layer(x)
