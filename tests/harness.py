@@ -60,3 +60,23 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any,
     that expect failures (a killed peer, a timeout)."""
     return launch(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, grace=grace,
                   raise_on_error=False, backend=CPU_BACKEND, preload=_PRELOAD)
+
+
+def fail_signals_then_call(mode: str, stall_s: float, call: Callable[[], Any]) -> None:
+    """On this rank, make every userbuffer signal fail as a broken peer would (``mode``
+    "kill": the process exits at its first signal; "stall": each signal hangs ``stall_s``
+    seconds and is never stored), then run ``call``, ignoring what it raises."""
+    import time
+
+    from overlap.symm.shm import ShmWorkspace
+
+    def failing_signal(self, peer, slot, value):
+        if mode == "kill":
+            os._exit(3)
+        time.sleep(stall_s)
+
+    ShmWorkspace.signal = failing_signal
+    try:
+        call()
+    except Exception:  # noqa: BLE001 - the peers' outcomes are what the tests check
+        pass

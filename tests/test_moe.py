@@ -620,11 +620,11 @@ def _device_waits(mode, cf, timeout):
     runs to its end on whatever the buffers hold, so only poisoning stands between the caller
     and stale rows."""
     import os
-    import time
+
+    from harness import fail_signals_then_call
 
     os.environ["OVERLAP_SHM_DEVICE_WAITS"] = "1"
     from overlap.moe import EPComm, MoE
-    from overlap.symm.shm import ShmWorkspace
 
     rank = dist.get_rank()
     comm = EPComm(dist.group.WORLD, backend="symmetric", max_tokens=12, timeout=timeout)
@@ -634,16 +634,7 @@ def _device_waits(mode, cf, timeout):
     good = layer(x)
     dist.barrier()
     if rank == 1:
-        def failing_signal(self, peer, slot, value):
-            if mode == "kill":
-                os._exit(3)
-            time.sleep(timeout * 2.5)
-
-        ShmWorkspace.signal = failing_signal
-        try:
-            layer(x)
-        except Exception:  # noqa: BLE001
-            pass
+        fail_signals_then_call(mode, timeout * 2.5, lambda: layer(x))
         return None
     out = layer(x)  # returns: the device-side waits gave up without raising
     try:

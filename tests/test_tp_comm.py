@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_ranks, run_ranks_outcomes
+from harness import fail_signals_then_call, run_ranks, run_ranks_outcomes
 
 BACKENDS = ["chunked", "symmetric", "triton"]
 
@@ -310,7 +310,6 @@ def _device_waits_poison(op, mode, timeout):
     (record the error and return): the op runs to its end on stale chunks, so only poisoning
     stands between the caller and wrong numbers."""
     os.environ["OVERLAP_SHM_DEVICE_WAITS"] = "1"
-    from overlap.symm.shm import ShmWorkspace
     from overlap.tp import TPComm, all_gather_matmul, matmul_reduce_scatter
 
     r, world = dist.get_rank(), dist.get_world_size()
@@ -321,16 +320,7 @@ def _device_waits_poison(op, mode, timeout):
     good = fn()
     dist.barrier()
     if r == 1:
-        def failing_signal(self, peer, slot, value):
-            if mode == "kill":
-                os._exit(3)
-            time.sleep(timeout * 2.5)
-
-        ShmWorkspace.signal = failing_signal
-        try:
-            fn()
-        except Exception:  # noqa: BLE001
-            pass
+        fail_signals_then_call(mode, timeout * 2.5, fn)
         return None
     out = fn()  # returns: the device-side waits gave up without raising
     try:

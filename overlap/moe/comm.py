@@ -180,11 +180,14 @@ class EPComm:
 
     def all_gather_ints(self, value: torch.Tensor, *, op: str) -> list[int]:
         """Every rank's scalar ``value``, by EP rank (one small all-gather and a host read)."""
-        mine = value.reshape(1).to(torch.int64)
+        return [int(t) for t in self._gather(value.reshape(1).to(torch.int64), op)]
+
+    def _gather(self, mine: torch.Tensor, op: str) -> torch.Tensor:
+        """Every rank's small ``mine``, stacked by EP rank (waited within the timeout)."""
         every = [torch.empty_like(mine) for _ in range(self.world)]
         work = dist.all_gather(every, mine, group=self.group, async_op=True)
         wait(work, op=op, group=self.group, timeout=self.timeout, axis="ep")
-        return [int(t) for t in every]
+        return torch.stack(every)
 
     def check_same(self, op: str, **values: float) -> None:
         """Every rank passed the same ``values`` (numbers), or a ValueError on every rank that
@@ -192,10 +195,7 @@ class EPComm:
         if self.world == 1:
             return
         mine = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
-        every = [torch.empty_like(mine) for _ in range(self.world)]
-        work = dist.all_gather(every, mine, group=self.group, async_op=True)
-        wait(work, op=f"{op} settings", group=self.group, timeout=self.timeout, axis="ep")
-        table = torch.stack(every)
+        table = self._gather(mine, f"{op} settings")
         differ = [name for i, name in enumerate(values) if (table[:, i] != table[0, i]).any()]
         if differ:
             listed = "; ".join(f"{name}: {[_num(v) for v in table[:, values_index].tolist()]}"

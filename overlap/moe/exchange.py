@@ -25,7 +25,7 @@ from overlap.moe.comm import EPComm
 from overlap.profile import names, nvtx
 
 __all__ = ["Pieces", "static_pieces", "counted_pieces", "exchange", "encode", "decode",
-           "piece_range"]
+           "wire_row_bytes", "piece_range"]
 
 
 def piece_range(backend: str, role: str, index: object):
@@ -140,6 +140,12 @@ def encode(x: torch.Tensor, comm: EPComm) -> torch.Tensor:
         quant.quantize_into(x.contiguous().reshape(-1), wire[:, :d],
                             wire[:, d:].view(torch.float32), block=block, flat_row=d)
     return wire
+
+
+def wire_row_bytes(comm: EPComm, d: int, dtype: torch.dtype) -> int:
+    """Bytes of one row as ``encode`` puts it on the wire."""
+    return {"same": d * dtype.itemsize, "bf16": 2 * d,
+            "int8": d + 4 * (d // comm.quant_block)}[comm.dispatch]
 
 
 def decode(wire: torch.Tensor, comm: EPComm, d: int, dtype: torch.dtype) -> torch.Tensor:

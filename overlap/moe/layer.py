@@ -21,9 +21,9 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from overlap.defaults import positive_int
+from overlap.defaults import align, positive_int
 from overlap.moe.comm import BACKENDS, DISPATCH, EPComm
-from overlap.moe.exchange import counted_pieces, exchange, static_pieces
+from overlap.moe.exchange import counted_pieces, exchange, static_pieces, wire_row_bytes
 from overlap.moe.experts import SwiGLU, SwiGLUExperts, swiglu_grouped
 from overlap.moe.router import TopKRouter, load_balancing_loss, z_loss
 from overlap.moe.symmetric import Layout, Route, exchange_symmetric
@@ -36,10 +36,6 @@ def _nonfinite_error(per_rank: list[int], rank: int) -> None:
     if bad:
         raise ValueError(f"MoE: NaN or inf router logits (tokens by EP rank: {bad}); the "
                          f"layer's input or router weight is not finite (rank {rank})")
-
-
-def _align16(n: int) -> int:
-    return -(-n // 16) * 16
 
 
 class MoEAux(NamedTuple):
@@ -121,9 +117,8 @@ class MoE(nn.Module):
         else:
             rows = el * capacity(t, self.top_k, self.num_experts, self.capacity_factor)
         act = self.d_model * dtype.itemsize
-        wire = {"same": act, "bf16": 2 * self.d_model,
-                "int8": self.d_model + 4 * (self.d_model // self.comm.quant_block)}
-        return Layout(rows, el, _align16(max(act, wire[self.comm.dispatch])), _align16(act))
+        wire = wire_row_bytes(self.comm, self.d_model, dtype)
+        return Layout(rows, el, align(max(act, wire), 16), align(act, 16))
 
     @property
     def num_local(self) -> int:

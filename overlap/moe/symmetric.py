@@ -18,6 +18,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from overlap.defaults import align
 from overlap.moe.exchange import decode, encode, piece_range, shared_backward
 
 __all__ = ["Route", "Layout", "exchange_symmetric"]
@@ -34,17 +35,13 @@ class Layout(NamedTuple):
         return 8 * self.num_local * s
 
     def receive_at(self, ep: int, s: int) -> int:
-        return _align(8 * self.num_local * ep) + s * (self.rows + 1) * self.row_in
+        return align(8 * self.num_local * ep, 64) + s * (self.rows + 1) * self.row_in
 
     def combine_at(self, ep: int, s: int) -> int:
-        return _align(self.receive_at(ep, ep)) + s * self.rows * self.row_out
+        return align(self.receive_at(ep, ep), 64) + s * self.rows * self.row_out
 
     def nbytes(self, ep: int) -> int:
         return self.combine_at(ep, ep)
-
-
-def _align(n: int, a: int = 64) -> int:
-    return -(-n // a) * a
 
 
 class Route(NamedTuple):
@@ -164,12 +161,13 @@ class _SymmetricExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, src, w1, w2, local_x, route: Route, comm, experts: Callable,
                 local: Callable | None, *local_params):
-        d, rows = src.shape[1], src  # (rows: for dtype and device only)
+        d = src.shape[1]
         call = _Call(comm, route.layout, "moe dispatch")
         with comm.guard(call.op):
             call.ws.raise_pending(call.op)  # what a device-side wait of an earlier call recorded
             # Encoded once per source row (not per routed row); the send gathers.
-            call.send(encode(src, comm), route.index, route, counts=True)
+            wire = encode(src, comm)
+            call.send(wire, route.index, route, counts=True)
             local_saved = None
             if local is not None:  # the shared expert, while the peers' rows arrive
                 with torch.enable_grad(), piece_range("symmetric", "compute", "shared"):
@@ -177,22 +175,21 @@ class _SymmetricExchange(torch.autograd.Function):
                     ly = local(lx)
                 local_saved = (lx, ly)
             w1_, w2_ = w1.detach().requires_grad_(), w2.detach().requires_grad_()
-            wire = encode(rows[:0], comm)
             saved = []
             for s in call.sources():
                 got = call.receive(s, wire.shape[1], wire.dtype)
                 ends, valid = _valid(call.received_counts(s), route.layout.rows)
-                x = torch.where(valid, decode(got, comm, d, rows.dtype), 0)
+                x = torch.where(valid, decode(got, comm, d, src.dtype), 0)
                 with torch.enable_grad(), piece_range("symmetric", "gemm", s):
                     x.requires_grad_()
                     y = experts(x, w1_, w2_, ends)
                 saved.append((s, x, y, ends, valid))
                 call.answer(s, y.detach())
-            back = call.gather(route, d, rows.dtype)
+            back = call.gather(route, d, src.dtype)
             call.ws.poison_if_error(back)  # a device-side wait gave up: NaN, never stale rows
         ctx.route, ctx.comm, ctx.saved, ctx.weights = route, comm, saved, (w1_, w2_)
         ctx.local, ctx.local_params, ctx.src_shape = local_saved, local_params, src.shape
-        local_out = local_saved[1].detach() if local_saved is not None else rows.new_zeros(0)
+        local_out = local_saved[1].detach() if local_saved is not None else src.new_zeros(0)
         return back, local_out
 
     @staticmethod

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.dist.device import rank_device
-from overlap.models.gpt import GPT, GPTConfig, gpt_loss
+from overlap.models.gpt import GPT, GPTConfig, MoEMLP, gpt_loss
 from overlap.profile import nvtx
 from overlap.profile.timers import comm_wait, exposed_seconds, reset_exposed
 from overlap.train.config import VOCAB_SIZE, TrainConfig
@@ -65,8 +65,6 @@ def model_config(cfg: TrainConfig, *, dropout: float | None = None) -> GPTConfig
 
 
 def _moe_mlps(model: torch.nn.Module) -> list:
-    from overlap.models.gpt import MoEMLP
-
     return [m for m in model.modules() if isinstance(m, MoEMLP)]
 
 
@@ -156,7 +154,7 @@ def _build(cfg: TrainConfig, dims, device: torch.device, dtype: torch.dtype, *,
     ep_comm = _ep_comm(cfg, dims, overlap)
     model = GPT(model_config(cfg), ep_comm=ep_comm).to(device=device, dtype=dtype)
     tp_comm = tp_comm_for(cfg, dims, device)
-    moe_blocks = tuple(i for i, b in enumerate(model.blocks) if b.mlp in _moe_mlps(b))
+    moe_blocks = tuple(i for i, b in enumerate(model.blocks) if isinstance(b.mlp, MoEMLP))
     plan = gpt_plan(loss_parallel=True, dense_mlp=len(moe_blocks) < cfg.n_layer,
                     sp_moe_blocks=moe_blocks if cfg.sequence_parallel else ())
     parallelize(model, comm=tp_comm, plan=plan, sequence_parallel=cfg.sequence_parallel)
