@@ -4,6 +4,7 @@ arithmetic, or calibrate this machine. A thin layer over :class:`overlap.plan.co
     overlap-plan --model gpt3-175b --gpus 512 --gpu a100-80g --tp 8 --pp 8 \\
         --global-batch 1536 --micro-batch 1 --json
     overlap-plan --model llama3-70b --gpus 1024 --gpu h100-sxm --global-batch 512 --search
+    overlap-plan --model mixtral-8x7b --gpus 64 --gpu h100-sxm --global-batch 1024 --search
     overlap-plan --calibrate --output local.json      # then: --profile local.json --gpus 8 ...
 """
 
@@ -34,10 +35,14 @@ def run(cfg: PlanConfig) -> str:
         layout = cfg.layout()
         res = search(model, cluster, layout.global_batch, Constraints(
             comm_dtype=cfg.comm_dtype, flash_attention=cfg.flash_attention,
-            overlap=layout.overlap, memory_fraction=cfg.memory_fraction))
+            overlap=layout.overlap, memory_fraction=cfg.memory_fraction,
+            ep=(cfg.ep,) if cfg.ep > 1 else None, capacity_factor=cfg.capacity_factor,
+            moe_imbalance=cfg.moe_imbalance, ep_dispatch=cfg.ep_dispatch,
+            ep_chunks=cfg.ep_chunks))
         if cfg.json:
             return json.dumps({"ranked": [e.as_dict() for e in res.ranked[:cfg.top]],
                                "rejected": [{"tp": lay.tp, "pp": lay.pp,
+                                             **({"ep": lay.ep} if model.is_moe else {}),
                                              "micro_batch": lay.micro_batch,
                                              "schedule": lay.schedule,
                                              "recompute": lay.recompute, "reason": why}

@@ -8,7 +8,9 @@ Ring (NCCL's model): all-reduce moves ``2(n-1)/n`` of the buffer over the bus ba
 ``2(n-1)`` steps, all-gather and reduce-scatter ``(n-1)/n`` in ``n-1`` steps; latency = base +
 one hop latency per step. Tree (all-reduce across nodes only): latency
 ``base + 2((k-1)*a_nvlink + log2(nodes)*a_net)`` and algorithm bandwidth ``0.5 * 0.9 *`` bus
-bandwidth. The faster one is used.
+bandwidth. The faster one is used. All-to-all (MoE dispatch/combine) of ``V`` bytes per rank
+over n ranks, k per node: ``(k-1)/n * V`` over NVLink and ``(n-k)/n * V`` over the rank's own
+NIC at the same time, both at ``device.a2a_efficiency``; latency = base + one hop.
 The narrative: docs/design/planner.md.
 """
 
@@ -20,7 +22,7 @@ import math
 from overlap.plan.hardware import ClusterSpec, DeviceProfile
 
 __all__ = ["Placement", "placement", "axis_placement", "collective_time", "p2p_time",
-           "bus_bandwidth"]
+           "bus_bandwidth", "ranks_placement", "ep_placement", "edp_placement", "all_to_all_time"]
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -42,6 +44,45 @@ def axis_placement(cluster: ClusterSpec, axis: str, *, tp: int, cp: int, pp: int
     size, stride = {"tp": (tp, 1), "cp": (cp, tp), "pp": (pp, tp * cp),
                     "dp": (dp, tp * cp * pp)}[axis]
     return placement(cluster, size, stride)
+
+
+def ranks_placement(cluster: ClusterSpec, ranks: list[int]) -> Placement:
+    """Placement of an explicit list of global ranks (the fullest node gives ``per_node``)."""
+    nodes: dict[int, int] = {}
+    for r in ranks:
+        nodes[r // cluster.gpus_per_node] = nodes.get(r // cluster.gpus_per_node, 0) + 1
+    return Placement(size=len(ranks), per_node=max(nodes.values()), nodes=len(nodes))
+
+
+def _dp_cp_rank(x: int, *, tp: int, cp: int, pp: int) -> int:
+    """Global rank of data-parallel x context-parallel index ``x = d*cp + c`` (p = t = 0)."""
+    d, c = divmod(x, cp)
+    return (d * pp * cp + c) * tp
+
+
+def ep_placement(cluster: ClusterSpec, *, tp: int, cp: int, pp: int, ep: int) -> Placement:
+    """The first EP group: ``x = edp*ep + ep_rank`` varies ep_rank (ParallelDims)."""
+    return ranks_placement(cluster, [_dp_cp_rank(x, tp=tp, cp=cp, pp=pp) for x in range(ep)])
+
+
+def edp_placement(cluster: ClusterSpec, *, tp: int, cp: int, pp: int, dp: int,
+                  ep: int) -> Placement:
+    """The first expert-data-parallel group (same ep_rank): where expert gradients reduce."""
+    return ranks_placement(cluster, [_dp_cp_rank(j * ep, tp=tp, cp=cp, pp=pp)
+                                     for j in range(dp * cp // ep)])
+
+
+def all_to_all_time(nbytes: float, place: Placement, device: DeviceProfile) -> float:
+    """One all-to-all in which every rank sends ``nbytes`` in total (its own share included)."""
+    n = place.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    k = min(place.per_node, n)
+    eff = device.a2a_efficiency
+    intra = (k - 1) / n * nbytes / (device.intra.effective_bandwidth * eff)
+    inter = (n - k) / n * nbytes / (device.inter.effective_bandwidth * eff)
+    hop = device.inter.latency_s if place.nodes > 1 else device.intra.latency_s
+    return device.base_latency_s + hop + max(intra, inter)
 
 
 def bus_bandwidth(device: DeviceProfile, place: Placement, tp: bool = False) -> float:

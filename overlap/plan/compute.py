@@ -10,6 +10,11 @@ Backward: every weight GEMM (m, n, k) has a dgrad (m, k, n) and a wgrad (k, n, m
 ``max(FLOPs / (peak * eff(shape)), HBM bytes / achievable bandwidth) + overhead``; element-wise
 work is HBM traffic. A fused TP op takes ``max(c, g) + min(c, g)/tp``: its exposed part is
 ``max(0, c - g) + min(c, g)/tp``. Unfused, all of ``c`` is exposed.
+A MoE layer (``moe=True``) replaces fc1/fc2 (and their TP collectives) with the router, the
+shared experts and the E/ep local experts on R routed rows (TP-replicated: T/t tokens a TP rank
+with sequence parallelism), and adds the dispatch/combine all-to-alls (forward and backward),
+hidden under the expert GEMMs in ``ep_chunks`` pieces and, with pp > 1, under another
+micro-batch's compute in the steady state (:func:`moe_exposed`).
 The narrative: docs/design/planner.md.
 """
 
@@ -17,12 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from overlap.plan.comm import Placement, collective_time
+from overlap.plan.comm import Placement, all_to_all_time, collective_time
 from overlap.plan.hardware import DeviceProfile
-from overlap.plan.layout import Layout
+from overlap.plan.layout import WIRE_BYTES, Layout
+from overlap.plan.memory import routed_rows
 from overlap.plan.models import ModelSpec
 
-__all__ = ["Gemm", "gemm_time", "LayerCost", "layer_cost", "fused_exposed"]
+__all__ = ["Gemm", "gemm_time", "LayerCost", "layer_cost", "fused_exposed", "moe_exposed",
+           "ep_volume"]
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -72,9 +79,12 @@ class LayerCost:
     num_comm_ops: int     # collectives per layer and micro-batch (fwd + bwd + recompute)
     fwd_flops: float      # per GPU
     attn_flops: float     # attention core forward FLOPs per GPU (selective recompute)
+    ep_comm: float = 0.0      # raw MoE all-to-all seconds, fwd + bwd + recompute
+    ep_exposed: float = 0.0   # of which exposed (already inside fwd, dgrad, recompute)
+    ep_ops: int = 0           # all-to-alls per layer and micro-batch
 
 
-def _gemms(model: ModelSpec, layout: Layout) -> dict[str, Gemm]:
+def _gemms(model: ModelSpec, layout: Layout, moe: bool = False) -> dict[str, Gemm]:
     t, cp, b = layout.tp, layout.cp, layout.micro_batch
     s = model.seq_len
     tokens = b * s / cp
@@ -82,24 +92,91 @@ def _gemms(model: ModelSpec, layout: Layout) -> dict[str, Gemm]:
     kv_local = model.kv_dim / t if model.kv_heads >= t else hd
     heads = model.num_heads / t
     n_act = 2 if model.gated_mlp else 1
-    return {
-        "qkv": Gemm(tokens, h / t + 2 * kv_local, h),
-        "scores": Gemm(s / cp, s, hd, b * heads),
-        "av": Gemm(s / cp, hd, s, b * heads),
-        "out": Gemm(tokens, h, h / t),
-        "fc1": Gemm(tokens, n_act * f / t, h),
-        "fc2": Gemm(tokens, h, f / t),
-    }
+    if model.standard_attention:
+        attn = {"qkv": Gemm(tokens, h / t + 2 * kv_local, h),
+                "scores": Gemm(s / cp, s, hd, b * heads),
+                "av": Gemm(s / cp, hd, s, b * heads),
+                "out": Gemm(tokens, h, h / t)}
+    else:
+        # MLA's down- and up-projections are counted as one GEMM of the same FLOPs (K = h).
+        vd = model.v_head_dim if model.is_mla else hd
+        qkv_n = model.attn_proj_params()[0] / h / t if model.is_mla else \
+            model.q_width / t + 2 * kv_local
+        attn = {"qkv": Gemm(tokens, qkv_n, h),
+                "scores": Gemm(s / cp, s, model.qk_head_dim, b * heads),
+                "av": Gemm(s / cp, vd, s, b * heads),
+                "out": Gemm(tokens, h, model.num_heads * vd / t)}
+    if moe:
+        return {**attn, **_moe_gemms(model, layout)}
+    return {**attn, "fc1": Gemm(tokens, n_act * f / t, h), "fc2": Gemm(tokens, h, f / t)}
 
 
-def _elementwise(model: ModelSpec, layout: Layout, flash: bool) -> tuple[float, float]:
-    """(forward bytes of the layer's element-wise ops, of which the attention core's)."""
+def _moe_tokens(model: ModelSpec, layout: Layout) -> float:
+    """Tokens one GPU routes per micro-batch: its 1/t sequence shard with SP, else all."""
+    tokens = layout.micro_batch * model.seq_len / layout.cp
+    return tokens / layout.tp if layout.sequence_parallel else tokens
+
+
+def _moe_gemms(model: ModelSpec, layout: Layout) -> dict[str, Gemm]:
+    h, fe, e = model.hidden, model.expert_ffn, model.num_experts
+    tok = _moe_tokens(model, layout)
+    local = e / layout.ep
+    rows = routed_rows(model, layout, tok)
+    out = {"router": Gemm(tok, e, h),
+           "expert_fc1": Gemm(rows / local, 2 * fe, h, local),
+           "expert_fc2": Gemm(rows / local, h, fe, local)}
+    if model.num_shared_experts:
+        sf = model.num_shared_experts * fe
+        out.update(shared_fc1=Gemm(tok, 2 * sf, h), shared_fc2=Gemm(tok, h, sf))
+    return out
+
+
+def ep_volume(model: ModelSpec, layout: Layout) -> tuple[float, float]:
+    """(dispatch bytes, combine bytes) one GPU sends per MoE layer and micro-batch, forward;
+    the backward moves the combine's bytes twice (gradients travel in the activation dtype)."""
+    rows = routed_rows(model, layout, _moe_tokens(model, layout))
+    disp = WIRE_BYTES[layout.ep_dispatch] if layout.dtype_bytes == 2 else layout.dtype_bytes
+    return rows * model.hidden * disp, rows * model.hidden * layout.dtype_bytes
+
+
+def moe_exposed(comm_f: float, comm_b: float, hide_f: float, hide_b: float, work_f: float,
+                work_b: float, layout: Layout, num_microbatches: int) -> tuple[float, float]:
+    """(forward, backward) exposed all-to-all seconds of one MoE layer and micro-batch.
+
+    Chunked (``overlap.ep``): ``fused_exposed`` with ``ep_chunks`` pieces under the expert and
+    shared-expert GEMMs (``hide_*``). In-schedule (``overlap.ep_schedule``, pp > 1): in the
+    ``(m - pp + 1)/m`` of micro-batches that run in the 1F1B steady state, what is left of a
+    forward all-to-all hides under the layer's backward compute of another micro-batch
+    (``work_b``) and a backward one under a forward (``work_f``)."""
+    ov = layout.overlap
+    e_f = fused_exposed(comm_f, hide_f, layout.ep_chunks, ov.ep)
+    e_b = fused_exposed(comm_b, hide_b, layout.ep_chunks, ov.ep)
+    if ov.ep_schedule and layout.pp > 1:
+        m = num_microbatches
+        steady = max(0, m - layout.pp + 1) / m
+        e_f = (1 - steady) * e_f + steady * max(0.0, e_f - work_b)
+        e_b = (1 - steady) * e_b + steady * max(0.0, e_b - work_f)
+    return e_f, e_b
+
+
+def _elementwise(model: ModelSpec, layout: Layout, flash: bool,
+                 moe: bool = False) -> tuple[float, float]:
+    """(forward bytes of the layer's element-wise ops, of which the attention core's). A MoE
+    layer's SwiGLU runs on its routed rows and shared experts, and it permutes the rows into
+    expert order and back (read and write, 8 bytes per element of a row in all)."""
     t, cp, b = layout.tp, layout.cp, layout.micro_batch
     tokens = b * model.seq_len / cp
     mask = 1.0 if model.dropout else 0.0
     stream = tokens * model.hidden / (t if layout.sequence_parallel else 1)
-    act = tokens * model.ffn_dim / t
-    byts = stream * (20.0 + 10.0 * mask) + act * (6.0 if model.gated_mlp else 4.0)
+    if moe:
+        tok = _moe_tokens(model, layout)
+        rows = routed_rows(model, layout, tok)
+        fe = model.expert_ffn
+        byts = stream * (20.0 + 10.0 * mask) + (rows + tok * model.num_shared_experts) * fe * 6.0 \
+            + rows * model.hidden * 8.0
+    else:
+        act = tokens * model.ffn_dim / t
+        byts = stream * (20.0 + 10.0 * mask) + act * (6.0 if model.gated_mlp else 4.0)
     attn = 0.0
     if not flash:
         scores = b * model.num_heads / t * (model.seq_len / cp) * model.seq_len
@@ -109,14 +186,15 @@ def _elementwise(model: ModelSpec, layout: Layout, flash: bool) -> tuple[float, 
 
 
 def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_place: Placement,
-               cp_place: Placement, flash: bool) -> LayerCost:
-    gm = _gemms(model, layout)
+               cp_place: Placement, flash: bool, moe: bool = False,
+               ep_place: Placement | None = None, num_microbatches: int = 1) -> LayerCost:
+    gm = _gemms(model, layout, moe)
     e = layout.dtype_bytes
     g = {k: gemm_time(device, v, e) for k, v in gm.items()}
     g_dgrad = {k: gemm_time(device, v.dgrad(), e) for k, v in gm.items()}
     g_wgrad = {k: gemm_time(device, v.wgrad(), e) for k, v in gm.items()}
     mem_bw = device.hbm_bandwidth * device.mem_efficiency
-    ew_bytes, attn_bytes = _elementwise(model, layout, flash)
+    ew_bytes, attn_bytes = _elementwise(model, layout, flash, moe)
     host_f, host_b = device.host_tp_layer_s if layout.tp > 1 else device.host_layer_s
     ew_fwd = ew_bytes / mem_bw + host_f
     ew_bwd = 2.0 * ew_bytes / mem_bw + host_b
@@ -129,15 +207,17 @@ def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_pl
     if t > 1 and layout.sequence_parallel:
         ag = collective_time("all_gather", act_bytes, tp_place, device, tp=True)[0]
         rs = collective_time("reduce_scatter", act_bytes, tp_place, device, tp=True)[0]
-        fwd_pairs = [(ag, g["qkv"]), (rs, g["out"]), (ag, g["fc1"]), (rs, g["fc2"])]
+        fwd_pairs = [(ag, g["qkv"]), (rs, g["out"])]
         # Backward: column layers reduce-scatter dX under dgrad + wgrad; row layers
         # all-gather dY under their dgrad.
-        bwd_pairs = [(rs, g_dgrad["qkv"] + g_wgrad["qkv"]), (ag, g_dgrad["out"]),
-                     (rs, g_dgrad["fc1"] + g_wgrad["fc1"]), (ag, g_dgrad["fc2"])]
+        bwd_pairs = [(rs, g_dgrad["qkv"] + g_wgrad["qkv"]), (ag, g_dgrad["out"])]
+        if not moe:  # a MoE block is left to EP: no TP collectives around it
+            fwd_pairs[2:] = [(ag, g["fc1"]), (rs, g["fc2"])]
+            bwd_pairs[2:] = [(rs, g_dgrad["fc1"] + g_wgrad["fc1"]), (ag, g_dgrad["fc2"])]
     elif t > 1:
         ar = collective_time("all_reduce", act_bytes, tp_place, device, tp=True)[0]
-        fwd_pairs = [(ar, g["out"]), (ar, g["fc2"])]
-        bwd_pairs = [(ar, g_wgrad["qkv"]), (ar, g_wgrad["fc1"])]
+        fwd_pairs = [(ar, g["out"])] + ([] if moe else [(ar, g["fc2"])])
+        bwd_pairs = [(ar, g_wgrad["qkv"])] + ([] if moe else [(ar, g_wgrad["fc1"])])
     else:
         fwd_pairs, bwd_pairs = [], []
     if layout.cp > 1:
@@ -156,8 +236,23 @@ def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_pl
     dgrad = sum(g_dgrad.values()) + g_wgrad["scores"] + g_wgrad["av"] + ew_bwd + bwd_exp
     wgrad = sum(v for k, v in g_wgrad.items() if k not in ("scores", "av"))
     n_ops = len(fwd_pairs) + len(bwd_pairs)
+    ep_f = ep_b = ep_ef = ep_eb = 0.0
+    if moe and ep_place is not None and ep_place.size > 1:
+        # Dispatch + combine forward; output and input gradients backward.
+        disp, comb = ep_volume(model, layout)
+        ep_f = all_to_all_time(disp, ep_place, device) + all_to_all_time(comb, ep_place, device)
+        ep_b = 2.0 * all_to_all_time(comb, ep_place, device)
+        experts = [k for k in g if k.startswith(("expert", "shared"))]
+        hide_f = sum(g[k] for k in experts)
+        hide_b = sum(g_dgrad[k] + g_wgrad[k] for k in experts)
+        ep_ef, ep_eb = moe_exposed(ep_f, ep_b, hide_f, hide_b, fwd, dgrad + wgrad, layout,
+                                   num_microbatches)
+        fwd += ep_ef
+        dgrad += ep_eb
+    ep_comm, ep_exp = ep_f + ep_b, ep_ef + ep_eb
     if layout.recompute == "full":
         recompute, rec_comm, rec_exp, n_rec = fwd, fwd_comm, fwd_exp, len(fwd_pairs)
+        ep_comm, ep_exp = ep_comm + ep_f, ep_exp + ep_ef
     elif flash:
         # Flash attention's backward recomputes the scores (QK^T) itself, whatever the mode.
         recompute, rec_comm, rec_exp, n_rec = g["scores"], 0.0, 0.0, 0
@@ -166,8 +261,14 @@ def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_pl
     else:
         recompute, rec_comm, rec_exp, n_rec = 0.0, 0.0, 0.0, 0
     b = layout.micro_batch
+    if moe:  # per GPU, from the GEMMs (the MoE block is not TP-sharded; padded rows count)
+        fwd_flops = sum(v.flops for v in gm.values())
+    else:
+        fwd_flops = model.layer_fwd_flops(b * model.seq_len, b) / t / layout.cp
     return LayerCost(fwd=fwd, dgrad=dgrad, wgrad=wgrad, recompute=recompute,
                      tp_comm=fwd_comm + bwd_comm + rec_comm,
                      tp_exposed=fwd_exp + bwd_exp + rec_exp, num_comm_ops=n_ops + n_rec,
-                     fwd_flops=model.layer_fwd_flops(b * model.seq_len, b) / t / layout.cp,
-                     attn_flops=sum(gm[k].flops for k in ("scores", "av")))
+                     fwd_flops=fwd_flops,
+                     attn_flops=sum(gm[k].flops for k in ("scores", "av")),
+                     ep_comm=ep_comm, ep_exposed=ep_exp,
+                     ep_ops=(4 + (layout.recompute == "full") * 2) if ep_f else 0)

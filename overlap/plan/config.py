@@ -2,7 +2,8 @@
 
 Validation happens here and in ``Layout.check`` and names the flag: a named model that does not
 exist, a shape flag missing without ``--model``, ``--tp`` not dividing the heads, ``--gpus`` not
-divisible by ``--tp x --pp x --cp``, and so on, each a one-line error.
+divisible by ``--tp x --pp x --cp``, ``--ep`` on a dense model, and so on, each a one-line
+error.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 
 from overlap import cli
 from overlap.plan.hardware import ClusterSpec, DeviceProfile
-from overlap.plan.layout import COMM_DTYPES, RECOMPUTE, SCHEDULES, Layout, Overlap
+from overlap.plan.layout import COMM_DTYPES, EP_DISPATCH, RECOMPUTE, SCHEDULES, Layout, Overlap
 from overlap.plan.models import MODELS, ModelSpec, get_model
 from overlap.plan.profiles import PROFILES, get_profile
 
@@ -42,6 +43,15 @@ class PlanConfig:
     tp: int = _field(1, "tensor-parallel degree")
     pp: int = _field(1, "pipeline-parallel degree")
     cp: int = _field(1, "context-parallel degree")
+    ep: int = _field(1, "expert-parallel degree (MoE models; carved out of dp x cp; --search: "
+                        "1 tries every valid ep, N > 1 only N)")
+    capacity_factor: float | None = _field(None, "MoE capacity factor (default: dropless)")
+    moe_imbalance: float = _field(1.0, "dropless MoE: the busiest EP rank's rows over the mean")
+    ep_dispatch: str = _field("bf16", "MoE forward dispatch wire dtype", choices=EP_DISPATCH)
+    ep_chunks: int = _field(2, "pieces of the chunked MoE exchange")
+    ep_overlap: bool = _field(True, "hide the MoE all-to-all under the expert GEMMs (chunked)")
+    ep_schedule_overlap: bool = _field(True, "pp > 1: hide the rest of the MoE all-to-all "
+                                             "under another micro-batch's compute")
     virtual: int = _field(1, "model chunks per pipeline rank (--schedule interleaved)")
     schedule: str = _field("1f1b", "pipeline schedule", choices=SCHEDULES)
     recompute: str = _field("selective", "activation recomputation", choices=RECOMPUTE)
@@ -96,13 +106,20 @@ class PlanConfig:
     def layout(self) -> Layout:
         if self.global_batch is None:
             raise ValueError("--global-batch is required")
-        return Layout(tp=self.tp, pp=self.pp, cp=self.cp, global_batch=self.global_batch,
+        return Layout(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
+                      global_batch=self.global_batch,
                       micro_batch=self.micro_batch, schedule=self.schedule,
                       virtual=self.virtual, recompute=self.recompute,
                       sequence_parallel=self.sequence_parallel,
                       flash_attention=self.flash_attention, zero=self.zero,
-                      comm_dtype=self.comm_dtype,
-                      overlap=Overlap() if self.overlap else Overlap.none())
+                      comm_dtype=self.comm_dtype, capacity_factor=self.capacity_factor,
+                      moe_imbalance=self.moe_imbalance, ep_dispatch=self.ep_dispatch,
+                      ep_chunks=self.ep_chunks, overlap=self.overlap_modes())
+
+    def overlap_modes(self) -> Overlap:
+        if not self.overlap:
+            return Overlap.none()
+        return Overlap(ep=self.ep_overlap, ep_schedule=self.ep_schedule_overlap)
 
     def validate(self) -> None:
         if not 0 < self.memory_fraction <= 1:
@@ -114,6 +131,9 @@ class PlanConfig:
         model = self.model_spec()
         cluster = self.cluster()
         layout = self.layout()
+        if self.ep > 1 and not model.is_moe:
+            raise ValueError(f"--ep {self.ep} needs a mixture-of-experts model; {model.name} "
+                             "is dense")
         if not self.search:
             layout.check(model, cluster)
 

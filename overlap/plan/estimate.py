@@ -3,7 +3,9 @@
 Step time = pipeline makespan (the schedule replayed with per-stage costs that already contain
 the exposed TP, CP, P2P and ZeRO-3 communication) + exposed data-parallel reduction + exposed
 parameter all-gather (ZeRO >= 1) + the tied-embedding gradient all-reduce (pp > 1) + the
-optimizer step (memory bound: 32 bytes per local parameter). When ranks outnumber cores
+optimizer step (memory bound: 32 bytes per local parameter). MoE: the stages' costs hold the
+exposed all-to-all (``comm_s["ep"]``, ``exposed_s["ep"]``); expert gradients reduce over the
+expert-DP group after the dense ones, in the same overlap window. When ranks outnumber cores
 (``cluster.cores_per_node``, the CPU twin), the step is also never shorter than the node's CPU
 work divided by the cores.
 The narrative: docs/design/planner.md.
@@ -16,11 +18,12 @@ import math
 from typing import Any
 
 from overlap.plan.bubble import closed_form_bubble, simulate_stages
-from overlap.plan.comm import Placement, axis_placement, collective_time, placement
+from overlap.plan.comm import (Placement, axis_placement, collective_time, edp_placement,
+                               ep_placement, placement, ranks_placement)
 from overlap.plan.compute import layer_cost
 from overlap.plan.hardware import ClusterSpec
 from overlap.plan.layout import WIRE_BYTES, Layout
-from overlap.plan.memory import StageMemory, memory_per_rank, rank_params
+from overlap.plan.memory import StageMemory, memory_per_rank, rank_param_split, rank_params
 from overlap.plan.models import ModelSpec
 from overlap.plan.stages import StageCost, stage_costs
 
@@ -51,6 +54,7 @@ class Estimate:
     cpu_work_s: float
     cpu_bound: bool
     dp_algorithm: str
+    ep_link: str = "none"   # "nvlink" (EP group inside a node), "ib" (across nodes), "none"
 
     @property
     def tokens_per_s(self) -> float:
@@ -83,6 +87,18 @@ class Estimate:
     def as_dict(self) -> dict[str, Any]:
         mem = self.peak_memory
         lay = self.layout
+        d = self._as_dict(mem, lay)
+        if self.model.is_moe:
+            d["memory_gib"]["experts"] = mem.expert_bytes / GIB
+            d["memory_gib"]["expert_params_per_gpu"] = mem.expert_params
+            d["layout"].update(ep=lay.ep, edp=lay.edp(self.cluster),
+                               capacity_factor=lay.capacity_factor,
+                               moe_imbalance=lay.moe_imbalance, ep_dispatch=lay.ep_dispatch,
+                               ep_chunks=lay.ep_chunks)
+            d["ep_link"] = self.ep_link
+        return d
+
+    def _as_dict(self, mem: StageMemory, lay: Layout) -> dict[str, Any]:
         return {
             "step_time_s": self.step_time_s,
             "tokens_per_s": self.tokens_per_s,
@@ -113,11 +129,8 @@ class Estimate:
 def _group_placement(cluster: ClusterSpec, layout: Layout, dp: int) -> Placement:
     """The dp x cp ranks that hold the same parameters (one DP reduction group)."""
     tp, cp, pp = layout.tp, layout.cp, layout.pp
-    ranks = [(d * pp * cp + c) * tp for d in range(dp) for c in range(cp)]
-    nodes: dict[int, int] = {}
-    for r in ranks:
-        nodes[r // cluster.gpus_per_node] = nodes.get(r // cluster.gpus_per_node, 0) + 1
-    return Placement(size=len(ranks), per_node=max(nodes.values()), nodes=len(nodes))
+    return ranks_placement(cluster, [(d * pp * cp + c) * tp for d in range(dp)
+                                     for c in range(cp)])
 
 
 def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Estimate:
@@ -132,7 +145,16 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Estimate
     dp_place = _group_placement(cluster, layout, dp)
     layer = layer_cost(model, layout, dev, tp_place=tp_place, cp_place=cp_place,
                        flash=layout.flash_attention)
-    costs = stage_costs(model, layout, cluster, layer, tp_place=tp_place, dp_place=dp_place)
+    moe_layer = ep_place = edp_place = None
+    if model.is_moe:
+        geo = dict(tp=layout.tp, cp=layout.cp, pp=layout.pp)
+        ep_place = ep_placement(cluster, ep=layout.ep, **geo)
+        edp_place = edp_placement(cluster, dp=dp, ep=layout.ep, **geo)
+        moe_layer = layer_cost(model, layout, dev, tp_place=tp_place, cp_place=cp_place,
+                               flash=layout.flash_attention, moe=True, ep_place=ep_place,
+                               num_microbatches=m)
+    costs = stage_costs(model, layout, cluster, layer, tp_place=tp_place, dp_place=dp_place,
+                        moe_layer=moe_layer, edp_place=edp_place)
     sim = simulate_stages(layout.schedule, layout.pp, m, v, [c.as_sim() for c in costs])
 
     # Data-parallel reduction and parameter gather, per pp rank.
@@ -140,9 +162,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Estimate
     dp_exposed = ag_exposed = 0.0
     dp_comm_rank, dp_algo, dp_ops = [], "none", 0
     for r in range(layout.pp):
-        params = rank_params(model, layout, r)
+        params, experts = rank_param_split(model, layout, r)
         first_f = costs[r].F
-        if dp_place.size <= 1 or layout.zero == 3:
+        if (dp_place.size <= 1 and not (experts and edp_place.size > 1)) or layout.zero == 3:
             dp_comm_rank.append(0.0)
             continue
         if layout.zero == 0:
@@ -156,6 +178,13 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Estimate
                                    dp_place, dev)[0]
             gather = collective_time("all_gather", layout.dtype_bytes * params, dp_place,
                                      dev)[0]
+        if experts:  # the experts' own reducer, over expert-DP
+            kind = "all_reduce" if layout.zero == 0 else "reduce_scatter"
+            red += collective_time(kind, wire * experts, edp_place, dev)[0]
+            if layout.zero >= 1:
+                gather += collective_time("all_gather", layout.dtype_bytes * experts,
+                                          edp_place, dev)[0]
+            params += experts
         dp_ops = max(dp_ops, math.ceil(wire * params / layout.bucket_bytes) * (1 + (gather > 0)))
         dp_comm_rank.append(red + gather)
         if layout.overlap.dp:
@@ -174,8 +203,13 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Estimate
     # Optimizer: memory-bound update of the local (ZeRO: 1/(dp*cp)) parameters.
     shard = dp * layout.cp if layout.zero >= 1 else 1
     mem_bw = dev.hbm_bandwidth * dev.mem_efficiency
-    opt = max(rank_params(model, layout, r) / shard * OPTIMIZER_BYTES_PER_PARAM / mem_bw
-              for r in range(layout.pp))
+    if model.is_moe:
+        eshard = shard // layout.ep if layout.zero >= 1 else 1
+        opt = max((d / shard + x / eshard) * OPTIMIZER_BYTES_PER_PARAM / mem_bw
+                  for d, x in (rank_param_split(model, layout, r) for r in range(layout.pp)))
+    else:
+        opt = max(rank_params(model, layout, r) / shard * OPTIMIZER_BYTES_PER_PARAM / mem_bw
+                  for r in range(layout.pp))
     host_step = dev.host_tp_step_s if layout.tp > 1 else dev.host_step_s
     step = sim.makespan + dp_exposed + ag_exposed + emb_sync + opt + host_step
 
@@ -205,6 +239,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Estimate
             "dp": max(dp_comm_rank, default=0.0) + emb_sync + per_rank("dp_comm", worst)}
     exposed = {"tp": per_rank("tp_exposed", worst), "pp": per_rank("pp_exposed", worst),
                "dp": dp_exposed + ag_exposed + emb_sync + per_rank("dp_exposed", worst)}
+    ep_link = "none"
+    if model.is_moe:
+        comm["ep"], exposed["ep"] = per_rank("ep_comm", worst), per_rank("ep_exposed", worst)
+        if ep_place.size > 1:
+            ep_link = "nvlink" if ep_place.nodes == 1 else "ib"
     seqs = layout.global_batch
     model_flops = seqs * model.model_flops_per_sequence()
     hw_per_mb = sum(c.hw_flops for c in costs)  # one micro-batch through every stage, per GPU
@@ -216,4 +255,4 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Estimate
                     memory=tuple(memory_per_rank(model, layout, cluster)), comm_s=comm,
                     exposed_s=exposed, stage_costs=tuple(costs), model_flops=model_flops,
                     hardware_flops=hardware_flops, cpu_work_s=cpu_work, cpu_bound=cpu_bound,
-                    dp_algorithm=dp_algo)
+                    dp_algorithm=dp_algo, ep_link=ep_link)

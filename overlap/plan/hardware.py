@@ -65,7 +65,8 @@ class DeviceProfile:
     ``host_action_s`` what a pipeline compute action adds beyond its layers (executor,
     embedding, head and loss), ``host_step_s`` what a step adds; ``comm_cpu_s`` /
     ``p2p_cpu_s`` the CPU a rank spends per data-parallel collective step and per side of a P2P
-    transfer; ``host_cores`` the cores the ranks of a node share. ``sources`` maps a field name
+    transfer; ``host_cores`` the cores the ranks of a node share. ``a2a_efficiency``: the
+    achieved fraction of both links' bandwidth in the MoE all-to-all (fitted on MoE runs). ``sources`` maps a field name
     to where its number comes from."""
 
     name: str
@@ -89,6 +90,7 @@ class DeviceProfile:
     comm_cpu_s: float = 0.0
     p2p_cpu_s: float = 0.0
     host_cores: float | None = None
+    a2a_efficiency: float = 1.0
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:

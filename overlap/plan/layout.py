@@ -2,7 +2,8 @@
 
 ``Layout.check(model, cluster)`` raises a ValueError naming the flag for every choice that
 cannot work (tp not dividing the heads, gpus not divisible by tp*pp*cp, a batch that does not
-split into micro-batches, ...), before anything is estimated.
+split into micro-batches, ep not dividing dp*cp or the experts, ...), before anything is
+estimated. EP is carved out of the dp x cp ranks, as ``overlap.dist.ParallelDims`` does.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import dataclasses
 from overlap.plan.hardware import ClusterSpec
 from overlap.plan.models import ModelSpec
 
-__all__ = ["Layout", "Overlap", "SCHEDULES", "RECOMPUTE", "COMM_DTYPES", "WIRE_BYTES"]
+__all__ = ["Layout", "Overlap", "SCHEDULES", "RECOMPUTE", "COMM_DTYPES", "WIRE_BYTES",
+           "EP_DISPATCH"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
@@ -20,6 +22,7 @@ COMM_DTYPES = ("fp32", "bf16", "int8")
 # Bytes per element on the wire. int8: one code per element plus one fp32 scale per block of
 # 128 (overlap.comm.quant), 1 + 4/128 bytes.
 WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 128}
+EP_DISPATCH = ("bf16", "int8")  # the MoE forward dispatch's wire dtype (EPComm(dispatch=))
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -29,15 +32,21 @@ class Overlap:
     The defaults are this runtime's mechanisms: fused TP comm+GEMM ops, bucketed DP reduction
     under the backward (and parameter all-gathers under the next forward), P2P under the
     neighbouring compute. ``Overlap.none()`` is a runtime that waits for every transfer, such as
-    the Megatron-LM of Narayanan et al. 2021 that the calibration runs used."""
+    the Megatron-LM of Narayanan et al. 2021 that the calibration runs used.
+
+    MoE: ``ep`` hides the dispatch/combine all-to-all under the expert GEMMs in
+    ``Layout.ep_chunks`` pieces (the chunked exchange, ``overlap.moe.exchange``); ``ep_schedule``
+    (pp > 1) hides what is left under another micro-batch's compute in the 1F1B steady state."""
 
     tp: bool = True
     dp: bool = True
     pp: bool = True
+    ep: bool = True
+    ep_schedule: bool = True
 
     @classmethod
     def none(cls) -> "Overlap":
-        return cls(tp=False, dp=False, pp=False)
+        return cls(tp=False, dp=False, pp=False, ep=False, ep_schedule=False)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -46,11 +55,22 @@ class Layout:
     torch's scaled_dot_product_attention on GPUs) never stores or streams the s x s scores; off
     reproduces the unfused attention that Korthikanti et al. and Narayanan et al. measured.
     ``dtype_bytes`` is the element size of weights and activations: 2 (bf16) on GPUs, 4 for the
-    fp32 CPU twin."""
+    fp32 CPU twin.
+
+    MoE models: ``ep`` ranks of the dp x cp ones split the experts; ``capacity_factor`` None is
+    dropless (exact routed rows; the slowest EP rank gets ``moe_imbalance`` times the mean), a
+    number pads every (rank, expert) to ``ceil(cf * T * k / E)`` slots on the wire and in the
+    GEMMs; ``ep_dispatch`` is the forward dispatch's wire dtype; ``ep_chunks`` the pieces of the
+    chunked exchange."""
 
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
+    capacity_factor: float | None = None
+    moe_imbalance: float = 1.0
+    ep_dispatch: str = "bf16"
+    ep_chunks: int = 2
     global_batch: int
     micro_batch: int = 1
     schedule: str = "1f1b"
@@ -69,6 +89,10 @@ class Layout:
     def dp(self, cluster: ClusterSpec) -> int:
         return cluster.num_gpus // (self.tp * self.pp * self.cp)
 
+    def edp(self, cluster: ClusterSpec) -> int:
+        """Expert-data-parallel size: the ranks holding the same experts."""
+        return self.dp(cluster) * self.cp // self.ep
+
     def num_microbatches(self, cluster: ClusterSpec) -> int:
         return self.global_batch // (self.dp(cluster) * self.micro_batch)
 
@@ -85,13 +109,22 @@ class Layout:
         n, c = model.num_layers, self.num_chunks
         return [n // c + (1 if i < n % c else 0) for i in range(c)]
 
+    def chunk_moe_layers(self, model: ModelSpec) -> list[int]:
+        """MoE layers per model chunk (chunks hold consecutive layers, in stage order)."""
+        out, start = [], 0
+        for n in self.chunk_layers(model):
+            out.append(model.num_moe_layers(start, start + n))
+            start += n
+        return out
+
     def rank_chunks(self, rank: int) -> list[int]:
         """The stages a pipeline rank holds (looping placement, as ``overlap.pp``)."""
         return [rank + j * self.pp for j in range(self.num_virtual)]
 
     # ------------------------------------------------------------------ validation
     def check(self, model: ModelSpec, cluster: ClusterSpec) -> None:
-        for arg in ("tp", "pp", "cp", "global_batch", "micro_batch", "virtual"):
+        for arg in ("tp", "pp", "cp", "ep", "global_batch", "micro_batch", "virtual",
+                    "ep_chunks"):
             v = getattr(self, arg)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{arg.replace('_', '-')} must be a positive integer, got {v!r}")
@@ -104,6 +137,15 @@ class Layout:
         if self.comm_dtype not in COMM_DTYPES:
             raise ValueError(f"--comm-dtype {self.comm_dtype!r} is unknown; expected one of "
                              f"{list(COMM_DTYPES)}")
+        if self.ep_dispatch not in EP_DISPATCH:
+            raise ValueError(f"--ep-dispatch {self.ep_dispatch!r} is unknown; expected one of "
+                             f"{list(EP_DISPATCH)}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"--capacity-factor must be > 0 (or dropless), got "
+                             f"{self.capacity_factor!r}")
+        if not self.moe_imbalance >= 1.0:
+            raise ValueError(f"--moe-imbalance must be >= 1 (the slowest EP rank's share of "
+                             f"the mean), got {self.moe_imbalance!r}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.virtual > 1 and self.schedule != "interleaved":
@@ -137,6 +179,15 @@ class Layout:
             raise ValueError(f"--schedule interleaved needs --layers {model.num_layers} to be a "
                              f"multiple of --pp x --virtual = {self.num_chunks}")
         dp = self.dp(cluster)
+        if self.ep > 1 and not model.is_moe:
+            raise ValueError(f"--ep {self.ep} needs a mixture-of-experts model; "
+                             f"{model.name} is dense")
+        if (dp * self.cp) % self.ep:
+            raise ValueError(f"--ep {self.ep} must divide data parallel x --cp = {dp} x "
+                             f"{self.cp} = {dp * self.cp} (EP is carved out of those ranks)")
+        if model.is_moe and model.num_experts % self.ep:
+            raise ValueError(f"--ep {self.ep} does not divide the {model.num_experts} experts: "
+                             "every EP rank holds the same number")
         if self.global_batch % (dp * self.micro_batch):
             raise ValueError(f"--global-batch {self.global_batch} is not divisible by data "
                              f"parallel {dp} x --micro-batch {self.micro_batch}")

@@ -11,6 +11,9 @@ those of its peak number of live (stage, micro-batch) pairs, taken from the sche
 (:func:`overlap.plan.bubble.peak_live`); the first stage adds the embedding dropout mask, the
 last stage the output layer's activations for one micro-batch. With full recomputation the
 layer being recomputed also holds its full (no recompute) activations during its backward.
+MoE: expert parameters (``E/ep`` experts a MoE layer, replicated over TP) shard their
+optimizer state (and gradients, weights) over the ``dp*cp/ep`` expert-data-parallel ranks; a
+MoE layer's MLP activations are the routed rows (``k * cf`` or ``k * imbalance`` per token).
 The narrative (with the formulas): docs/design/planner.md.
 """
 
@@ -23,7 +26,8 @@ from overlap.plan.hardware import ClusterSpec
 from overlap.plan.layout import Layout
 from overlap.plan.models import ModelSpec
 
-__all__ = ["StageMemory", "rank_params", "layer_activation_bytes", "memory_per_rank"]
+__all__ = ["StageMemory", "rank_params", "rank_param_split", "layer_activation_bytes",
+           "memory_per_rank", "routed_rows"]
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -36,6 +40,8 @@ class StageMemory:
     grads: float
     optimizer: float
     activations: float
+    expert_params: float = 0.0   # of ``params``, the routed experts (E/ep per MoE layer)
+    expert_bytes: float = 0.0    # of weights + grads + optimizer, the experts'
 
     @property
     def total(self) -> float:
@@ -44,6 +50,41 @@ class StageMemory:
 
 def rank_params(model: ModelSpec, layout: Layout, rank: int) -> float:
     """Parameters one GPU of pipeline rank ``rank`` holds (before ZeRO), with TP sharding."""
+    if model.is_moe:
+        return sum(rank_param_split(model, layout, rank))
+    return _dense_rank_params(model, layout, rank)
+
+
+def rank_param_split(model: ModelSpec, layout: Layout, rank: int) -> tuple[float, float]:
+    """(dense, expert) parameters one GPU of pipeline rank ``rank`` holds (before ZeRO)."""
+    if not model.is_moe:
+        return _dense_rank_params(model, layout, rank), 0.0
+    t = layout.tp
+    sharded, replicated = model.layer_params()
+    m_sharded, m_replicated, experts = model.moe_layer_params()
+    layers, moe = layout.chunk_layers(model), layout.chunk_moe_layers(model)
+    chunks = layout.rank_chunks(rank)
+    nm = sum(moe[c] for c in chunks)
+    nd = sum(layers[c] for c in chunks) - nm
+    dense = nd * (sharded / t + replicated) + nm * (m_sharded / t + m_replicated)
+    word, pos = model.embedding_params()
+    if 0 in chunks:
+        dense += word / t + pos
+    if layout.num_chunks - 1 in chunks:
+        dense += model.head_params(layout.pp) / t + model.final_norm_params()
+    return dense, nm * experts / layout.ep
+
+
+def routed_rows(model: ModelSpec, layout: Layout, tokens: float) -> float:
+    """Rows an EP rank's experts receive (and its dispatch sends) for ``tokens`` local tokens:
+    ``tokens * k * cf`` in capacity mode (padded slots travel and compute), else ``tokens * k *
+    imbalance`` on the slowest rank (dropless)."""
+    factor = layout.capacity_factor if layout.capacity_factor is not None \
+        else layout.moe_imbalance
+    return tokens * model.moe_top_k * factor
+
+
+def _dense_rank_params(model: ModelSpec, layout: Layout, rank: int) -> float:
     t = layout.tp
     sharded, replicated = model.layer_params()
     layers = layout.chunk_layers(model)
@@ -59,9 +100,9 @@ def rank_params(model: ModelSpec, layout: Layout, rank: int) -> float:
 
 
 def layer_activation_bytes(model: ModelSpec, layout: Layout,
-                           recompute: str | None = None) -> float:
+                           recompute: str | None = None, moe: bool = False) -> float:
     """Stored activations of one layer for one micro-batch on one GPU (see module docstring);
-    ``recompute`` overrides the layout's mode."""
+    ``recompute`` overrides the layout's mode; ``moe``: a MoE layer."""
     recompute = recompute or layout.recompute
     t, cp = layout.tp, layout.cp
     b, s = layout.micro_batch, model.seq_len // cp
@@ -76,13 +117,29 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout,
     # Sharded over TP: Q, K, V (2 bytes each), the out-proj input, the MLP activation input(s)
     # and the fc2 input.
     n_act = 2 if model.gated_mlp else 1
-    sharded = s * b * (2.0 * h + 4.0 * kv + 2.0 * h) + s * b * f * (2.0 * n_act + 2.0)
+    if model.standard_attention:
+        sharded = s * b * (2.0 * h + 4.0 * kv + 2.0 * h)
+    else:  # Q, K, V as flash attention stores them, and the out-proj input
+        sharded = 2.0 * s * b * (model.q_width + model.k_width + 2.0 * model.v_width
+                                 if model.is_mla else 2.0 * model.q_width + 2.0 * kv)
+    moe_rows = 0.0
+    if moe:
+        # Not TP-sharded: with SP each TP rank routes its 1/t of the tokens, without it every
+        # TP rank routes them all. Per routed row: the dispatched input and the expert output
+        # (2h each), the gate and up outputs and the SwiGLU output (2Fe each); per token the
+        # shared experts' (6 S Fe) and the fp32 router logits and probabilities (8E).
+        fe = model.expert_ffn
+        tok = s * b / (t if layout.sequence_parallel else 1)
+        moe_rows = routed_rows(model, layout, tok) * (4.0 * h + 6.0 * fe) + \
+            tok * (6.0 * model.num_shared_experts * fe + 8.0 * model.num_experts)
+    else:
+        sharded += s * b * f * (2.0 * n_act + 2.0)
     if recompute == "none" and not layout.flash_attention:
         # Softmax output (2), its dropout mask (1) and output (2) per score: a*s*(s*cp) each.
         sharded += (2.0 + 3.0 * mask) * a * b * s * (s * cp)
     if layout.sequence_parallel:
-        return (replicated + sharded) / t
-    return replicated + sharded / t
+        return (replicated + sharded) / t + moe_rows
+    return replicated + sharded / t + moe_rows
 
 
 def memory_per_rank(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> list[StageMemory]:
@@ -95,9 +152,12 @@ def memory_per_rank(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> l
     per_layer = layer_activation_bytes(model, layout)
     t, b, s = layout.tp, layout.micro_batch, model.seq_len // layout.cp
     sbh = s * b * model.hidden
+    edp_shard = dp_shard // layout.ep
+    moe_layers = layout.chunk_moe_layers(model)
+    per_moe = layer_activation_bytes(model, layout, moe=True) if model.is_moe else 0.0
     out = []
     for r in range(layout.pp):
-        params = rank_params(model, layout, r)
+        params, experts = rank_param_split(model, layout, r)
         weights = float(layout.dtype_bytes) * params
         grads = grad_bytes * params
         optimizer = 12.0 * params
@@ -108,11 +168,25 @@ def memory_per_rank(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> l
         if layout.zero >= 3:
             sharded, replicated = model.layer_params()
             weights = weights / dp_shard + 2 * layout.dtype_bytes * (sharded / t + replicated)
+        expert_bytes = 0.0
+        if experts:
+            # The experts' state shards over expert-DP (dp*cp/ep), not over dp*cp.
+            ew, eg, eo = float(layout.dtype_bytes) * experts, grad_bytes * experts, \
+                12.0 * experts
+            eo /= edp_shard if layout.zero >= 1 else 1
+            eg /= edp_shard if layout.zero >= 2 else 1
+            ew /= edp_shard if layout.zero >= 3 else 1
+            weights, grads, optimizer = weights + ew, grads + eg, optimizer + eo
+            expert_bytes = ew + eg + eo
         chunks = layout.rank_chunks(r)
         # Peak live pairs x layers of a chunk (all chunks of a rank have the same size when
         # interleaving; without it a rank has one chunk).
-        chunk_layers = max(layers[c] for c in chunks)
-        acts = peaks[r] * chunk_layers * per_layer
+        if model.is_moe:
+            acts = peaks[r] * max((layers[c] - moe_layers[c]) * per_layer
+                                  + moe_layers[c] * per_moe for c in chunks)
+        else:
+            chunk_layers = max(layers[c] for c in chunks)
+            acts = peaks[r] * chunk_layers * per_layer
         if layout.recompute == "full":
             # The layer being recomputed holds its full activations during its backward.
             acts += layer_activation_bytes(model, layout, "none")
@@ -121,6 +195,7 @@ def memory_per_rank(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> l
         if layout.num_chunks - 1 in chunks:
             acts += 4.0 * sbh / t * (1.0 + model.vocab / model.hidden)
         acts *= layout.dtype_bytes / 2.0  # Korthikanti's counts are for 2-byte activations
-        out.append(StageMemory(rank=r, params=params, weights=weights, grads=grads,
-                               optimizer=optimizer, activations=acts))
+        out.append(StageMemory(rank=r, params=params + experts, weights=weights, grads=grads,
+                               optimizer=optimizer, activations=acts, expert_params=experts,
+                               expert_bytes=expert_bytes))
     return out

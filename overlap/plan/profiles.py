@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from overlap.plan.hardware import DeviceProfile, GemmCurve, LinkSpec
 
-__all__ = ["FITTED", "PROFILES", "get_profile", "build_profiles", "NCCL_LATENCY"]
+__all__ = ["FITTED", "MOE_FITTED", "PROFILES", "get_profile", "build_profiles", "NCCL_LATENCY"]
 
 # Written by `python -m overlap.plan.fit` (see its docstring for the objective).
 FITTED = {
@@ -20,6 +20,12 @@ FITTED = {
     "nvlink_efficiency": 1.0,
     "ib_efficiency": 1.0,
 }
+
+# Written by `python -m overlap.plan.fit_moe`: the MoE all-to-all's achieved fraction of link
+# bandwidth, fitted to published Megatron-Core MoE runs (overlap/plan/data/moe_runs.csv).
+MOE_FITTED = {"a2a_efficiency": 1.0}
+_A2A_SRC = ("fitted to published Megatron-Core Qwen3-235B-A22B BF16 runs on H100 "
+            "(python -m overlap.plan.fit_moe; overlap/plan/data/moe_runs.csv)")
 
 # NCCL's own latency model (src/graph/tuning.cc, ncclTopoTuneModel; Simple protocol, ring):
 # 8.4 us per collective, plus per algorithm step 3.4 us over NVLink and 9.6 us over the network.
@@ -44,8 +50,9 @@ def _a100(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: str,
                        efficiency=fit["nvlink_efficiency"]),
         inter=LinkSpec(bandwidth=25e9, latency_s=NCCL_LATENCY["net_step"],
                        efficiency=fit["ib_efficiency"]),
-        base_latency_s=NCCL_LATENCY["base"],
+        base_latency_s=NCCL_LATENCY["base"], a2a_efficiency=MOE_FITTED["a2a_efficiency"],
         sources={
+            "a2a_efficiency": _A2A_SRC + "; assumed on A100",
             "peak_flops": "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16/FP16 Tensor Core",
             "hbm_bytes": hbm_src,
             "hbm_bandwidth": bw_src,
@@ -70,8 +77,9 @@ def _hopper(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: st
                        efficiency=fit["nvlink_efficiency"]),
         inter=LinkSpec(bandwidth=50e9, latency_s=NCCL_LATENCY["net_step"],
                        efficiency=fit["ib_efficiency"]),
-        base_latency_s=NCCL_LATENCY["base"],
+        base_latency_s=NCCL_LATENCY["base"], a2a_efficiency=MOE_FITTED["a2a_efficiency"],
         sources={
+            "a2a_efficiency": _A2A_SRC,
             "peak_flops": f"NVIDIA {product} datasheet: 1,979 TFLOP/s BF16 Tensor Core with "
                           "sparsity, i.e. 989 TFLOP/s dense",
             "hbm_bytes": hbm_src,

@@ -12,7 +12,8 @@ def layout_name(e: Estimate) -> str:
     lay = e.layout
     sched = lay.schedule + (f"(v={lay.num_virtual})" if lay.num_virtual > 1 else "")
     parts = [f"tp{lay.tp}", f"pp{lay.pp}"] + ([f"cp{lay.cp}"] if lay.cp > 1 else []) + \
-        [f"dp{e.dp}", f"mb{lay.micro_batch}", sched, f"rc-{lay.recompute}",
+        [f"dp{e.dp}"] + ([f"ep{lay.ep}"] if e.model.is_moe else []) + \
+        [f"mb{lay.micro_batch}", sched, f"rc-{lay.recompute}",
          f"zero{lay.zero}"] + (["sp"] if lay.sequence_parallel else [])
     return " ".join(parts)
 
@@ -50,7 +51,17 @@ def format_estimate(e: Estimate) -> str:
         "",
         "communication per step (busiest pp rank)   raw -> exposed",
     ]
-    for axis in ("tp", "pp", "dp"):
+    if m.is_moe:
+        cf = "dropless" if lay.capacity_factor is None else f"capacity {lay.capacity_factor:g}"
+        lines[1] += (f"\nMoE       {m.num_experts} experts, top-{m.moe_top_k}, "
+                     f"{m.num_shared_experts} shared, Fe={m.expert_ffn}, "
+                     f"{m.num_moe_layers()} MoE layers ({m.active_params() / 1e9:.1f}B active); "
+                     f"ep {lay.ep} x expert-dp {lay.edp(c)}, all-to-all over {e.ep_link}, {cf}"
+                     f" (imbalance {lay.moe_imbalance:g}), dispatch {lay.ep_dispatch}")
+        # After the weights/grads/optimizer line (lines[6]; lines[1] now holds two lines).
+        lines.insert(7, f"  experts {mem.expert_bytes / GIB:6.2f} GiB of the above "
+                        f"({mem.expert_params / 1e9:.2f}B expert parameters on this GPU)")
+    for axis in ("tp", "pp", "dp") + (("ep",) if m.is_moe else ()):
         lines.append(f"  {axis}  {_ms(e.comm_s[axis]):>12} -> {_ms(e.exposed_s[axis]):>10}")
     lines.append(f"  exposed in total {_ms(e.exposed_comm_s)} "
                  f"({100 * e.exposed_comm_s / e.step_time_s:.1f}% of the step)")
@@ -61,13 +72,20 @@ def format_search(res: SearchResult, top: int, capacity_note: str = "") -> str:
     lines = [f"{len(res.ranked)} layouts fit, {len(res.rejected)} rejected "
              f"({', '.join(f'{k}: {v}' for k, v in sorted(res.reasons().items()))})"
              + capacity_note, ""]
+    moe = any(e.model.is_moe for e in res.ranked)
     head = f"{'#':>3}  {'layout':<58} {'step':>10} {'MFU':>6} {'bubble':>7} {'mem GiB':>8} " \
            f"{'exposed':>9}"
+    if moe:
+        head += f" {'ep':>3} {'link':>6} {'expert GiB':>10} {'ep comm':>10} {'ep exp':>9}"
     lines += [head, "-" * len(head)]
     for i, e in enumerate(res.ranked[:top], 1):
-        lines.append(f"{i:>3}  {layout_name(e):<58} {_ms(e.step_time_s):>10} "
-                     f"{100 * e.mfu:5.1f}% {100 * e.bubble_fraction:6.1f}% "
-                     f"{e.peak_memory.total / GIB:8.1f} {_ms(e.exposed_comm_s):>9}")
+        row = (f"{i:>3}  {layout_name(e):<58} {_ms(e.step_time_s):>10} "
+               f"{100 * e.mfu:5.1f}% {100 * e.bubble_fraction:6.1f}% "
+               f"{e.peak_memory.total / GIB:8.1f} {_ms(e.exposed_comm_s):>9}")
+        if moe:
+            row += (f" {e.layout.ep:>3} {e.ep_link:>6} {e.peak_memory.expert_bytes / GIB:10.1f}"
+                    f" {_ms(e.comm_s['ep']):>10} {_ms(e.exposed_s['ep']):>9}")
+        lines.append(row)
     if res.rejected:
         lines += ["", "rejected (first of each reason):"]
         seen = set()
@@ -76,6 +94,7 @@ def format_search(res: SearchResult, top: int, capacity_note: str = "") -> str:
             if key in seen:
                 continue
             seen.add(key)
-            lines.append(f"  tp{lay.tp} pp{lay.pp} mb{lay.micro_batch} {lay.schedule} "
+            ep = f" ep{lay.ep}" if lay.ep > 1 else ""
+            lines.append(f"  tp{lay.tp} pp{lay.pp}{ep} mb{lay.micro_batch} {lay.schedule} "
                          f"rc-{lay.recompute}: {why}")
     return "\n".join(lines)

@@ -2,7 +2,8 @@
 
 Candidates: every tp (a power of two up to the node, dividing the heads), pp (dividing the
 layers and the GPUs left), micro-batch, schedule (1F1B, interleaved with v chunks, ZB-H1),
-recomputation and ZeRO stage the constraints allow, with sequence parallelism whenever tp > 1.
+recomputation and ZeRO stage the constraints allow, with sequence parallelism whenever tp > 1;
+for a MoE model also every ep that divides dp (and the experts).
 Each is checked in order of cost: its shapes (``Layout.check``), then its memory (cheap,
 :mod:`overlap.plan.memory`), then the full estimate with the pipeline replay. A candidate that
 fails gets the reason; the rest are ranked by step time (ties: less memory).
@@ -36,6 +37,11 @@ class Constraints:
     flash_attention: bool = True
     overlap: Overlap = Overlap()
     memory_fraction: float = 0.9
+    ep: tuple[int, ...] | None = None   # None: every valid ep (MoE models)
+    capacity_factor: float | None = None
+    moe_imbalance: float = 1.0
+    ep_dispatch: str = "bf16"
+    ep_chunks: int = 2
 
 
 @dataclasses.dataclass(slots=True)
@@ -75,13 +81,29 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int,
                             if sched == "zb-h1" and rec == "full":
                                 continue
                             for zero in c.zero:
-                                out.append(Layout(
-                                    tp=tp, pp=pp, global_batch=global_batch, micro_batch=mb,
-                                    schedule=sched, virtual=v, recompute=rec,
-                                    sequence_parallel=tp > 1, zero=zero,
-                                    comm_dtype=c.comm_dtype, flash_attention=c.flash_attention,
-                                    overlap=c.overlap))
+                                for ep in _ep_values(model, cluster.num_gpus // (tp * pp), c):
+                                    out.append(Layout(
+                                        tp=tp, pp=pp, ep=ep, global_batch=global_batch,
+                                        micro_batch=mb, schedule=sched, virtual=v,
+                                        recompute=rec, sequence_parallel=tp > 1, zero=zero,
+                                        comm_dtype=c.comm_dtype,
+                                        flash_attention=c.flash_attention, overlap=c.overlap,
+                                        **_moe_kw(model, c)))
     return out
+
+
+def _ep_values(model: ModelSpec, dp: int, c: Constraints) -> list[int]:
+    if not model.is_moe:
+        return [1]
+    valid = [e for e in range(1, dp + 1) if dp % e == 0 and model.num_experts % e == 0]
+    return [e for e in valid if c.ep is None or e in c.ep]
+
+
+def _moe_kw(model: ModelSpec, c: Constraints) -> dict:
+    if not model.is_moe:
+        return {}
+    return dict(capacity_factor=c.capacity_factor, moe_imbalance=c.moe_imbalance,
+                ep_dispatch=c.ep_dispatch, ep_chunks=c.ep_chunks)
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, global_batch: int,

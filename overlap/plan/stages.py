@@ -4,7 +4,8 @@ A stage is ``n`` layers (:mod:`overlap.plan.compute`) plus, on the first stage, 
 and, on the last, the final norm, the vocabulary projection (T, V/t, h) and the vocab-parallel
 cross-entropy. Its costs also hold the exposed part of its pipeline transfers (``T*h*2`` bytes,
 1/t of it per TP rank), ZeRO-3's weight gathers and gradient reduce-scatters, and, with
-sequence parallelism, the TP all-reduces of the replicated parameters' gradients. Operation
+sequence parallelism, the TP all-reduces of the replicated parameters' gradients; a stage's MoE
+layers use the MoE layer's cost (with its exposed all-to-all, ``ep_*``). Operation
 counts per micro-batch (``tp_ops``, ``coll_ops``, ``p2p_ops``) feed the CPU twin's host-CPU
 accounting.
 The narrative: docs/design/planner.md.
@@ -42,11 +43,14 @@ class StageCost:
     p2p_ops: int
     fwd_flops: float
     hw_flops: float         # forward + backward + recomputation
+    ep_comm: float = 0.0    # MoE all-to-all, raw and exposed
+    ep_exposed: float = 0.0
 
     @property
     def work(self) -> float:
         """Compute seconds (F + B without their exposed communication)."""
-        return self.F + self.B - self.tp_exposed - self.pp_exposed - self.dp_exposed
+        return self.F + self.B - self.tp_exposed - self.pp_exposed - self.dp_exposed - \
+            self.ep_exposed
 
     def as_sim(self) -> dict[str, float]:
         return {"F": self.F, "B": self.B, "I": self.I, "W": self.W}
@@ -127,7 +131,8 @@ def _replicated_tensors(model: ModelSpec, layers: int, last: bool) -> int:
 
 
 def stage_costs(model: ModelSpec, layout: Layout, cluster: ClusterSpec, layer: LayerCost, *,
-                tp_place: Placement, dp_place: Placement) -> list[StageCost]:
+                tp_place: Placement, dp_place: Placement, moe_layer: LayerCost | None = None,
+                edp_place: Placement | None = None) -> list[StageCost]:
     dev = cluster.device
     t, e, sp = layout.tp, layout.dtype_bytes, layout.sequence_parallel
     tokens = layout.micro_batch * model.seq_len / layout.cp
@@ -144,10 +149,13 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: ClusterSpec, layer: L
     if t > 1 and not sp:
         regather = collective_time("all_gather", act_bytes, tp_place, dev, tp=True)[0]
 
+    moe_counts = layout.chunk_moe_layers(model) if moe_layer is not None else [0] * num_stages
     out = []
     for s in range(num_stages):
         n = layers[s]
         first, last = s == 0, s == num_stages - 1
+        nm = moe_counts[s]
+        n -= nm  # dense layers; the nm MoE layers are added below
         f = n * layer.fwd
         i = n * (layer.dgrad + layer.recompute)
         w = n * layer.wgrad
@@ -161,6 +169,23 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: ClusterSpec, layer: L
             hw += n * layer.attn_flops / 2
         elif layout.recompute == "selective":
             hw += n * layer.attn_flops
+        ep_comm = ep_exp = 0.0
+        if nm:
+            ml = moe_layer
+            f += nm * ml.fwd
+            i += nm * (ml.dgrad + ml.recompute)
+            w += nm * ml.wgrad
+            tp_comm, tp_exp = tp_comm + nm * ml.tp_comm, tp_exp + nm * ml.tp_exposed
+            tp_ops += nm * ml.num_comm_ops
+            coll_ops += nm * ml.ep_ops
+            ep_comm, ep_exp = nm * ml.ep_comm, nm * ml.ep_exposed
+            fwd_flops += nm * ml.fwd_flops
+            hw += 3 * nm * ml.fwd_flops + (nm * ml.fwd_flops if layout.recompute == "full"
+                                           else nm * ml.attn_flops / 2
+                                           if layout.flash_attention else
+                                           nm * ml.attn_flops
+                                           if layout.recompute == "selective" else 0.0)
+        n += nm
         for part, here in ((emb, first), (head, last)):
             if here:
                 f, i, w = f + part.f, i + part.i, w + part.w
@@ -204,6 +229,11 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: ClusterSpec, layer: L
             ag = collective_time("all_gather", e * params, dp_place, dev)[0]
             rs = collective_time("reduce_scatter", WIRE_BYTES[layout.comm_dtype] * params,
                                  dp_place, dev)[0]
+            if nm and edp_place is not None:  # experts gather and reduce over expert-DP
+                experts = nm * model.moe_layer_params()[2] / layout.ep
+                ag += collective_time("all_gather", e * experts, edp_place, dev)[0]
+                rs += collective_time("reduce_scatter", WIRE_BYTES[layout.comm_dtype] * experts,
+                                      edp_place, dev)[0]
             hide = layout.overlap.dp
             e_f = max(0.0, ag - f) if hide else ag
             e_bw = max(0.0, ag + rs - (i + w)) if hide else ag + rs
@@ -218,5 +248,6 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: ClusterSpec, layer: L
         out.append(StageCost(F=f, B=i + w, I=i, W=w, tp_comm=tp_comm, tp_exposed=tp_exp,
                              pp_comm=pp_comm, pp_exposed=pp_exp, dp_comm=z_comm,
                              dp_exposed=z_exp, tp_ops=tp_ops, coll_ops=coll_ops,
-                             p2p_ops=p2p_ops, fwd_flops=fwd_flops, hw_flops=hw))
+                             p2p_ops=p2p_ops, fwd_flops=fwd_flops, hw_flops=hw,
+                             ep_comm=ep_comm, ep_exposed=ep_exp))
     return out
