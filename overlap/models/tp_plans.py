@@ -85,20 +85,20 @@ def gpt_plan(*, loss_parallel: bool = False, dense_mlp: bool = True,
     )
 
 
-def _hf_prefix(model: nn.Module) -> str:
+def hf_prefix(model: nn.Module) -> str:
     # XForCausalLM holds its decoder at model.<base_model_prefix>; the bare XModel is the decoder.
     base = getattr(model, "base_model_prefix", "")
     inner = getattr(model, base, None) if base else None
     return f"{base}." if isinstance(inner, nn.Module) and inner is not model else ""
 
 
-def _has_head(model: nn.Module) -> bool:
+def has_head(model: nn.Module) -> bool:
     return isinstance(getattr(model, "lm_head", None), nn.Module)
 
 
 def gpt2_plan(model: nn.Module) -> TPPlan:
     """Plan for a transformers GPT-2 model (``GPT2LMHeadModel`` or ``GPT2Model``)."""
-    p = _hf_prefix(model)
+    p = hf_prefix(model)
     layers = {
         f"{p}wte": "embedding",
         f"{p}h.*.attn.c_attn": "qkv",
@@ -106,7 +106,7 @@ def gpt2_plan(model: nn.Module) -> TPPlan:
         f"{p}h.*.mlp.c_fc": "column",
         f"{p}h.*.mlp.c_proj": "row",
     }
-    if _has_head(model):
+    if has_head(model):
         layers["lm_head"] = "head"
 
     def check(m: nn.Module, tp: int) -> list[str]:
@@ -119,42 +119,51 @@ def gpt2_plan(model: nn.Module) -> TPPlan:
                   divide={f"{p}h.*.attn": ("num_heads", "split_size")}, check=check)
 
 
-def llama_plan(model: nn.Module) -> TPPlan:
-    """Plan for transformers Llama, Qwen2, Qwen3, Mistral, Gemma or Gemma2 (same module names; the
-    Gemma embedding multiplies by sqrt(d) in its own forward, which parallelize keeps by
-    wrapping it, see overlap.nn.wrap)."""
-    p = _hf_prefix(model)
-    layers = {
-        f"{p}embed_tokens": "embedding",
+def llama_attention(model: nn.Module, p: str) -> dict[str, str | Style]:
+    """The Llama-style attention of ``{p}layers.*.self_attn``: q/k/v column, o row, and the
+    per-head ``q_norm``/``k_norm`` (Qwen3, Gemma3-style: replicated, run on this rank's heads)
+    as "sum_grads" when the model has them (parallelize would find them on the probe anyway;
+    naming them keeps it so with verify=False)."""
+    layers: dict[str, str | Style] = {
         f"{p}layers.*.self_attn.q_proj": "column",
         f"{p}layers.*.self_attn.k_proj": "column",
         f"{p}layers.*.self_attn.v_proj": "column",
         f"{p}layers.*.self_attn.o_proj": "row",
-        f"{p}layers.*.mlp.gate_proj": "column",
-        f"{p}layers.*.mlp.up_proj": "column",
-        f"{p}layers.*.mlp.down_proj": "row",
     }
-    if _has_head(model):
-        layers["lm_head"] = "head"
-    # Qwen3 (and Gemma3-style) per-head RMSNorms on q and k: replicated, run on this rank's
-    # heads, so their gradients are summed over TP (parallelize would find them on the probe
-    # anyway; naming them keeps it so with verify=False)
     names = {n for n, _ in model.named_modules()}
     for norm in ("q_norm", "k_norm"):
         if any(n.endswith(f"self_attn.{norm}") for n in names):
             layers[f"{p}layers.*.self_attn.{norm}"] = "sum_grads"
+    return layers
 
-    def check(m: nn.Module, tp: int) -> list[str]:
-        cfg, problems = m.config, []
-        for attr in ("num_attention_heads", "num_key_value_heads"):
-            value = getattr(cfg, attr, None)
-            if not isinstance(value, int) or value % tp:
-                problems.append(f"config.{attr}={value} is not divisible by tp={tp}"
-                                + (" (grouped-query attention: each rank needs whole kv "
-                                   "groups)" if attr == "num_key_value_heads" else ""))
-        return problems
 
-    return TPPlan(name=f"hf-{model.config.model_type}", layers=layers, check=check)
+def llama_heads_check(m: nn.Module, tp: int) -> list[str]:
+    """Both head counts divisible by tp (grouped-query attention: whole kv groups per rank)."""
+    cfg, problems = m.config, []
+    for attr in ("num_attention_heads", "num_key_value_heads"):
+        value = getattr(cfg, attr, None)
+        if not isinstance(value, int) or value % tp:
+            problems.append(f"config.{attr}={value} is not divisible by tp={tp}"
+                            + (" (grouped-query attention: each rank needs whole kv "
+                               "groups)" if attr == "num_key_value_heads" else ""))
+    return problems
+
+
+def llama_plan(model: nn.Module) -> TPPlan:
+    """Plan for transformers Llama, Qwen2, Qwen3, Mistral, Gemma or Gemma2 (same module names; the
+    Gemma embedding multiplies by sqrt(d) in its own forward, which parallelize keeps by
+    wrapping it, see overlap.nn.wrap)."""
+    p = hf_prefix(model)
+    layers = {
+        f"{p}embed_tokens": "embedding",
+        **llama_attention(model, p),
+        f"{p}layers.*.mlp.gate_proj": "column",
+        f"{p}layers.*.mlp.up_proj": "column",
+        f"{p}layers.*.mlp.down_proj": "row",
+    }
+    if has_head(model):
+        layers["lm_head"] = "head"
+    return TPPlan(name=f"hf-{model.config.model_type}", layers=layers, check=llama_heads_check)
 
 
 def _heads_check(*attrs: str, note: str = ""):
@@ -179,7 +188,7 @@ def phi3_plan(model: nn.Module) -> TPPlan:
     two halves. The attention reads ``config.num_attention_heads`` and
     ``num_key_value_heads`` in its forward: both are divided (each attention gets its own copy
     of the config)."""
-    p, cfg = _hf_prefix(model), model.config
+    p, cfg = hf_prefix(model), model.config
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     layers = {
         f"{p}embed_tokens": "embedding",
@@ -189,7 +198,7 @@ def phi3_plan(model: nn.Module) -> TPPlan:
         f"{p}layers.*.mlp.gate_up_proj": "gate_up",
         f"{p}layers.*.mlp.down_proj": "row",
     }
-    if _has_head(model):
+    if has_head(model):
         layers["lm_head"] = "head"
     return TPPlan(name="hf-phi3", layers=layers,
                   divide={f"{p}layers.*.self_attn": ("num_key_value_heads",
@@ -202,7 +211,7 @@ def gpt_neox_plan(model: nn.Module) -> TPPlan:
     """Plan for transformers GPT-NeoX (Pythia): ``query_key_value`` interleaves q, k, v per
     head (``[h0: q k v | h1: q k v | ...]``), so it is cut at head boundaries
     (``layout="per_head"``); the attention infers its local head count from the width."""
-    p, cfg = _hf_prefix(model), model.config
+    p, cfg = hf_prefix(model), model.config
     layers = {
         f"{p}embed_in": "embedding",
         f"{p}layers.*.attention.query_key_value": Style(
@@ -222,7 +231,7 @@ def opt_plan(model: nn.Module) -> TPPlan:
     attention's ``num_heads`` is divided (it reshapes with it). The positions, and the
     ``project_in``/``project_out`` of models whose embedding width differs, stay replicated;
     ``lm_head`` stays tied to ``embed_tokens``."""
-    p = f"{_hf_prefix(model)}decoder."
+    p = f"{hf_prefix(model)}decoder."
     layers = {
         f"{p}embed_tokens": "embedding",
         f"{p}layers.*.self_attn.q_proj": "column",
@@ -232,7 +241,7 @@ def opt_plan(model: nn.Module) -> TPPlan:
         f"{p}layers.*.fc1": "column",
         f"{p}layers.*.fc2": "row",
     }
-    if _has_head(model):
+    if has_head(model):
         layers["lm_head"] = "head"
     return TPPlan(name="hf-opt", layers=layers,
                   divide={f"{p}layers.*.self_attn": ("num_heads",)},
@@ -248,13 +257,31 @@ _HF_PLANS = {"gpt2": gpt2_plan, "llama": llama_plan, "qwen2": llama_plan, "qwen3
 def plan_for(model: nn.Module) -> TPPlan:
     """The shipped plan for ``model``: overlap GPT, or a transformers model by its
     ``config.model_type`` (gpt2, llama, qwen2, qwen3, mistral, gemma, gemma2, phi3, gpt_neox,
-    opt).
-    ValueError for anything else."""
+    opt; mixture-of-experts: mixtral, qwen2_moe, qwen3_moe, deepseek_v3, gpt_oss, whose
+    experts shard over EP, see overlap.models.moe_plans).
+    ValueError for anything else, naming the experts a mixture-of-experts model would leave
+    without a plan."""
+    from overlap.models.moe_plans import MOE_PLANS
+    from overlap.nn.parallelize import expert_modules
+
     if isinstance(model, GPT):
         return gpt_plan()
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type in _HF_PLANS:
+    if model_type in MOE_PLANS:
+        return MOE_PLANS[model_type](model)
+    experts = expert_modules(model)
+    if model_type in _HF_PLANS and not experts:
         return _HF_PLANS[model_type](model)
+    if experts:
+        listed = ", ".join(f"{n} ({t})" for n, t in experts[:3])
+        more = f" and {len(experts) - 3} more" if len(experts) > 3 else ""
+        raise ValueError(
+            f"parallelize: no shipped plan for {type(model).__name__} (model_type="
+            f"{model_type!r}), a mixture-of-experts model: its experts {listed}{more} need an "
+            f"expert-parallel plan (a Style(kind='experts') for each sparse block), which "
+            f"exists for {sorted(MOE_PLANS)}; replicating the experts on every rank is never "
+            "done silently. Write a plan (docs/parallelize.md, 'Mixture-of-experts plans').")
     raise ValueError(f"parallelize: no shipped plan for {type(model).__name__} (model_type="
-                     f"{model_type!r}); known: overlap GPT, {sorted(_HF_PLANS)}. Pass plan=TPPlan("
-                     "...) with your module-name patterns.")
+                     f"{model_type!r}); known: overlap GPT, {sorted(_HF_PLANS)}, "
+                     f"mixture-of-experts {sorted(MOE_PLANS)}. Pass plan=TPPlan(...) with your "
+                     "module-name patterns.")

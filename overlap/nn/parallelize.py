@@ -3,7 +3,8 @@
 A plan (``TPPlan``) maps module-name glob patterns (``fnmatch``, ``*`` also matches dots) to a
 style; the first pattern that matches a module wins. Styles (strings or ``Style`` objects):
 ``column``, ``qkv``, ``gate_up``, ``row``, ``embedding``, ``vocab_head``, ``head``, ``sp_norm``,
-``sp_positions``, ``sum_grads`` (what each does: docs/design/nn.md).
+``sp_positions``, ``sum_grads``, ``replicated``, ``experts`` (a mixture-of-experts block over
+the EP group of ``ep_comm``; what each does: docs/design/nn.md).
 
 Contract: every check (patterns, module types, divisibility, ties) runs before anything is
 changed and all failures come in one ValueError; with ``verify`` (the default, overlap.nn.probes)
@@ -34,7 +35,25 @@ from overlap.nn.verification import Verifier
 from overlap.nn.wrap import SUBCLASS_MODES, base_of, overridden, wrap_subclass
 from overlap.tp.comm import TPComm
 
-__all__ = ["Style", "TPPlan", "STYLES", "parallelize", "gather_state_dict", "gather_grads"]
+__all__ = ["Style", "TPPlan", "STYLES", "parallelize", "gather_state_dict", "gather_grads",
+           "expert_modules"]
+
+
+def expert_modules(model: nn.Module) -> list[tuple[str, str]]:
+    """(name, class name) of every module of a transformers model that holds the experts of a
+    mixture-of-experts block: a transformers class named ``*Experts``, or a child named
+    ``experts`` of a transformers module. overlap's own MoE layers are not listed."""
+    modules = dict(model.named_modules())
+    out = []
+    for name, m in modules.items():
+        parent = modules.get(name.rpartition(".")[0]) if name else None
+        own = type(m).__module__.startswith("transformers.")
+        if (own and type(m).__name__.endswith("Experts")) or (
+                name.rpartition(".")[2] == "experts" and parent is not None
+                and type(parent).__module__.startswith("transformers.")):
+            if not any(n != name and name.startswith(n + ".") for n, _ in out):
+                out.append((name, type(m).__name__))
+    return out
 
 
 def _style(value) -> Style | None:
@@ -89,9 +108,26 @@ def _check_column(name: str, style: Style, n: int, tp: int) -> list[str]:
 
 
 def _check_module(name: str, module: nn.Module, style: Style, tp: int,
-                  subclasses: str) -> list[str]:
-    """Problems with applying ``style`` to ``module`` at this tp (empty: fine)."""
+                  subclasses: str, ep: int | None = None) -> list[str]:
+    """Problems with applying ``style`` to ``module`` at this tp (and ep; empty: fine)."""
     kind = style.kind
+    if kind == "replicated":
+        return []
+    if kind == "experts":
+        if not callable(style.build) or type(module) not in style.accepts:
+            return [f"{name}: style 'experts' needs build=callable and accepts the exact type, "
+                    f"got {type(module).__name__} (accepts {[t.__name__ for t in style.accepts]})"]
+        if ep is None:
+            return [f"{name}: style 'experts' shards a {type(module).__name__} over EP: pass "
+                    "ep_comm= (an EPComm; a group of one rank keeps every expert)"]
+        experts = getattr(module, "experts", None)
+        first = next(iter(experts.parameters(recurse=False)), None) if experts else None
+        if first is None:
+            return [f"{name}: style 'experts' needs a child 'experts' with parameters "
+                    f"[num_experts, ...], {type(module).__name__} has none"]
+        if first.shape[0] % ep:
+            return [f"{name}: {first.shape[0]} experts are not divisible by ep={ep}"]
+        return []
     if kind in ("column", "row", "embedding") and subclasses == "refuse" and overridden(module):
         return [f"{name}: {type(module).__name__} overrides {overridden(module)} of "
                 f"{base_of(module).__name__}; style {kind!r} would replace it "
@@ -144,7 +180,7 @@ def _tie_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
     return [sorted(set(h)) for h in holders.values() if len(set(h)) > 1]
 
 
-def _plan_matches(model, plan, sequence_parallel, tp, problems, subclasses):
+def _plan_matches(model, plan, sequence_parallel, tp, problems, subclasses, ep=None):
     """{module name: Style} for the modules this call will replace."""
     modules = dict(model.named_modules())
     chosen: dict[str, Style] = {}
@@ -162,7 +198,7 @@ def _plan_matches(model, plan, sequence_parallel, tp, problems, subclasses):
         for n in names:
             if n not in chosen:
                 chosen[n] = style
-                problems.extend(_check_module(n, modules[n], style, tp, subclasses))
+                problems.extend(_check_module(n, modules[n], style, tp, subclasses, ep))
     return chosen
 
 
@@ -223,8 +259,10 @@ def _check_ties(model, chosen, problems) -> list[list[tuple[str, str]]]:
     return ties
 
 
-def _build(module, style: Style, comm: TPComm, sequence_parallel) -> nn.Module:
+def _build(module, style: Style, comm: TPComm, sequence_parallel, ep_comm=None) -> nn.Module:
     kind = style.kind
+    if kind == "experts":
+        return style.build(module, ep_comm=ep_comm)
     if kind == "column":
         return ColumnParallelLinear.from_linear(
             module, comm=comm, gather_output=style.gather_output, parts=style.feature_parts(),
@@ -247,15 +285,17 @@ def _sum_grads(module: nn.Module, comm: TPComm, undo) -> None:
     undo.append(lambda m=module: undo_sum_grads_over_tp(m))
 
 
-def _replace(model, chosen, comm, sequence_parallel, subclasses, undo) -> None:
+def _replace(model, chosen, comm, sequence_parallel, subclasses, undo, ep_comm=None) -> None:
     for name, style in chosen.items():
+        if style.kind == "replicated":
+            continue
         if style.kind == "sum_grads":
             _sum_grads(model.get_submodule(name), comm, undo)
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child)
-        new = _build(old, style, comm, sequence_parallel)
+        new = _build(old, style, comm, sequence_parallel, ep_comm)
         if (style.kind in ("column", "row", "embedding") and subclasses == "wrap"
                 and overridden(old)):
             new = wrap_subclass(old, new)
@@ -280,7 +320,7 @@ def _divide(model, divide, tp, undo) -> None:
         setattr(target, leaf, old // tp)
 
 
-def parallelize(model: nn.Module, *, comm: TPComm | None = None,
+def parallelize(model: nn.Module, *, comm: TPComm | None = None, ep_comm=None,
                 plan: TPPlan | None = None, sequence_parallel: bool = False,
                 verify: bool | str = True, probe=None,
                 verify_tol: float | None = None, subclasses: str = "wrap") -> nn.Module:
@@ -291,6 +331,11 @@ def parallelize(model: nn.Module, *, comm: TPComm | None = None,
     ``dims.tp_comm()``). Every rank of the group must call it on the same (same-seed)
     model. The sharded modules copy their shard of the current values, so the parallel model
     computes the same function.
+
+    ``ep_comm``: an ``overlap.moe.EPComm`` for plans with mixture-of-experts blocks (style
+    "experts"): each rank keeps ``num_experts / ep`` experts of every block. Its group shares
+    no rank but this one with the TP group (EP is carved from the data-parallel ranks, which
+    hold different tokens). A transformers model whose experts the plan leaves out is refused.
 
     ``verify``: True (default) checks that the weights are identical across TP ranks, then
     compares every replaced layer and every module that contains one with the unsharded
@@ -326,8 +371,13 @@ def parallelize(model: nn.Module, *, comm: TPComm | None = None,
             "model keeps the residual stream replicated between TP regions (norms would need "
             "sequence-sharded activations). Use sequence_parallel=False.")
     tp, rank = dist.get_world_size(group), dist.get_rank()
+    ep = _check_ep_comm(ep_comm, group, where)
     problems: list[str] = []
-    chosen = _plan_matches(model, plan, sequence_parallel, tp, problems, subclasses)
+    chosen = _plan_matches(model, plan, sequence_parallel, tp, problems, subclasses, ep)
+    problems.extend(_unplanned_experts(model, plan, chosen))
+    if ep_comm is not None and not any(s.kind == "experts" for s in chosen.values()):
+        problems.append(f"ep_comm was given but plan {plan.name!r} shards no experts (no "
+                        "module with the style 'experts')")
     divide = _check_divide(model, plan, tp, problems)
     if plan.check is not None:
         problems.extend(plan.check(model, tp))
@@ -341,11 +391,13 @@ def parallelize(model: nn.Module, *, comm: TPComm | None = None,
     checker = None
     if verify:
         check_same_weights(model, group, timeout=comm.timeout)
-        checker = Verifier(model, chosen, divide, tp=tp, comm=comm, probe=probe,
+        if ep_comm is not None:
+            check_same_weights(model, ep_comm.group, timeout=ep_comm.timeout)
+        checker = Verifier(model, chosen, divide, tp=tp, comm=comm, ep_comm=ep_comm, probe=probe,
                            whole_model=verify == "model", tol=verify_tol,
                            sequence_parallel=sequence_parallel, head=head)
     undo: list = []
-    _replace(model, chosen, comm, sequence_parallel, subclasses, undo)
+    _replace(model, chosen, comm, sequence_parallel, subclasses, undo, ep_comm)
     for group_members in ties:
         (first, attr), *rest = group_members
         shared = getattr(model.get_submodule(first), attr)
@@ -365,24 +417,60 @@ def parallelize(model: nn.Module, *, comm: TPComm | None = None,
     return model
 
 
+def _check_ep_comm(ep_comm, group, where: str) -> int | None:
+    """The EP size, after checking that ``ep_comm`` is an EPComm whose group meets the TP
+    group in this rank only (None: no ep_comm)."""
+    if ep_comm is None:
+        return None
+    from overlap.moe.comm import EPComm
+
+    if not isinstance(ep_comm, EPComm):
+        raise TypeError(f"parallelize: ep_comm must be an overlap.moe.EPComm, got "
+                        f"{type(ep_comm).__name__}{where}")
+    both = (set(dist.get_process_group_ranks(group))
+            & set(dist.get_process_group_ranks(ep_comm.group)))
+    if len(both) > 1:
+        raise ValueError(f"parallelize: the EP group and the TP group share ranks "
+                         f"{sorted(both)}{where}; the TP ranks hold the same tokens, so EP "
+                         "over them would count each token once per rank. Build EP groups "
+                         "from the data-parallel ranks (ParallelDims.build(tp=..., ep=...))")
+    return ep_comm.world
+
+
+def _unplanned_experts(model, plan, chosen) -> list[str]:
+    """Experts of a transformers model that no 'experts' or 'replicated' style covers."""
+    covered = [n for n, s in chosen.items() if s.kind in ("experts", "replicated")]
+    left = [(n, t) for n, t in expert_modules(model)
+            if not any(n == c or n.startswith(c + ".") for c in covered)]
+    if not left:
+        return []
+    listed = ", ".join(f"{n} ({t})" for n, t in left[:3])
+    more = f" and {len(left) - 3} more" if len(left) > 3 else ""
+    return [f"plan {plan.name!r} leaves the experts of {listed}{more} without a style: they "
+            "would be replicated on every rank. Shard their sparse blocks over EP with "
+            "Style(kind='experts', ...) (shipped: overlap.models.moe_plans) or name them "
+            "'replicated' to keep every expert on every rank on purpose"]
+
+
 def _gathered(model: nn.Module, *, grads: bool) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, TPModule):
+        if isinstance(module, TPModule) or getattr(module, "ep_sharded", False):
             out.update(module.full_state_dict(f"{name}." if name else "", grads=grads))
     return out
 
 
 def gather_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded state dict (same keys and shapes as before ``parallelize``), on every
-    rank. Collective over the TP group(s) of the model's TP modules."""
+    rank. Collective over the TP group(s) of the model's TP modules and the EP group of its
+    expert shards."""
     full = _gathered(model, grads=False)
     return {k: full[k] if k in full else v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def gather_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded parameter gradients keyed like ``named_parameters()`` of the original model
-    (None where a parameter has no gradient). Collective over the TP group(s)."""
+    (None where a parameter has no gradient). Collective over the TP and EP group(s)."""
     full = _gathered(model, grads=True)
     return {n: full[n] if n in full else (None if p.grad is None else p.grad.detach().clone())
             for n, p in model.named_parameters()}

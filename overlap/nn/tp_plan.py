@@ -16,8 +16,11 @@ __all__ = ["Style", "STYLES", "TPPlan"]
 class Style:
     """How one module is parallelized. ``kind``: column, row, embedding, sp_norm,
     sp_positions, sum_grads (a replicated module that runs on TP-sharded activations, e.g. a
-    per-head norm: kept as it is, its parameters' gradients summed over TP), or custom (``build(module, comm=, sequence_parallel=) -> module``, a
-    model-specific replacement of a module whose exact type is in ``accepts``). ``uneven``:
+    per-head norm: kept as it is, its parameters' gradients summed over TP), custom (``build(module, comm=, sequence_parallel=) -> module``, a
+    model-specific replacement of a module whose exact type is in ``accepts``), experts
+    (``build(module, ep_comm=) -> module``: a mixture-of-experts block of a type in
+    ``accepts`` whose experts shard over parallelize's ``ep_comm``) or replicated (left as
+    it is on purpose: experts kept whole on every rank). ``uneven``:
     the sharded size need not be divisible by tp (vocabularies). ``sp_only``: applied only
     with sequence_parallel=True.
 
@@ -82,6 +85,7 @@ STYLES: dict[str, Style] = {
     "sp_norm": Style(kind="sp_norm", sp_only=True),
     "sp_positions": Style(kind="sp_positions", sp_only=True),
     "sum_grads": Style(kind="sum_grads"),
+    "replicated": Style(kind="replicated"),
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import re
 
+import torch
 import torch.nn as nn
 
 from overlap.nn.layers import TPModule, linear_weight
@@ -61,8 +62,9 @@ class Verifier:
 
     def __init__(self, model: nn.Module, chosen: dict[str, Style], divide, *, tp: int, comm,
                  probe, whole_model: bool, tol: float | None, sequence_parallel: bool,
-                 head: str):
+                 head: str, ep_comm=None):
         self.chosen, self.tp, self.comm, self.head = chosen, tp, comm, head
+        self.ep_comm = ep_comm
         self.divided = set(divide)
         self.tol = default_tol(model) if tol is None else float(tol)
         self.info: dict[str, dict] = {}
@@ -87,6 +89,9 @@ class Verifier:
                         if s.kind in ("row", "custom") or (s.kind == "column" and not s.uneven
                                                            and not s.gather_output)}
             units = set() if sequence_parallel else {n.rpartition(".")[0] for n in regional}
+            # a mixture-of-experts block is a region of its own (routing, dispatch, experts)
+            units |= set() if sequence_parallel else {n for n, s in chosen.items()
+                                                       if s.kind == "experts"}
             # The root is the whole model: compared with verify="model", or when a region
             # (a row layer) closes directly under it, as in a bare nn.Sequential.
             root_region = any("." not in n and s.kind == "row" for n, s in chosen.items())
@@ -158,7 +163,7 @@ class Verifier:
                     notes[name] = f"{type(exc).__name__}: {exc}"
             if self.grads is not None:
                 try:
-                    grads = self.grads.errors(model, rank, tp, lambda n: _shard_spec(model, n))
+                    grads = self._grad_errors(model, rank, tp)
                 except Exception as exc:
                     grads = {"<output>": float("inf")}
                     notes["<output>"] = f"{type(exc).__name__}: {exc}"
@@ -168,6 +173,9 @@ class Verifier:
                     errors.append(grads.get(name, 0.0))
         device = self.comm.device if self.comm.device.type != "cpu" else None
         errors = all_max(errors, self.comm.group, timeout=self.comm.timeout, device=device)
+        if self.ep_comm is not None:  # the EP group spans TP groups: all decide alike
+            errors = all_max(errors, self.ep_comm.group, timeout=self.ep_comm.timeout,
+                             device=device)
         failing = {name: err for (kind, name), err in zip(labels, errors)
                    if kind != "grad" and not err <= self.tol}
         bad_grads = {name: err for (kind, name), err in zip(labels, errors)
@@ -177,6 +185,42 @@ class Verifier:
         if failing:
             return self._report(model, failing, notes)
         return self._report_grads(model, bad_grads, notes)
+
+    def _grad_errors(self, model: nn.Module, rank: int, tp: int) -> dict[str, float]:
+        """Every parameter's gradient error (GradProbe's), with the experts sharded over EP
+        compared here: rank r of ep holds experts [r*El, (r+1)*El) of the reference, and as
+        every EP rank ran the same probe, each expert saw every token ep times."""
+        shards = {f"{m_name}.{p_name}" if m_name else p_name: (p, m)
+                  for m_name, m in model.named_modules() if getattr(m, "ep_sharded", False)
+                  for p_name, p in m.named_parameters(recurse=False)}
+        order = list(self.grads.grads)
+        want = {n: self.grads.grads.pop(n) for n in shards if n in self.grads.grads}
+        got: dict[str, torch.Tensor] = {}
+        hooks = [p.register_hook(lambda g, n=n: got.__setitem__(n, g.detach()))
+                 for n, (p, _) in shards.items() if n in want]
+        try:
+            out = self.grads.errors(model, rank, tp, lambda n: _shard_spec(model, n))
+        finally:
+            for h in hooks:
+                h.remove()
+            popped, self.grads.grads = self.grads.grads, {}
+            for n in order:
+                self.grads.grads[n] = want[n] if n in want else popped[n]
+        floor = max(1e-2 * self.grads.largest, 1e-30)
+        for n, ref in want.items():
+            p, m = shards[n]
+            if ref is None or n not in got:
+                nonzero = ref is not None and ref.abs().max() > 0 or n in got
+                out[n] = float("inf") if nonzero else 0.0
+                continue
+            sources = m.comm.world
+            local = ref[m.first:m.first + m.num_local] * sources
+            scale = max(ref.abs().max().item() * sources, floor)
+            g = got[n]
+            err = (float("inf") if g.shape != local.shape
+                   else (g.double() - local.double()).abs().max().item() / scale)
+            out[n] = err if err == err else float("inf")
+        return out
 
     def _report_grads(self, model: nn.Module, bad: dict[str, float], notes) -> str:
         if "<output>" in bad:
@@ -242,6 +286,13 @@ class Verifier:
     def _cause(self, model: nn.Module, name: str) -> str:
         hints = []
         inside = {n: s for n, s in self.chosen.items() if _within(n, name)}
+        for n, s in inside.items():
+            if s.kind == "experts":
+                hints.append(f"the expert-parallel block that replaced {n} "
+                             f"({self.info[n]['type']}) routes or computes its experts "
+                             "differently from the model's own block (its family's routing: "
+                             "scores, top-k, renormalisation, scaling; or the experts' "
+                             "activation and layout)")
         for n in inside:
             info = self.info[n]
             if info["overrides"]:
