@@ -72,15 +72,24 @@ def edp_placement(cluster: ClusterSpec, *, tp: int, cp: int, pp: int, dp: int,
                                      for j in range(dp * cp // ep)])
 
 
-def all_to_all_time(nbytes: float, place: Placement, device: DeviceProfile) -> float:
-    """One all-to-all in which every rank sends ``nbytes`` in total (its own share included)."""
+def all_to_all_time(nbytes: float, place: Placement, device: DeviceProfile, *,
+                    node_dedup_k: int = 0) -> float:
+    """One all-to-all in which every rank sends ``nbytes`` in total (its own share included).
+
+    ``node_dedup_k`` > 0: the rows are a top-k dispatch that crosses the network once per
+    destination node (DeepEP's internode kernels), so of the ``k (N-1)/N`` remote copies a token
+    makes only ``(N-1)(1 - (1 - 1/N)^k)`` travel, N the nodes (uniform routing)."""
     n = place.size
     if n <= 1 or nbytes <= 0:
         return 0.0
     k = min(place.per_node, n)
     eff = device.a2a_efficiency
+    net = (n - k) / n * nbytes
+    if node_dedup_k and place.nodes > 1:
+        nn, tk = place.nodes, node_dedup_k
+        net *= nn * (1.0 - (1.0 - 1.0 / nn) ** tk) / tk
     intra = (k - 1) / n * nbytes / (device.intra.effective_bandwidth * eff)
-    inter = (n - k) / n * nbytes / (device.inter.effective_bandwidth * eff)
+    inter = net / (device.inter.effective_bandwidth * eff)
     hop = device.inter.latency_s if place.nodes > 1 else device.intra.latency_s
     return device.base_latency_s + hop + max(intra, inter)
 

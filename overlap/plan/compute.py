@@ -193,6 +193,10 @@ def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_pl
     g = {k: gemm_time(device, v, e) for k, v in gm.items()}
     g_dgrad = {k: gemm_time(device, v.dgrad(), e) for k, v in gm.items()}
     g_wgrad = {k: gemm_time(device, v.wgrad(), e) for k, v in gm.items()}
+    if moe:  # the experts run as one grouped GEMM per matrix
+        for k in ("expert_fc1", "expert_fc2"):
+            for d in (g, g_dgrad, g_wgrad):
+                d[k] /= device.grouped_gemm_efficiency
     mem_bw = device.hbm_bandwidth * device.mem_efficiency
     ew_bytes, attn_bytes = _elementwise(model, layout, flash, moe)
     host_f, host_b = device.host_tp_layer_s if layout.tp > 1 else device.host_layer_s
@@ -240,8 +244,10 @@ def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_pl
     if moe and ep_place is not None and ep_place.size > 1:
         # Dispatch + combine forward; output and input gradients backward.
         disp, comb = ep_volume(model, layout)
-        ep_f = all_to_all_time(disp, ep_place, device) + all_to_all_time(comb, ep_place, device)
-        ep_b = 2.0 * all_to_all_time(comb, ep_place, device)
+        kw = {"node_dedup_k": model.moe_top_k if layout.ep_node_dedup else 0}
+        ep_f = all_to_all_time(disp, ep_place, device, **kw) + \
+            all_to_all_time(comb, ep_place, device, **kw)
+        ep_b = 2.0 * all_to_all_time(comb, ep_place, device, **kw)
         experts = [k for k in g if k.startswith(("expert", "shared"))]
         hide_f = sum(g[k] for k in experts)
         hide_b = sum(g_dgrad[k] + g_wgrad[k] for k in experts)

@@ -133,7 +133,12 @@ def _group_placement(cluster: ClusterSpec, layout: Layout, dp: int) -> Placement
                                      for c in range(cp)])
 
 
-def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Estimate:
+def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout, *,
+             ep_group: Placement | None = None) -> Estimate:
+    """``ep_group`` replaces the EP group's placement (size and ranks per node) for a run that
+    placed it differently from ``ParallelDims``, such as Megatron-Core's EP folded over TP x DP
+    in the published runs ``fit_moe`` calibrates on; the layout's ``ep`` still sets the
+    experts per GPU."""
     layout.check(model, cluster)
     dev = cluster.device
     dp = layout.dp(cluster)
@@ -148,7 +153,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Estimate
     moe_layer = ep_place = edp_place = None
     if model.is_moe:
         geo = dict(tp=layout.tp, cp=layout.cp, pp=layout.pp)
-        ep_place = ep_placement(cluster, ep=layout.ep, **geo)
+        ep_place = ep_group or ep_placement(cluster, ep=layout.ep, **geo)
         edp_place = edp_placement(cluster, dp=dp, ep=layout.ep, **geo)
         moe_layer = layer_cost(model, layout, dev, tp_place=tp_place, cp_place=cp_place,
                                flash=layout.flash_attention, moe=True, ep_place=ep_place,

@@ -66,7 +66,9 @@ class DeviceProfile:
     embedding, head and loss), ``host_step_s`` what a step adds; ``comm_cpu_s`` /
     ``p2p_cpu_s`` the CPU a rank spends per data-parallel collective step and per side of a P2P
     transfer; ``host_cores`` the cores the ranks of a node share. ``a2a_efficiency``: the
-    achieved fraction of both links' bandwidth in the MoE all-to-all (fitted on MoE runs). ``sources`` maps a field name
+    achieved fraction of both links' bandwidth in the MoE all-to-all, and
+    ``grouped_gemm_efficiency`` the expert grouped GEMMs' throughput relative to a dense GEMM of
+    the same shape (both fitted on MoE runs). ``sources`` maps a field name
     to where its number comes from."""
 
     name: str
@@ -91,6 +93,7 @@ class DeviceProfile:
     p2p_cpu_s: float = 0.0
     host_cores: float | None = None
     a2a_efficiency: float = 1.0
+    grouped_gemm_efficiency: float = 1.0
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:

@@ -61,7 +61,8 @@ class Layout:
     dropless (exact routed rows; the slowest EP rank gets ``moe_imbalance`` times the mean), a
     number pads every (rank, expert) to ``ceil(cf * T * k / E)`` slots on the wire and in the
     GEMMs; ``ep_dispatch`` is the forward dispatch's wire dtype; ``ep_chunks`` the pieces of the
-    chunked exchange."""
+    chunked exchange; ``ep_node_dedup`` sends a token once per remote node (DeepEP, which the
+    calibration runs used; this runtime's exchange sends every routed row)."""
 
     tp: int = 1
     pp: int = 1
@@ -71,6 +72,7 @@ class Layout:
     moe_imbalance: float = 1.0
     ep_dispatch: str = "bf16"
     ep_chunks: int = 2
+    ep_node_dedup: bool = False
     global_batch: int
     micro_batch: int = 1
     schedule: str = "1f1b"

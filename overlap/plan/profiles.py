@@ -22,8 +22,9 @@ FITTED = {
 }
 
 # Written by `python -m overlap.plan.fit_moe`: the MoE all-to-all's achieved fraction of link
-# bandwidth, fitted to published Megatron-Core MoE runs (overlap/plan/data/moe_runs.csv).
-MOE_FITTED = {"a2a_efficiency": 1.0}
+# bandwidth (ends on its bound) and the expert grouped GEMMs' throughput relative to a dense
+# GEMM, fitted to published Megatron-Core MoE runs (overlap/plan/data/moe_runs.csv).
+MOE_FITTED = {"a2a_efficiency": 1.0, "grouped_gemm_efficiency": 0.4985}
 _A2A_SRC = ("fitted to published Megatron-Core Qwen3-235B-A22B BF16 runs on H100 "
             "(python -m overlap.plan.fit_moe; overlap/plan/data/moe_runs.csv)")
 
@@ -51,8 +52,10 @@ def _a100(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: str,
         inter=LinkSpec(bandwidth=25e9, latency_s=NCCL_LATENCY["net_step"],
                        efficiency=fit["ib_efficiency"]),
         base_latency_s=NCCL_LATENCY["base"], a2a_efficiency=MOE_FITTED["a2a_efficiency"],
+        grouped_gemm_efficiency=MOE_FITTED["grouped_gemm_efficiency"],
         sources={
             "a2a_efficiency": _A2A_SRC + "; assumed on A100",
+            "grouped_gemm_efficiency": _A2A_SRC + "; assumed on A100",
             "peak_flops": "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16/FP16 Tensor Core",
             "hbm_bytes": hbm_src,
             "hbm_bandwidth": bw_src,
@@ -78,8 +81,9 @@ def _hopper(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: st
         inter=LinkSpec(bandwidth=50e9, latency_s=NCCL_LATENCY["net_step"],
                        efficiency=fit["ib_efficiency"]),
         base_latency_s=NCCL_LATENCY["base"], a2a_efficiency=MOE_FITTED["a2a_efficiency"],
+        grouped_gemm_efficiency=MOE_FITTED["grouped_gemm_efficiency"],
         sources={
-            "a2a_efficiency": _A2A_SRC,
+            "a2a_efficiency": _A2A_SRC, "grouped_gemm_efficiency": _A2A_SRC,
             "peak_flops": f"NVIDIA {product} datasheet: 1,979 TFLOP/s BF16 Tensor Core with "
                           "sparsity, i.e. 989 TFLOP/s dense",
             "hbm_bytes": hbm_src,
