@@ -39,7 +39,11 @@ DISPATCH = ("same", "bf16", "int8")
 
 
 class EPComm:
-    """Holds the group, this rank's place in it and the timeout; no state between calls."""
+    """Holds the group, this rank's place in it and the timeout; no state between calls.
+
+    ``interleaver`` (set by ``overlap.pp.Pipeline(ep_comms=...)``) is told before every
+    blocking wait, so another micro-batch's compute can run while this exchange is in flight;
+    only the chunked backend allows it (``pairable``): the symmetric one is single-buffered."""
 
     def __init__(self, group: dist.ProcessGroup, *, chunks: int = 2, dispatch: str = "same",
                  quant_block: int = 128, timeout: float = TIMEOUT_S,
@@ -71,6 +75,17 @@ class EPComm:
         self.dispatch, self.quant_block = dispatch, int(quant_block)
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.global_rank = dist.get_rank()
+        self.interleaver = None
+
+    @property
+    def pairable(self) -> bool:
+        """Two exchanges may be in flight at once (another micro-batch's between post and
+        wait): each chunked exchange owns its buffers; the symmetric ones share one workspace."""
+        return self.backend == "chunked"
+
+    def _switch(self) -> None:
+        if self.interleaver is not None:
+            self.interleaver.switch()
 
     def __repr__(self) -> str:
         return (f"EPComm(rank {self.rank}/{self.world}, {self.backend}, chunks={self.chunks}, "
@@ -173,8 +188,13 @@ class EPComm:
                                       async_op=True)
         return _Posted(out, x, work, op)
 
-    def finish(self, posted: "_Posted") -> torch.Tensor:
+    def finish(self, posted: "_Posted", *, switch: bool = True) -> torch.Tensor:
+        """Wait for a posted exchange. ``switch``: let the other action of a pipeline pair run
+        first (a fixed choice of the caller, never a test of whether the work is done: every
+        EP rank must switch at the same waits)."""
         if posted.work is not None:
+            if switch:
+                self._switch()
             wait(posted.work, op=posted.op, group=self.group, timeout=self.timeout, axis="ep")
         return posted.out
 
@@ -186,6 +206,7 @@ class EPComm:
         """Every rank's small ``mine``, stacked by EP rank (waited within the timeout)."""
         every = [torch.empty_like(mine) for _ in range(self.world)]
         work = dist.all_gather(every, mine, group=self.group, async_op=True)
+        self._switch()
         wait(work, op=op, group=self.group, timeout=self.timeout, axis="ep")
         return torch.stack(every)
 

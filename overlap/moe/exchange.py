@@ -178,6 +178,8 @@ class _Exchange(torch.autograd.Function):
                 local: Callable | None, *local_params):
         n = len(pieces.send_index)
         posted = []
+        # A pipeline pair's other action runs at the first wait of each loop below (the later
+        # pieces hide under this layer's own compute).
         for p in range(n):
             with piece_range("chunked", "comm", f"dispatch.{p}"):
                 posted.append(comm.post(encode(rows.index_select(0, pieces.send_index[p]), comm),
@@ -192,7 +194,8 @@ class _Exchange(torch.autograd.Function):
         w1_, w2_ = w1.detach().requires_grad_(), w2.detach().requires_grad_()
         saved, combines = [], []
         for p in range(n):
-            got = decode(comm.finish(posted[p]), comm, rows.shape[1], rows.dtype)
+            got = decode(comm.finish(posted[p], switch=p == 0), comm, rows.shape[1],
+                         rows.dtype)
             with torch.enable_grad(), piece_range("chunked", "gemm", p):
                 x = got.index_select(0, pieces.regroup[p]).requires_grad_()
                 y = experts(x, w1_, w2_, pieces.offsets[p])
@@ -203,7 +206,8 @@ class _Exchange(torch.autograd.Function):
                                           op="moe combine"))
         back = rows.new_zeros(rows.shape)
         for p in range(n):
-            back.index_copy_(0, pieces.send_index[p], comm.finish(combines[p]))
+            back.index_copy_(0, pieces.send_index[p],
+                             comm.finish(combines[p], switch=p == 0))
         ctx.pieces, ctx.comm, ctx.saved, ctx.weights = pieces, comm, saved, (w1_, w2_)
         ctx.local, ctx.local_params = local_saved, local_params
         ctx.rows_shape = rows.shape
@@ -226,7 +230,7 @@ class _Exchange(torch.autograd.Function):
         w1_, w2_ = ctx.weights
         dw1, dw2, returns = None, None, []
         for p in range(n):
-            g = comm.finish(posted[p]).index_select(0, pieces.regroup[p])
+            g = comm.finish(posted[p], switch=p == 0).index_select(0, pieces.regroup[p])
             x, y = saved[p]
             with piece_range("chunked", "gemm", f"grad.{p}"):
                 dx, d1, d2 = torch.autograd.grad(y, (x, w1_, w2_), g, allow_unused=True,
@@ -239,7 +243,8 @@ class _Exchange(torch.autograd.Function):
                                          op="moe dispatch grad"))
         d_rows = g_back.new_zeros(ctx.rows_shape)
         for p in range(n):
-            d_rows.index_copy_(0, pieces.send_index[p], comm.finish(returns[p]))
+            d_rows.index_copy_(0, pieces.send_index[p],
+                               comm.finish(returns[p], switch=p == 0))
         # ctx keeps its state (and the inner graphs are retained): a zero-bubble W pass
         # replays this backward (overlap.pp.backward); it all goes with the outer graph
         return (d_rows, dw1, dw2, d_local_x, None, None, None, None, *local_grads)

@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from overlap.defaults import TIMEOUT_S
 from overlap.pp.p2p import HEADER_LEN, P2P, P2PError, decode_header, encode_header
-from overlap.pp.programs import channels_of, rank_plan
+from overlap.pp.interleave import Interleaver
+from overlap.pp.programs import channels_of, ep_pairs, rank_plan
 from overlap.pp.schedules import Action, Kind, Message, Payload, PipelineSchedule, stage_rank
 from overlap.pp.stage import PipelineStage
 from overlap.profile import names, nvtx
@@ -107,7 +108,8 @@ class Pipeline:
 
     def __init__(self, stages: Sequence[PipelineStage], schedule: PipelineSchedule, *,
                  loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
-                 pp_group: dist.ProcessGroup, timeout: float = TIMEOUT_S):
+                 pp_group: dist.ProcessGroup, timeout: float = TIMEOUT_S,
+                 ep_comms: Sequence = ()):
         p, rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
         if not isinstance(schedule, PipelineSchedule):
             raise TypeError(f"pp Pipeline: schedule must be a PipelineSchedule (from "
@@ -131,8 +133,22 @@ class Pipeline:
         params = [q for s in stages for q in s.module.parameters()]
         self.device = params[0].device if params else torch.device("cpu")
         token = _agree(schedule, pp_group, rank)
+        # With expert parallelism a forward and a backward next to each other run as a pair
+        # whose EP all-to-alls hide under each other's compute (overlap.pp.interleave).
+        self.interleaver = Interleaver()
+        self.pairs: tuple = ()
+        for c in ep_comms:
+            if not getattr(c, "pairable", False):
+                raise ValueError(f"pp Pipeline: {c!r} cannot overlap across micro-batches (its "
+                                 "exchange buffers are single-buffered); pass it without "
+                                 "ep_comms= to keep its overlap inside the layer")
+            c.interleaver = self.interleaver
+        self._ep_comms = list(ep_comms)
+        if ep_comms:
+            self.pairs = ep_pairs(schedule)[rank]
         # The steps this rank runs, exactly as check_nccl_order proved them deadlock-free.
-        self._plans = {mode: rank_plan(schedule, rank, header_mode=mode) for mode in (False, True)}
+        self._plans = {mode: rank_plan(schedule, rank, header_mode=mode, pairs=self.pairs)
+                       for mode in (False, True)}
         self._index = {a: i for i, a in enumerate(self.program) if a.is_compute}
         self.p2p = P2P(pp_group, timeout=timeout, device=self.device,
                        channels=channels_of(schedule, rank), token=token)
@@ -179,6 +195,8 @@ class Pipeline:
 
     def close(self) -> None:
         """Release this rank's channel communicators (no collective; safe to call twice)."""
+        for c in self._ep_comms:
+            c.interleaver = None
         self.p2p.close()
 
     def step(self, inputs=None, targets=None) -> StepResult:
@@ -242,6 +260,8 @@ class _StepRun:
                 self.receive(*step[1])
             elif step[0] == "compute":
                 self.compute(self.pipe._index[step[1]], step[1])
+            elif step[0] == "pair":
+                self.pair(step[1], step[2], step[3])
         for work, _, what, peer in self.sent:
             self.p2p.wait(work, what=what, peer=peer)
         leftovers = [k for k in (*self.posted, *self.inbox, *self.outbox, *self.local)]
@@ -309,6 +329,27 @@ class _StepRun:
         (self.local if peer == self.pipe.pp_rank else self.outbox)[key] = t.detach().contiguous()
 
     # ------------------------------------------------------------------ compute
+    def pair(self, a: Action, b: Action, b_inputs: tuple) -> None:
+        """Run ``a``, and ``b`` after its input steps, interleaved at their EP waits (the
+        forward on this thread)."""
+        index = self.pipe._index
+
+        def second() -> None:
+            for st in b_inputs:
+                if st[0] == "post":
+                    self.post(st[1], st[2])
+                else:
+                    self.receive(*st[1])
+            self.compute(index[b], b)
+
+        def first() -> None:
+            self.compute(index[a], a)
+
+        fwd_first = a.kind == Kind.F
+        tasks, labels = ((first, second), (str(a), str(b))) if fwd_first else (
+            (second, first), (str(b), str(a)))
+        self.pipe.interleaver.run(*tasks, helper_first=not fwd_first, labels=labels)
+
     def compute(self, index: int, a: Action) -> None:
         pipe, s, mb = self.pipe, a.stage, a.microbatch
         stage, p = pipe.stages[s], pipe.pp_size

@@ -18,18 +18,36 @@ from typing import Iterator
 
 from overlap.profile import names, nvtx
 
-__all__ = ["comm_wait", "exposed_seconds", "reset_exposed"]
+__all__ = ["comm_wait", "exposed_seconds", "reset_exposed", "add_exposed", "axis_totals"]
 
 _local = threading.local()
 
 
-def exposed_seconds() -> float:
-    """Seconds this thread has spent inside comm_wait() since the last reset."""
-    return getattr(_local, "exposed", 0.0)
+def exposed_seconds(axis: str | None = None) -> float:
+    """Seconds this thread has spent inside comm_wait() since the last reset; with ``axis``
+    only in the waits whose name starts with ``axis.`` (for example "ep")."""
+    if axis is None:
+        return getattr(_local, "exposed", 0.0)
+    return getattr(_local, "by_axis", {}).get(axis, 0.0)
 
 
 def reset_exposed() -> None:
     _local.exposed = 0.0
+    _local.by_axis = {}
+
+
+def add_exposed(seconds: float, by_axis: dict[str, float] | None = None) -> None:
+    """Count waits another thread did on this thread's behalf (a pipeline pair's helper)."""
+    _local.exposed = exposed_seconds() + seconds
+    totals = getattr(_local, "by_axis", {})
+    for axis, s in (by_axis or {}).items():
+        totals[axis] = totals.get(axis, 0.0) + s
+    _local.by_axis = totals
+
+
+def axis_totals() -> dict[str, float]:
+    """This thread's exposed seconds by axis (a copy)."""
+    return dict(getattr(_local, "by_axis", {}))
 
 
 @contextlib.contextmanager
@@ -44,4 +62,5 @@ def comm_wait(name: str) -> Iterator[None]:
     finally:
         _local.depth = depth
         if depth == 0:
-            _local.exposed = exposed_seconds() + time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            add_exposed(dt, {name.split(".", 1)[0]: dt})

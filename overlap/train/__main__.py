@@ -159,6 +159,26 @@ def _comparison(on: list[dict], off: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _ep_comparison(on: list[dict], off: list[dict]) -> str:
+    """--compare-ep-overlap: exposed EP all-to-all time with and without the in-schedule pairs
+    (medians over step >= 1 of the mean over ranks)."""
+    med = statistics.median
+    rows = []
+    for name, recs in (("EP pairs on", on), ("EP pairs off", off)):
+        steady = recs[1:] or recs
+        rows.append((name, 1e3 * med(r["ep_exposed_s"] for r in steady),
+                     1e3 * med(r["step_s"] for r in steady)))
+    loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(on, off))
+    lines = ["", "in-schedule EP overlap on vs off (same model, data and seed; steps "
+             "interleaved)", f"{'':14s} {'exposed EP all-to-all ms':>25s} {'step ms':>9s}"]
+    lines += [f"{n:14s} {ep:25.2f} {ms:9.1f}" for n, ep, ms in rows]
+    ratio = rows[1][1] / rows[0][1] if rows[0][1] > 0 else float("inf")
+    lines.append(f"exposed EP all-to-all: {ratio:.2f}x less with the pairs (off / on); step "
+                 f"time {rows[1][2] / rows[0][2]:.2f}x (off / on)")
+    lines.append(f"max |loss difference| between the two runs: {loss_diff:.2e}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     if cfg.export:
@@ -197,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"checkpoints     {', '.join(r0['saved'])}")
     if cfg.compare_no_overlap:
         print(_comparison(records, r0["records_no_overlap"]))
+    if cfg.compare_ep_overlap:
+        print(_ep_comparison(records, r0["records_no_overlap"]))
     if cfg.profile:
         _profile_report(cfg, results)
     if cfg.check and not _check(cfg, records):

@@ -80,6 +80,10 @@ class TrainConfig:
                                          "dropped); 0: dropless")
     moe_aux_coef: float = _field(0.01, "load-balancing loss coefficient")
     ep_backend: str = _field("chunked", "expert-parallel exchange", choices=EP_BACKENDS)
+    ep_pipeline_overlap: bool = _field(True, "run a forward and a backward of different "
+                                             "micro-batches next to each other in the schedule "
+                                             "as a pair whose EP all-to-alls hide under each "
+                                             "other's compute (chunked --ep-backend)")
     bucket_mb: float = _field(0.25, "gradient bucket size in MiB (small: the demo model is "
                                     "small, and several buckets show the overlap)")
     sharded_optimizer: bool = _field(True, "ZeRO-style sharded optimizer over the dp axis")
@@ -91,6 +95,9 @@ class TrainConfig:
                                              "(unfused TP ops, DP reduction after the backward, "
                                              "no parameter-gather prefetch), steps interleaved, "
                                              "and compare step time and exposed comm")
+    compare_ep_overlap: bool = _field(False, "also train the same model with "
+                                             "--no-ep-pipeline-overlap, steps interleaved, and "
+                                             "compare the exposed EP all-to-all time")
     data: str | None = _field(None, "text file to train on (default: the bundled corpus)")
     save: str | None = _field(None, "write distributed checkpoints (torch.distributed."
                                     "checkpoint) to DIR/step_<N>, asynchronously")
@@ -241,13 +248,22 @@ class TrainConfig:
             if latest_checkpoint(self.resume) is None:
                 raise ConfigError(f"--resume {self.resume}: no complete checkpoint in it (a "
                                   "step_<N> directory with DCP .metadata)")
-        if self.compare_no_overlap:
+        if self.compare_ep_overlap:
+            if self.compare_no_overlap:
+                raise ConfigError("--compare-ep-overlap and --compare-no-overlap each run a "
+                                  "second job beside the main one; pass one of them")
+            if self.ep == 1 or self.ep_backend != "chunked" or not self.ep_pipeline_overlap:
+                raise ConfigError("--compare-ep-overlap compares the in-schedule EP overlap "
+                                  "with none: it needs --ep > 1, --ep-backend chunked and "
+                                  "--ep-pipeline-overlap")
+        if self.compare_no_overlap or self.compare_ep_overlap:
+            which = "--compare-ep-overlap" if self.compare_ep_overlap else "--compare-no-overlap"
             for flag, on in (("--save", self.save), ("--resume", self.resume),
                              ("--profile", self.profile), ("--check", self.check),
                              ("--max-restarts", self.max_restarts),
                              ("--tp-backend unfused", self.tp_backend == "unfused")):
                 if on:
-                    raise ConfigError(f"--compare-no-overlap measures two runs side by side; "
+                    raise ConfigError(f"{which} measures two runs side by side; "
                                       f"it does not combine with {flag}")
         if self.max_restarts and self.save is None:
             raise ConfigError(f"--max-restarts {self.max_restarts} needs --save DIR: a restart "

@@ -48,6 +48,7 @@ class StepRecord:
     step_s: float          # slowest rank's step time
     tokens_per_s: float
     exposed_fraction: float  # mean over ranks of (blocked-in-communication time / step time)
+    ep_exposed_s: float = 0.0  # mean over ranks of the time blocked in EP all-to-alls
     grad_norm: float = 0.0   # global L2 norm of the gradient before clipping (0: not computed)
     lr: float = 0.0
 
@@ -132,7 +133,7 @@ def tp_comm_for(cfg: TrainConfig, dims, device: torch.device):
 
 
 def _build(cfg: TrainConfig, dims, device: torch.device, dtype: torch.dtype, *,
-           overlap: bool = True) -> SimpleNamespace:
+           overlap: bool = True, ep_pairs: bool = True) -> SimpleNamespace:
     """Model, TP communicator, pipeline, reducers and optimizers of one job on this rank.
     ``overlap=False`` builds the no-overlap baseline of ``--compare-no-overlap``: the unfused
     TP backend (whole collective, then the GEMM), every DP bucket reduced after the backward,
@@ -174,8 +175,12 @@ def _build(cfg: TrainConfig, dims, device: torch.device, dtype: torch.dtype, *,
     def loss_fn(logits_shard_v: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits_shard_v.float(), targets, comm=tp_comm)
 
+    # Forward/backward pairs whose EP all-to-alls hide under each other's compute: with the
+    # chunked exchange (the symmetric one is single-buffered), off in the no-overlap baselines.
+    pairs = (ep_comm is not None and ep_comm.pairable and cfg.ep_pipeline_overlap and overlap
+             and ep_pairs)
     pipe = Pipeline(stages, schedule, loss_fn=loss_fn, pp_group=dims.pp_group,
-                    timeout=cfg.timeout)
+                    timeout=cfg.timeout, ep_comms=[ep_comm] if pairs else [])
     reducers, optimizers = [], []
     for stage, group, params, divisor in _reduction_groups(cfg, dims, stages):
         # rebuild_buckets=False: the bucket layout is fixed from the start, so a resumed run
@@ -243,22 +248,23 @@ def _train_step(cfg: TrainConfig, job: SimpleNamespace, dims, step: int, x, y, l
             if not job.overlap and hasattr(opt, "wait_params"):
                 opt.wait_params()  # no parameter-gather prefetch under the next forward
     step_s = time.perf_counter() - t0
-    exposed = exposed_seconds()
+    exposed, ep_exposed = exposed_seconds(), exposed_seconds("ep")
     loss = float(out.loss) if has_last and dims.tp_rank == 0 else 0.0
     # One small collective gathers what rank 0 reports: loss (from the last stage, averaged
     # over dp), the mean exposed fraction and the slowest step time.
     world = dist.get_world_size()
-    stats = torch.tensor([loss / cfg.dp, exposed / step_s / world, step_s],
+    stats = torch.tensor([loss / cfg.dp, exposed / step_s / world, ep_exposed / world, step_s],
                          dtype=torch.float64, device=device)
-    sums = stats[:2].clone()
+    sums = stats[:3].clone()
     with comm_wait("train.stats"):
         dist.all_reduce(sums)
-        slowest = stats[2:].clone()
+        slowest = stats[3:].clone()
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     tokens_per_step = cfg.dp * cfg.micro_batches * cfg.micro_batch_size * cfg.seq_len
     return StepRecord(step=step, loss=float(sums[0]), step_s=float(slowest[0]),
                       tokens_per_s=tokens_per_step / float(slowest[0]),
                       exposed_fraction=min(max(float(sums[1]), 0.0), 1.0),
+                      ep_exposed_s=float(sums[2]),
                       grad_norm=float(norm) if norm is not None else 0.0, lr=lr)
 
 
@@ -274,7 +280,8 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
                               device_type=device.type)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     job = _build(cfg, dims, device, dtype)
-    off = _build(cfg, dims, device, dtype, overlap=False) if cfg.compare_no_overlap else None
+    off = (_build(cfg, dims, device, dtype, overlap=False) if cfg.compare_no_overlap else
+           _build(cfg, dims, device, dtype, ep_pairs=False) if cfg.compare_ep_overlap else None)
     model, tracker, stages, optimizers = job.model, job.tracker, job.stages, job.optimizers
 
     start_step, resumed_from, fault_s = _maybe_resume(cfg, dims, model, stages, optimizers,
@@ -309,7 +316,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             lr = lr_at(cfg, step)
             if resumed_at is None:
                 resumed_at = time.time()
-            # --compare-no-overlap: the baseline's step runs next to this one, first on odd
+            # --compare-*: the baseline's step runs next to this one, first on odd
             # steps, so load and warm caches affect both alike.
             if off is not None and step % 2:
                 off_records.append(_train_step(cfg, off, dims, step, x, y, lr, device))
