@@ -354,7 +354,8 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             "trace": trace_path if prof is not None else None,
             "start_step": start_step, "resumed_from": resumed_from,
             "fault_to_resumed_s": (resumed_at - fault_s) if fault_s and resumed_at else None,
-            "saved": writer.saved if writer is not None else []}
+            "saved": writer.saved if writer is not None else [],
+            "ep_pairs": len(job.pipe.pairs)}
 
 
 def _grad_dtype_option(cfg: TrainConfig) -> dict:

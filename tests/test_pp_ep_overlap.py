@@ -1,0 +1,170 @@
+"""EP all-to-all hidden inside the pipeline schedules: forward/backward pairs that hand the host
+to each other at every EP wait. The NCCL-order proof with EP communicators (two data-parallel
+replicas of each pipeline rank share one, in equal and mixed header modes) over a grid of
+schedules and EP op counts; orders that would hang are rejected; the interleaver runs exactly
+the order the proof expands; the main job with pairs equals one process and the run without
+pairs (the pairs reorder host work, not arithmetic: the losses are bit-identical)."""
+
+import os
+import re
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from overlap.pp import build_schedule
+from overlap.pp.interleave import Interleaver, PartnerFailed
+from overlap.pp.programs import (NcclOrderDeadlock, candidate_pairs, check_all, check_plans,
+                                 ep_pairs, expand, rank_plan)
+from overlap.pp.schedules import Action, Kind
+
+GRID = [(name, p, m, 1) for name in ("gpipe", "1f1b", "zb_h1") for p in (1, 2, 4)
+        for m in (p, 2 * p, 3 * p + 1)]
+GRID += [("interleaved_1f1b", p, m, 2) for p in (2, 4) for m in (p, 2 * p)]
+EP_OPS = [{"F": 1, "B": 1, "I": 1, "W": 0}, {"F": 3, "B": 2, "I": 2, "W": 0},
+          {"F": 0, "B": 2, "I": 1, "W": 1}]
+
+
+@pytest.mark.parametrize("name, p, m, v", GRID)
+def test_pairs_are_proven_with_ep_collectives_for_every_count(name, p, m, v):
+    sched = build_schedule(name, pp_size=p, num_microbatches=m, num_virtual=v)
+    pairs = ep_pairs(sched)
+    for ops in EP_OPS:
+        check_all(sched, pairs=pairs, ep_ops=ops)
+    for r, prs in enumerate(pairs):
+        comp = [a for a in sched.actions[r] if a.is_compute]
+        for a, b in prs:
+            assert comp.index(b) == comp.index(a) + 1 and a.microbatch != b.microbatch
+            assert {a.kind, b.kind} & {Kind.B, Kind.I} and Kind.F in {a.kind, b.kind}
+    if name != "gpipe" and m >= 2 * p and (p > 1 or name == "1f1b"):
+        # Every rank but the last of a one-chunk pipeline overlaps each steady-state forward
+        # with a backward (the last one's forward feeds its own backward).
+        for r in range(max(1, p - 1) if v == 1 else p):
+            assert len(pairs[r]) >= 1, pairs
+
+
+def test_pairs_that_feed_each_other_are_a_deadlock_and_are_not_chosen():
+    sched = build_schedule("1f1b", pp_size=2, num_microbatches=4)
+    every = [candidate_pairs(sched, r) for r in range(2)]
+    # rank 0 pairs (F1, B0) and rank 1 pairs (B0, F1): each needs what the other produces
+    with pytest.raises(NcclOrderDeadlock, match="deadlock under NCCL ordering") as err:
+        check_all(sched, pairs=every)
+    assert "blocked at wait for ('data', ('grad', 0, 0))" in str(err.value)
+    chosen = ep_pairs(sched)
+    assert [len(x) for x in chosen] == [3, 0]
+
+
+@pytest.mark.parametrize("name, p, v", [("1f1b", 2, 1), ("zb_h1", 4, 1),
+                                        ("interleaved_1f1b", 2, 2)])
+def test_replicas_that_issue_ep_collectives_in_another_order_are_rejected(name, p, v):
+    """A data-parallel replica that does not pair (or pairs differently) issues its EP
+    collectives in another order: NCCL matches collectives by position, so this hangs or mixes
+    data. The proof sees it even where each replica alone is fine."""
+    sched = build_schedule(name, pp_size=p, num_microbatches=2 * p, num_virtual=v)
+    pairs = ep_pairs(sched)
+
+    def count(a):
+        return 2 if a.kind in (Kind.F, Kind.B, Kind.I) else 0
+
+    good = {(g, r): expand(rank_plan(sched, r, header_mode=g == 1, pairs=pairs[r]), count)
+            for g in (0, 1) for r in range(p)}
+    check_plans(good, where="same pairs, mixed header modes")
+    bad = dict(good)
+    for r in range(p):
+        bad[(1, r)] = expand(rank_plan(sched, r, header_mode=False), count)
+    with pytest.raises(NcclOrderDeadlock, match="EP order mismatch on the EP communicator") as e:
+        check_plans(bad, where="replica 1 without pairs")
+    assert re.search(r"EP op \d of .* on replica 0, EP op \d of .* on replica 1", str(e.value))
+
+
+def test_expand_pins_the_interleaved_order():
+    f, b = Action(Kind.F, 0, 1), Action(Kind.B, 0, 0)
+    wait_b = ("wait", ("data", "grad"))
+    flat = expand([("pair", f, b, (wait_b,))], lambda a: 2)
+    assert flat == [("ep_post", (f, 0)), wait_b, ("ep_post", (b, 0)), ("ep_wait", (f, 0)),
+                    ("ep_post", (f, 1)), ("ep_wait", (b, 0)), ("ep_post", (b, 1)),
+                    ("ep_wait", (f, 1)), ("compute", f), ("ep_wait", (b, 1)), ("compute", b)]
+
+
+@pytest.mark.parametrize("n_main, n_helper, helper_first", [(2, 2, False), (3, 1, False),
+                                                             (0, 2, True), (2, 0, True)])
+def test_interleaver_runs_the_order_the_proof_expands(n_main, n_helper, helper_first):
+    """Each action posts, switches, waits, as EPComm does; the interleaver's order of those
+    events equals expand()'s for the same counts."""
+    f, b = Action(Kind.F, 0, 1), Action(Kind.B, 0, 0)
+    it, events = Interleaver(), []
+    threads = set()
+
+    def task(a, n):
+        def run():
+            threads.add(threading.get_ident())
+            for k in range(n):
+                events.append(("ep_post", (a, k)))
+                it.switch()
+                events.append(("ep_wait", (a, k)))
+            events.append(("compute", a))
+        return run
+
+    counts = {f: n_main, b: n_helper}
+    it.run(task(f, n_main), task(b, n_helper), helper_first=helper_first)
+    first, second = (b, f) if helper_first else (f, b)
+    assert events == expand([("pair", first, second, ())], counts.__getitem__)
+    assert len(threads) == 2 and threading.get_ident() in threads
+    it.switch()  # outside a pair: nothing happens
+
+
+def test_a_failing_action_stops_its_partner_and_is_raised():
+    it = Interleaver()
+    reached = []
+
+    def bad():
+        it.switch()
+        raise ValueError("stage 1 forward failed")
+
+    def partner():
+        reached.append("ran until its switch")
+        it.switch()  # hands back to bad(), which fails: raises PartnerFailed here
+        reached.append("never")
+
+    before = threading.active_count()
+    with pytest.raises(ValueError, match="stage 1 forward failed"):
+        it.run(bad, partner)
+    assert reached == ["ran until its switch"] and threading.active_count() == before
+    with pytest.raises(PartnerFailed):
+        it.run(lambda: it.switch(), lambda: (_ for _ in ()).throw(PartnerFailed("x")))
+
+
+def _train(args, timeout=300):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "overlap.train", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+TINY = ["--steps", "3", "--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len",
+        "16", "--micro-batch-size", "2", "--micro-batches", "4", "--timeout", "240",
+        "--moe-experts", "4", "--ep", "2"]
+
+
+@pytest.mark.parametrize("layout", [["--tp", "1", "--pp", "1", "--dp", "2"],
+                                    ["--tp", "1", "--pp", "2", "--dp", "2"],
+                                    ["--tp", "2", "--pp", "2", "--dp", "2"]])
+def test_main_job_pairs_change_no_number(layout):
+    """World sizes 2, 4 and 8: the run with pairs and the run without, steps interleaved,
+    give bit-identical losses (each micro-batch's arithmetic and the order of gradient
+    accumulation are unchanged); the summary reports the pairs and both exposed times."""
+    res = _train([*TINY, *layout, "--compare-ep-overlap"])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout
+    assert "max |loss difference| between the two runs: 0.00e+00" in out, out
+    m = re.search(r"EP pairs on +([\d.]+) +([\d.]+)\nEP pairs off +([\d.]+) +([\d.]+)", out)
+    assert m and all(float(x) >= 0 for x in m.groups()), out
+    pairs = re.search(r"in-schedule EP pairs +(\d+) per step on pp rank 0", out)
+    assert pairs and int(pairs.group(1)) >= 1, out
+
+
+def test_compare_ep_overlap_refuses_what_it_cannot_compare():
+    for extra, words in ((["--ep-backend", "symmetric"], "--ep-backend chunked"),
+                         (["--compare-no-overlap"], "pass one of them")):
+        res = _train([*TINY, "--compare-ep-overlap", *extra])
+        assert res.returncode != 0 and words in res.stderr, res.stderr[-2000:]
