@@ -10,11 +10,8 @@ Backward: every weight GEMM (m, n, k) has a dgrad (m, k, n) and a wgrad (k, n, m
 ``max(FLOPs / (peak * eff(shape)), HBM bytes / achievable bandwidth) + overhead``; element-wise
 work is HBM traffic. A fused TP op takes ``max(c, g) + min(c, g)/tp``: its exposed part is
 ``max(0, c - g) + min(c, g)/tp``. Unfused, all of ``c`` is exposed.
-A MoE layer (``moe=True``) replaces fc1/fc2 (and their TP collectives) with the router, the
-shared experts and the E/ep local experts on R routed rows (TP-replicated: T/t tokens a TP rank
-with sequence parallelism), and adds the dispatch/combine all-to-alls (forward and backward),
-hidden under the expert GEMMs in ``ep_chunks`` pieces and, with pp > 1, under another
-micro-batch's compute in the steady state (:func:`moe_exposed`).
+A MoE layer (``moe=True``) swaps fc1/fc2 for the router, shared and E/ep local experts on its
+routed rows, plus the dispatch/combine all-to-alls, partly hidden (:func:`moe_exposed`).
 The narrative: docs/design/planner.md.
 """
 

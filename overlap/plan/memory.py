@@ -11,9 +11,7 @@ those of its peak number of live (stage, micro-batch) pairs, taken from the sche
 (:func:`overlap.plan.bubble.peak_live`); the first stage adds the embedding dropout mask, the
 last stage the output layer's activations for one micro-batch. With full recomputation the
 layer being recomputed also holds its full (no recompute) activations during its backward.
-MoE: expert parameters (``E/ep`` experts a MoE layer, replicated over TP) shard their
-optimizer state (and gradients, weights) over the ``dp*cp/ep`` expert-data-parallel ranks; a
-MoE layer's MLP activations are the routed rows (``k * cf`` or ``k * imbalance`` per token).
+MoE: experts (E/ep a layer, TP-replicated) shard their state over the dp*cp/ep expert-DP ranks.
 The narrative (with the formulas): docs/design/planner.md.
 """
 

@@ -11,9 +11,8 @@ halving), and the forward pass of one layer is::
     2T*h*(h + 2kv) + 2T*h*h + n_mlp*2T*h*F + 4*b*s^2*h         (n_mlp = 2, or 3 if gated)
 
 which for a GPT layer (kv = h, F = 4h) is Megatron's ``24*T*h^2 + 4*b*s^2*h``. The logits add
-``2*T*h*V``. Backward costs twice the forward. A mixture-of-experts layer (``E`` experts of width
-``Fe``, top ``k``, ``S`` shared) counts only what a token runs: attention, the router ``2T*h*E``
-and ``(k + S) * 3 * 2T*h*Fe`` (MFU by active parameters; docs/planner.md).
+``2*T*h*V``. Backward costs twice the forward. A MoE layer counts only what a token runs:
+attention, the router ``2T*h*E`` and ``(k + S) * 3 * 2T*h*Fe`` (docs/planner.md).
 """
 
 from __future__ import annotations
