@@ -81,10 +81,12 @@ def test_replicas_that_issue_ep_collectives_in_another_order_are_rejected(name, 
 def test_expand_pins_the_interleaved_order():
     f, b = Action(Kind.F, 0, 1), Action(Kind.B, 0, 0)
     wait_b = ("wait", ("data", "grad"))
-    flat = expand([("pair", f, b, (wait_b,))], lambda a: 2)
+    send_f = ("post", (0, 1), (("data", "act", True),))
+    flat = expand([("pair", f, b, (wait_b,), (send_f,))], lambda a: 2)
     assert flat == [("ep_post", (f, 0)), wait_b, ("ep_post", (b, 0)), ("ep_wait", (f, 0)),
                     ("ep_post", (f, 1)), ("ep_wait", (b, 0)), ("ep_post", (b, 1)),
-                    ("ep_wait", (f, 1)), ("compute", f), ("ep_wait", (b, 1)), ("compute", b)]
+                    ("ep_wait", (f, 1)), ("compute", f), send_f, ("ep_wait", (b, 1)),
+                    ("compute", b)]
 
 
 @pytest.mark.parametrize("n_main, n_helper, helper_first", [(2, 2, False), (3, 1, False),
@@ -109,7 +111,7 @@ def test_interleaver_runs_the_order_the_proof_expands(n_main, n_helper, helper_f
     counts = {f: n_main, b: n_helper}
     it.run(task(f, n_main), task(b, n_helper), helper_first=helper_first)
     first, second = (b, f) if helper_first else (f, b)
-    assert events == expand([("pair", first, second, ())], counts.__getitem__)
+    assert events == expand([("pair", first, second, (), ())], counts.__getitem__)
     assert len(threads) == 2 and threading.get_ident() in threads
     it.switch()  # outside a pair: nothing happens
 

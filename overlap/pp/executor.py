@@ -261,7 +261,7 @@ class _StepRun:
             elif step[0] == "compute":
                 self.compute(self.pipe._index[step[1]], step[1])
             elif step[0] == "pair":
-                self.pair(step[1], step[2], step[3])
+                self.pair(*step[1:])
         for work, _, what, peer in self.sent:
             self.p2p.wait(work, what=what, peer=peer)
         leftovers = [k for k in (*self.posted, *self.inbox, *self.outbox, *self.local)]
@@ -329,21 +329,25 @@ class _StepRun:
         (self.local if peer == self.pipe.pp_rank else self.outbox)[key] = t.detach().contiguous()
 
     # ------------------------------------------------------------------ compute
-    def pair(self, a: Action, b: Action, b_inputs: tuple) -> None:
-        """Run ``a``, and ``b`` after its input steps, interleaved at their EP waits (the
-        forward on this thread)."""
+    def pair(self, a: Action, b: Action, b_inputs: tuple, a_sends: tuple) -> None:
+        """Run ``a`` then its sends, and ``b`` after its input steps, interleaved at their EP
+        waits (the forward on this thread)."""
         index = self.pipe._index
 
-        def second() -> None:
-            for st in b_inputs:
+        def steps(sts: tuple) -> None:
+            for st in sts:
                 if st[0] == "post":
                     self.post(st[1], st[2])
                 else:
                     self.receive(*st[1])
+
+        def second() -> None:
+            steps(b_inputs)
             self.compute(index[b], b)
 
         def first() -> None:
             self.compute(index[a], a)
+            steps(a_sends)
 
         fwd_first = a.kind == Kind.F
         tasks, labels = ((first, second), (str(a), str(b))) if fwd_first else (

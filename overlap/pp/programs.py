@@ -1,19 +1,15 @@
 """What a pipeline rank posts, waits for and computes, step by step, and a proof that it cannot
 deadlock under NCCL's ordering rules, with the expert-parallel (EP) collectives in it.
 
-The executor interprets exactly the steps :func:`rank_plan` returns and :func:`check_nccl_order`
-simulates the same steps of every rank (raising ``NcclOrderDeadlock`` if any could hang), so the
-validator and the executor cannot drift apart. A channel ``(src, dst)`` is one direction of one
-link, a communicator of its own (``channels="single"``: the old shared layout, for tests).
-
-Steps (tuples): ``("post", channel, items)`` posts one batch, items ``(part, msg, is_send)``
-with part "hdr" (shape header) or "data" and msg ``(kind, stage of the receiver, micro-batch)``;
-``("wait", (part, msg))`` blocks until the batch holding that receive completes;
-``("compute", action)`` runs a compute action; ``("pair", a, b, b_inputs)`` runs two compute
-actions that hand the host to each other at every EP wait (:mod:`overlap.pp.interleave`), b
-after its input steps; ``("end",)`` waits for every posted batch.
-``header_mode=True`` gives the plan of a first step with new shapes.
-
+The executor runs exactly the steps :func:`rank_plan` returns and :func:`check_nccl_order`
+simulates them on every rank (``NcclOrderDeadlock`` if any could hang). A channel
+``(src, dst)`` is one direction of one link, a communicator of its own. Steps:
+``("post", channel, items)`` posts one batch, items ``(part, msg, is_send)`` with part "hdr"
+or "data" and msg ``(kind, stage of the receiver, micro-batch)``; ``("wait", (part, msg))``
+blocks until the batch holding that receive completes; ``("compute", action)``;
+``("pair", a, b, b_inputs, a_sends)`` runs two actions that hand the host to each other at
+every EP wait (:mod:`overlap.pp.interleave`), b after its input steps, a then its sends;
+``("end",)`` waits for every posted batch. ``header_mode=True``: a first step with new shapes.
 The narrative: docs/design/pp.md.
 """
 
@@ -127,6 +123,9 @@ def rank_plan(schedule: PipelineSchedule, rank: int, *, header_mode: bool,
     posted: set[tuple] = set()
 
     def flush() -> None:
+        steps.extend(posts())
+
+    def posts() -> list[tuple]:
         batches: dict[tuple, list] = {}
         for a in pending:
             c, msg = _channel(a, rank, channels), message_of(a)
@@ -140,8 +139,8 @@ def rank_plan(schedule: PipelineSchedule, rank: int, *, header_mode: bool,
                 items = [("data", msg, False)]
                 posted.add(msg)
             batches.setdefault(c, []).extend(items)
-        steps.extend(("post", c, tuple(items)) for c, items in batches.items())
         pending.clear()
+        return [("post", c, tuple(items)) for c, items in batches.items()]
 
     def inputs(a: Action) -> list[tuple]:
         out: list[tuple] = []
@@ -191,9 +190,12 @@ def rank_plan(schedule: PipelineSchedule, rank: int, *, header_mode: bool,
         pending.extend(x for x in between if not x.kind.startswith("SEND"))
         flush()
         # The second action waits for its input when it first gets the host (at the first
-        # action's first EP wait), so the transfer runs under the first action's compute.
-        steps.append(("pair", a, second[a], tuple(inputs(second[a]))))
+        # action's first EP wait), so the transfer runs under the first action's compute; the
+        # first action's sends go as soon as it ends (the next stage need not wait for the
+        # second), ahead of the second's sends on every channel whichever ends first.
+        b_inputs = tuple(inputs(second[a]))
         pending.extend(x for x in between if x.kind.startswith("SEND"))
+        steps.append(("pair", a, second[a], b_inputs, tuple(posts())))
         i = j + 1
     flush()
     steps.append(("end",))
@@ -219,7 +221,8 @@ def expand(steps: list[tuple], ep_ops: Callable[[Action], int] | None) -> list[t
         if st[0] != "pair":
             flat.append(st)
             continue
-        tasks = [collections.deque(ops(st[1])), collections.deque([*st[3], *ops(st[2])])]
+        tasks = [collections.deque([*ops(st[1]), *st[4]]),
+                 collections.deque([*st[3], *ops(st[2])])]
         turn = 0
         while tasks[0] or tasks[1]:
             if not tasks[turn]:
