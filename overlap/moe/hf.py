@@ -198,6 +198,13 @@ class ExpertParallelBlock(nn.Module):
         if not isinstance(comm, EPComm):
             raise TypeError(f"ExpertParallelBlock: comm must be an EPComm, got "
                             f"{type(comm).__name__}")
+        w1, w2 = (p for _, p in zip(range(2), block.experts.parameters(recurse=False)))
+        if w1.shape[0] % comm.world:
+            raise ValueError(f"ExpertParallelBlock: {w1.shape[0]} experts of a "
+                             f"{type(block).__name__} are not divisible by the EP size "
+                             f"{comm.world} (rank {comm.global_rank})")
+        comm.check_same(f"ExpertParallelBlock({type(block).__name__})",
+                        num_experts=w1.shape[0], w1_numel=w1.numel(), w2_numel=w2.numel())
         for name, child in block.named_children():
             self.add_module(name, ExpertShards(child, comm, family.pack) if name == "experts"
                             else child)
