@@ -12,6 +12,7 @@ import sys
 import threading
 
 import pytest
+import torch
 
 from overlap.pp import build_schedule
 from overlap.pp.interleave import Interleaver, PartnerFailed
@@ -170,3 +171,93 @@ def test_compare_ep_overlap_refuses_what_it_cannot_compare():
                          (["--compare-no-overlap"], "pass one of them")):
         res = _train([*TINY, "--compare-ep-overlap", *extra])
         assert res.returncode != 0 and words in res.stderr, res.stderr[-2000:]
+
+
+def _pipeline_rank(with_pairs: bool, fail: str | None = None, timeout: float = 30.0):
+    """One 1F1B step (pp 1, m 4) of a 2-block MoE GPT on the EP group of every rank, data
+    different per rank; returns (loss, gradients, pairs, switches) or, with ``fail`` (a rank's
+    forward raising in its third micro-batch), (seconds, error text)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from overlap.dist import ParallelDims
+    from overlap.models.gpt import GPT, GPTConfig, gpt_loss
+    from overlap.pp import Pipeline, pipeline_stages
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dims = ParallelDims.build(dp=world, ep=world)
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=2,
+                    moe_experts=4, moe_top_k=2)
+    torch.manual_seed(0)
+    comm = dims.ep_comm(timeout=timeout)
+    model = GPT(cfg, ep_comm=comm)
+    stages = pipeline_stages(model, pp_group=dims.pp_group)
+    sched = build_schedule("1f1b", pp_size=1, num_microbatches=4)
+    pipe = Pipeline(stages, sched, loss_fn=gpt_loss, pp_group=dims.pp_group,
+                    ep_comms=[comm] if with_pairs else [])
+    pipe.interleaver.trace = []
+    gen = torch.Generator().manual_seed(100 + rank)
+    ids = torch.randint(0, 64, (4, 2, 17), generator=gen)
+    x, y = list(ids[:, :, :-1]), list(ids[:, :, 1:])
+    try:
+        if fail is not None:
+            pipe.step(x, y)  # a good step first
+            calls = []
+
+            def hook(*_):
+                calls.append(1)
+                if rank == int(fail) and len(calls) == 3:
+                    raise ValueError(f"injected failure in the forward on rank {rank}")
+
+            model.blocks[1].register_forward_hook(hook)
+            t0 = time.monotonic()
+            try:
+                pipe.step(x, y)
+            except Exception as exc:  # noqa: BLE001 - the test reads the message
+                return time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
+            return time.monotonic() - t0, "returned"
+        out = pipe.step(x, y)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return out.loss.item(), grads, len(pipe.pairs), list(pipe.interleaver.trace)
+    finally:
+        pipe.close()
+        comm.close()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_pipeline_pairs_equal_the_sequential_step_bit_for_bit(world):
+    """A pair reorders host work, never arithmetic: the loss and every gradient equal the
+    unpaired step's exactly; at EP > 1 the actions hand over at their EP waits."""
+    from harness import run_ranks
+
+    on = run_ranks(_pipeline_rank, world, True, timeout=120)
+    off = run_ranks(_pipeline_rank, world, False, timeout=120)
+    for (loss_on, g_on, pairs, trace), (loss_off, g_off, pairs_off, _) in zip(on, off):
+        assert pairs == 3 and pairs_off == 0  # F1B0, F2B1, F3B2 on the only stage
+        assert loss_on == loss_off and g_on.keys() == g_off.keys() and len(g_on) > 0
+        for name in g_on:
+            assert torch.equal(g_on[name], g_off[name]), name
+        if world > 1:
+            # both actions of each pair switched at their waits, in turns
+            assert {"F1s0", "B0s0"} <= set(trace) and len(trace) >= 6, trace
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_failure_inside_a_pair_fails_every_rank_within_the_timeout(world):
+    from harness import run_ranks_outcomes
+
+    timeout = 3.0
+    outcomes = run_ranks_outcomes(_pipeline_rank, world, True, "1", timeout, timeout=120,
+                                  grace=30)
+    for out in outcomes:
+        assert out.status == "ok", (out.status, out.error)
+        took, msg = out.value
+        if out.rank == 1:
+            assert msg.startswith("ValueError: injected failure in the forward on rank 1"), msg
+        else:
+            assert msg.startswith("RuntimeError") and "ep moe" in msg, msg
+            assert f"(rank {out.rank})" in msg and "timed out" in msg, msg
+        # a peer's failure is seen at an EP wait; the pair's partner may sit in one more wait
+        assert took <= 2 * timeout + 2, (took, msg)
