@@ -436,6 +436,44 @@ def ep_int8_dispatch(ctx: RankContext) -> Measured:
     return Measured(float((err / bound).max()), 1.0, "err/bound", f"EP {n}, block {_BLOCK}")
 
 
+def ep_pipeline_pairs(ctx: RankContext) -> Measured:
+    """A 1F1B step (m 4) of a two-block MoE GPT whose experts shard over every rank, with the
+    forward/backward pairs that run under each other's all-to-alls vs the same step without:
+    the loss and every gradient (a pair reorders the launches, never the arithmetic)."""
+    from overlap.models import GPT, GPTConfig, gpt_loss
+    from overlap.moe import EPComm
+    from overlap.pp import Pipeline, build_schedule, pipeline_stages
+
+    cfg = GPTConfig(vocab_size=37, seq_len=8, d_model=16, n_layer=2, n_head=2,
+                    moe_experts=2 * ctx.world, moe_top_k=2)
+    gen = torch.Generator().manual_seed(30 + ctx.rank)
+    ids = torch.randint(0, 37, (8, 9), generator=gen).to(ctx.device)
+    got, pairs = [], 0
+    for paired in (True, False):
+        torch.manual_seed(7)
+        comm = EPComm(ctx.new_group(), chunks=2, timeout=ctx.op_timeout)
+        model = GPT(cfg, ep_comm=comm).to(ctx.device)
+        # pp 1: each rank its own pipeline (every rank creates every one-rank group)
+        group = [dist.new_group([r], timeout=timedelta(seconds=ctx.op_timeout))
+                 for r in range(ctx.world)][ctx.rank]
+        pipe = Pipeline(pipeline_stages(model, pp_group=group),
+                        build_schedule("1f1b", pp_size=1, num_microbatches=4),
+                        loss_fn=gpt_loss, pp_group=group, timeout=ctx.op_timeout,
+                        ep_comms=[comm] if paired else [])
+        try:
+            loss = pipe.step(ids[:, :-1], ids[:, 1:]).loss
+            pairs = max(pairs, len(pipe.pairs))
+            got.append([loss.detach()] + [p.grad for p in model.parameters()])
+        finally:
+            pipe.close()
+            comm.close()
+    if pairs == 0:
+        raise CheckFailed("the schedule formed no forward/backward pair")
+    err = max(_rel_err(ctx.observed(a) if i == 0 else a, b)
+              for i, (a, b) in enumerate(zip(*got)))
+    return Measured(err, REL_TOL, "rel err", f"EP {ctx.world}, {pairs} pairs per step")
+
+
 def plan(device: torch.device) -> list[tuple[str, Callable[[RankContext], Measured | None]]]:
     """Every check for this device type, in run order (the same list on every rank)."""
     checks: list[tuple[str, Callable[[RankContext], Measured | None]]] = [
@@ -453,5 +491,6 @@ def plan(device: torch.device) -> list[tuple[str, Callable[[RankContext], Measur
     checks += [(f"ep.moe.{mode}", _ep_layer(mode)) for mode in ("capacity", "dropless")]
     checks.append(("ep.moe.symmetric", _ep_layer("dropless", "symmetric")))
     checks.append(("ep.int8_dispatch", ep_int8_dispatch))
+    checks.append(("ep.pipeline_pairs", ep_pipeline_pairs))
     checks.append(("timeout.missing_peer.all_gather_matmul", missing_peer))
     return checks
