@@ -105,13 +105,18 @@ def _dense_and_experts(model):
     return ([p for p in params if id(p) not in experts], [p for p in params if id(p) in experts])
 
 
-def _job(family, tp, ep, steps):
+def _job(family, tp, ep, steps, inside=False):
     from overlap.dist import ParallelDims
+    from overlap.moe import EPComm
     from overlap.nn import gather_grads, gather_state_dict, parallelize
     from overlap.tp import TPComm
 
-    dims = ParallelDims.build(tp=tp, ep=ep)
-    comm, ep_comm = TPComm(dims.tp_group), dims.ep_comm(timeout=60)
+    if inside:  # EP over the TP ranks: they hold the same tokens and split them
+        dims = ParallelDims.build(tp=tp)
+        comm, ep_comm = TPComm(dims.tp_group), EPComm(dims.tp_group, timeout=60)
+    else:
+        dims = ParallelDims.build(tp=tp, ep=ep)
+        comm, ep_comm = TPComm(dims.tp_group), dims.ep_comm(timeout=60)
     out = {}
     try:
         ref = build(family)
@@ -131,6 +136,10 @@ def _job(family, tp, ep, steps):
         kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, use_cache=True,
                   attention_mask=torch.ones_like(prompt))
         out["generate"] = torch.equal(model.generate(prompt, **kw), ref.generate(prompt, **kw))
+        # the routers' logits are still recorded for the auxiliary loss
+        aux = [m(input_ids=ids, output_router_logits=True).aux_loss for m in (model, ref)]
+        out["aux_err"] = 0.0 if aux[1] is None else abs(aux[0].item() - aux[1].item())
+        out["aux"] = None if aux[1] is None else aux[1].item()
         # forward, every gradient and AdamW steps: this rank's batch vs the sum over batches
         dense, _ = _dense_and_experts(model)
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-3) for m in (model, ref)]
@@ -170,19 +179,22 @@ def _job(family, tp, ep, steps):
     return out
 
 
-LAYOUTS = [(1, 2), (2, 2), (1, 4)]  # (tp, ep): ep 2, tp 2 x ep 2, ep 4
+# (tp, ep, EP inside the TP group): ep 2, tp 2 x ep 2 on 4 ranks, ep 4, tp 2 = ep 2 on 2 ranks
+LAYOUTS = [(1, 2, False), (2, 2, False), (1, 4, False), (2, 2, True)]
 
 
-@pytest.mark.parametrize("tp,ep", LAYOUTS, ids=["ep2", "tp2xep2", "ep4"])
+@pytest.mark.parametrize("tp,ep,inside", LAYOUTS, ids=["ep2", "tp2xep2", "ep4", "tp2_is_ep2"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_moe_plan_equals_the_unsharded_model(family, tp, ep):
-    """Forward, every gradient, 3 AdamW steps, generate with the KV cache and the gathered
-    state dict equal the unsharded model's."""
-    world = tp * ep
-    for rank, res in enumerate(run_ranks(_job, world, family, tp, ep, 3, timeout=150)):
+def test_moe_plan_equals_the_unsharded_model(family, tp, ep, inside):
+    """Forward, every gradient, 3 AdamW steps, generate with the KV cache, the auxiliary loss
+    and the gathered state dict equal the unsharded model's."""
+    world = tp if inside else tp * ep
+    for rank, res in enumerate(run_ranks(_job, world, family, tp, ep, 3, inside,
+                                         timeout=150)):
         assert res["blocks"] >= 1, (rank, res)
         assert res["sd_keys"] and res["sd_equal"] and res["round_trip"], (rank, res)
         assert res["generate"], (rank, res)
+        assert res["aux_err"] <= LOGIT_TOL, (rank, res)
         assert res["logit_err"] <= LOGIT_TOL, (rank, res)
         assert res["grad_err"] <= GRAD_TOL, (rank, res)
         assert res["norm_err"] <= GRAD_TOL, (rank, res)
@@ -254,6 +266,7 @@ def test_a_routing_mismatch_is_caught_by_default(family):
 def _refusal_job():
     import transformers as T
 
+    from overlap.dist import ParallelDims
     from overlap.models.tp_plans import llama_plan, plan_for
     from overlap.moe import EPComm
     from overlap.nn import parallelize
@@ -269,7 +282,8 @@ def _refusal_job():
         plan_for(olmoe)
     except ValueError as exc:
         out["no_plan"] = str(exc)
-    comm = TPComm(dist.group.WORLD)
+    dims = ParallelDims.build(tp=min(2, dist.get_world_size()))
+    comm = TPComm(dims.tp_group)
     mixtral = build("mixtral")
     try:
         parallelize(mixtral, comm=comm, plan=llama_plan(mixtral), verify=False)
@@ -279,22 +293,23 @@ def _refusal_job():
         parallelize(mixtral, comm=comm)
     except ValueError as exc:
         out["no_ep_comm"] = str(exc)
-    if dist.get_world_size() > 1:
+    if dist.get_world_size() > 2:  # EP over every rank: half of it inside this TP group
         ep_comm = EPComm(dist.group.WORLD)
         try:
             parallelize(mixtral, comm=comm, ep_comm=ep_comm)
         except ValueError as exc:
-            out["same_group"] = str(exc)
+            out["straddles"] = str(exc)
     out["untouched"] = not any("Parallel" in type(m).__name__ for m in mixtral.modules())
     comm.close()
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 4])
 def test_experts_without_a_plan_are_refused(world):
     """Never replicated experts in silence: a MoE family without a plan, a dense plan on a
-    MoE model, a MoE plan without ep_comm, and EP over the TP ranks are each refused, naming
-    what is missing, before anything changes."""
+    MoE model and a MoE plan without ep_comm are each refused, naming what is missing, before
+    anything changes; so is an EP group that straddles TP groups (some of its ranks would
+    hold the same tokens, others not)."""
     for res in run_ranks(_refusal_job, world, timeout=120):
         assert "no shipped plan for OlmoeForCausalLM" in res["no_plan"], res
         assert "model.layers.0.mlp.experts (OlmoeExperts)" in res["no_plan"], res
@@ -302,6 +317,6 @@ def test_experts_without_a_plan_are_refused(world):
         assert "leaves the experts of model.layers.0.mlp.experts (MixtralExperts)" in \
             res["dense_plan"] and "replicated on every rank" in res["dense_plan"], res
         assert "pass ep_comm=" in res["no_ep_comm"], res
-        if world > 1:
-            assert "share ranks [0, 1]" in res["same_group"], res
+        if world > 2:
+            assert "without lying inside it" in res["straddles"], res
         assert res["untouched"], res

@@ -6,7 +6,7 @@ written against transformers 5.x module names. Each sparse block becomes an
 ``overlap.moe.hf.ExpertParallelBlock`` (style ``"experts"``) that reproduces the family's
 routing (``MoEFamily``); dense MLP layers are column/row; shared experts and routers stay
 replicated inside the block. Contract: tp divides the head counts, ep divides the expert
-count; the EP group shares no rank but this one with the TP group.
+count; the EP group lies inside the TP group (same tokens) or meets it in this rank only.
 The narrative: docs/design/nn.md ("Mixture-of-experts plans").
 """
 
@@ -46,8 +46,8 @@ GPT_OSS = MoEFamily(name="gpt_oss", route=gpt_oss_route,
                     router="router", returns_scores=True)
 
 
-def _build_block(module: nn.Module, *, ep_comm, family: MoEFamily) -> nn.Module:
-    return ExpertParallelBlock(module, family, ep_comm)
+def _build_block(module: nn.Module, *, ep_comm, tokens: str, family: MoEFamily) -> nn.Module:
+    return ExpertParallelBlock(module, family, ep_comm, tokens=tokens)
 
 
 def experts_style(family: MoEFamily, block_type: type) -> Style:

@@ -7,9 +7,10 @@ shared experts stay as they were (replicated), ``experts`` becomes ``ExpertShard
 same parameter names, ``[El, ...]`` where transformers has ``[E, ...]``. Forward: the family's
 routing (``MoEFamily.route``, fp32 as transformers computes it), dropless dispatch over the
 EPComm (counts exchanged and read once on the host), the family's expert math as grouped
-GEMMs, combine, weighted sum. The EP ranks hold different tokens (EP is carved from the
-data-parallel ranks): an expert's gradient is complete on its owner, the router's and shared
-experts' are this rank's share, reduced over DP like any dense parameter.
+GEMMs, combine, weighted sum. ``tokens="local"``: the EP ranks hold different tokens (EP
+carved from the data-parallel ranks; router and shared-expert gradients are this rank's share,
+reduced over DP). ``tokens="split"``: they hold the same tokens (EP inside the TP group); each
+dispatches its 1/ep of them and the expert outputs are all-gathered before the weighting.
 The narrative: docs/design/nn.md ("Mixture-of-experts plans").
 """
 
@@ -25,6 +26,8 @@ import torch.nn.functional as F
 from overlap.moe.comm import EPComm
 from overlap.moe.exchange import counted_pieces, exchange
 from overlap.moe.experts import grouped_mm
+from overlap.nn.regions import gather_from_tp, scatter_to_tp
+from overlap.nn.sharding import shard_sizes
 from overlap.tp.collectives import all_gather_dim
 
 __all__ = ["MoEFamily", "ExpertShards", "ExpertParallelBlock", "mixtral_route", "qwen_route",
@@ -34,12 +37,13 @@ __all__ = ["MoEFamily", "ExpertShards", "ExpertParallelBlock", "mixtral_route", 
 
 # ---------------------------------------------------------------- routing, per family
 # Each returns (weights [T, k], experts [T, k] int64) exactly as the family's router does:
-# the same dtypes, the same order of operations.
+# the same dtypes, the same order of operations. The logits come from the router module's own
+# forward (its first output), so transformers' ``output_router_logits`` still records them.
 
 def mixtral_route(block: nn.Module, x: torch.Tensor):
     """Mixtral: softmax over every expert in fp32, top-k, renormalised (fp32 weights)."""
     gate = block.gate
-    probs = F.softmax(F.linear(x, gate.weight).float(), dim=-1)
+    probs = F.softmax(gate(x)[0].float(), dim=-1)
     weights, experts = torch.topk(probs, gate.top_k, dim=-1)
     return weights / weights.sum(dim=-1, keepdim=True), experts
 
@@ -48,7 +52,7 @@ def qwen_route(block: nn.Module, x: torch.Tensor):
     """Qwen2-MoE / Qwen3-MoE: fp32 softmax, top-k, renormalised if ``norm_topk_prob``, cast
     back to the logits' dtype."""
     gate = block.gate
-    logits = F.linear(x, gate.weight)
+    logits = gate(x)[0]
     weights, experts = torch.topk(F.softmax(logits, dtype=torch.float, dim=-1), gate.top_k, dim=-1)
     if gate.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -62,7 +66,7 @@ def deepseek_v3_route(block: nn.Module, x: torch.Tensor):
     ``routed_scaling_factor``."""
     gate = block.gate
     e, groups = gate.num_experts, gate.num_group
-    scores = F.linear(x.float(), gate.weight.float()).sigmoid()
+    scores = gate(x)[0].sigmoid()  # fp32 logits
     choice = scores + gate.e_score_correction_bias
     group_scores = choice.view(-1, groups, e // groups).topk(2, dim=-1)[0].sum(dim=-1)
     best = torch.topk(group_scores, k=gate.topk_group, dim=-1, sorted=False)[1]
@@ -80,7 +84,7 @@ def gpt_oss_route(block: nn.Module, x: torch.Tensor):
     """GPT-OSS: logits with the router's bias, top-k of the logits, softmax over the k chosen
     (in the logits' dtype)."""
     router = block.router
-    top, experts = torch.topk(F.linear(x, router.weight, router.bias), router.top_k, dim=-1)
+    top, experts = torch.topk(router(x)[0], router.top_k, dim=-1)  # logits with the bias
     return F.softmax(top, dim=1, dtype=top.dtype), experts
 
 
@@ -149,11 +153,14 @@ class ExpertShards(nn.Module):
 
     ep_sharded = True
 
-    def __init__(self, experts: nn.Module, comm: EPComm, pack: str):
+    def __init__(self, experts: nn.Module, comm: EPComm, pack: str, tokens: str = "local"):
         super().__init__()
         params = dict(experts.named_parameters(recurse=False))
         total = next(iter(params.values())).shape[0]
         self.comm, self.pack, self.num_total = comm, pack, total
+        # how many EP ranks send an expert each of their tokens when all hold the same ones
+        # (what a probe run on every rank gives): all of them, or one with tokens split
+        self.sources = comm.world if tokens == "local" else 1
         self.num_local = total // comm.world
         self.first = comm.rank * self.num_local
         for name, p in params.items():
@@ -191,13 +198,18 @@ class ExpertShards(nn.Module):
 class ExpertParallelBlock(nn.Module):
     """A transformers sparse-MoE block whose experts are sharded over ``comm``'s group.
     Children keep their names (state-dict keys are the block's); ``source`` names the class
-    it replaced."""
+    it replaced. ``tokens``: "local" (each EP rank its own tokens) or "split" (the EP ranks
+    hold the same tokens, as TP ranks do)."""
 
-    def __init__(self, block: nn.Module, family: MoEFamily, comm: EPComm):
+    def __init__(self, block: nn.Module, family: MoEFamily, comm: EPComm, *,
+                 tokens: str = "local"):
         super().__init__()
         if not isinstance(comm, EPComm):
             raise TypeError(f"ExpertParallelBlock: comm must be an EPComm, got "
                             f"{type(comm).__name__}")
+        if tokens not in ("local", "split"):
+            raise ValueError(f"ExpertParallelBlock: tokens must be 'local' or 'split', got "
+                             f"{tokens!r}")
         w1, w2 = (p for _, p in zip(range(2), block.experts.parameters(recurse=False)))
         if w1.shape[0] % comm.world:
             raise ValueError(f"ExpertParallelBlock: {w1.shape[0]} experts of a "
@@ -206,9 +218,10 @@ class ExpertParallelBlock(nn.Module):
         comm.check_same(f"ExpertParallelBlock({type(block).__name__})",
                         num_experts=w1.shape[0], w1_numel=w1.numel(), w2_numel=w2.numel())
         for name, child in block.named_children():
-            self.add_module(name, ExpertShards(child, comm, family.pack) if name == "experts"
-                            else child)
+            self.add_module(name, ExpertShards(child, comm, family.pack, tokens)
+                            if name == "experts" else child)
         self.family, self.comm, self.source = family, comm, type(block).__name__
+        self.split = tokens == "split" and comm.world > 1
         self.jitter_noise = getattr(block, "jitter_noise", 0.0) if family.jitter else 0.0
         self._fn = family.experts(block.experts)
         # the shared experts run while the dispatch is in flight (not a registered child: its
@@ -231,18 +244,40 @@ class ExpertParallelBlock(nn.Module):
         # assignments slot-major (every token's first choice, then its second...), as MoE does
         flat_e = experts.t().reshape(-1)
         token = torch.arange(t, device=x.device).repeat(k)
+        source = x
+        if self.split:  # this rank dispatches its slice of the (replicated) tokens
+            sizes = shard_sizes(t, self.comm.world)
+            start = sum(sizes[:self.comm.rank])
+            slices = [self._assignments(t, k, sum(sizes[:r]), sizes[r], x.device)
+                      for r in range(self.comm.world)]
+            mine = slices[self.comm.rank]
+            flat_e, token = flat_e[mine], token[mine] - start
+            # backward: every rank's slice of the input gradient, gathered (replicated again)
+            source = scatter_to_tp(x, 0, group=self.comm.group, sizes=sizes,
+                                   timeout=self.comm.timeout)
         n = flat_e.shape[0]
         order = torch.argsort(flat_e * n + torch.arange(n, device=x.device))  # by expert
         counts = torch.zeros(self.experts.num_total, dtype=torch.int64,
                              device=x.device).index_add_(0, flat_e, torch.ones_like(flat_e))
-        y_sorted, shared = self._experts(x[token[order]], counts, x)
+        y_sorted, shared = self._experts(source[token[order]], counts, x)
         y = y_sorted[torch.argsort(order)]
+        if self.split:  # every rank's slice, then back to slot-major order over all tokens
+            y = gather_from_tp(y, 0, group=self.comm.group, sizes=[n * k for n in sizes],
+                               timeout=self.comm.timeout)
+            y = y[torch.argsort(torch.cat(slices))]
+            token = torch.arange(t, device=x.device).repeat(k)
         w = weights.t().reshape(-1, 1)
         out = torch.zeros_like(x).index_add_(0, token, (y * w).to(x.dtype))
         if self._shared is not None:
             out = out + shared
         out = out.reshape(shape)
         return (out, weights) if self.family.returns_scores else out
+
+    @staticmethod
+    def _assignments(t: int, k: int, start: int, n: int, device) -> torch.Tensor:
+        """Slot-major positions of the assignments of tokens [start, start + n)."""
+        slots = torch.arange(k, device=device).unsqueeze(1) * t
+        return (slots + torch.arange(start, start + n, device=device)).reshape(-1)
 
     def _experts(self, rows, counts, x):
         w1, w2 = self.experts()

@@ -259,10 +259,11 @@ def _check_ties(model, chosen, problems) -> list[list[tuple[str, str]]]:
     return ties
 
 
-def _build(module, style: Style, comm: TPComm, sequence_parallel, ep_comm=None) -> nn.Module:
+def _build(module, style: Style, comm: TPComm, sequence_parallel, ep=None) -> nn.Module:
     kind = style.kind
     if kind == "experts":
-        return style.build(module, ep_comm=ep_comm)
+        ep_comm, tokens = ep
+        return style.build(module, ep_comm=ep_comm, tokens=tokens)
     if kind == "column":
         return ColumnParallelLinear.from_linear(
             module, comm=comm, gather_output=style.gather_output, parts=style.feature_parts(),
@@ -285,7 +286,7 @@ def _sum_grads(module: nn.Module, comm: TPComm, undo) -> None:
     undo.append(lambda m=module: undo_sum_grads_over_tp(m))
 
 
-def _replace(model, chosen, comm, sequence_parallel, subclasses, undo, ep_comm=None) -> None:
+def _replace(model, chosen, comm, sequence_parallel, subclasses, undo, ep=None) -> None:
     for name, style in chosen.items():
         if style.kind == "replicated":
             continue
@@ -295,7 +296,7 @@ def _replace(model, chosen, comm, sequence_parallel, subclasses, undo, ep_comm=N
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child)
-        new = _build(old, style, comm, sequence_parallel, ep_comm)
+        new = _build(old, style, comm, sequence_parallel, ep)
         if (style.kind in ("column", "row", "embedding") and subclasses == "wrap"
                 and overridden(old)):
             new = wrap_subclass(old, new)
@@ -333,9 +334,10 @@ def parallelize(model: nn.Module, *, comm: TPComm | None = None, ep_comm=None,
     computes the same function.
 
     ``ep_comm``: an ``overlap.moe.EPComm`` for plans with mixture-of-experts blocks (style
-    "experts"): each rank keeps ``num_experts / ep`` experts of every block. Its group shares
-    no rank but this one with the TP group (EP is carved from the data-parallel ranks, which
-    hold different tokens). A transformers model whose experts the plan leaves out is refused.
+    "experts"): each rank keeps ``num_experts / ep`` experts of every block. Its group either
+    meets the TP group in this rank only (EP carved from the data-parallel ranks, which hold
+    different tokens) or lies inside it (the EP ranks hold the same tokens and split them).
+    A transformers model whose experts the plan leaves out is refused.
 
     ``verify``: True (default) checks that the weights are identical across TP ranks, then
     compares every replaced layer and every module that contains one with the unsharded
@@ -371,7 +373,7 @@ def parallelize(model: nn.Module, *, comm: TPComm | None = None, ep_comm=None,
             "model keeps the residual stream replicated between TP regions (norms would need "
             "sequence-sharded activations). Use sequence_parallel=False.")
     tp, rank = dist.get_world_size(group), dist.get_rank()
-    ep = _check_ep_comm(ep_comm, group, where)
+    ep, tokens = _check_ep_comm(ep_comm, group, where)
     problems: list[str] = []
     chosen = _plan_matches(model, plan, sequence_parallel, tp, problems, subclasses, ep)
     problems.extend(_unplanned_experts(model, plan, chosen))
@@ -397,7 +399,7 @@ def parallelize(model: nn.Module, *, comm: TPComm | None = None, ep_comm=None,
                            whole_model=verify == "model", tol=verify_tol,
                            sequence_parallel=sequence_parallel, head=head)
     undo: list = []
-    _replace(model, chosen, comm, sequence_parallel, subclasses, undo, ep_comm)
+    _replace(model, chosen, comm, sequence_parallel, subclasses, undo, (ep_comm, tokens))
     for group_members in ties:
         (first, attr), *rest = group_members
         shared = getattr(model.get_submodule(first), attr)
@@ -417,24 +419,27 @@ def parallelize(model: nn.Module, *, comm: TPComm | None = None, ep_comm=None,
     return model
 
 
-def _check_ep_comm(ep_comm, group, where: str) -> int | None:
-    """The EP size, after checking that ``ep_comm`` is an EPComm whose group meets the TP
-    group in this rank only (None: no ep_comm)."""
+def _check_ep_comm(ep_comm, group, where: str) -> tuple[int | None, str]:
+    """(EP size, tokens) after checking ``ep_comm``: "local" when its group meets the TP group
+    in this rank only (each EP rank has its own tokens), "split" when it lies inside the TP
+    group (the EP ranks hold the same tokens and split them); (None, "local") without one."""
     if ep_comm is None:
-        return None
+        return None, "local"
     from overlap.moe.comm import EPComm
 
     if not isinstance(ep_comm, EPComm):
         raise TypeError(f"parallelize: ep_comm must be an overlap.moe.EPComm, got "
                         f"{type(ep_comm).__name__}{where}")
-    both = (set(dist.get_process_group_ranks(group))
-            & set(dist.get_process_group_ranks(ep_comm.group)))
-    if len(both) > 1:
-        raise ValueError(f"parallelize: the EP group and the TP group share ranks "
-                         f"{sorted(both)}{where}; the TP ranks hold the same tokens, so EP "
-                         "over them would count each token once per rank. Build EP groups "
-                         "from the data-parallel ranks (ParallelDims.build(tp=..., ep=...))")
-    return ep_comm.world
+    tp_ranks = set(dist.get_process_group_ranks(group))
+    ep_ranks = set(dist.get_process_group_ranks(ep_comm.group))
+    both = tp_ranks & ep_ranks
+    if len(both) > 1 and not ep_ranks <= tp_ranks:
+        raise ValueError(f"parallelize: the EP group {sorted(ep_ranks)} shares ranks "
+                         f"{sorted(both)} with the TP group {sorted(tp_ranks)} without lying "
+                         f"inside it{where}: some EP ranks would hold the same tokens and "
+                         "others not. Use EP groups from the data-parallel ranks "
+                         "(ParallelDims.build(tp=..., ep=...)) or inside the TP group")
+    return ep_comm.world, "split" if len(both) > 1 else "local"
 
 
 def _unplanned_experts(model, plan, chosen) -> list[str]:

@@ -18,7 +18,7 @@ class Style:
     sp_positions, sum_grads (a replicated module that runs on TP-sharded activations, e.g. a
     per-head norm: kept as it is, its parameters' gradients summed over TP), custom (``build(module, comm=, sequence_parallel=) -> module``, a
     model-specific replacement of a module whose exact type is in ``accepts``), experts
-    (``build(module, ep_comm=) -> module``: a mixture-of-experts block of a type in
+    (``build(module, ep_comm=, tokens=) -> module``: a mixture-of-experts block of a type in
     ``accepts`` whose experts shard over parallelize's ``ep_comm``) or replicated (left as
     it is on purpose: experts kept whole on every rank). ``uneven``:
     the sharded size need not be divisible by tp (vocabularies). ``sp_only``: applied only

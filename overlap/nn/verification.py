@@ -188,8 +188,9 @@ class Verifier:
 
     def _grad_errors(self, model: nn.Module, rank: int, tp: int) -> dict[str, float]:
         """Every parameter's gradient error (GradProbe's), with the experts sharded over EP
-        compared here: rank r of ep holds experts [r*El, (r+1)*El) of the reference, and as
-        every EP rank ran the same probe, each expert saw every token ep times."""
+        compared here: rank r of ep holds experts [r*El, (r+1)*El) of the reference; as every
+        EP rank ran the same probe, each expert saw every token once per rank that sent it
+        (``sources``: ep when the EP ranks hold their own tokens, 1 when they split them)."""
         shards = {f"{m_name}.{p_name}" if m_name else p_name: (p, m)
                   for m_name, m in model.named_modules() if getattr(m, "ep_sharded", False)
                   for p_name, p in m.named_parameters(recurse=False)}
@@ -213,7 +214,7 @@ class Verifier:
                 nonzero = ref is not None and ref.abs().max() > 0 or n in got
                 out[n] = float("inf") if nonzero else 0.0
                 continue
-            sources = m.comm.world
+            sources = m.sources
             local = ref[m.first:m.first + m.num_local] * sources
             scale = max(ref.abs().max().item() * sources, floor)
             g = got[n]
