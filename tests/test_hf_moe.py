@@ -2,8 +2,8 @@
 attention over TP in one call, for Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and GPT-OSS.
 
 Layouts: ep 1 (one process), ep 2 and ep 4 alone (the EP ranks are data-parallel ranks with
-their own batches), and tp 2 x ep 2 on 4 ranks (TP and EP on orthogonal groups). Each rank
-feeds its data-parallel batch; the reference is the unsharded model on every batch with the
+their own batches), tp 2 x ep 2 on 4 ranks (TP and EP on orthogonal groups), and tp 2 = ep 2
+on 2 ranks (EP inside the TP group: the tokens are split). Each rank feeds its DP batch; the reference is the unsharded model on every batch with the
 losses summed, and the parallel model's dense gradients are summed over DP as a trainer would
 (the experts' are complete on their owner). Checked: logits, every parameter's gradient (the
 routers, Qwen3's q/k norms, DeepSeek's latent projections, GPT-OSS's sinks and the experts'
@@ -15,9 +15,9 @@ other orders (grouped vs per-expert GEMMs, TP partial sums, DP sums of per-batch
 a sum of n terms differs by a few ulps (2^-24 ~ 6e-8 each) times its depth, and the deepest
 here are a weight gradient's 4 x 16 tokens and a 64-wide feature sum through two layers, so
 errors stay near 1e-6 of the largest gradient. Measured over every family and layout: logits
-<= 3.1e-7, gradients <= 7.2e-7 (relative to the larger of the parameter's largest gradient
+<= 3.1e-7, gradients <= 9.3e-7 (relative to the larger of the parameter's largest gradient
 and 1% of the model's), weights after 3 steps <= 1.1e-6. GRAD_TOL = LOGIT_TOL = 1e-5 leave a
-factor >= 14, while a wrong routing or a partial replicated gradient is off by >= 1e-2.
+factor >= 10, while a wrong routing or a partial replicated gradient is off by >= 1e-2.
 AdamW (lr 1e-2, eps 1e-3) moves a weight by at most lr * 2|dg| / eps = 20|dg| per step for
 a gradient difference dg (~1e-7 absolute here): WEIGHT_TOL = 2e-5 bounds 3 steps of it.
 Routing is exact: the routers see inputs that differ by ~1e-7 relative, and these seeded
