@@ -134,7 +134,8 @@ class MoEFamily:
     ("linear": ``(gate_up_proj, down_proj)``; "biased": each with its bias as a last row);
     ``shared(block, x)``: the shared experts' output added to every token (None: none);
     ``router``: the router's attribute; ``returns_scores``: the block returns
-    ``(out, weights)`` (GPT-OSS)."""
+    ``(out, weights)`` (GPT-OSS); ``jitter``: the block multiplies its input by
+    ``router_jitter_noise`` noise in training (Mixtral)."""
 
     name: str
     route: Callable
@@ -262,8 +263,8 @@ class ExpertParallelBlock(nn.Module):
         y_sorted, shared = self._experts(source[token[order]], counts, x)
         y = y_sorted[torch.argsort(order)]
         if self.split:  # every rank's slice, then back to slot-major order over all tokens
-            y = gather_from_tp(y, 0, group=self.comm.group, sizes=[n * k for n in sizes],
-                               timeout=self.comm.timeout)
+            y = gather_from_tp(y, 0, group=self.comm.group,
+                               sizes=[size * k for size in sizes], timeout=self.comm.timeout)
             y = y[torch.argsort(torch.cat(slices))]
             token = torch.arange(t, device=x.device).repeat(k)
         w = weights.t().reshape(-1, 1)
