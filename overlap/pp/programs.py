@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 from typing import Callable, Literal, Mapping
 
-from overlap.pp.check import ScheduleError
+from overlap.pp.check import DEFAULT_COSTS, ScheduleError
 from overlap.pp.schedules import (Action, Kind, Payload, PipelineSchedule, message_of, messages,
                                    msg_src_dst)
 
@@ -51,32 +51,40 @@ def channels_of(schedule: PipelineSchedule, rank: int) -> list[tuple[int, int]]:
 
 def candidate_pairs(schedule: PipelineSchedule, rank: int) -> list[tuple[Action, Action]]:
     """Adjacent compute actions of rank ``rank`` that may overlap: a forward next to a backward
-    (B or I) of another micro-batch, in program order, each action in one pair at most."""
+    (B, I or W) of another micro-batch, in program order (one action may be in two)."""
     comp = [a for a in schedule.actions[rank] if a.is_compute]
-    out, i = [], 0
-    while i + 1 < len(comp):
-        a, b = comp[i], comp[i + 1]
+    out = []
+    for a, b in zip(comp, comp[1:]):
         kinds = {a.kind, b.kind}
-        if Kind.F in kinds and kinds & {Kind.B, Kind.I} and a.microbatch != b.microbatch:
+        if Kind.F in kinds and kinds & {Kind.B, Kind.I, Kind.W} and a.microbatch != b.microbatch:
             out.append((a, b))
-            i += 2
-        else:
-            i += 1
     return out
 
 
-def _blocked_pairs(schedule: PipelineSchedule, pairs: list[list]) -> set:
-    """The pair of the highest rank a compute-order simulation gets stuck at (a pair runs once
-    the inputs of both its actions exist, and publishes both outputs when both are done)."""
-    p, num_stages = schedule.pp_size, schedule.num_stages
-    units = []
-    for r in range(p):
+# The EP time of an action, as a fraction of its compute, in the cost model that picks pairs
+# (overlap.plan models it per layout; only the sign of a pair's gain depends on it here).
+EP_FRACTION = 0.5
+
+
+def _units(schedule: PipelineSchedule, pairs) -> list[list[tuple]]:
+    out = []
+    for r in range(schedule.pp_size):
         second = {a: b for a, b in pairs[r]}
         paired = set(second.values())
-        units.append([(a, second[a]) if a in second else (a,)
-                      for a in schedule.actions[r] if a.is_compute and a not in paired])
-    done: set = set()
-    pc = [0] * p
+        out.append([(a, second[a]) if a in second else (a,)
+                    for a in schedule.actions[r] if a.is_compute and a not in paired])
+    return out
+
+
+def _makespan(schedule: PipelineSchedule, pairs, costs=DEFAULT_COSTS,
+              ep_fraction: float = EP_FRACTION) -> float:
+    """The step's length in a cost model (compute ``costs`` per kind; the EP all-to-alls of a
+    F, B or I take ``ep_fraction`` of its compute, a W has none; exposed unless paired, when
+    each hides under the other action's compute); inf if a pair waits on its own outputs."""
+    p, num_stages = schedule.pp_size, schedule.num_stages
+    units = _units(schedule, pairs)
+    ready: dict = {}
+    free, pc = [0.0] * p, [0] * p
     progressed = True
     while progressed:
         progressed = False
@@ -84,30 +92,79 @@ def _blocked_pairs(schedule: PipelineSchedule, pairs: list[list]) -> set:
             while pc[r] < len(units[r]):
                 unit = units[r][pc[r]]
                 need = [messages(a, num_stages)[0] for a in unit]
-                if any(m is not None and m not in done for m in need):
+                if any(m is not None and m not in ready for m in need):
                     break
-                for a in unit:
-                    done.update(m for m in messages(a, num_stages)[1:] if m is not None)
+                start = max([free[r]] + [ready[m] for m in need if m is not None])
+                if len(unit) == 2 and unit[0].kind == Kind.W:
+                    unit = (unit[1], unit[0])  # run as the executor does: the forward first
+                c = [costs[str(a.kind)] for a in unit]
+                e = [0.0 if a.kind == Kind.W else ep_fraction * x for a, x in zip(unit, c)]
+                if len(unit) == 1:
+                    ends = [start + c[0] + e[0]]
+                else:
+                    end = start + c[0] + c[1] + max(0.0, e[0] - c[1]) + max(0.0, e[1] - c[0])
+                    ends = [start + c[0] + min(e[0], c[1]), end]
+                for a, t in zip(unit, ends):
+                    produced = messages(a, num_stages)[1]
+                    if produced is not None:
+                        ready[produced] = t
+                free[r] = max(ends)
                 pc[r] += 1
                 progressed = True
-    blocked = [r for r in range(p) if pc[r] < len(units[r]) and len(units[r][pc[r]]) == 2]
-    # Two pairs that feed each other: give up the later stage's (its rank is higher), so the
-    # last stage, whose forward feeds its own backward, is the one that stays sequential.
-    return {units[blocked[-1]][pc[blocked[-1]]]} if blocked else set()
+    if any(pc[r] < len(units[r]) for r in range(p)):
+        return float("inf")
+    return max(free)
 
 
-def ep_pairs(schedule: PipelineSchedule) -> tuple[tuple[tuple[Action, Action], ...], ...]:
-    """Per rank, the forward/backward pairs the executor overlaps: the candidates, less those a
-    compute-order simulation finds blocked (a pair waits for both inputs, so two pairs that
-    feed each other cannot both stay), proven by :func:`check_all`."""
-    pairs = [candidate_pairs(schedule, r) for r in range(schedule.pp_size)]
-    while True:
-        blocked = _blocked_pairs(schedule, pairs)
-        if not blocked:
-            break
-        pairs = [[pr for pr in prs if pr not in blocked] for prs in pairs]
-    check_all(schedule, pairs=pairs)
-    return tuple(tuple(prs) for prs in pairs)
+def _disjoint(pairs) -> list:
+    used: set = set()
+    out = []
+    for a, b in pairs:
+        if a not in used and b not in used:
+            used |= {a, b}
+            out.append((a, b))
+    return out
+
+
+def ep_pairs(schedule: PipelineSchedule, *, ep_fraction: float = EP_FRACTION
+             ) -> tuple[tuple[tuple[Action, Action], ...], ...]:
+    """Per rank, the pairs the executor overlaps: the set with the shortest step in the cost
+    model of :func:`_makespan` (a pair whose second action waits for a neighbour's output
+    can cost more than it hides) among a few families (backward then forward, forward then
+    backward, weight pass next to a forward, any), each made feasible and extended one pair at
+    a time; proven by :func:`check_all`. No pairs if none shortens the step."""
+    p = schedule.pp_size
+    cands = [candidate_pairs(schedule, r) for r in range(p)]
+
+    def cost(pairs) -> float:
+        return _makespan(schedule, pairs, ep_fraction=ep_fraction)
+
+    families = [lambda a, b: a.kind != Kind.F, lambda a, b: a.kind == Kind.F,
+                lambda a, b: Kind.W in (a.kind, b.kind), lambda a, b: True]
+    best, best_t = [[] for _ in range(p)], cost([[] for _ in range(p)])
+    for keep in families:
+        pairs = [_disjoint([pr for pr in cands[r] if keep(*pr)]) for r in range(p)]
+        t = cost(pairs)
+        while t == float("inf"):  # a pair waits on its own outputs: drop the highest stage's
+            r = max(r for r in range(p) if pairs[r])
+            pairs[r].pop(0)
+            t = cost(pairs)
+        for r in range(p):  # add the free candidates that help
+            for pr in cands[r]:
+                used = {x for q in pairs[r] for x in q}
+                if pr[0] in used or pr[1] in used:
+                    continue
+                pairs[r].append(pr)
+                pairs[r].sort(key=cands[r].index)
+                t2 = cost(pairs)
+                if t2 < t - 1e-9:
+                    t = t2
+                else:
+                    pairs[r].remove(pr)
+        if t < best_t - 1e-9:
+            best, best_t = pairs, t
+    check_all(schedule, pairs=best)
+    return tuple(tuple(prs) for prs in best)
 
 
 def rank_plan(schedule: PipelineSchedule, rank: int, *, header_mode: bool,
@@ -184,6 +241,20 @@ def rank_plan(schedule: PipelineSchedule, rank: int, *, header_mode: bool,
             raise ScheduleError(f"pp schedule {schedule.name}: rank {rank} pairs {a} with "
                                 f"{second[a]}, which is not the next compute action")
         flush()
+        if a.kind == Kind.W:
+            # A weight pass has no EP wait and no input: the forward runs first, and the weight
+            # pass fills its first wait; the forward's sends (after it) go when it ends.
+            fwd = program[j]
+            steps += inputs(fwd)
+            pending.extend(between)
+            flush()
+            k = j + 1
+            while k < len(program) and program[k].kind.startswith("SEND"):
+                pending.append(program[k])
+                k += 1
+            steps.append(("pair", fwd, a, (), tuple(posts())))
+            i = k
+            continue
         steps += inputs(a)
         # Receives placed between the two go in batches of their own: a batch completes as a
         # whole, and theirs may need the pair's own outputs first.
