@@ -2,7 +2,7 @@
 time with the in-schedule pairs (a forward and a backward of two micro-batches under each
 other's all-to-alls) vs without, per schedule, in the same run.
 
-    python -m bench.bench_ep_pipeline                     # CPU: 8 local ranks, tp2 x pp2 x dp2, ep2
+    python -m bench.bench_ep_pipeline              # CPU: 8 local ranks, tp2 x (pp x dp = 4), ep2
     torchrun --nproc-per-node 8 -m bench.bench_ep_pipeline   # GPUs: NCCL, one GPU per rank
 
 Writes bench/results/ep_pipeline.json and ep_pipeline.md (``--out`` to change).
@@ -25,7 +25,7 @@ from bench.runner import Table, command_line, parse_config
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class BenchConfig:
-    schedules: str = "1f1b,interleaved,zb-h1"
+    runs: str = "1f1b:1,1f1b:2,interleaved:2,zb-h1:2"  # schedule:pp (dp = 4 / pp, tp 2)
     repeats: int = 3
     steps: int = 8
     micro_batches: int = 4
@@ -38,11 +38,12 @@ class BenchConfig:
     out: str = "bench/results/ep_pipeline"
 
 
-def _job(cfg: BenchConfig, schedule: str) -> tuple[list[dict], list[dict], int]:
+def _job(cfg: BenchConfig, schedule: str, pp: int) -> tuple[list[dict], list[dict], int]:
     from overlap.train.__main__ import _run
     from overlap.train.config import parse_args
 
-    args = ["--steps", str(cfg.steps), "--schedule", schedule, "--micro-batches",
+    args = ["--steps", str(cfg.steps), "--schedule", schedule, "--pp", str(pp), "--dp",
+            str(4 // pp), "--tp", "2", "--micro-batches",
             str(cfg.micro_batches), "--micro-batch-size", str(cfg.micro_batch_size),
             "--seq-len", str(cfg.seq_len), "--d-model", str(cfg.d_model), "--n-layer",
             str(cfg.n_layer), "--moe-experts", str(cfg.moe_experts), "--ep", "2",
@@ -57,13 +58,14 @@ def _job(cfg: BenchConfig, schedule: str) -> tuple[list[dict], list[dict], int]:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(BenchConfig, __doc__.splitlines()[0], argv)
     table = Table("EP all-to-all inside the pipeline schedules: pairs on vs off",
-                  ["schedule", "pairs_rank0", "exposed_ep_ms_on", "exposed_ep_ms_off", "ratio",
+                  ["schedule", "layout", "pairs_rank0", "exposed_ep_ms_on", "exposed_ep_ms_off", "ratio",
                    "step_ms_on", "step_ms_off", "step_ratio", "max_loss_diff"])
     load0 = os.getloadavg()[0]
-    for schedule in cfg.schedules.split(","):
+    for run in cfg.runs.split(","):
+        schedule, pp = run.split(":")[0], int(run.split(":")[1])
         ep_on, ep_off, st_on, st_off, diffs, pairs = [], [], [], [], [], 0
         for _ in range(cfg.repeats):
-            on, off, pairs = _job(cfg, schedule)
+            on, off, pairs = _job(cfg, schedule, pp)
             if not on:
                 return 0
             med = statistics.median
@@ -73,12 +75,12 @@ def main(argv: list[str] | None = None) -> int:
             st_off.append(1e3 * med(r["step_s"] for r in off[1:]))
             diffs.append(max(abs(a["loss"] - b["loss"]) for a, b in zip(on, off)))
         med = statistics.median
-        table.add(schedule=schedule, pairs_rank0=pairs, exposed_ep_ms_on=med(ep_on),
+        table.add(schedule=schedule, layout=f"tp2 pp{pp} dp{4 // pp}", pairs_rank0=pairs, exposed_ep_ms_on=med(ep_on),
                   exposed_ep_ms_off=med(ep_off), ratio=med(ep_off) / max(med(ep_on), 1e-9),
                   step_ms_on=med(st_on), step_ms_off=med(st_off),
                   step_ratio=med(st_off) / med(st_on), max_loss_diff=max(diffs))
     table.notes += [
-        f"overlap-train tp2 x pp2 x dp2 (8 ranks) with ep2, {cfg.n_layer} blocks, every one MoE "
+        f"overlap-train on 8 ranks (tp2 x pp x dp) with ep2, {cfg.n_layer} blocks, every one MoE "
         f"({cfg.moe_experts} experts, top-2, "
         + (f"capacity factor {cfg.capacity_factor:g}" if cfg.capacity_factor else "dropless")
         + f"), d_model {cfg.d_model}, seq {cfg.seq_len}, {cfg.micro_batches} micro-batches of "

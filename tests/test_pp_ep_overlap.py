@@ -285,3 +285,31 @@ def test_a_failure_inside_a_pair_fails_every_rank_within_the_timeout(world):
             assert f"(rank {out.rank})" in msg and "timed out" in msg, msg
         # a peer's failure is seen at an EP wait; the pair's partner may sit in one more wait
         assert took <= 2 * timeout + 2, (took, msg)
+
+
+def _symmetric_refused():
+    import torch.distributed as dist
+
+    from overlap.dist import ParallelDims
+    from overlap.models.gpt import GPT, GPTConfig, gpt_loss
+    from overlap.pp import Pipeline, pipeline_stages
+
+    dims = ParallelDims.build(dp=dist.get_world_size(), ep=dist.get_world_size())
+    comm = dims.ep_comm(backend="symmetric", max_tokens=32)
+    try:
+        model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=1, n_head=2,
+                              moe_experts=4, moe_top_k=2), ep_comm=comm)
+        with pytest.raises(ValueError) as err:
+            Pipeline(pipeline_stages(model, pp_group=dims.pp_group),
+                     build_schedule("1f1b", pp_size=1, num_microbatches=2), loss_fn=gpt_loss,
+                     pp_group=dims.pp_group, ep_comms=[comm])
+        return str(err.value)
+    finally:
+        comm.close()
+
+
+def test_the_single_buffered_symmetric_exchange_is_refused_as_a_pair():
+    from harness import run_ranks
+
+    for msg in run_ranks(_symmetric_refused, 2, timeout=60):
+        assert "cannot overlap across micro-batches" in msg and "symmetric" in msg, msg

@@ -48,11 +48,15 @@ class Row:
     pct_peak: float
 
 
-def load_table(path: str = DATA) -> list[Row]:
+def csv_records(path: str) -> list[dict[str, str]]:
+    """The rows of a data table (CSV with a header; lines starting with # are comments)."""
     with open(path) as f:
-        lines = [ln for ln in f if not ln.startswith("#")]
+        return list(csv.DictReader([ln for ln in f if not ln.startswith("#")]))
+
+
+def load_table(path: str = DATA) -> list[Row]:
     rows = []
-    for rec in csv.DictReader(lines):
+    for rec in csv_records(path):
         rows.append(Row(params_b=float(rec["params_B"]), heads=int(rec["heads"]),
                         hidden=int(rec["hidden"]), layers=int(rec["layers"]), tp=int(rec["tp"]),
                         pp=int(rec["pp"]), gpus=int(rec["gpus"]),

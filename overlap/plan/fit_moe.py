@@ -13,14 +13,13 @@ The narrative (what each row is assumed to run): docs/design/planner.md.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import math
 import os
 
 from overlap.plan.comm import Placement
 from overlap.plan.estimate import estimate
-from overlap.plan.fit import _nelder_mead
+from overlap.plan.fit import _nelder_mead, csv_records
 from overlap.plan.hardware import ClusterSpec
 from overlap.plan.layout import Layout, Overlap
 from overlap.plan.models import get_model
@@ -50,10 +49,8 @@ class MoERow:
 
 
 def load_runs(path: str = DATA) -> list[MoERow]:
-    with open(path) as f:
-        lines = [ln for ln in f if not ln.startswith("#")]
     out = []
-    for r in csv.DictReader(lines):
+    for r in csv_records(path):
         out.append(MoERow(name=r["name"], dispatcher=r["dispatcher"], gpus=int(r["gpus"]),
                           tp=int(r["tp"]), ep=int(r["ep"]), pp=int(r["pp"]), vpp=int(r["vpp"]),
                           dp=int(r["dp"]), recompute=r["recompute"],
