@@ -191,13 +191,14 @@ def test_main_job_pairs_change_no_number(layout):
 
 
 def test_compare_ep_overlap_refuses_what_it_cannot_compare():
-    for extra, words in ((["--ep-backend", "symmetric"], "--ep-backend chunked"),
+    for extra, words in ((["--no-ep-pipeline-overlap"], "--ep > 1 and --ep-pipeline-overlap"),
                          (["--compare-no-overlap"], "pass one of them")):
         res = _train([*TINY, "--compare-ep-overlap", *extra])
         assert res.returncode != 0 and words in res.stderr, res.stderr[-2000:]
 
 
-def _pipeline_rank(with_pairs: bool, fail: str | None = None, timeout: float = 30.0):
+def _pipeline_rank(with_pairs: bool, fail: str | None = None, timeout: float = 30.0,
+                   backend: str = "chunked"):
     """One 1F1B step (pp 1, m 4) of a 2-block MoE GPT on the EP group of every rank, data
     different per rank; returns (loss, gradients, pairs, switches) or, with ``fail`` (a rank's
     forward raising in its third micro-batch), (seconds, error text)."""
@@ -215,7 +216,8 @@ def _pipeline_rank(with_pairs: bool, fail: str | None = None, timeout: float = 3
     cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=2,
                     moe_experts=4, moe_top_k=2)
     torch.manual_seed(0)
-    comm = dims.ep_comm(timeout=timeout)
+    extra = dict(max_tokens=32, lanes=2) if backend == "symmetric" else {}
+    comm = dims.ep_comm(timeout=timeout, backend=backend, **extra)
     model = GPT(cfg, ep_comm=comm)
     stages = pipeline_stages(model, pp_group=dims.pp_group)
     sched = build_schedule("1f1b", pp_size=1, num_microbatches=4)
@@ -250,14 +252,16 @@ def _pipeline_rank(with_pairs: bool, fail: str | None = None, timeout: float = 3
         comm.close()
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_pipeline_pairs_equal_the_sequential_step_bit_for_bit(world):
+@pytest.mark.parametrize("world, backend", [(1, "chunked"), (2, "chunked"), (4, "chunked"),
+                                            (2, "symmetric"), (4, "symmetric")])
+def test_pipeline_pairs_equal_the_sequential_step_bit_for_bit(world, backend):
     """A pair reorders host work, never arithmetic: the loss and every gradient equal the
-    unpaired step's exactly; at EP > 1 the actions hand over at their EP waits."""
+    unpaired step's exactly; at EP > 1 the actions hand over at their EP waits (the symmetric
+    exchange with a workspace per direction, lanes=2)."""
     from harness import run_ranks
 
-    on = run_ranks(_pipeline_rank, world, True, timeout=120)
-    off = run_ranks(_pipeline_rank, world, False, timeout=120)
+    on = run_ranks(_pipeline_rank, world, True, None, 30.0, backend, timeout=120)
+    off = run_ranks(_pipeline_rank, world, False, None, 30.0, backend, timeout=120)
     for (loss_on, g_on, pairs, trace), (loss_off, g_off, pairs_off, _) in zip(on, off):
         assert pairs == 3 and pairs_off == 0  # F1B0, F2B1, F3B2 on the only stage
         assert loss_on == loss_off and g_on.keys() == g_off.keys() and len(g_on) > 0
@@ -308,8 +312,8 @@ def _symmetric_refused():
         comm.close()
 
 
-def test_the_single_buffered_symmetric_exchange_is_refused_as_a_pair():
+def test_a_single_lane_symmetric_exchange_is_refused_as_a_pair():
     from harness import run_ranks
 
     for msg in run_ranks(_symmetric_refused, 2, timeout=60):
-        assert "cannot overlap across micro-batches" in msg and "symmetric" in msg, msg
+        assert "cannot overlap across micro-batches" in msg and "lanes=2" in msg, msg

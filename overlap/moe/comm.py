@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.defaults import TIMEOUT_S, positive_int, positive_seconds
+from overlap.profile.timers import comm_wait
 from overlap.symm.workspace import PeerDied, SignalTimeout, create_workspace
 from overlap.tp.collectives import wait
 
@@ -42,13 +43,15 @@ class EPComm:
     """Holds the group, this rank's place in it and the timeout; no state between calls.
 
     ``interleaver`` (set by ``overlap.pp.Pipeline(ep_comms=...)``) is told before every
-    blocking wait, so another micro-batch's compute can run while this exchange is in flight;
-    only the chunked backend allows it (``pairable``): the symmetric one is single-buffered."""
+    blocking wait, so another micro-batch's compute can run while this exchange is in flight
+    (``pairable``): the chunked backend's exchanges own their buffers; the symmetric one needs
+    ``lanes=2``, a workspace for the forward exchanges and one for the backward ones (twice
+    the userbuffer memory), so a forward and a backward can be in flight at once."""
 
     def __init__(self, group: dist.ProcessGroup, *, chunks: int = 2, dispatch: str = "same",
                  quant_block: int = 128, timeout: float = TIMEOUT_S,
                  backend: str = "chunked", max_tokens: int | None = None,
-                 kernel: str = "auto"):
+                 kernel: str = "auto", lanes: int = 1):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"EPComm: group must be a torch.distributed ProcessGroup, got "
                             f"{type(group).__name__}")
@@ -66,10 +69,15 @@ class EPComm:
             positive_int(max_tokens, "EPComm: max_tokens")
         if kernel not in KERNELS:
             raise ValueError(f"EPComm: kernel must be one of {KERNELS}, got {kernel!r}")
+        if lanes not in (1, 2):
+            raise ValueError(f"EPComm: lanes must be 1 or 2, got {lanes!r}")
         self.backend, self.kernel = backend, kernel
         self.max_tokens = None if max_tokens is None else int(max_tokens)
-        self._ws = None           # the symmetric backend's workspace (made by reserve)
-        self._phase = 0
+        self.lanes = lanes
+        # The symmetric backend's workspaces (made by reserve): lane 0 for the forward
+        # exchanges, lane 1 (with lanes=2) for the backward ones; a phase counter each.
+        self._lanes: list = [None] * lanes
+        self._phases = [0] * lanes
         self._failed: str | None = None
         self.group, self.timeout, self.chunks = group, float(timeout), int(chunks)
         self.dispatch, self.quant_block = dispatch, int(quant_block)
@@ -81,7 +89,7 @@ class EPComm:
     def pairable(self) -> bool:
         """Two exchanges may be in flight at once (another micro-batch's between post and
         wait): each chunked exchange owns its buffers; the symmetric ones share one workspace."""
-        return self.backend == "chunked"
+        return self.backend == "chunked" or self.lanes == 2
 
     def _switch(self) -> None:
         if self.interleaver is not None:
@@ -95,30 +103,36 @@ class EPComm:
     def reserve(self, nbytes: int, device) -> None:
         """Make the workspace hold at least ``nbytes`` per rank (collective: every rank
         reserves in the same order, as it builds the same layers)."""
-        if self._ws is not None and self._ws.nbytes >= nbytes:
+        if self._lanes[0] is not None and self._lanes[0].nbytes >= nbytes:
             return
-        if self._ws is not None:
-            self._ws.close()
-        self._ws = create_workspace(self.group, nbytes, num_signals=2 * self.world,
-                                    device=device, timeout=self.timeout)
-        self._phase = 0
+        for lane, ws in enumerate(self._lanes):
+            if ws is not None:
+                ws.close()
+            self._lanes[lane] = create_workspace(self.group, nbytes, num_signals=2 * self.world,
+                                                 device=device, timeout=self.timeout)
+            self._phases[lane] = 0
 
-    def workspace(self, op: str):
+    def lane_of(self, op: str, backward: bool) -> int:
+        """The workspace lane of an exchange: the backward ones get their own with lanes=2."""
+        return int(backward and self.lanes == 2)
+
+    def workspace(self, op: str, lane: int = 0):
         if self._failed is not None:
             raise RuntimeError(f"{op}: this EPComm failed earlier and cannot be used again: "
                                f"{self._failed} (rank {self.global_rank})")
-        if self._ws is None:
+        if self._lanes[lane] is None:
             raise RuntimeError(f"{op}: the EPComm has no workspace (closed, or no layer "
                                f"reserved one) (rank {self.global_rank})")
-        return self._ws
+        return self._lanes[lane]
 
-    def next_phase(self, op: str) -> int:
-        self._phase += 1
-        return self._phase
+    def next_phase(self, op: str, lane: int = 0) -> int:
+        self._phases[lane] += 1
+        return self._phases[lane]
 
     def wait_signal(self, ws, slot: int, value: int, peer: int, what: str) -> None:
         try:
-            ws.wait(slot, value, self.timeout, peer=peer)
+            with comm_wait("ep.signal"):  # an EP wait in the exposed-time accounting
+                ws.wait(slot, value, self.timeout, peer=peer)
         except (SignalTimeout, PeerDied) as exc:
             # The peers learn the cause from the abort reason, which holds 80 bytes.
             if isinstance(exc, SignalTimeout):
@@ -144,30 +158,33 @@ class EPComm:
             raise
 
     def fail(self, reason: str) -> None:
-        if self._failed is not None or self._ws is None:
+        if self._failed is not None or self._lanes[0] is None:
             self._failed = self._failed or reason
             return
         self._failed = reason
-        ws = self._ws
-        try:
-            ws.abort(reason)
-        except Exception:
-            pass
-        # Freed once the peers let go of this rank's buffer (bounded), off the caller's path.
-        threading.Thread(target=ws.close, kwargs={"timeout": min(5.0, self.timeout)},
-                         daemon=True, name="overlap-ep-deferred-free").start()
+        for ws in self._lanes:
+            try:
+                ws.abort(reason)
+            except Exception:
+                pass
+            # Freed once the peers let go of this rank's buffer (bounded), off the caller's
+            # path.
+            threading.Thread(target=ws.close, kwargs={"timeout": min(5.0, self.timeout)},
+                             daemon=True, name="overlap-ep-deferred-free").start()
 
     def close(self) -> None:
-        """Free the symmetric workspace (every rank closes it, as every rank made it)."""
-        ws, self._ws = self._ws, None
-        if ws is not None and self._failed is None:
-            ws.close(timeout=min(5.0, self.timeout))
+        """Free the symmetric workspaces (every rank closes them, as every rank made them)."""
+        lanes, self._lanes = self._lanes, [None] * self.lanes
+        for ws in lanes:
+            if ws is not None and self._failed is None:
+                ws.close(timeout=min(5.0, self.timeout))
 
     def __del__(self) -> None:
         try:
-            ws, self._ws = self._ws, None
-            if ws is not None:
-                ws.close(wait_for_peers=False)
+            lanes, self._lanes = self._lanes, [None] * self.lanes
+            for ws in lanes:
+                if ws is not None:
+                    ws.close(wait_for_peers=False)
         except Exception:
             pass
 

@@ -57,10 +57,12 @@ class Route(NamedTuple):
 class _Call:
     """One phase of the exchange over ``comm``'s workspace (forward or backward)."""
 
-    def __init__(self, comm, layout: Layout, op: str):
-        self.comm, self.ws, self.layout, self.op = comm, comm.workspace(op), layout, op
+    def __init__(self, comm, layout: Layout, op: str, *, backward: bool):
+        lane = comm.lane_of(op, backward)
+        self.comm, self.ws, self.layout, self.op = comm, comm.workspace(op, lane), layout, op
         self.ep, self.rank = comm.world, comm.rank
-        self.phase = comm.next_phase(op)
+        self.phase = comm.next_phase(op, lane)
+        self._switched = False
 
     def _typed(self, r: int, at: int, rows: int, row_bytes: int, dtype) -> torch.Tensor:
         return self.ws.view(r, dtype, (rows, row_bytes // dtype.itemsize), at)
@@ -123,6 +125,7 @@ class _Call:
 
     def gather(self, route: Route, width: int, dtype) -> torch.Tensor:
         """This rank's rows back from every owner's answer, in ``rows``' order."""
+        self._switched = False  # the answers' first wait is a hand-over point too
         for o in self._order():
             if o != self.rank:
                 self._wait(self.ep + o, o, "results from")
@@ -140,6 +143,9 @@ class _Call:
     def _wait(self, slot: int, peer: int, what: str) -> None:
         if peer == self.rank:
             return
+        if not self._switched:  # a pipeline pair's other action runs at the first wait
+            self._switched = True
+            self.comm._switch()
         self.comm.wait_signal(self.ws, slot, self.phase, peer, f"{self.op} ({what} EP rank "
                                                                  f"{peer})")
 
@@ -162,7 +168,7 @@ class _SymmetricExchange(torch.autograd.Function):
     def forward(ctx, src, w1, w2, local_x, route: Route, comm, experts: Callable,
                 local: Callable | None, *local_params):
         d = src.shape[1]
-        call = _Call(comm, route.layout, "moe dispatch")
+        call = _Call(comm, route.layout, "moe dispatch", backward=False)
         with comm.guard(call.op):
             call.ws.raise_pending(call.op)  # what a device-side wait of an earlier call recorded
             # Encoded once per source row (not per routed row); the send gathers.
@@ -197,7 +203,7 @@ class _SymmetricExchange(torch.autograd.Function):
         route, comm = ctx.route, ctx.comm
         g_back = g_back.contiguous()
         d = g_back.shape[1]
-        call = _Call(comm, route.layout, "moe combine grad")
+        call = _Call(comm, route.layout, "moe combine grad", backward=True)
         with comm.guard(call.op):
             call.ws.raise_pending(call.op)
             call.send(g_back, None, route, counts=False)

@@ -140,8 +140,9 @@ class Pipeline:
         for c in ep_comms:
             if not getattr(c, "pairable", False):
                 raise ValueError(f"pp Pipeline: {c!r} cannot overlap across micro-batches (its "
-                                 "exchange buffers are single-buffered); pass it without "
-                                 "ep_comms= to keep its overlap inside the layer")
+                                 "symmetric exchange has one workspace: make it with lanes=2, "
+                                 "or pass it without ep_comms= to keep its overlap inside the "
+                                 "layer)")
             c.interleaver = self.interleaver
         self._ep_comms = list(ep_comms)
         if ep_comms:

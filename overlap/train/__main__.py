@@ -214,10 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"restart         training resumed {r0['fault_to_resumed_s']:.2f} s after the "
               f"fault (attempt {r0.get('attempts', 1)})")
     if cfg.moe_experts and cfg.ep > 1:
-        state = ("off: --ep-backend symmetric is single-buffered"
-                 if cfg.ep_backend != "chunked" else "off (--no-ep-pipeline-overlap)"
-                 if not cfg.ep_pipeline_overlap else
-                 "forward and backward of two micro-batches under each other's all-to-alls")
+        state = ("off (--no-ep-pipeline-overlap)" if not cfg.ep_pipeline_overlap else
+                 "forward and backward of two micro-batches under each other's all-to-alls, "
+                 "where the schedule's cost model says it pays")
         print(f"in-schedule EP pairs {r0.get('ep_pairs', 0)} per step on pp rank 0 ({state})")
     if r0.get("saved"):
         print(f"checkpoints     {', '.join(r0['saved'])}")

@@ -83,7 +83,9 @@ class TrainConfig:
     ep_pipeline_overlap: bool = _field(True, "run a forward and a backward of different "
                                              "micro-batches next to each other in the schedule "
                                              "as a pair whose EP all-to-alls hide under each "
-                                             "other's compute (chunked --ep-backend)")
+                                             "other's compute (where a cost model of the "
+                                             "schedule says it pays; with --ep-backend "
+                                             "symmetric: twice the userbuffers)")
     bucket_mb: float = _field(0.25, "gradient bucket size in MiB (small: the demo model is "
                                     "small, and several buckets show the overlap)")
     sharded_optimizer: bool = _field(True, "ZeRO-style sharded optimizer over the dp axis")
@@ -252,10 +254,9 @@ class TrainConfig:
             if self.compare_no_overlap:
                 raise ConfigError("--compare-ep-overlap and --compare-no-overlap each run a "
                                   "second job beside the main one; pass one of them")
-            if self.ep == 1 or self.ep_backend != "chunked" or not self.ep_pipeline_overlap:
+            if self.ep == 1 or not self.ep_pipeline_overlap:
                 raise ConfigError("--compare-ep-overlap compares the in-schedule EP overlap "
-                                  "with none: it needs --ep > 1, --ep-backend chunked and "
-                                  "--ep-pipeline-overlap")
+                                  "with none: it needs --ep > 1 and --ep-pipeline-overlap")
         if self.compare_no_overlap or self.compare_ep_overlap:
             which = "--compare-ep-overlap" if self.compare_ep_overlap else "--compare-no-overlap"
             for flag, on in (("--save", self.save), ("--resume", self.resume),

@@ -80,6 +80,8 @@ def _ep_comm(cfg: TrainConfig, dims, overlap: bool):
     extra = {}
     if cfg.ep_backend == "symmetric":
         extra["max_tokens"] = cfg.micro_batch_size * cfg.seq_len // cfg.tp
+        # a forward and a backward in flight at once (the pipeline's pairs): two workspaces
+        extra["lanes"] = 2 if overlap and cfg.ep_pipeline_overlap else 1
     return EPComm(dims.ep_group, backend=cfg.ep_backend, chunks=2 if overlap else 1,
                   timeout=cfg.timeout, **extra)
 
