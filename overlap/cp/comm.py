@@ -1,0 +1,203 @@
+"""CPComm: the context-parallel communicator of a process group (ring attention's ``comm=``).
+
+It owns the ring's two channels, each a two-rank communicator carrying one direction (send
+to the next CP rank, receive from the previous one), built like the pipeline's
+(``overlap.pp.p2p``) so NCCL's one-op-at-a-time order never mixes the directions. Creating it
+is collective over the group; ``close()`` releases the channels. Every wait is bounded by
+``timeout`` s and names the op, the peer and this rank. After any error the communicator is
+failed: every later call raises ``CPCommFailed`` with the first error. One op in flight per
+communicator. The narrative: docs/design/cp.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._library.opaque_object import MemberType, register_opaque_type
+from torch._opaque_base import OpaqueBase
+
+from overlap.defaults import TIMEOUT_S, positive_seconds
+from overlap.dist.stamp import STAMP_WORDS, Agreement, Schema
+from overlap.profile.timers import comm_wait
+
+__all__ = ["CPComm", "CPCommFailed", "SCHEMA"]
+
+# The per-call stamp: what every CP rank must pass alike (checked on every call, in the ring's
+# first message; the communicator's first call also all-gathers it and names every rank).
+SCHEMA = Schema("cp", ("ring_attention", "ring_attention_backward"),
+                (("q shape", 4, "shape"), ("kv shape", 4, "shape"), ("dtype", 1, "dtype"),
+                 ("causal", 1, "bool")))
+
+# Channel store prefixes must be equal on both ends and unique per communicator: every rank
+# of a group creates its CPComms in the same order, so a count per group of ranks is both.
+_made: dict[tuple[int, ...], int] = {}
+
+
+class CPCommFailed(RuntimeError):
+    """A call on a CP communicator that failed earlier; the message carries the first error."""
+
+
+def _default_device(group: dist.ProcessGroup) -> torch.device:
+    if torch.cuda.is_available() and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class CPComm(OpaqueBase):
+    """The ring over ``group``: CP rank ``r`` sends to ``(r + 1) % cp`` and receives from
+    ``(r - 1) % cp``. Custom ops take it as an opaque object (no registry of communicators)."""
+
+    def __init__(self, group: dist.ProcessGroup, *, timeout: float = TIMEOUT_S,
+                 device: torch.device | str | None = None, token: str = ""):
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"CPComm: group must be a torch.distributed ProcessGroup (e.g. "
+                            f"dims.cp_group), got {type(group).__name__}")
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.global_rank = dist.get_rank()
+        self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.world)]
+        self.where = f" (rank {self.global_rank}, cp rank {self.rank} of group " \
+                     f"{self.global_ranks})"
+        self.timeout = positive_seconds(timeout, "CPComm: timeout", where=self.where)
+        self.device = torch.device(device) if device is not None else _default_device(group)
+        self.next, self.prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        self.agree = Agreement(SCHEMA, rank=self.rank, world=self.world, device=self.device,
+                               where=self.where)
+        self._failed: str | None = None
+        self.closed = False
+        self._to_next = self._from_prev = None
+        if self.world > 1:
+            key = tuple(self.global_ranks)
+            _made[key] = _made.get(key, 0) + 1
+            self._build_channels(token or f"{'-'.join(map(str, key))}#{_made[key]}")
+
+    def _build_channels(self, token: str) -> None:
+        from overlap.pp.p2p import _Channel
+
+        me, nxt, prv = (self.global_ranks[x] for x in (self.rank, self.next, self.prev))
+        wanted = {(me, nxt): "to_next", (prv, me): "from_prev"}
+        # Creation pairs the two ends; every rank makes its channels in one global order
+        # (sorted by (src, dst)), so no two ranks wait on each other's second channel.
+        for src, dst in sorted(wanted):
+            chan = _Channel(self.group, f"overlap_cp/{token}/{src}->{dst}", [src, dst],
+                            0 if src == me else 1, timedelta(seconds=self.timeout),
+                            self.device)
+            setattr(self, "_" + wanted[(src, dst)], chan)
+
+    def __repr__(self) -> str:
+        return f"CPComm(cp rank {self.rank}/{self.world}, timeout={self.timeout:g}s)"
+
+    def describe(self, cp_rank: int) -> str:
+        return f"cp rank {cp_rank} (global rank {self.global_ranks[cp_rank]})"
+
+    # -- state
+    def check_usable(self, op: str) -> None:
+        if self._failed is not None:
+            raise CPCommFailed(f"cp {op}: this CPComm failed earlier and cannot be used again: "
+                               f"{self._failed}{self.where}")
+        if self.closed:
+            raise CPCommFailed(f"cp {op}: this CPComm is closed{self.where}")
+
+    @contextlib.contextmanager
+    def guard(self, op: str):
+        """Any error inside a call fails the communicator (the first error is kept)."""
+        try:
+            yield
+        except BaseException as exc:
+            if self._failed is None:
+                self._failed = f"{type(exc).__name__}: {exc}"
+            raise
+
+    def close(self) -> None:
+        """Release the channels (local: each end releases its own)."""
+        self.closed = True
+        for name in ("_to_next", "_from_prev"):
+            chan = getattr(self, name)
+            setattr(self, name, None)
+            if chan is not None:
+                try:
+                    chan.close()
+                except Exception:  # noqa: BLE001 - a channel broken by a dead peer
+                    pass
+
+    # -- agreement
+    def stamp(self, op: str, q: torch.Tensor, kv: torch.Tensor, causal: bool) -> None:
+        """Count the call and write its stamp; the first call all-gathers every rank's stamp
+        and raises the same Disagreement on every rank (a one-time cross-rank check)."""
+        key = (op, tuple(q.shape), tuple(kv.shape), q.dtype, causal)
+        self.agree.next(op, key=key, make=lambda: {
+            "q shape": list(q.shape), "kv shape": list(kv.shape),
+            "dtype": _dtype_code(q.dtype), "causal": int(causal)})
+        self.agree.clear_received()
+        if self.agree.calls == 1 and self.world > 1:
+            self._first_call_check(op)
+
+    def _first_call_check(self, op: str) -> None:
+        from overlap.tp.collectives import all_gather_single, wait
+
+        out = self.agree.send.new_empty(self.world * STAMP_WORDS)
+        wait(all_gather_single(out, self.agree.send, group=self.group, async_op=True),
+             op=f"{op} (first-call check)", group=self.group, timeout=self.timeout, axis="cp")
+        rows = out.view(self.world, STAMP_WORDS).tolist()
+        SCHEMA.check(op, rows[self.rank], {q: rows[q] for q in range(self.world)
+                                           if q != self.rank}, rank=self.rank,
+                     where=self.where)
+
+    # -- the ring's transfers (posted async; waited with the timeout)
+    def post(self, t: torch.Tensor, *, send: bool, op: str, what: str):
+        """Post ``t`` to the next rank (``send``) or into ``t`` from the previous one; returns
+        the work to ``wait`` for. A transport that fails at the post (plain gloo, a dead
+        peer) raises the same error as a failed wait."""
+        chan = self._to_next if send else self._from_prev
+        try:
+            return chan.transfer(t, send)
+        except Exception as exc:  # noqa: BLE001 - reported with the op, the peer and the rank
+            raise self._error(exc, op, what, send, "failed when posted") from exc
+
+    def post_stamp(self, *, send: bool, op: str):
+        t = self.agree.send if send else self.agree.recv[self.prev]
+        return self.post(t, send=send, op=op, what="the stamp")
+
+    def verify_stamp(self, op: str, *, arrived_only: bool = False) -> None:
+        self.agree.verify(op, [self.prev], arrived_only=arrived_only)
+
+    def wait(self, work, *, op: str, what: str, send: bool) -> None:
+        """Wait for one transfer with the timeout; errors name the op, the transfer, the peer
+        and this rank, and say whether it failed at once (a dead peer) or timed out."""
+        t0 = time.monotonic()
+        try:
+            with comm_wait(f"cp.{op}"):
+                work.wait(timedelta(seconds=self.timeout))
+        except Exception as exc:  # gloo raises RuntimeError, NCCL DistBackendError
+            from overlap.dist.nccl_twin import SizeMismatch
+
+            took = time.monotonic() - t0
+            if isinstance(exc, SizeMismatch):
+                how = "failed: the two ranks passed different sizes"
+            elif took >= 0.9 * self.timeout:
+                how = f"timed out after {self.timeout:g}s"
+            else:
+                how = (f"failed after {took:.2f}s (the peer died, aborted or closed its "
+                       "connection)")
+            raise self._error(exc, op, what, send, how) from exc
+
+    def _error(self, exc: Exception, op: str, what: str, send: bool, how: str) -> RuntimeError:
+        peer = self.next if send else self.prev
+        return RuntimeError(f"cp {op}: {what} {'to' if send else 'from'} "
+                            f"{self.describe(peer)} {how}{self.where}: {exc}")
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    from overlap.dist.stamp import DTYPE_CODES
+
+    return DTYPE_CODES.get(dtype, 0)
+
+
+# What torch.compile may read while tracing (constants of a communicator's life).
+register_opaque_type(CPComm, typ="reference", members={
+    "world": MemberType.USE_REAL, "rank": MemberType.USE_REAL,
+    "group": MemberType.USE_REAL})
