@@ -317,3 +317,36 @@ def test_a_single_lane_symmetric_exchange_is_refused_as_a_pair():
 
     for msg in run_ranks(_symmetric_refused, 2, timeout=60):
         assert "cannot overlap across micro-batches" in msg and "lanes=2" in msg, msg
+
+
+def _pairs_disagree():
+    import torch.distributed as dist
+
+    from overlap.dist import ParallelDims
+    from overlap.models.gpt import GPT, GPTConfig, gpt_loss
+    from overlap.pp import Pipeline, pipeline_stages
+
+    dims = ParallelDims.build(dp=dist.get_world_size(), ep=dist.get_world_size())
+    comm = dims.ep_comm(timeout=30.0)
+    try:
+        model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=1, n_head=2,
+                              moe_experts=4, moe_top_k=2), ep_comm=comm)
+        m = 4 if dist.get_rank() == 0 else 6  # another program: other pairs, another EP order
+        with pytest.raises(ValueError) as err:
+            Pipeline(pipeline_stages(model, pp_group=dims.pp_group),
+                     build_schedule("1f1b", pp_size=1, num_microbatches=m), loss_fn=gpt_loss,
+                     pp_group=dims.pp_group, ep_comms=[comm])
+        return str(err.value)
+    finally:
+        comm.close()
+
+
+def test_ep_ranks_whose_pairs_differ_are_refused_on_every_rank():
+    """Pipeline replicas that would issue their EP collectives in different orders (here
+    another micro-batch count, so other pairs) fail at construction on every EP rank."""
+    from harness import run_ranks
+
+    for rank, msg in enumerate(run_ranks(_pairs_disagree, 2, timeout=60)):
+        assert "pp Pipeline(ep_comms=...): the EP ranks disagree on" in msg, msg
+        assert "schedule_and_pairs" in msg and "num_microbatches: [4, 6]" in msg, msg
+        assert f"(rank {rank})" in msg, msg

@@ -147,6 +147,15 @@ class Pipeline:
         self._ep_comms = list(ep_comms)
         if ep_comms:
             self.pairs = ep_pairs(schedule)[rank]
+            # The EP ranks (this pp rank in other pipeline replicas) must issue their EP
+            # collectives in one order: the same pairs of the same program, or NCCL would match
+            # a forward's all-to-all with a backward's. One small all-gather per EP group, here.
+            desc = repr((schedule.name, schedule.num_microbatches, schedule.num_virtual,
+                         [(str(a), str(b)) for a, b in self.pairs])).encode()
+            digest = int.from_bytes(hashlib.blake2b(desc, digest_size=6).digest(), "little")
+            for c in ep_comms:
+                c.check_same("pp Pipeline(ep_comms=...)", schedule_and_pairs=digest,
+                             num_microbatches=schedule.num_microbatches)
         # The steps this rank runs, exactly as check_nccl_order proved them deadlock-free.
         self._plans = {mode: rank_plan(schedule, rank, header_mode=mode, pairs=self.pairs)
                        for mode in (False, True)}
