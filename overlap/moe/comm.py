@@ -112,7 +112,7 @@ class EPComm:
                                                  device=device, timeout=self.timeout)
             self._phases[lane] = 0
 
-    def lane_of(self, op: str, backward: bool) -> int:
+    def lane_of(self, backward: bool) -> int:
         """The workspace lane of an exchange: the backward ones get their own with lanes=2."""
         return int(backward and self.lanes == 2)
 

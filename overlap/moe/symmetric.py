@@ -58,7 +58,7 @@ class _Call:
     """One phase of the exchange over ``comm``'s workspace (forward or backward)."""
 
     def __init__(self, comm, layout: Layout, op: str, *, backward: bool):
-        lane = comm.lane_of(op, backward)
+        lane = comm.lane_of(backward)
         self.comm, self.ws, self.layout, self.op = comm, comm.workspace(op, lane), layout, op
         self.ep, self.rank = comm.world, comm.rank
         self.phase = comm.next_phase(op, lane)
