@@ -1,0 +1,334 @@
+"""Context parallelism for Hugging Face decoders (Llama, Qwen2, Qwen3, Mistral).
+
+``enable_context_parallel(model, comm=cp_comm)`` switches the model's attention to the
+transformers attention implementation ``"overlap_cp"``: ring attention over the CPComm
+stored on each attention module (so two models with two communicators never mix).
+Legend: b batch, S full sequence, s = S / cp this rank's tokens (zig-zag chunks r and
+2cp-1-r), h / h_kv the (TP-local) query / kv heads, d head size, V vocabulary.
+``cp_shard_inputs`` cuts a (b, S) batch into this rank's (b, s) piece with its true
+positions and its next-token labels (shifted before sharding); ``cp_gather_logits`` rebuilds
+(b, S, V) in natural order (backward: this rank's rows); ``cp_loss`` is the mean over the
+whole sequence of every CP rank (its backward gives this rank's share: sum the parameter
+gradients over CP). Refused, naming op, argument and rank: attention masks, KV caches,
+dropout, sliding windows shorter than S, other families. Guide: docs/parallelize.md.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from overlap.cp.comm import CPComm
+from overlap.cp.ring import ring_attention
+from overlap.cp.zigzag import zigzag_shard, zigzag_unshard
+from overlap.tp.collectives import all_gather_single, all_reduce_async, wait
+
+__all__ = ["ATTN_NAME", "FAMILIES", "CPShard", "enable_context_parallel",
+           "check_context_parallel", "cp_shard_inputs", "cp_gather_logits", "cp_loss"]
+
+ATTN_NAME = "overlap_cp"
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+_OP = f"{ATTN_NAME} attention"
+
+
+class _CPState:
+    """What one model's attention modules read: the communicator and the attention op. A
+    deep copy of the model shares it (the communicator is the group's, not the weights')."""
+
+    __slots__ = ("comm", "attend", "hooks")
+
+    def __init__(self, comm: CPComm, attend):
+        self.comm, self.attend, self.hooks = comm, attend, []
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+# ---------------------------------------------------------------- the attention function
+
+def overlap_cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                         value: torch.Tensor, attention_mask, dropout: float = 0.0,
+                         scaling: float | None = None, sliding_window: int | None = None,
+                         **kwargs):
+    """transformers' attention interface: query (b, h, s, d), key/value (b, h_kv, s, d) of
+    this rank's zig-zag tokens -> ((b, s, h, d) attention over the whole sequence, None)."""
+    state = getattr(module, "_overlap_cp", None)
+    layer = f" in layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})"
+    if state is None:
+        raise RuntimeError(f"{_OP}{layer}: this attention module has no CP communicator; "
+                           "switch the model with enable_context_parallel(model, comm=...) "
+                           f"instead of setting attn_implementation={ATTN_NAME!r} by hand")
+    comm = state.comm
+    at = f"{layer}{comm.where}"
+    if attention_mask is not None:
+        raise ValueError(f"{_OP}: attention_mask must be None (the causal mask over the zig-"
+                         f"zag sequence is built in), got a {type(attention_mask).__name__} of "
+                         f"shape {tuple(getattr(attention_mask, 'shape', ()))}{at}")
+    if dropout:
+        raise ValueError(f"{_OP}: dropout must be 0, got {dropout} (config.attention_dropout "
+                         f"in training mode): attention dropout is not supported{at}")
+    full = query.shape[2] * comm.world
+    if sliding_window is not None and sliding_window < full:
+        raise ValueError(f"{_OP}: sliding_window={sliding_window} is shorter than the "
+                         f"sequence ({full} tokens): sliding-window attention is not "
+                         f"supported (set config.sliding_window=None or use_sliding_window="
+                         f"False){at}")
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{_OP}: {name} is not supported{at}")
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(f"{_OP}: key has {key.shape[2]} positions, query {query.shape[2]}: "
+                         f"a KV cache (generation) is not supported{at}")
+    causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+    out = state.attend(query, key, value, comm=comm, causal=causal, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, overlap_cp_attention)
+
+
+_register()  # a name for a function, not state: the communicator lives on each module
+
+
+# ---------------------------------------------------------------- switching a model
+
+def _attention_op(method: str, where: str):
+    try:
+        from overlap.cp.attention import cp_attention
+    except ImportError:
+        cp_attention = None
+    if cp_attention is not None:
+        return lambda q, k, v, **kw: cp_attention(q, k, v, method=method, **kw)
+    if method != "ring":
+        raise ValueError(f"enable_context_parallel: method must be 'ring' (the only CP "
+                         f"attention built), got {method!r}{where}")
+    return ring_attention
+
+
+def check_context_parallel(model: nn.Module, *, comm: CPComm) -> list[nn.Module]:
+    """The model's attention modules, after checking that ``model`` is a supported
+    transformers decoder and ``comm`` a CPComm (TypeError/ValueError otherwise)."""
+    op = "enable_context_parallel"
+    if not isinstance(comm, CPComm):
+        raise TypeError(f"{op}: comm must be an overlap.cp.CPComm (CPComm(dims.cp_group)), "
+                        f"got {type(comm).__name__}")
+    config = getattr(model, "config", None)
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    if not hasattr(config, "_attn_implementation") or can_set is None or not can_set():
+        raise TypeError(f"{op}: model must be a transformers model whose attention goes "
+                        f"through transformers' AttentionInterface, got "
+                        f"{type(model).__name__}{comm.where}")
+    family = getattr(config, "model_type", None)
+    if family not in FAMILIES:
+        raise ValueError(f"{op}: model_type {family!r} ({type(model).__name__}) is not "
+                         f"supported; supported families: {list(FAMILIES)}{comm.where}")
+    attns = [m for m in model.modules()
+             if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    if not attns:
+        raise ValueError(f"{op}: found no attention module (a class named *Attention with a "
+                         f"layer_idx) in {type(model).__name__}{comm.where}")
+    return attns
+
+
+def enable_context_parallel(model: nn.Module, *, comm: CPComm, method: str = "ring"
+                            ) -> nn.Module:
+    """Run ``model``'s attention over ``comm``'s CP group (in place; returns ``model``).
+    Call it after ``parallelize(model, comm=tp_comm)`` (or pass ``cp_comm=`` to it): the
+    ring then runs over this TP rank's heads. ``method``: the CP attention ("ring")."""
+    attns = check_context_parallel(model, comm=comm)
+    state = _CPState(comm, _attention_op(method, comm.where))
+    old = getattr(model, "_overlap_cp", None)
+    for handle in old.hooks if old is not None else ():
+        handle.remove()
+    model._overlap_cp = state
+    for m in attns:
+        m._overlap_cp = state
+        if m.config is not model.config:  # parallelize may give a module its own config copy
+            m.config._attn_implementation = ATTN_NAME
+    model.config._attn_implementation = ATTN_NAME
+    base = getattr(model, "base_model", model)
+    state.hooks.append(base.register_forward_pre_hook(_input_check(base, comm),
+                                                      with_kwargs=True))
+    if base is not model:
+        state.hooks.append(model.register_forward_pre_hook(_labels_check(model, comm),
+                                                           with_kwargs=True))
+    return model
+
+
+def _getter(module: nn.Module):
+    names = list(inspect.signature(module.forward).parameters)
+
+    def get(name: str, args: tuple, kwargs: dict):
+        if name in kwargs:
+            return kwargs[name]
+        i = names.index(name) if name in names else len(args)
+        return args[i] if i < len(args) else None
+    return get
+
+
+def _input_check(base: nn.Module, comm: CPComm):
+    """A pre-hook on the decoder: what the attention function cannot see (the mask is
+    dropped before it for a custom implementation; positions only matter to the rotary)."""
+    get, op = _getter(base), f"{type(base).__name__} under context parallelism"
+
+    def hook(module, args, kwargs):
+        x = get("input_ids", args, kwargs)
+        x = get("inputs_embeds", args, kwargs) if x is None else x
+        if get("attention_mask", args, kwargs) is not None:
+            raise ValueError(f"{op}: attention_mask must be None: padding masks are not "
+                             "supported (right-pad to a multiple of 2 * cp and give the "
+                             f"padding the label -100; causal attention never sees it){comm.where}")
+        for name in ("cache", "past_key_values"):
+            if get(name, args, kwargs) is not None:
+                raise ValueError(f"{op}: {name} must be None: a KV cache (generation) is not "
+                                 f"supported{comm.where}")
+        s = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() >= 2 else None
+        if s is None or s == 0 or s % 2:
+            raise ValueError(f"{op}: input_ids must be this rank's (b, s) zig-zag piece with an "
+                             f"even s (two chunks), got shape "
+                             f"{tuple(getattr(x, 'shape', ()))}{comm.where}")
+        pos = get("position_ids", args, kwargs)
+        if pos is None and comm.world > 1:
+            raise ValueError(f"{op}: position_ids must be given at cp={comm.world}: this "
+                             "rank's tokens are zig-zag chunks and the rotary embedding needs "
+                             f"their true positions (cp_shard_inputs returns them){comm.where}")
+        if pos is not None and (pos.dim() != 2 or pos.shape[1] != s):
+            raise ValueError(f"{op}: position_ids must be (b or 1, s={s}), got shape "
+                             f"{tuple(pos.shape)}{comm.where}")
+    return hook
+
+
+def _labels_check(model: nn.Module, comm: CPComm):
+    get = _getter(model)
+
+    def hook(module, args, kwargs):
+        if get("labels", args, kwargs) is not None:
+            raise ValueError(f"{type(module).__name__} under context parallelism: labels must "
+                             "be None: the model's loss shifts labels inside this rank's "
+                             "piece; shift and shard them with cp_shard_inputs(labels=...) "
+                             f"and compute the loss with cp_loss{comm.where}")
+    return hook
+
+
+# ---------------------------------------------------------------- inputs, logits, loss
+
+class CPShard(NamedTuple):
+    """This rank's piece of a batch: (b, s) token ids, (b or 1, s) true positions, and (b, s)
+    next-token labels (None without labels)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor | None
+
+
+def cp_shard_inputs(input_ids: torch.Tensor, *, comm: CPComm, labels: torch.Tensor | None = None,
+                    position_ids: torch.Tensor | None = None,
+                    ignore_index: int = -100) -> CPShard:
+    """This CP rank's zig-zag piece of ``input_ids`` (b, S), the true positions of its
+    tokens (default ``arange(S)``) and, with ``labels`` (b, S), each token's label for the
+    next-token loss: ``labels`` shifted left by one over the whole sequence, the last
+    ``ignore_index``, then sharded like the tokens."""
+    op = "cp_shard_inputs"
+    if not isinstance(comm, CPComm):
+        raise TypeError(f"{op}: comm must be a CPComm, got {type(comm).__name__}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"{op}: input_ids must be a (b, S) tensor, got "
+                         f"{tuple(getattr(input_ids, 'shape', ())) or type(input_ids).__name__}"
+                         f"{comm.where}")
+    b, full = input_ids.shape
+    cp = comm.world
+    if full == 0 or full % (2 * cp):
+        raise ValueError(f"{op}: the sequence length of input_ids must be a positive multiple "
+                         f"of 2 * cp = {2 * cp} (zig-zag chunks), got {full}; pad it (labels "
+                         f"{ignore_index} on the padding){comm.where}")
+    if labels is not None and tuple(labels.shape) != (b, full):
+        raise ValueError(f"{op}: labels must have input_ids' shape {(b, full)}, got "
+                         f"{tuple(labels.shape)}{comm.where}")
+    if position_ids is None:
+        position_ids = torch.arange(full, device=input_ids.device).unsqueeze(0)
+    elif position_ids.dim() != 2 or position_ids.shape[1] != full or \
+            position_ids.shape[0] not in (1, b):
+        raise ValueError(f"{op}: position_ids must be (1 or b={b}, S={full}), got "
+                         f"{tuple(position_ids.shape)}{comm.where}")
+    piece = lambda t: zigzag_shard(t, 1, cp=cp, rank=comm.rank)  # noqa: E731
+    shifted = None
+    if labels is not None:
+        shifted = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+    return CPShard(piece(input_ids), piece(position_ids),
+                   None if shifted is None else piece(shifted))
+
+
+class _GatherSequence(torch.autograd.Function):
+    """forward: every rank's (b, s, ...) piece, all-gathered and put in natural order;
+    backward: this rank's zig-zag rows of the gradient (no sum: the loss on the gathered
+    logits is the same on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        stacked = x.new_empty((comm.world * x.shape[0], *x.shape[1:]))  # rank-major
+        wait(all_gather_single(stacked, x.contiguous(), group=comm.group, async_op=True),
+             op="cp_gather_logits", group=comm.group, timeout=comm.timeout, axis="cp")
+        return zigzag_unshard(list(stacked.view(comm.world, *x.shape).unbind(0)), 1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return zigzag_shard(dy, 1, cp=ctx.comm.world, rank=ctx.comm.rank), None
+
+
+def cp_gather_logits(local_logits: torch.Tensor, *, comm: CPComm) -> torch.Tensor:
+    """(b, s, V) on every CP rank -> (b, S, V) in natural order, on every rank."""
+    if not isinstance(comm, CPComm):
+        raise TypeError(f"cp_gather_logits: comm must be a CPComm, got {type(comm).__name__}")
+    if not isinstance(local_logits, torch.Tensor) or local_logits.dim() < 2 or \
+            local_logits.shape[1] % 2:
+        raise ValueError(f"cp_gather_logits: local_logits must be (b, s, ...) with an even s, "
+                         f"got {tuple(getattr(local_logits, 'shape', ()))}{comm.where}")
+    if comm.world == 1:
+        return local_logits
+    return _GatherSequence.apply(local_logits, comm)
+
+
+class _SumOverCP(torch.autograd.Function):
+    """forward: the sum over the CP group; backward: the gradient as it is (each rank
+    differentiates its own terms)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        out = x.clone()
+        wait(all_reduce_async(out, group=comm.group), op="cp_loss", group=comm.group,
+             timeout=comm.timeout, axis="cp")
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+def cp_loss(local_logits: torch.Tensor, labels: torch.Tensor, *, comm: CPComm,
+            ignore_index: int = -100) -> torch.Tensor:
+    """The next-token cross-entropy averaged over every non-ignored label of the whole
+    sequence (all CP ranks), in fp32, the same value on every rank: (sum of local losses) /
+    (global count). ``labels``: this rank's shifted labels from ``cp_shard_inputs``. Its
+    backward gives this rank's terms: the sum of the parameter gradients over CP equals the
+    unsharded model's."""
+    if not isinstance(comm, CPComm):
+        raise TypeError(f"cp_loss: comm must be a CPComm, got {type(comm).__name__}")
+    if local_logits.dim() != 3 or tuple(labels.shape) != tuple(local_logits.shape[:2]):
+        raise ValueError(f"cp_loss: local_logits must be (b, s, V) and labels (b, s), got "
+                         f"{tuple(local_logits.shape)} and {tuple(labels.shape)}{comm.where}")
+    total = F.cross_entropy(local_logits.float().flatten(0, 1), labels.flatten(),
+                            ignore_index=ignore_index, reduction="sum")
+    count = (labels != ignore_index).sum().to(total.dtype)
+    both = torch.stack([total, count])
+    if comm.world > 1:
+        both = _SumOverCP.apply(both, comm)
+    return both[0] / both[1]
