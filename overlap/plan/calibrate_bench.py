@@ -173,9 +173,10 @@ def bench_pipeline(iters: int, tp: int) -> dict[tuple[int, int], float]:
         from overlap.models.tp_plans import gpt_plan
         from overlap.nn import parallelize, vocab_parallel_cross_entropy
 
-        def loss_fn(logits, targets):
+        def tp_loss(logits, targets):
             return vocab_parallel_cross_entropy(logits, targets, comm=comm)
 
+        loss_fn = tp_loss
         comm = dims.tp_comm()
     x = torch.randint(0, TINY["vocab_size"], (1, TINY["seq_len"]))
     first, last = dims.pp_rank == 0, dims.pp_rank == 1

@@ -12,6 +12,7 @@ work is HBM traffic. A fused TP op takes ``max(c, g) + min(c, g)/tp``: its expos
 ``max(0, c - g) + min(c, g)/tp``. Unfused, all of ``c`` is exposed.
 A MoE layer (``moe=True``) swaps fc1/fc2 for the router, shared and E/ep local experts on its
 routed rows, plus the dispatch/combine all-to-alls, partly hidden (:func:`moe_exposed`).
+With cp > 1 the attention core's KV exchange is :func:`overlap.plan.cp.cp_cost`.
 The narrative: docs/design/planner.md.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from overlap.plan.comm import Placement, all_to_all_time, collective_time
+from overlap.plan.cp import cp_cost
 from overlap.plan.hardware import DeviceProfile
 from overlap.plan.layout import WIRE_BYTES, Layout
 from overlap.plan.memory import routed_rows
@@ -71,7 +73,7 @@ class LayerCost:
     dgrad: float          # input-gradient compute incl. exposed TP comm (the ZB-H1 "I")
     wgrad: float          # weight-gradient GEMMs (the ZB-H1 "W")
     recompute: float      # extra forward work in the backward (selective or full)
-    tp_comm: float        # raw TP (and CP) collective seconds, fwd + bwd + recompute
+    tp_comm: float        # raw TP collective seconds, fwd + bwd + recompute
     tp_exposed: float     # of which exposed
     num_comm_ops: int     # collectives per layer and micro-batch (fwd + bwd + recompute)
     fwd_flops: float      # per GPU
@@ -79,6 +81,10 @@ class LayerCost:
     ep_comm: float = 0.0      # raw MoE all-to-all seconds, fwd + bwd + recompute
     ep_exposed: float = 0.0   # of which exposed (already inside fwd, dgrad, recompute)
     ep_ops: int = 0           # all-to-alls per layer and micro-batch
+    cp_comm: float = 0.0      # raw CP (KV exchange) seconds, fwd + bwd + recompute
+    cp_exposed: float = 0.0   # of which exposed (already inside fwd, dgrad, recompute)
+    cp_bytes: float = 0.0     # bytes this GPU sends for CP, fwd + bwd + recompute
+    cp_p2p_sides: int = 0     # ring: P2P sides (send or receive) per layer and micro-batch
 
 
 def _gemms(model: ModelSpec, layout: Layout, moe: bool = False) -> dict[str, Gemm]:
@@ -184,7 +190,10 @@ def _elementwise(model: ModelSpec, layout: Layout, flash: bool,
 
 def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_place: Placement,
                cp_place: Placement, flash: bool, moe: bool = False,
-               ep_place: Placement | None = None, num_microbatches: int = 1) -> LayerCost:
+               ep_place: Placement | None = None, num_microbatches: int = 1,
+               cp_method: str | None = None) -> LayerCost:
+    """``cp_method`` (None: the layout's) must be a concrete method when cp > 1."""
+    cp_method = cp_method or layout.cp_method
     gm = _gemms(model, layout, moe)
     e = layout.dtype_bytes
     g = {k: gemm_time(device, v, e) for k, v in gm.items()}
@@ -221,13 +230,6 @@ def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_pl
         bwd_pairs = [(ar, g_wgrad["qkv"])] + ([] if moe else [(ar, g_wgrad["fc1"])])
     else:
         fwd_pairs, bwd_pairs = [], []
-    if layout.cp > 1:
-        # Ring attention: cp-1 exchanges of this rank's K and V (forward), of dK and dV
-        # (backward), under the attention core; modelled as one collective each way.
-        kv_bytes = 2 * e * layout.micro_batch * model.seq_len / layout.cp * model.kv_dim / t
-        ring = collective_time("all_gather", kv_bytes * layout.cp, cp_place, device)[0]
-        fwd_pairs.append((ring, g["scores"] + g["av"]))
-        bwd_pairs.append((2 * ring, g_dgrad["scores"] + g_dgrad["av"]))
     fwd_exp = sum(fused_exposed(c, gs, t, fused) for c, gs in fwd_pairs)
     bwd_exp = sum(fused_exposed(c, gs, t, fused) for c, gs in bwd_pairs)
     fwd_comm = sum(c for c, _ in fwd_pairs)
@@ -237,6 +239,13 @@ def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_pl
     dgrad = sum(g_dgrad.values()) + g_wgrad["scores"] + g_wgrad["av"] + ew_bwd + bwd_exp
     wgrad = sum(v for k, v in g_wgrad.items() if k not in ("scores", "av"))
     n_ops = len(fwd_pairs) + len(bwd_pairs)
+    # Context parallelism: the attention core's KV exchange, partly under its blocks. Flash
+    # attention's backward recomputes the scores, so that counts as backward block work.
+    attn_b = g_dgrad["scores"] + g_dgrad["av"] + g_wgrad["scores"] + g_wgrad["av"] + \
+        (g["scores"] if flash else 0.0)
+    cpc = cp_cost(model, layout, device, cp_place, cp_method, attn_core, attn_b)
+    fwd += cpc.exposed_f
+    dgrad += cpc.exposed_b
     ep_f = ep_b = ep_ef = ep_eb = 0.0
     if moe and ep_place is not None and ep_place.size > 1:
         # Dispatch + combine forward; output and input gradients backward.
@@ -253,9 +262,14 @@ def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_pl
         fwd += ep_ef
         dgrad += ep_eb
     ep_comm, ep_exp = ep_f + ep_b, ep_ef + ep_eb
+    cp_comm, cp_exp = cpc.comm_f + cpc.comm_b, cpc.exposed_f + cpc.exposed_b
+    cp_sent, cp_sides = cpc.bytes_f + cpc.bytes_b, cpc.p2p_sides
     if layout.recompute == "full":
         recompute, rec_comm, rec_exp, n_rec = fwd, fwd_comm, fwd_exp, len(fwd_pairs)
         ep_comm, ep_exp = ep_comm + ep_f, ep_exp + ep_ef
+        cp_comm, cp_exp = cp_comm + cpc.comm_f, cp_exp + cpc.exposed_f
+        cp_sent += cpc.bytes_f
+        cp_sides += 2 * (layout.cp - 1) if cpc.method == "ring" else 0
     elif flash:
         # Flash attention's backward recomputes the scores (QK^T) itself, whatever the mode.
         recompute, rec_comm, rec_exp, n_rec = g["scores"], 0.0, 0.0, 0
@@ -274,4 +288,6 @@ def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_pl
                      fwd_flops=fwd_flops,
                      attn_flops=sum(gm[k].flops for k in ("scores", "av")),
                      ep_comm=ep_comm, ep_exposed=ep_exp,
-                     ep_ops=(4 + (layout.recompute == "full") * 2) if ep_f else 0)
+                     ep_ops=(4 + (layout.recompute == "full") * 2) if ep_f else 0,
+                     cp_comm=cp_comm, cp_exposed=cp_exp, cp_bytes=cp_sent,
+                     cp_p2p_sides=cp_sides)

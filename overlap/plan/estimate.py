@@ -20,9 +20,10 @@ from typing import Any
 from overlap.plan.bubble import closed_form_bubble, simulate_stages
 from overlap.plan.comm import (Placement, axis_placement, collective_time, edp_placement,
                                ep_placement, placement, ranks_placement)
-from overlap.plan.compute import layer_cost
+from overlap.plan.compute import LayerCost, layer_cost
+from overlap.plan.cp import link_split
 from overlap.plan.hardware import ClusterSpec
-from overlap.plan.layout import WIRE_BYTES, Layout
+from overlap.plan.layout import CP_METHODS, WIRE_BYTES, Layout, ulysses_error
 from overlap.plan.memory import StageMemory, memory_per_rank, rank_param_split, rank_params
 from overlap.plan.models import ModelSpec
 from overlap.plan.stages import StageCost, stage_costs
@@ -55,6 +56,11 @@ class Estimate:
     cpu_bound: bool
     dp_algorithm: str
     ep_link: str = "none"   # "nvlink" (EP group inside a node), "ib" (across nodes), "none"
+    cp_link: str = "none"   # the same for the CP group
+    # cp > 1: per feasible CP method, its terms per layer and micro-batch (``_cp_row``) and,
+    # for those "auto" replayed, the step time; ``cp_auto``: the method was chosen by "auto".
+    cp_methods: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    cp_auto: bool = False
 
     @property
     def tokens_per_s(self) -> float:
@@ -81,6 +87,12 @@ class Estimate:
     def exposed_comm_s(self) -> float:
         return sum(self.exposed_s.values())
 
+    @property
+    def cp_hidden(self) -> float:
+        """The share of the step's CP exchange seconds that the attention hides (0 at cp 1)."""
+        raw = self.comm_s.get("cp", 0.0)
+        return 1.0 - self.exposed_s["cp"] / raw if raw > 0 else 0.0
+
     def fits(self, fraction: float = 0.9) -> bool:
         return self.peak_memory.total <= fraction * self.cluster.device.hbm_bytes
 
@@ -96,6 +108,11 @@ class Estimate:
                                moe_imbalance=lay.moe_imbalance, ep_dispatch=lay.ep_dispatch,
                                ep_chunks=lay.ep_chunks)
             d["ep_link"] = self.ep_link
+        if lay.cp > 1:
+            d["layout"]["cp_method"] = lay.cp_method
+            d["cp"] = {"method": lay.cp_method, "auto": self.cp_auto, "link": self.cp_link,
+                       **self.cp_methods[lay.cp_method], "hidden_fraction": self.cp_hidden,
+                       "methods": self.cp_methods}
         return d
 
     def _as_dict(self, mem: StageMemory, lay: Layout) -> dict[str, Any]:
@@ -138,26 +155,89 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout, *,
     """``ep_group`` replaces the EP group's placement (size and ranks per node) for a run that
     placed it differently from ``ParallelDims``, such as Megatron-Core's EP folded over TP x DP
     in the published runs ``fit_moe`` calibrates on; the layout's ``ep`` still sets the
-    experts per GPU."""
+    experts per GPU. ``layout.cp_method`` "auto" (cp > 1): every feasible method is estimated
+    and the one with the lowest step time returned (``Estimate.cp_auto``)."""
     layout.check(model, cluster)
+    ctx = _Context(model, cluster, layout, ep_group)
+    if layout.cp == 1:
+        return _estimate(ctx, layout, ctx.layers("none"), {})
+    terms = {meth: ctx.layers(meth) for meth in CP_METHODS
+             if meth != "ulysses" or ulysses_error(model, layout.tp, layout.cp) is None}
+    rows = {meth: _cp_row(ctx, meth, lay_costs[0]) for meth, lay_costs in terms.items()}
+    if layout.cp_method != "auto":
+        meth = layout.cp_method
+        return _estimate(ctx, layout, terms[meth], rows)
+    # A method whose layers are no faster, forward and backward, than another's cannot give a
+    # shorter step (the replay and the overlap windows only add), so it is not replayed.
+    keys = {meth: _cp_key(cluster, *lay_costs) for meth, lay_costs in terms.items()}
+    keep = [a for a in terms if not any(
+        b != a and all(x <= y for x, y in zip(keys[b], keys[a]))
+        and (keys[b] != keys[a] or CP_METHODS.index(b) < CP_METHODS.index(a)) for b in terms)]
+    ests = {meth: _estimate(ctx, dataclasses.replace(layout, cp_method=meth), terms[meth], rows)
+            for meth in keep}
+    for meth, e in ests.items():
+        rows[meth]["step_time_s"] = e.step_time_s
+    best = min(keep, key=lambda meth: (ests[meth].step_time_s, CP_METHODS.index(meth)))
+    return dataclasses.replace(ests[best], cp_auto=True)
+
+
+class _Context:
+    """What every CP method's estimate shares: the groups' placements and the layer builder."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, layout: Layout,
+                 ep_group: Placement | None) -> None:
+        self.model, self.cluster = model, cluster
+        self.dp = dp = layout.dp(cluster)
+        self.m = layout.num_microbatches(cluster)
+        kw = dict(tp=layout.tp, cp=layout.cp, pp=layout.pp, dp=dp)
+        self.tp_place = axis_placement(cluster, "tp", **kw)
+        self.cp_place = axis_placement(cluster, "cp", **kw)
+        self.dp_place = _group_placement(cluster, layout, dp)
+        self.ep_place = self.edp_place = None
+        if model.is_moe:
+            geo = dict(tp=layout.tp, cp=layout.cp, pp=layout.pp)
+            self.ep_place = ep_group or ep_placement(cluster, ep=layout.ep, **geo)
+            self.edp_place = edp_placement(cluster, dp=dp, ep=layout.ep, **geo)
+        self.layout = layout
+
+    def layers(self, cp_method: str) -> tuple[LayerCost, LayerCost | None]:
+        """(dense layer, MoE layer or None) with ``cp_method``'s KV exchange."""
+        lay, dev = self.layout, self.cluster.device
+        kw = dict(tp_place=self.tp_place, cp_place=self.cp_place, flash=lay.flash_attention,
+                  cp_method=cp_method)
+        dense = layer_cost(self.model, lay, dev, **kw)
+        if not self.model.is_moe:
+            return dense, None
+        return dense, layer_cost(self.model, lay, dev, moe=True, ep_place=self.ep_place,
+                                 num_microbatches=self.m, **kw)
+
+
+def _cp_key(cluster: ClusterSpec, dense: LayerCost, moe: LayerCost | None) -> tuple:
+    """What differs between CP methods in a step: layer forward and backward seconds (with the
+    exposed exchange) and, on the CPU twin, the ring's host CPU per P2P side."""
+    out = [dense.fwd, dense.dgrad + dense.recompute,
+           dense.cp_p2p_sides * cluster.device.p2p_cpu_s]
+    if moe is not None:
+        out += [moe.fwd, moe.dgrad + moe.recompute]
+    return tuple(out)
+
+
+def _cp_row(ctx: _Context, method: str, dense: LayerCost) -> dict[str, Any]:
+    """One CP method's terms per (dense) layer and micro-batch on one GPU, for the report."""
+    nv, ib = link_split(method, ctx.cp_place)
+    return {"comm_s_per_layer": dense.cp_comm, "exposed_s_per_layer": dense.cp_exposed,
+            "kv_bytes_per_layer": {"nvlink": nv * dense.cp_bytes, "ib": ib * dense.cp_bytes},
+            "step_time_s": None}
+
+
+def _estimate(ctx: _Context, layout: Layout, lay_costs: tuple[LayerCost, LayerCost | None],
+              cp_rows: dict[str, dict[str, Any]]) -> Estimate:
+    model, cluster = ctx.model, ctx.cluster
     dev = cluster.device
-    dp = layout.dp(cluster)
-    m = layout.num_microbatches(cluster)
-    v = layout.num_virtual
-    kw = dict(tp=layout.tp, cp=layout.cp, pp=layout.pp, dp=dp)
-    tp_place = axis_placement(cluster, "tp", **kw)
-    cp_place = axis_placement(cluster, "cp", **kw)
-    dp_place = _group_placement(cluster, layout, dp)
-    layer = layer_cost(model, layout, dev, tp_place=tp_place, cp_place=cp_place,
-                       flash=layout.flash_attention)
-    moe_layer = ep_place = edp_place = None
-    if model.is_moe:
-        geo = dict(tp=layout.tp, cp=layout.cp, pp=layout.pp)
-        ep_place = ep_group or ep_placement(cluster, ep=layout.ep, **geo)
-        edp_place = edp_placement(cluster, dp=dp, ep=layout.ep, **geo)
-        moe_layer = layer_cost(model, layout, dev, tp_place=tp_place, cp_place=cp_place,
-                               flash=layout.flash_attention, moe=True, ep_place=ep_place,
-                               num_microbatches=m)
+    dp, m, v = ctx.dp, ctx.m, layout.num_virtual
+    tp_place, dp_place, edp_place = ctx.tp_place, ctx.dp_place, ctx.edp_place
+    ep_place = ctx.ep_place
+    layer, moe_layer = lay_costs
     costs = stage_costs(model, layout, cluster, layer, tp_place=tp_place, dp_place=dp_place,
                         moe_layer=moe_layer, edp_place=edp_place)
     sim = simulate_stages(layout.schedule, layout.pp, m, v, [c.as_sim() for c in costs])
@@ -244,6 +324,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout, *,
             "dp": max(dp_comm_rank, default=0.0) + emb_sync + per_rank("dp_comm", worst)}
     exposed = {"tp": per_rank("tp_exposed", worst), "pp": per_rank("pp_exposed", worst),
                "dp": dp_exposed + ag_exposed + emb_sync + per_rank("dp_exposed", worst)}
+    cp_link = "none"
+    if layout.cp > 1:
+        comm["cp"], exposed["cp"] = per_rank("cp_comm", worst), per_rank("cp_exposed", worst)
+        cp_link = "nvlink" if ctx.cp_place.nodes == 1 else "ib"
     ep_link = "none"
     if model.is_moe:
         comm["ep"], exposed["ep"] = per_rank("ep_comm", worst), per_rank("ep_exposed", worst)
@@ -260,4 +344,5 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout, *,
                     memory=tuple(memory_per_rank(model, layout, cluster)), comm_s=comm,
                     exposed_s=exposed, stage_costs=tuple(costs), model_flops=model_flops,
                     hardware_flops=hardware_flops, cpu_work_s=cpu_work, cpu_bound=cpu_bound,
-                    dp_algorithm=dp_algo, ep_link=ep_link)
+                    dp_algorithm=dp_algo, ep_link=ep_link, cp_link=cp_link,
+                    cp_methods=cp_rows)

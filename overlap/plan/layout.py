@@ -3,7 +3,8 @@
 ``Layout.check(model, cluster)`` raises a ValueError naming the flag for every choice that
 cannot work (tp not dividing the heads, gpus not divisible by tp*pp*cp, a batch that does not
 split into micro-batches, ep not dividing dp*cp or the experts, ...), before anything is
-estimated. EP is carved out of the dp x cp ranks, as ``overlap.dist.ParallelDims`` does.
+estimated. EP is carved out of the dp x cp ranks, as ``overlap.dist.ParallelDims`` does. CP
+needs the sequence divisible by 2*cp (zig-zag) and Ulysses the heads by tp*cp.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from overlap.plan.hardware import ClusterSpec
 from overlap.plan.models import ModelSpec
 
 __all__ = ["Layout", "Overlap", "SCHEDULES", "RECOMPUTE", "COMM_DTYPES", "WIRE_BYTES",
-           "EP_DISPATCH"]
+           "EP_DISPATCH", "CP_METHODS", "ulysses_error"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
@@ -23,6 +24,7 @@ COMM_DTYPES = ("fp32", "bf16", "int8")
 # 128 (overlap.comm.quant), 1 + 4/128 bytes.
 WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 128}
 EP_DISPATCH = ("bf16", "int8")  # the MoE forward dispatch's wire dtype (EPComm(dispatch=))
+CP_METHODS = ("ring", "allgather", "ulysses")  # Layout.cp_method also takes "auto"
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -36,17 +38,20 @@ class Overlap:
 
     MoE: ``ep`` hides the dispatch/combine all-to-all under the expert GEMMs in
     ``Layout.ep_chunks`` pieces (the chunked exchange, ``overlap.moe.exchange``); ``ep_schedule``
-    (pp > 1) hides what is left under another micro-batch's compute in the 1F1B steady state."""
+    (pp > 1) hides what is left under another micro-batch's compute in the 1F1B steady state.
+    CP: ``cp`` hides the ring's hops under the attention blocks and the all-gather under the
+    local block (``overlap.plan.cp``)."""
 
     tp: bool = True
     dp: bool = True
     pp: bool = True
     ep: bool = True
     ep_schedule: bool = True
+    cp: bool = True
 
     @classmethod
     def none(cls) -> "Overlap":
-        return cls(tp=False, dp=False, pp=False, ep=False, ep_schedule=False)
+        return cls(tp=False, dp=False, pp=False, ep=False, ep_schedule=False, cp=False)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -62,11 +67,15 @@ class Layout:
     number pads every (rank, expert) to ``ceil(cf * T * k / E)`` slots on the wire and in the
     GEMMs; ``ep_dispatch`` is the forward dispatch's wire dtype; ``ep_chunks`` the pieces of the
     chunked exchange; ``ep_node_dedup`` sends a token once per remote node (DeepEP, which the
-    calibration runs used; this runtime's exchange sends every routed row)."""
+    calibration runs used; this runtime's exchange sends every routed row).
+
+    ``cp_method``: how attention reaches the other CP ranks' keys and values, "ring",
+    "allgather", "ulysses" or "auto" (``estimate`` picks the one with the lowest step time)."""
 
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    cp_method: str = "auto"
     ep: int = 1
     capacity_factor: float | None = None
     moe_imbalance: float = 1.0
@@ -171,6 +180,16 @@ class Layout:
                              f"{model.vocab}")
         if model.seq_len % self.cp:
             raise ValueError(f"--cp {self.cp} does not divide --seq {model.seq_len}")
+        if self.cp > 1 and model.seq_len % (2 * self.cp):
+            raise ValueError(f"--seq {model.seq_len} is not divisible by 2 x --cp {self.cp} = "
+                             f"{2 * self.cp}: zig-zag gives every CP rank two equal chunks")
+        if self.cp_method not in CP_METHODS + ("auto",):
+            raise ValueError(f"--cp-method {self.cp_method!r} is unknown; expected one of "
+                             f"{list(CP_METHODS + ('auto',))}")
+        if self.cp > 1 and self.cp_method == "ulysses":
+            why = ulysses_error(model, self.tp, self.cp)
+            if why:
+                raise ValueError(why)
         if self.sequence_parallel and (model.seq_len // self.cp) % self.tp:
             raise ValueError(f"--sequence-parallel splits the {model.seq_len // self.cp} tokens "
                              f"of a sequence over --tp {self.tp}: it must divide them")
@@ -200,3 +219,13 @@ class Layout:
         if self.schedule == "interleaved" and m % self.pp:
             raise ValueError(f"--schedule interleaved needs the {m} micro-batches per pipeline "
                              f"to be a multiple of --pp {self.pp}")
+
+
+def ulysses_error(model: ModelSpec, tp: int, cp: int) -> str | None:
+    """Why Ulysses cannot run at (tp, cp), or None: its all-to-all trades the sequence for heads,
+    so every CP rank needs whole query and key/value heads of its TP rank's share."""
+    for flag, heads in (("--heads", model.num_heads), ("--kv-heads", model.kv_heads)):
+        if heads % (tp * cp):
+            return (f"--cp-method ulysses needs {flag} {heads} divisible by --tp x --cp = "
+                    f"{tp} x {cp} = {tp * cp}: each rank attends whole heads")
+    return None

@@ -5,7 +5,8 @@ and, on the last, the final norm, the vocabulary projection (T, V/t, h) and the 
 cross-entropy. Its costs also hold the exposed part of its pipeline transfers (``T*h*2`` bytes,
 1/t of it per TP rank), ZeRO-3's weight gathers and gradient reduce-scatters, and, with
 sequence parallelism, the TP all-reduces of the replicated parameters' gradients; a stage's MoE
-layers use the MoE layer's cost (with its exposed all-to-all, ``ep_*``). Operation
+layers use the MoE layer's cost (with its exposed all-to-all, ``ep_*``); ``cp_*`` is the
+layers' context-parallel KV exchange (the ring's P2P sides count in ``p2p_ops``). Operation
 counts per micro-batch (``tp_ops``, ``coll_ops``, ``p2p_ops``) feed the CPU twin's host-CPU
 accounting.
 The narrative: docs/design/planner.md.
@@ -45,12 +46,14 @@ class StageCost:
     hw_flops: float         # forward + backward + recomputation
     ep_comm: float = 0.0    # MoE all-to-all, raw and exposed
     ep_exposed: float = 0.0
+    cp_comm: float = 0.0    # CP KV exchange, raw and exposed
+    cp_exposed: float = 0.0
 
     @property
     def work(self) -> float:
         """Compute seconds (F + B without their exposed communication)."""
         return self.F + self.B - self.tp_exposed - self.pp_exposed - self.dp_exposed - \
-            self.ep_exposed
+            self.ep_exposed - self.cp_exposed
 
     def as_sim(self) -> dict[str, float]:
         return {"F": self.F, "B": self.B, "I": self.I, "W": self.W}
@@ -160,7 +163,8 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: ClusterSpec, layer: L
         i = n * (layer.dgrad + layer.recompute)
         w = n * layer.wgrad
         tp_comm, tp_exp = n * layer.tp_comm, n * layer.tp_exposed
-        tp_ops, coll_ops, p2p_ops = n * layer.num_comm_ops, 0, 0
+        tp_ops, coll_ops, p2p_ops = n * layer.num_comm_ops, 0, n * layer.cp_p2p_sides
+        cp_comm, cp_exp = n * layer.cp_comm, n * layer.cp_exposed
         fwd_flops = n * layer.fwd_flops
         hw = 3 * fwd_flops
         if layout.recompute == "full":
@@ -179,6 +183,8 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: ClusterSpec, layer: L
             tp_ops += nm * ml.num_comm_ops
             coll_ops += nm * ml.ep_ops
             ep_comm, ep_exp = nm * ml.ep_comm, nm * ml.ep_exposed
+            cp_comm, cp_exp = cp_comm + nm * ml.cp_comm, cp_exp + nm * ml.cp_exposed
+            p2p_ops += nm * ml.cp_p2p_sides
             fwd_flops += nm * ml.fwd_flops
             hw += 3 * nm * ml.fwd_flops + (nm * ml.fwd_flops if layout.recompute == "full"
                                            else nm * ml.attn_flops / 2
@@ -249,5 +255,6 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: ClusterSpec, layer: L
                              pp_comm=pp_comm, pp_exposed=pp_exp, dp_comm=z_comm,
                              dp_exposed=z_exp, tp_ops=tp_ops, coll_ops=coll_ops,
                              p2p_ops=p2p_ops, fwd_flops=fwd_flops, hw_flops=hw,
-                             ep_comm=ep_comm, ep_exposed=ep_exp))
+                             ep_comm=ep_comm, ep_exposed=ep_exp, cp_comm=cp_comm,
+                             cp_exposed=cp_exp))
     return out
