@@ -324,7 +324,8 @@ def _divide(model, divide, tp, undo) -> None:
 def parallelize(model: nn.Module, *, comm: TPComm | None = None, ep_comm=None,
                 plan: TPPlan | None = None, sequence_parallel: bool = False,
                 verify: bool | str = True, probe=None,
-                verify_tol: float | None = None, subclasses: str = "wrap") -> nn.Module:
+                verify_tol: float | None = None, subclasses: str = "wrap",
+                cp_comm=None) -> nn.Module:
     """Replace ``model``'s modules by TP ones per ``plan`` (default: ``tp_plans.plan_for(model)``)
     on one TP communicator; returns ``model`` (changed in place).
 
@@ -349,6 +350,10 @@ def parallelize(model: nn.Module, *, comm: TPComm | None = None, ep_comm=None,
     the model is restored and a ValueError names what failed and why it likely did.
     ``subclasses``: "wrap" (default), "refuse" or "replace" for matched modules whose type
     overrides forward (see overlap.nn.wrap).
+
+    ``cp_comm``: an ``overlap.cp.CPComm``; after the TP replacement (and its verification)
+    a Hugging Face decoder's attention runs over it (``overlap.cp.hf.enable_context_parallel``:
+    the ring over this rank's heads). Checked before anything changes.
     """
     where = f" (rank {dist.get_rank()})" if dist.is_initialized() else ""
     if verify not in (True, False, "model"):
@@ -363,6 +368,10 @@ def parallelize(model: nn.Module, *, comm: TPComm | None = None, ep_comm=None,
                          f"{verify_tol!r}{where}")
     comm = require_comm("parallelize", comm)
     group = comm.group
+    if cp_comm is not None:
+        from overlap.cp.hf import check_context_parallel
+
+        check_context_parallel(model, comm=cp_comm)
     if plan is None:
         from overlap.models.tp_plans import plan_for
 
@@ -416,6 +425,10 @@ def parallelize(model: nn.Module, *, comm: TPComm | None = None, ep_comm=None,
             for step in reversed(undo):
                 step()
             raise ValueError(failure)
+    if cp_comm is not None:
+        from overlap.cp.hf import enable_context_parallel
+
+        enable_context_parallel(model, comm=cp_comm)
     return model
 
 
