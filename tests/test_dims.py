@@ -16,7 +16,7 @@ import torch.distributed as dist
 from overlap.dist.dims import ParallelDims
 from harness import run_ranks
 
-AXES5 = ("tp", "cp", "pp", "dp", "ep", "edp")
+AXES5 = ("tp", "cp", "pp", "dp", "ep", "edp", "dcp")
 
 
 def factorizations(world: int) -> list[tuple[int, int, int, int]]:
@@ -37,10 +37,11 @@ def expected_groups(dp, pp, cp, tp, ep) -> dict[str, dict[int, list[int]]]:
     for d, p, c, t in itertools.product(range(dp), range(pp), range(cp), range(tp)):
         x = d * cp + c
         coord[((d * pp + p) * cp + c) * tp + t] = {"dp": d, "pp": p, "cp": c, "tp": t,
-                                                   "edp": x // ep, "ep": x % ep}
+                                                   "edp": x // ep, "ep": x % ep, "dcp": x}
     # Members of an axis group agree on every coordinate except that axis.
     keep = {"tp": ("dp", "pp", "cp"), "cp": ("dp", "pp", "tp"), "pp": ("dp", "cp", "tp"),
-            "dp": ("pp", "cp", "tp"), "ep": ("edp", "pp", "tp"), "edp": ("ep", "pp", "tp")}
+            "dp": ("pp", "cp", "tp"), "ep": ("edp", "pp", "tp"), "edp": ("ep", "pp", "tp"),
+            "dcp": ("pp", "tp")}
     out = {}
     for axis, fixed in keep.items():
         out[axis] = {r: sorted(q for q in coord if all(coord[q][k] == coord[r][k] for k in fixed))
@@ -63,7 +64,8 @@ def test_layout_and_groups_every_factorization(world, monkeypatch):
         assert (dims.dp, dims.pp, dims.cp, dims.tp, dims.ep) == (dp, pp, cp, tp, ep)
         assert ParallelDims.resolve(world_size=world, tp=tp, cp=cp, pp=pp, dp=dp, ep=ep) == dims
         want = expected_groups(dp, pp, cp, tp, ep)
-        size = {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "ep": ep, "edp": dp * cp // ep}
+        size = {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "ep": ep, "edp": dp * cp // ep,
+                "dcp": dp * cp}
         for axis in AXES5:
             groups = dims.all_groups(axis)
             # A partition: every rank in exactly one group, each of the axis' size.

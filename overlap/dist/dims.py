@@ -10,7 +10,8 @@ registry. ``resolve(...)`` validates without any process group. TP innermost, DP
 
 An EP group varies ep_rank (same edp_rank, p, t): the ranks that split the experts; an EDP
 group varies edp_rank (same ep_rank, p, t): the ranks holding the same experts, over which the
-expert gradients reduce. Groups come from a torch ``DeviceMesh`` of shape (dp, pp, cp, tp), NCCL
+expert gradients reduce. The dcp group (dp x cp, rank x) reduces dense gradients of a
+context-parallel job. Groups come from a torch ``DeviceMesh`` of shape (dp, pp, cp, tp), NCCL
 (``device_type="cuda"``) or gloo (``"cpu"``); EP and EDP groups are separate communicators.
 The narrative: docs/design/dist.md.
 """
@@ -30,7 +31,7 @@ __all__ = ["ParallelDims", "AXES"]
 
 # Mesh order, outermost first. ep and edp are not mesh dims: they split dp x cp.
 AXES = ("dp", "pp", "cp", "tp")
-_ALL_AXES = ("tp", "cp", "pp", "dp", "ep", "edp")
+_ALL_AXES = ("tp", "cp", "pp", "dp", "ep", "edp", "dcp")
 
 
 def _check_degree(name: str, value: Any, *, allow_infer: bool = False) -> None:
@@ -76,12 +77,14 @@ class ParallelDims:
     dp_group: Any = dataclasses.field(default=None, repr=False)
     ep_group: Any = dataclasses.field(default=None, repr=False)
     edp_group: Any = dataclasses.field(default=None, repr=False)
+    dcp_group: Any = dataclasses.field(default=None, repr=False)
     tp_rank: int | None = None
     cp_rank: int | None = None
     pp_rank: int | None = None
     dp_rank: int | None = None
     ep_rank: int | None = None
     edp_rank: int | None = None
+    dcp_rank: int | None = None
     pp_prev_rank: int | None = None
     pp_next_rank: int | None = None
 
@@ -154,12 +157,16 @@ class ParallelDims:
         p = rank // (self.tp * self.cp) % self.pp
         d = rank // (self.tp * self.cp * self.pp)
         x = d * self.cp + c
-        return {"tp": t, "cp": c, "pp": p, "dp": d, "ep": x % self.ep, "edp": x // self.ep}
+        return {"tp": t, "cp": c, "pp": p, "dp": d, "ep": x % self.ep, "edp": x // self.ep,
+                "dcp": x}
 
     def all_groups(self, axis: str) -> list[list[int]]:
         """Every group on ``axis`` as a list of global ranks, in group-rank order. The groups
         of one axis partition the world."""
         grid = self.rank_layout()
+        if axis == "dcp":  # dp x cp flattened, group rank x = d*cp + c
+            grid = grid.permute(0, 2, 1, 3).reshape(self.dp * self.cp, self.pp, self.tp)
+            return grid.movedim(0, -1).reshape(-1, self.dp * self.cp).tolist()
         if axis in ("ep", "edp"):
             # (d, p, c, t) -> (x = d*cp + c, p, t) -> (edp, ep, p, t); the axis last.
             grid = grid.permute(0, 2, 1, 3).reshape(self.dp * self.cp // self.ep, self.ep,
@@ -219,10 +226,13 @@ class ParallelDims:
                                                              group_desc="ep")
         dims.edp_group, _ = dist.new_subgroups_by_enumeration(dims.all_groups("edp"),
                                                               group_desc="edp")
+        # dense gradients of a CP job reduce over dp x cp (without CP: the dp group itself)
+        dims.dcp_group = (dims.dp_group if dims.cp == 1 else dist.new_subgroups_by_enumeration(
+            dims.all_groups("dcp"), group_desc="dcp")[0])
         coords = dims.coords(rank)
         dims.tp_rank, dims.cp_rank = coords["tp"], coords["cp"]
         dims.pp_rank, dims.dp_rank, dims.ep_rank = coords["pp"], coords["dp"], coords["ep"]
-        dims.edp_rank = coords["edp"]
+        dims.edp_rank, dims.dcp_rank = coords["edp"], coords["dcp"]
         pp_ranks = dims.group_ranks("pp", rank)
         dims.pp_prev_rank = pp_ranks[(dims.pp_rank - 1) % dims.pp]
         dims.pp_next_rank = pp_ranks[(dims.pp_rank + 1) % dims.pp]

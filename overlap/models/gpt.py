@@ -53,10 +53,14 @@ class GPTConfig:
     moe_token_groups: int = 1
     moe_aux_coef: float = 0.01
     moe_z_coef: float = 0.0
+    # moe_token_zigzag = cp > 1: the sequence is put in the zig-zag order of cp context-
+    # parallel ranks before it is cut into the token groups (and restored after), so one
+    # process routes the groups a cp x tp job routes (its ranks hold zig-zag chunks).
+    moe_token_zigzag: int = 1
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layer", "n_head", "mlp_ratio",
-                     "moe_top_k", "moe_every", "moe_token_groups"):
+                     "moe_top_k", "moe_every", "moe_token_groups", "moe_token_zigzag"):
             value = getattr(self, name)
             positive_int(value, f"GPTConfig: {name}")
         if isinstance(self.moe_experts, bool) or not isinstance(self.moe_experts, int) \
@@ -69,6 +73,9 @@ class GPTConfig:
         if self.moe_experts and self.seq_len % self.moe_token_groups:
             raise ValueError(f"GPTConfig: seq_len={self.seq_len} must be divisible by "
                              f"moe_token_groups={self.moe_token_groups}")
+        if self.moe_experts and self.seq_len % (2 * self.moe_token_zigzag):
+            raise ValueError(f"GPTConfig: seq_len={self.seq_len} must be divisible by 2 x "
+                             f"moe_token_zigzag={self.moe_token_zigzag}")
         if self.moe_shared < 0 or self.moe_aux_coef < 0 or self.moe_z_coef < 0:
             raise ValueError("GPTConfig: moe_shared, moe_aux_coef and moe_z_coef must be >= 0")
         if self.d_model % self.n_head:
@@ -99,6 +106,9 @@ class CausalSelfAttention(nn.Module):
         self.num_heads = config.n_head
         self.dropout = config.dropout
         self.resid_drop = nn.Dropout(config.dropout)
+        # Context parallelism (GPT(cp_comm=...)): q/k/v hold this rank's zig-zag rows and
+        # the core attends them over the whole sequence with overlap.cp's cp_attention.
+        self.cp_comm, self.cp_method = None, "ring"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.attend(self.q_proj(x), self.k_proj(x), self.v_proj(x))
@@ -116,8 +126,13 @@ class CausalSelfAttention(nn.Module):
         b, t, _ = q.shape
         head_dim = q.shape[-1] // self.num_heads
         q, k, v = (z.view(b, t, self.num_heads, head_dim).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if self.cp_comm is not None:
+            from overlap.cp import cp_attention
+
+            y = cp_attention(q, k, v, comm=self.cp_comm, causal=True, method=self.cp_method)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
         return y.transpose(1, 2).reshape(b, t, self.num_heads * head_dim)
 
 
@@ -165,6 +180,7 @@ class MoEMLP(nn.Module):
                        shared_d_ff=d_ff * config.moe_shared if config.moe_shared else None)
         self.token_groups = config.moe_token_groups
         self.groups_total = config.moe_token_groups  # what the aux losses are averaged over
+        self.zigzag = config.moe_token_zigzag
         self.coefs = (config.moe_aux_coef, config.moe_z_coef)
         self.aux_scale = 1.0
         self.last_aux: tuple[torch.Tensor, torch.Tensor] | None = None  # (lb, z) group means
@@ -172,15 +188,29 @@ class MoEMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts, lb, z = [], 0.0, 0.0
+        if self.zigzag > 1:  # route in the cp ranks' zig-zag order (GPTConfig)
+            order = zigzag_order(x.shape[1], self.zigzag, x.device)
+            x = x[:, order]
         for chunk in x.chunk(self.token_groups, dim=1) if self.token_groups > 1 else (x,):
             parts.append(self.moe(chunk))
             lb, z = lb + self.moe.aux.load_balancing, z + self.moe.aux.z
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        if self.zigzag > 1:
+            y = y[:, torch.argsort(order)]
         self.last_aux = (lb / self.groups_total, z / self.groups_total)
         if self.training and torch.is_grad_enabled() and (self.coefs[0] or self.coefs[1]):
             aux = self.coefs[0] * self.last_aux[0] + self.coefs[1] * self.last_aux[1]
             y = _AuxLoss.apply(y, aux, self.aux_scale)
         return self.drop(y)
+
+
+def zigzag_order(t: int, cp: int, device=None) -> torch.Tensor:
+    """Positions 0..t-1 in the order of cp context-parallel ranks' zig-zag pieces, rank 0's
+    first: rank r holds chunks r and 2cp-1-r of the 2cp chunks."""
+    from overlap.cp.zigzag import zigzag_shard
+
+    pos = torch.arange(t, device=device)
+    return torch.cat([zigzag_shard(pos, 0, cp=cp, rank=r) for r in range(cp)])
 
 
 class Block(nn.Module):
@@ -203,16 +233,24 @@ class GPTEmbedding(nn.Module):
     """First pipeline piece: token ids (b, t) int64 -> hidden (b, t, d). Shares the GPT's
     ``tok_emb``/``pos_emb`` modules (no copy)."""
 
-    def __init__(self, tok_emb: nn.Embedding, pos_emb: nn.Embedding, drop: nn.Dropout):
+    def __init__(self, tok_emb: nn.Embedding, pos_emb: nn.Embedding, drop: nn.Dropout,
+                 positions: torch.Tensor | None = None):
         super().__init__()
         self.tok_emb, self.pos_emb, self.drop = tok_emb, pos_emb, drop
+        self.positions = positions  # a context-parallel rank's true positions (else 0..t-1)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        if t > self.pos_emb.num_embeddings:
+        if self.positions is not None:
+            if t != self.positions.numel():
+                raise ValueError(f"GPT: a context-parallel rank takes its {self.positions.numel()}"
+                                 f" tokens of each sequence (zig-zag), got {t}")
+            pos = self.positions.to(idx.device)
+        elif t > self.pos_emb.num_embeddings:
             raise ValueError(f"GPT: sequence length {t} exceeds seq_len="
                              f"{self.pos_emb.num_embeddings}")
-        pos = torch.arange(t, device=idx.device)
+        else:
+            pos = torch.arange(t, device=idx.device)
         return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
 
 
@@ -234,13 +272,18 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 class GPT(nn.Module):
     """``ep_comm``: an EPComm over which the MoE blocks shard their experts (None: every
-    expert here). The same seed gives the same model at any EP size."""
+    expert here). The same seed gives the same model at any EP size. ``cp_comm``: a CPComm;
+    the model then takes this CP rank's zig-zag tokens of each sequence (``zigzag_shard`` of
+    the ids, dim 1), embeds them at their true positions and attends over the whole sequence
+    with ``cp_attention(method=cp_method)``."""
 
-    def __init__(self, config: GPTConfig, *, ep_comm=None):
+    def __init__(self, config: GPTConfig, *, ep_comm=None, cp_comm=None,
+                 cp_method: str = "ring"):
         super().__init__()
         if not isinstance(config, GPTConfig):
             raise TypeError(f"GPT: config must be a GPTConfig, got {type(config).__name__}")
         self.config = config
+        self.positions = None
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
         self.drop = nn.Dropout(config.dropout)
@@ -251,6 +294,19 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self._init_weights()
+        if cp_comm is not None:
+            self.context_parallel(cp_comm, method=cp_method)
+
+    def context_parallel(self, cp_comm, *, method: str = "ring") -> None:
+        """Make this model a CP rank's (``cp_comm``; class docstring). Call it after
+        ``parallelize`` (whose probe runs the whole model on one rank's full sequence) and
+        before ``pipeline_pieces``."""
+        from overlap.cp.zigzag import zigzag_shard
+
+        self.positions = zigzag_shard(torch.arange(self.config.seq_len), 0, cp=cp_comm.world,
+                                      rank=cp_comm.rank)
+        for block in self.blocks:
+            block.attn.cp_comm, block.attn.cp_method = cp_comm, method
 
     def _init_weights(self) -> None:
         # GPT-2 init; residual output projections are scaled down so the residual stream's
@@ -268,7 +324,8 @@ class GPT(nn.Module):
     def pipeline_pieces(self) -> list[nn.Module]:
         """``[GPTEmbedding, *blocks, GPTHead]``: applying them in order equals ``forward``
         without targets. The pieces share this model's parameters."""
-        return [GPTEmbedding(self.tok_emb, self.pos_emb, self.drop), *self.blocks,
+        return [GPTEmbedding(self.tok_emb, self.pos_emb, self.drop, self.positions),
+                *self.blocks,
                 GPTHead(self.ln_f, self.lm_head)]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):

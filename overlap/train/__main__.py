@@ -45,7 +45,7 @@ def _run(cfg: TrainConfig) -> list[dict]:
         world = int(os.environ["WORLD_SIZE"])
         if world != cfg.world_size:
             raise SystemExit(f"overlap-train: error: torchrun started {world} processes but "
-                             f"tp*pp*dp = {cfg.world_size}")
+                             f"tp*cp*pp*dp = {cfg.world_size}")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout))
         from overlap.train.loop import train_rank
@@ -64,8 +64,12 @@ def _summary(cfg: TrainConfig, records: list[dict]) -> str:
     steady = records[1:] or records  # step 0 pays for warm-up (shape exchange, bucket rebuild)
     med = statistics.median
     lines = ["", "summary", "-------",
-             f"layout          tp={cfg.tp} x pp={cfg.pp} x dp={cfg.dp} ({cfg.world_size} ranks), "
-             f"schedule {cfg.schedule}, {cfg.micro_batches} micro-batches",
+             f"layout          tp={cfg.tp} x cp={cfg.cp} x pp={cfg.pp} x dp={cfg.dp} "
+             f"({cfg.world_size} ranks), schedule {cfg.schedule}, {cfg.micro_batches} "
+             "micro-batches",
+             *([f"context         each sequence in 2 x {cfg.cp} zig-zag chunks, "
+                f"{cfg.cp_method} attention over cp, dense gradients reduced over dp x cp"]
+               if cfg.cp > 1 else []),
              f"overlap         sequence-parallel fused TP ops ({cfg.tp_backend}) "
              f"{'on' if cfg.sequence_parallel else 'off'}, async P2P, bucketed DP reduction "
              f"({cfg.comm_dtype}), sharded optimizer {'on' if cfg.sharded_optimizer else 'off'}",
@@ -140,7 +144,8 @@ def _profile_report(cfg: TrainConfig, results: list[dict]) -> None:
         m["rank"] = rank
         m["main_tid"] = str(m["main_tid"])
     png = os.path.join(cfg.profile, "timeline.png")
-    plot_timeline(events, png, title=f"overlap-train tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}")
+    plot_timeline(events, png, title=f"overlap-train tp={cfg.tp} cp={cfg.cp} pp={cfg.pp} "
+                                           f"dp={cfg.dp}")
     out = os.path.join(cfg.profile, "overlap_metrics.json")
     with open(out, "w") as f:
         json.dump({"ranks": metrics}, f, indent=1)

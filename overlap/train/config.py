@@ -23,6 +23,7 @@ RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine")
 EP_BACKENDS = ("chunked", "symmetric")
+CP_METHODS = ("ring", "allgather", "ulysses", "auto")
 VOCAB_SIZE = 256  # byte-level tokenizer
 
 
@@ -36,6 +37,13 @@ _field = cli.field
 @dataclasses.dataclass(kw_only=True, slots=True)
 class TrainConfig:
     tp: int = _field(2, "tensor-parallel degree (innermost: consecutive ranks)")
+    cp: int = _field(1, "context-parallel degree: each sequence is split over cp ranks "
+                        "(zig-zag, so causal work is balanced) and attention runs as ring "
+                        "attention over them; between tp and pp in the rank order")
+    cp_method: str = _field("ring", "context-parallel attention: ring (kv blocks rotate under "
+                                    "the attention of the previous one), allgather, ulysses "
+                                    "(heads <-> sequence all-to-all) or auto (measured per "
+                                    "shape on the first step)", choices=CP_METHODS)
     pp: int = _field(2, "pipeline-parallel degree (stages)")
     dp: int = _field(2, "data-parallel degree")
     schedule: str = _field("1f1b", "pipeline schedule", choices=SCHEDULES)
@@ -122,7 +130,7 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def num_stages(self) -> int:
@@ -131,7 +139,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ConfigError (one line) for settings that cannot work. Reads only the file
         system (the data file, checkpoint directories): nothing starts."""
-        for name in ("tp", "pp", "dp", "virtual_stages", "micro_batches", "micro_batch_size",
+        for name in ("tp", "cp", "pp", "dp", "virtual_stages", "micro_batches", "micro_batch_size",
                      "seq_len", "n_layer", "d_model", "n_head", "steps", "save_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -153,8 +161,8 @@ class TrainConfig:
         from overlap.dist.dims import ParallelDims
 
         try:
-            ParallelDims.resolve(world_size=self.world_size, tp=self.tp, pp=self.pp, dp=self.dp,
-                                 ep=self.ep, ranks_per_node=max(self.tp, self.world_size))
+            ParallelDims.resolve(world_size=self.world_size, tp=self.tp, cp=self.cp, pp=self.pp,
+                                 dp=self.dp, ep=self.ep, ranks_per_node=max(self.tp, self.world_size))
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if self.d_model % self.n_head:
@@ -165,10 +173,12 @@ class TrainConfig:
         if (4 * self.d_model) % self.tp or VOCAB_SIZE % self.tp:
             raise ConfigError(f"--tp {self.tp} must divide the MLP width {4 * self.d_model} and "
                               f"the vocabulary {VOCAB_SIZE}")
-        if self.sequence_parallel and self.seq_len % self.tp:
-            raise ConfigError(f"sequence parallelism splits the {self.seq_len} tokens of each "
-                              f"sequence over --tp {self.tp}: --seq-len {self.seq_len} must be "
-                              "divisible by it (or pass --no-sequence-parallel)")
+        self._validate_cp()
+        if self.sequence_parallel and (self.seq_len // self.cp) % self.tp:
+            raise ConfigError(f"sequence parallelism splits the {self.seq_len // self.cp} tokens "
+                              f"of each sequence (per context-parallel rank) over --tp "
+                              f"{self.tp}: --seq-len {self.seq_len} must be divisible by "
+                              f"cp x tp = {self.cp * self.tp} (or pass --no-sequence-parallel)")
         if self.n_layer < self.num_stages:
             raise ConfigError(f"--n-layer {self.n_layer} is less than the {self.num_stages} "
                               "pipeline stages (pp x virtual stages): every stage needs a layer")
@@ -180,6 +190,22 @@ class TrainConfig:
                               f"({self.micro_batches}) to be a multiple of --pp ({self.pp})")
         self._validate_data()
         self._validate_checkpoints()
+
+    def _validate_cp(self) -> None:
+        if self.cp == 1:
+            return
+        if self.seq_len % (2 * self.cp):
+            raise ConfigError(f"--cp {self.cp} splits each sequence into 2 x cp = "
+                              f"{2 * self.cp} zig-zag chunks: --seq-len {self.seq_len} must be "
+                              "divisible by it")
+        if self.dropout > 0:
+            raise ConfigError(f"--dropout {self.dropout} with --cp {self.cp}: context-parallel "
+                              "attention has no attention dropout; pass --dropout 0")
+        if self.cp_method == "ulysses" and (self.n_head // self.tp) % self.cp:
+            raise ConfigError(f"--cp-method ulysses gives each of the --cp {self.cp} ranks "
+                              f"whole heads: the {self.n_head // self.tp} heads per tensor-"
+                              f"parallel rank (--n-head {self.n_head} / --tp {self.tp}) must "
+                              "be divisible by cp")
 
     def _validate_moe(self) -> None:
         for name in ("ep", "moe_top_k", "moe_every"):
@@ -203,10 +229,10 @@ class TrainConfig:
         if self.moe_top_k > self.moe_experts:
             raise ConfigError(f"--moe-top-k {self.moe_top_k} is larger than --moe-experts "
                               f"{self.moe_experts}")
-        if self.seq_len % self.tp:
-            raise ConfigError(f"MoE blocks route each sequence in --tp {self.tp} groups (as "
-                              f"sequence-parallel ranks do): --seq-len {self.seq_len} must be "
-                              "divisible by it")
+        if self.seq_len % (self.tp * self.cp):
+            raise ConfigError(f"MoE blocks route each sequence in cp x tp = "
+                              f"{self.cp * self.tp} groups (as sequence-parallel ranks do): "
+                              f"--seq-len {self.seq_len} must be divisible by it")
         for flag, on in (("--dtype bf16", self.dtype == "bf16"),
                          ("--recompute full", self.recompute == "full")):
             if on:
@@ -284,9 +310,9 @@ def _check_number(name: str, v: float, *, low: float, high: float | None = None,
 
 
 _PROG = "overlap-train"
-_DESCRIPTION = ("Train a small GPT with tensor x pipeline x data parallelism and every "
-                "communication overlap on. Without torchrun it starts tp*pp*dp local CPU "
-                "processes itself.")
+_DESCRIPTION = ("Train a small GPT with tensor x context x pipeline x data (x expert) "
+                "parallelism and every communication overlap on. Without torchrun it starts "
+                "tp*cp*pp*dp local CPU processes itself.")
 
 
 def build_parser() -> "argparse.ArgumentParser":

@@ -7,7 +7,7 @@ rank's pipeline chunks and a validated schedule, one ``GradReducer`` (and a ``Sh
 or AdamW) per stage, and the training features of ``overlap.train``.
 
 Contract: the gradient is that of the mean loss over every sequence of the step (micro-batch
-losses scaled by 1/m, the DP reduction averaged over dp): exactly what ``reference_losses``
+losses scaled by 1/m, the DP reduction averaged over dp x cp): exactly what ``reference_losses``
 computes on one process.
 
 The narrative: docs/design/training.md.
@@ -53,15 +53,20 @@ class StepRecord:
     lr: float = 0.0
 
 
-def model_config(cfg: TrainConfig, *, dropout: float | None = None) -> GPTConfig:
+def model_config(cfg: TrainConfig, *, dropout: float | None = None,
+                 reference: bool = False) -> GPTConfig:
     # MoE blocks route each sequence in tp groups, as tp sequence-parallel ranks do, so one
-    # process makes the same capacity decisions as the sharded job.
+    # process makes the same capacity decisions as the sharded job. With context parallelism
+    # a rank routes its zig-zag tokens in tp groups; the one-process reference (``reference``)
+    # routes the whole sequence in cp x tp groups of the same tokens.
+    cp = cfg.cp if reference else 1
     return GPTConfig(vocab_size=VOCAB_SIZE, seq_len=cfg.seq_len, d_model=cfg.d_model,
                      n_layer=cfg.n_layer, n_head=cfg.n_head,
                      dropout=cfg.dropout if dropout is None else dropout,
                      moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k,
                      moe_every=cfg.moe_every, moe_shared=cfg.moe_shared_experts,
-                     capacity_factor=cfg.capacity_factor or None, moe_token_groups=cfg.tp,
+                     capacity_factor=cfg.capacity_factor or None,
+                     moe_token_groups=cfg.tp * cp, moe_token_zigzag=cp,
                      moe_aux_coef=cfg.moe_aux_coef)
 
 
@@ -79,7 +84,7 @@ def _ep_comm(cfg: TrainConfig, dims, overlap: bool):
 
     extra = {}
     if cfg.ep_backend == "symmetric":
-        extra["max_tokens"] = cfg.micro_batch_size * cfg.seq_len // cfg.tp
+        extra["max_tokens"] = cfg.micro_batch_size * cfg.seq_len // (cfg.tp * cfg.cp)
         # a forward and a backward in flight at once (the pipeline's pairs): two workspaces
         extra["lanes"] = 2 if overlap and cfg.ep_pipeline_overlap else 1
     return EPComm(dims.ep_group, backend=cfg.ep_backend, chunks=2 if overlap else 1,
@@ -155,12 +160,19 @@ def _build(cfg: TrainConfig, dims, device: torch.device, dtype: torch.dtype, *,
         cfg = dataclasses.replace(cfg, tp_backend="unfused")
     torch.manual_seed(cfg.seed)
     ep_comm = _ep_comm(cfg, dims, overlap)
+    cp_comm = None
+    if cfg.cp > 1:
+        from overlap.cp import CPComm
+
+        cp_comm = CPComm(dims.cp_group, timeout=cfg.timeout, device=device)
     model = GPT(model_config(cfg), ep_comm=ep_comm).to(device=device, dtype=dtype)
     tp_comm = tp_comm_for(cfg, dims, device)
     moe_blocks = tuple(i for i, b in enumerate(model.blocks) if isinstance(b.mlp, MoEMLP))
     plan = gpt_plan(loss_parallel=True, dense_mlp=len(moe_blocks) < cfg.n_layer,
                     sp_moe_blocks=moe_blocks if cfg.sequence_parallel else ())
     parallelize(model, comm=tp_comm, plan=plan, sequence_parallel=cfg.sequence_parallel)
+    if cp_comm is not None:  # after parallelize: its probe runs whole sequences
+        model.context_parallel(cp_comm, method=cfg.cp_method)
     for mlp in _moe_mlps(model):
         mlp.aux_scale = 1.0 / cfg.micro_batches  # the pipeline's scale of each loss
     tracker = RNGTracker(seed=cfg.seed, tp_rank=dims.tp_rank, pp_rank=dims.pp_rank,
@@ -208,25 +220,26 @@ def _build(cfg: TrainConfig, dims, device: torch.device, dtype: torch.dtype, *,
     return SimpleNamespace(model=model, tp_comm=tp_comm, tracker=tracker, stages=stages,
                            schedule=schedule, pipe=pipe, reducers=reducers,
                            optimizers=optimizers, replicated=replicated, overlap=overlap,
-                           ep_comm=ep_comm)
+                           ep_comm=ep_comm, cp_comm=cp_comm)
 
 
 def _reduction_groups(cfg: TrainConfig, dims, stages):
-    """(stage, group, params, divisor) per reducer: every parameter of a stage over DP; with
-    expert parallelism the experts apart, over the expert-DP group (the ranks holding the same
-    experts), divided by dp like the rest (their local gradient already sums the tokens of
-    the whole EP group)."""
+    """(stage, group, params, divisor) per reducer: every parameter of a stage over DP x CP
+    (the dcp group; each CP rank's loss is the mean over its share of the tokens, so the
+    average over dp x cp is the mean over the step); with expert parallelism the experts
+    apart, over the expert-DP group (the ranks holding the same experts), divided by dp x cp
+    like the rest (their local gradient already sums the tokens of the whole EP group)."""
     from overlap.moe import split_expert_parameters
 
     for stage in stages:
         if cfg.ep == 1 or not cfg.moe_experts:
-            yield stage, dims.dp_group, None, None
+            yield stage, dims.dcp_group, None, None
             continue
         dense, expert = split_expert_parameters(stage.module)
         if dense:
-            yield stage, dims.dp_group, dense, None
+            yield stage, dims.dcp_group, dense, None
         if expert:
-            yield stage, dims.edp_group, expert, cfg.dp
+            yield stage, dims.edp_group, expert, cfg.dp * cfg.cp
 
 
 def _train_step(cfg: TrainConfig, job: SimpleNamespace, dims, step: int, x, y, lr: float,
@@ -253,9 +266,10 @@ def _train_step(cfg: TrainConfig, job: SimpleNamespace, dims, step: int, x, y, l
     exposed, ep_exposed = exposed_seconds(), exposed_seconds("ep")
     loss = float(out.loss) if has_last and dims.tp_rank == 0 else 0.0
     # One small collective gathers what rank 0 reports: loss (from the last stage, averaged
-    # over dp), the mean exposed fraction and the slowest step time.
+    # over dp x cp: each CP rank's is the mean over its equal share of the tokens), the mean
+    # exposed fraction and the slowest step time.
     world = dist.get_world_size()
-    stats = torch.tensor([loss / cfg.dp, exposed / step_s / world, ep_exposed / world, step_s],
+    stats = torch.tensor([loss / (cfg.dp * cfg.cp), exposed / step_s / world, ep_exposed / world, step_s],
                          dtype=torch.float64, device=device)
     sums = stats[:3].clone()
     with comm_wait("train.stats"):
@@ -272,13 +286,13 @@ def _train_step(cfg: TrainConfig, job: SimpleNamespace, dims, step: int, x, y, l
 
 def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     """Train on this rank (the default process group must be initialised with
-    tp*pp*dp ranks). Returns the per-step records (identical on every rank) and, with
+    tp*cp*pp*dp ranks). Returns the per-step records (identical on every rank) and, with
     ``cfg.profile``, the path of this rank's trace."""
     from overlap.dist.dims import ParallelDims
     from overlap.tp import close_default_comms
 
     device = rank_device()
-    dims = ParallelDims.build(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep,
+    dims = ParallelDims.build(tp=cfg.tp, cp=cfg.cp, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep,
                               device_type=device.type)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     job = _build(cfg, dims, device, dtype)
@@ -312,9 +326,10 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             if prof is not None and step == first_traced:
                 prof.start()
             inputs, targets = batches.step(step)
-            # (micro_batches, mbs, seq) -> a list of (mbs, seq) micro-batches
-            x = list(inputs[dims.dp_rank].to(device).unbind(0))
-            y = list(targets[dims.dp_rank].to(device).unbind(0))
+            # (micro_batches, mbs, seq) -> a list of (mbs, seq / cp) micro-batches: this CP
+            # rank's zig-zag tokens and their next-token targets
+            x = list(_cp_share(inputs[dims.dp_rank], dims).to(device).unbind(0))
+            y = list(_cp_share(targets[dims.dp_rank], dims).to(device).unbind(0))
             lr = lr_at(cfg, step)
             if resumed_at is None:
                 resumed_at = time.time()
@@ -346,8 +361,9 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             for red in j.reducers:
                 red.close()
             j.tp_comm.close()
-            if j.ep_comm is not None:
-                j.ep_comm.close()
+            for c in (j.ep_comm, j.cp_comm):
+                if c is not None:
+                    c.close()
         if writer is not None:
             writer.close()
         close_default_comms()
@@ -358,6 +374,15 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             "fault_to_resumed_s": (resumed_at - fault_s) if fault_s and resumed_at else None,
             "saved": writer.saved if writer is not None else [],
             "ep_pairs": len(job.pipe.pairs)}
+
+
+def _cp_share(tokens: torch.Tensor, dims) -> torch.Tensor:
+    """This CP rank's zig-zag piece of the last (sequence) dim; the whole of it without CP."""
+    if dims.cp == 1:
+        return tokens
+    from overlap.cp import zigzag_shard
+
+    return zigzag_shard(tokens, tokens.dim() - 1, cp=dims.cp, rank=dims.cp_rank)
 
 
 def _grad_dtype_option(cfg: TrainConfig) -> dict:
@@ -443,7 +468,8 @@ def _checkpoint_state(cfg, model, stages, optimizers):
 
 def _save(cfg, writer, model, stages, optimizers, tracker, done: int) -> None:
     state = _checkpoint_state(cfg, model, stages, optimizers)
-    meta = {"step": done, "tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "seed": cfg.seed,
+    meta = {"step": done, "tp": cfg.tp, "cp": cfg.cp, "pp": cfg.pp, "dp": cfg.dp,
+            "seed": cfg.seed,
             "schedule": cfg.schedule, "virtual_stages": cfg.virtual_stages,
             "sharded_optimizer": cfg.sharded_optimizer, "dtype": cfg.dtype,
             "global_batch": cfg.dp * cfg.micro_batches * cfg.micro_batch_size,
@@ -452,9 +478,9 @@ def _save(cfg, writer, model, stages, optimizers, tracker, done: int) -> None:
 
 
 def _layout_key(meta_or_cfg) -> tuple:
-    g = meta_or_cfg.get if isinstance(meta_or_cfg, dict) else \
-        (lambda k: getattr(meta_or_cfg, k))
-    return tuple(g(k) for k in ("tp", "pp", "dp", "schedule", "virtual_stages",
+    g = (lambda k: meta_or_cfg.get(k, 1 if k == "cp" else None)) \
+        if isinstance(meta_or_cfg, dict) else (lambda k: getattr(meta_or_cfg, k))
+    return tuple(g(k) for k in ("tp", "cp", "pp", "dp", "schedule", "virtual_stages",
                                 "sharded_optimizer"))
 
 
@@ -548,7 +574,7 @@ def reference_model(cfg: TrainConfig, *, steps: int | None = None, dropout: floa
     Each step averages the per-micro-batch mean losses of all dp x micro_batches micro-batches
     (what the 3D job's pipeline and DP averaging compute) and takes one AdamW step."""
     torch.manual_seed(cfg.seed)
-    model = GPT(model_config(cfg, dropout=dropout))
+    model = GPT(model_config(cfg, dropout=dropout, reference=True))
     for mlp in _moe_mlps(model):
         mlp.aux_scale = 1.0 / (cfg.dp * cfg.micro_batches)  # each micro-batch's loss scale
     opt = torch.optim.AdamW(param_groups(model, list(model.parameters()), cfg.weight_decay),
