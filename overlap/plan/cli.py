@@ -5,6 +5,8 @@ arithmetic, or calibrate this machine. A thin layer over :class:`overlap.plan.co
         --global-batch 1536 --micro-batch 1 --json
     overlap-plan --model llama3-70b --gpus 1024 --gpu h100-sxm --global-batch 512 --search
     overlap-plan --model mixtral-8x7b --gpus 64 --gpu h100-sxm --global-batch 1024 --search
+    overlap-plan --model llama3-8b --seq 131072 --gpus 16 --gpu h100-sxm --global-batch 16 \\
+        --search                                     # picks cp > 1: cp 1 does not fit
     overlap-plan --calibrate --output local.json      # then: --profile local.json --gpus 8 ...
 """
 
@@ -38,10 +40,11 @@ def run(cfg: PlanConfig) -> str:
             overlap=layout.overlap, memory_fraction=cfg.memory_fraction,
             ep=(cfg.ep,) if cfg.ep > 1 else None, capacity_factor=cfg.capacity_factor,
             moe_imbalance=cfg.moe_imbalance, ep_dispatch=cfg.ep_dispatch,
-            ep_chunks=cfg.ep_chunks))
+            ep_chunks=cfg.ep_chunks, cp=(cfg.cp,) if cfg.cp > 1 else None,
+            cp_method=cfg.cp_method))
         if cfg.json:
             return json.dumps({"ranked": [e.as_dict() for e in res.ranked[:cfg.top]],
-                               "rejected": [{"tp": lay.tp, "pp": lay.pp,
+                               "rejected": [{"tp": lay.tp, "pp": lay.pp, "cp": lay.cp,
                                              **({"ep": lay.ep} if model.is_moe else {}),
                                              "micro_batch": lay.micro_batch,
                                              "schedule": lay.schedule,
@@ -50,7 +53,7 @@ def run(cfg: PlanConfig) -> str:
         return format_search(res, cfg.top)
     from overlap.plan.estimate import estimate
 
-    est = estimate(model, cluster, cfg.layout())
+    est = estimate(model, cluster, cfg.layout(), memory_fraction=cfg.memory_fraction)
     if cfg.json:
         d = est.as_dict()
         d["fits"] = est.fits(cfg.memory_fraction)

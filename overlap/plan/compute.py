@@ -11,8 +11,7 @@ Backward: every weight GEMM (m, n, k) has a dgrad (m, k, n) and a wgrad (k, n, m
 work is HBM traffic. A fused TP op takes ``max(c, g) + min(c, g)/tp``: its exposed part is
 ``max(0, c - g) + min(c, g)/tp``. Unfused, all of ``c`` is exposed.
 A MoE layer (``moe=True``) swaps fc1/fc2 for the router, shared and E/ep local experts on its
-routed rows, plus the dispatch/combine all-to-alls, partly hidden (:func:`moe_exposed`).
-With cp > 1 the attention core's KV exchange is :func:`overlap.plan.cp.cp_cost`.
+routed rows, plus the all-to-alls, partly hidden (:func:`moe_exposed`); CP: ``plan.cp``.
 The narrative: docs/design/planner.md.
 """
 

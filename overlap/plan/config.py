@@ -13,7 +13,8 @@ import dataclasses
 
 from overlap import cli
 from overlap.plan.hardware import ClusterSpec, DeviceProfile
-from overlap.plan.layout import COMM_DTYPES, EP_DISPATCH, RECOMPUTE, SCHEDULES, Layout, Overlap
+from overlap.plan.layout import (COMM_DTYPES, CP_METHODS, EP_DISPATCH, RECOMPUTE, SCHEDULES,
+                                 Layout, Overlap)
 from overlap.plan.models import MODELS, ModelSpec, get_model
 from overlap.plan.profiles import PROFILES, get_profile
 
@@ -42,7 +43,12 @@ class PlanConfig:
     gpus_per_node: int = _field(8, "GPUs per node (NVLink domain)")
     tp: int = _field(1, "tensor-parallel degree")
     pp: int = _field(1, "pipeline-parallel degree")
-    cp: int = _field(1, "context-parallel degree")
+    cp: int = _field(1, "context-parallel degree (--search: 1 tries every valid cp, N > 1 "
+                        "only N)")
+    cp_method: str = _field("auto", "context-parallel attention: ring (KV hops under the "
+                                    "attention blocks), allgather (KV gathered), ulysses "
+                                    "(all-to-all heads <-> sequence), auto (the lowest step "
+                                    "time)", choices=CP_METHODS + ("auto",))
     ep: int = _field(1, "expert-parallel degree (MoE models; carved out of dp x cp; --search: "
                         "1 tries every valid ep, N > 1 only N)")
     capacity_factor: float | None = _field(None, "MoE capacity factor (default: dropless)")
@@ -106,7 +112,7 @@ class PlanConfig:
     def layout(self) -> Layout:
         if self.global_batch is None:
             raise ValueError("--global-batch is required")
-        return Layout(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
+        return Layout(tp=self.tp, pp=self.pp, cp=self.cp, cp_method=self.cp_method, ep=self.ep,
                       global_batch=self.global_batch,
                       micro_batch=self.micro_batch, schedule=self.schedule,
                       virtual=self.virtual, recompute=self.recompute,

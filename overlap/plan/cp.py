@@ -1,20 +1,17 @@
 """Context parallelism: KV bytes, transfer seconds and their exposed part, per method, for one
 layer and one micro-batch on one GPU (ring, all-gather, Ulysses).
 
-Legend: c = cp, t = tp, e = element bytes; one GPU holds s/c tokens of b sequences and a/t query
-heads (kv_t key/value heads). Bq, Bo: its local q and attention output; Bkv: its K and V.
-A_f, A_b: its attention core seconds (zig-zag: every rank 1/c of the causal work, every ring
-step 1/c of the rank's); blk = A / c.
-ring       fwd: c-1 hops of Bkv, each under one block: (c-1) max(0, kv - blk_f) exposed.
-           bwd: c-1 hops of Bkv and c hops of the fp32 dK/dV accumulator (overlap.cp.ring):
+Legend: c = cp, e = element bytes; Bq, Bo, Bkv: this GPU's local q, attention output and K + V
+(its s/c tokens, its TP rank's heads); A_f, A_b: its attention core seconds, blk = A / c (zig-zag:
+every rank and every ring step does an equal share of the causal work).
+ring       fwd c-1 hops of Bkv, each under a block: (c-1) max(0, kv - blk_f) exposed; bwd c-1
+           hops of Bkv and c of the fp32 dK/dV accumulator (overlap.cp.ring), kv and acc:
            max(0, kv - blk) + (c-2) max(0, kv + acc - blk) + max(0, acc - blk) + acc.
-allgather  fwd: gather Bkv under the local block; bwd: gather again under the local block,
-           then reduce-scatter dK/dV, exposed (TransformerEngine's KV all-gather).
-ulysses    4 all-to-alls forward (q, k, v, o), 4 backward (grads), (c-1)/c of each tensor
-           sent; all exposed. Needs the heads and kv heads divisible by t*c.
+allgather  fwd gather under the local block; bwd gather again under it, reduce-scatter exposed.
+ulysses    4 all-to-alls (q, k, v, o) forward and 4 backward, (c-1)/c sent, all exposed.
+Buffers of one layer: ring 2 Bkv (1 + 4/e), allgather 2c Bkv, ulysses 2 (Bq + Bkv) + Bo.
 The narrative: docs/design/planner.md.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +21,8 @@ from overlap.plan.hardware import DeviceProfile
 from overlap.plan.layout import CP_METHODS, Layout
 from overlap.plan.models import ModelSpec
 
-__all__ = ["CPCost", "cp_blocks", "cp_bytes", "cp_cost", "link_split", "ACC_BYTES"]
+__all__ = ["CPCost", "cp_blocks", "cp_bytes", "cp_cost", "cp_buffer_bytes", "link_split",
+           "ACC_BYTES"]
 
 ACC_BYTES = 4.0  # the ring's dK/dV accumulators travel in fp32 (overlap/cp/ring.py)
 
@@ -67,6 +65,20 @@ def cp_bytes(model: ModelSpec, layout: Layout, method: str) -> tuple[float, floa
     if method == "ulysses":
         sent = (c - 1) / c * (bq + bkv + bo)
         return sent, sent
+    raise ValueError(f"--cp-method {method!r} is unknown; expected one of {list(CP_METHODS)}")
+
+
+def cp_buffer_bytes(model: ModelSpec, layout: Layout, method: str) -> float:
+    """Peak bytes of the exchange's own buffers during one layer's attention (module doc)."""
+    if layout.cp <= 1:
+        return 0.0
+    bq, bkv, bo = cp_blocks(model, layout)
+    if method == "ring":
+        return 2.0 * bkv * (1.0 + ACC_BYTES / layout.dtype_bytes)
+    if method == "allgather":
+        return 2.0 * layout.cp * bkv
+    if method == "ulysses":
+        return 2.0 * (bq + bkv) + bo
     raise ValueError(f"--cp-method {method!r} is unknown; expected one of {list(CP_METHODS)}")
 
 

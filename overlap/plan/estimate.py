@@ -151,12 +151,13 @@ def _group_placement(cluster: ClusterSpec, layout: Layout, dp: int) -> Placement
 
 
 def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout, *,
-             ep_group: Placement | None = None) -> Estimate:
+             ep_group: Placement | None = None, memory_fraction: float = 0.9) -> Estimate:
     """``ep_group`` replaces the EP group's placement (size and ranks per node) for a run that
     placed it differently from ``ParallelDims``, such as Megatron-Core's EP folded over TP x DP
     in the published runs ``fit_moe`` calibrates on; the layout's ``ep`` still sets the
-    experts per GPU. ``layout.cp_method`` "auto" (cp > 1): every feasible method is estimated
-    and the one with the lowest step time returned (``Estimate.cp_auto``)."""
+    experts per GPU. ``layout.cp_method`` "auto" (cp > 1): of the feasible methods that fit in
+    ``memory_fraction`` of the device (all, when none does), the one with the lowest step
+    time (``Estimate.cp_auto``)."""
     layout.check(model, cluster)
     ctx = _Context(model, cluster, layout, ep_group)
     if layout.cp == 1:
@@ -167,6 +168,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout, *,
     if layout.cp_method != "auto":
         meth = layout.cp_method
         return _estimate(ctx, layout, terms[meth], rows)
+    cap = memory_fraction * cluster.device.hbm_bytes
+    fit = [meth for meth in terms if max(s.total for s in memory_per_rank(
+        model, dataclasses.replace(layout, cp_method=meth), cluster)) <= cap]
+    terms = {meth: terms[meth] for meth in fit} if fit else terms
     # A method whose layers are no faster, forward and backward, than another's cannot give a
     # shorter step (the replay and the overlap windows only add), so it is not replayed.
     keys = {meth: _cp_key(cluster, *lay_costs) for meth, lay_costs in terms.items()}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from overlap.plan.bubble import peak_live
 from overlap.plan.comm import axis_placement, bus_bandwidth, collective_time, p2p_time
 from overlap.plan.compute import _gemms, gemm_time
+from overlap.plan.cp import cp_blocks, cp_bytes
 from overlap.plan.estimate import GIB, Estimate
 from overlap.plan.layout import WIRE_BYTES
 from overlap.plan.memory import layer_activation_bytes, rank_params
@@ -119,6 +120,8 @@ def explain(e: Estimate) -> str:
                 f"{e.comm_s['dp'] * 1e3:.1f} ms; exposed {e.exposed_s['dp'] * 1e3:.1f} ms"
                 + (" (buckets under the last backward and the pipeline drain)"
                    if lay.overlap.dp else " (after the flush)")]
+    if cp > 1:
+        out += _explain_cp(e)
 
     # -- step
     mf = e.model_flops
@@ -136,6 +139,35 @@ def explain(e: Estimate) -> str:
             f"MFU = {e.model_tflops_per_gpu:.1f} / {dev.peak_flops / 1e12:.0f} = "
             f"{100 * e.mfu:.1f}%;  HFU (with recomputation) = {100 * e.hfu:.1f}%"]
     return "\n".join(out)
+
+
+def _explain_cp(e: Estimate) -> list[str]:
+    m, lay = e.model, e.layout
+    cp, meth = lay.cp, lay.cp_method
+    bq, bkv, bo = cp_blocks(m, lay)
+    f, b = cp_bytes(m, lay, meth)
+    form = {"ring": f"fwd (cp-1) Bkv = {_mib(f)}; bwd (cp-1) Bkv + cp Bkv x 4/e = {_mib(b)} "
+                    "(fp32 dK/dV accumulators)",
+            "allgather": f"fwd gather (cp-1) Bkv = {_mib(f)}; bwd gather again + reduce-scatter "
+                         f"2 (cp-1) Bkv = {_mib(b)}",
+            "ulysses": f"(cp-1)/cp (Bq + Bkv + Bo) = {_mib(f)} each way, Bq = {_mib(bq)}, "
+                       f"Bo = {_mib(bo)}"}[meth]
+    hide = {"ring": "each hop under one attention block (1/cp of the rank's attention); the "
+                    "last dK/dV hop exposed",
+            "allgather": "the gathers under the local block; the reduce-scatter exposed",
+            "ulysses": "nothing: the all-to-alls are on the critical path"}[meth]
+    row = e.cp_methods[meth]
+    return [f"CP {meth}{' (auto: the lowest step time)' if e.cp_auto else ''} over {e.cp_link}, "
+            f"cp={cp} (ranks tp={lay.tp} apart): local K+V Bkv = 2 x b x s/cp x kv heads/tp x "
+            f"head dim x {lay.dtype_bytes} B = {_mib(bkv)}; per layer and micro-batch: {form}",
+            f"  hidden: {hide}; per layer {row['comm_s_per_layer'] * 1e3:.3f} ms raw, "
+            f"{row['exposed_s_per_layer'] * 1e3:.3f} ms exposed; per step "
+            f"{e.comm_s['cp'] * 1e3:.1f} ms raw, {e.exposed_s['cp'] * 1e3:.1f} ms exposed "
+            f"({100 * e.cp_hidden:.0f}% hidden)"]
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:.1f} MiB"
 
 
 def _bubble_form(schedule: str) -> str:

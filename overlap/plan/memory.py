@@ -5,12 +5,12 @@ grads (2 without), Adam optimizer state 12. ZeRO over the ``dp * cp`` ranks that
 parameters divides the optimizer state (stage 1), also the gradients (stage 2), also the
 weights (stage 3, plus two layers of gathered bf16 weights in flight).
 
-Activations per layer and micro-batch follow Korthikanti et al. 2022 (arXiv 2205.05198),
-each term derived from the shapes (:func:`layer_activation_bytes`). A pipeline rank holds
-those of its peak number of live (stage, micro-batch) pairs, taken from the schedule
-(:func:`overlap.plan.bubble.peak_live`); the first stage adds the embedding dropout mask, the
-last stage the output layer's activations for one micro-batch. With full recomputation the
-layer being recomputed also holds its full (no recompute) activations during its backward.
+Activations per layer and micro-batch follow Korthikanti et al. 2022 (arXiv 2205.05198), each
+term derived from the shapes for the rank's s/cp tokens (:func:`layer_activation_bytes`). A
+pipeline rank holds those of its peak number of live (stage, micro-batch) pairs from the
+schedule (:func:`overlap.plan.bubble.peak_live`); the first stage adds the embedding dropout
+mask, the last the output layer's activations for one micro-batch; full recomputation adds one
+layer's full activations; CP adds one layer's exchange buffers (``plan.cp``; "auto": the leanest).
 MoE: experts (E/ep a layer, TP-replicated) shard their state over the dp*cp/ep expert-DP ranks.
 The narrative (with the formulas): docs/design/planner.md.
 """
@@ -21,7 +21,8 @@ import dataclasses
 
 from overlap.plan.bubble import peak_live
 from overlap.plan.hardware import ClusterSpec
-from overlap.plan.layout import Layout
+from overlap.plan.cp import cp_buffer_bytes
+from overlap.plan.layout import CP_METHODS, Layout, ulysses_error
 from overlap.plan.models import ModelSpec
 
 __all__ = ["StageMemory", "rank_params", "rank_param_split", "layer_activation_bytes",
@@ -40,6 +41,7 @@ class StageMemory:
     activations: float
     expert_params: float = 0.0   # of ``params``, the routed experts (E/ep per MoE layer)
     expert_bytes: float = 0.0    # of weights + grads + optimizer, the experts'
+    cp_buffers: float = 0.0      # of ``activations``, the CP exchange's buffers (one layer)
 
     @property
     def total(self) -> float:
@@ -153,6 +155,7 @@ def memory_per_rank(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> l
     edp_shard = dp_shard // layout.ep
     moe_layers = layout.chunk_moe_layers(model)
     per_moe = layer_activation_bytes(model, layout, moe=True) if model.is_moe else 0.0
+    cp_buf = _cp_buffers(model, layout)
     out = []
     for r in range(layout.pp):
         params, experts = rank_param_split(model, layout, r)
@@ -193,7 +196,17 @@ def memory_per_rank(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> l
         if layout.num_chunks - 1 in chunks:
             acts += 4.0 * sbh / t * (1.0 + model.vocab / model.hidden)
         acts *= layout.dtype_bytes / 2.0  # Korthikanti's counts are for 2-byte activations
+        acts += cp_buf
         out.append(StageMemory(rank=r, params=params + experts, weights=weights, grads=grads,
                                optimizer=optimizer, activations=acts, expert_params=experts,
-                               expert_bytes=expert_bytes))
+                               expert_bytes=expert_bytes, cp_buffers=cp_buf))
     return out
+
+
+def _cp_buffers(model: ModelSpec, layout: Layout) -> float:
+    if layout.cp <= 1:
+        return 0.0
+    if layout.cp_method != "auto":
+        return cp_buffer_bytes(model, layout, layout.cp_method)
+    return min(cp_buffer_bytes(model, layout, m) for m in CP_METHODS
+               if m != "ulysses" or ulysses_error(model, layout.tp, layout.cp) is None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from overlap.plan.estimate import GIB, Estimate
+from overlap.plan.layout import CP_METHODS
 from overlap.plan.search import SearchResult
 
 __all__ = ["format_estimate", "format_search", "layout_name"]
@@ -11,7 +12,8 @@ __all__ = ["format_estimate", "format_search", "layout_name"]
 def layout_name(e: Estimate) -> str:
     lay = e.layout
     sched = lay.schedule + (f"(v={lay.num_virtual})" if lay.num_virtual > 1 else "")
-    parts = [f"tp{lay.tp}", f"pp{lay.pp}"] + ([f"cp{lay.cp}"] if lay.cp > 1 else []) + \
+    cp = [f"cp{lay.cp}({lay.cp_method})"] if lay.cp > 1 else []
+    parts = [f"tp{lay.tp}", f"pp{lay.pp}"] + cp + \
         [f"dp{e.dp}"] + ([f"ep{lay.ep}"] if e.model.is_moe else []) + \
         [f"mb{lay.micro_batch}", sched, f"rc-{lay.recompute}",
          f"zero{lay.zero}"] + (["sp"] if lay.sequence_parallel else [])
@@ -61,11 +63,32 @@ def format_estimate(e: Estimate) -> str:
         # After the weights/grads/optimizer line (lines[6]; lines[1] now holds two lines).
         lines.insert(7, f"  experts {mem.expert_bytes / GIB:6.2f} GiB of the above "
                         f"({mem.expert_params / 1e9:.2f}B expert parameters on this GPU)")
-    for axis in ("tp", "pp", "dp") + (("ep",) if m.is_moe else ()):
+    if lay.cp > 1:  # after the layout line; lines[7] below stays the memory breakdown
+        lines[2] += "\n" + _cp_line(e)
+    for axis in ("tp", "pp", "dp") + (("ep",) if m.is_moe else ()) + \
+            (("cp",) if lay.cp > 1 else ()):
         lines.append(f"  {axis}  {_ms(e.comm_s[axis]):>12} -> {_ms(e.exposed_s[axis]):>10}")
     lines.append(f"  exposed in total {_ms(e.exposed_comm_s)} "
                  f"({100 * e.exposed_comm_s / e.step_time_s:.1f}% of the step)")
     return "\n".join(lines)
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:,.1f}"
+
+
+def _cp_line(e: Estimate) -> str:
+    """The CP terms: method (and the alternatives), link, KV bytes per layer, hidden share."""
+    lay = e.layout
+    row = e.cp_methods[lay.cp_method]
+    kv = row["kv_bytes_per_layer"]
+    alts = ", ".join(f"{k} {_ms(e.cp_methods[k]['exposed_s_per_layer'])}" if k in e.cp_methods else
+                     f"{k} n/a" for k in CP_METHODS)
+    how = "auto" if e.cp_auto else "chosen"
+    return (f"CP        cp {lay.cp} over {e.cp_link}, {lay.cp_method} ({how}); KV MiB per layer "
+            f"and micro-batch sent: {_mib(kv['nvlink'])} NVLink + {_mib(kv['ib'])} IB; hidden "
+            f"{100 * e.cp_hidden:.0f}%; exposed per layer: {alts}; buffers "
+            f"{e.peak_memory.cp_buffers / GIB:.2f} GiB")
 
 
 def format_search(res: SearchResult, top: int, capacity_note: str = "") -> str:
@@ -73,18 +96,28 @@ def format_search(res: SearchResult, top: int, capacity_note: str = "") -> str:
              f"({', '.join(f'{k}: {v}' for k, v in sorted(res.reasons().items()))})"
              + capacity_note, ""]
     moe = any(e.model.is_moe for e in res.ranked)
-    head = f"{'#':>3}  {'layout':<58} {'step':>10} {'MFU':>6} {'bubble':>7} {'mem GiB':>8} " \
+    width = max([58] + [len(layout_name(e)) for e in res.ranked[:top]])
+    head = f"{'#':>3}  {'layout':<{width}} {'step':>10} {'MFU':>6} {'bubble':>7} {'mem GiB':>8} " \
            f"{'exposed':>9}"
     if moe:
         head += f" {'ep':>3} {'link':>6} {'expert GiB':>10} {'ep comm':>10} {'ep exp':>9}"
+    cp = any(e.layout.cp > 1 for e in res.ranked[:top])
+    if cp:
+        head += f" {'cp':>3} {'link':>6} {'kv MiB nvl':>10} {'kv MiB ib':>9} {'cp exp':>9}"
     lines += [head, "-" * len(head)]
     for i, e in enumerate(res.ranked[:top], 1):
-        row = (f"{i:>3}  {layout_name(e):<58} {_ms(e.step_time_s):>10} "
+        row = (f"{i:>3}  {layout_name(e):<{width}} {_ms(e.step_time_s):>10} "
                f"{100 * e.mfu:5.1f}% {100 * e.bubble_fraction:6.1f}% "
                f"{e.peak_memory.total / GIB:8.1f} {_ms(e.exposed_comm_s):>9}")
         if moe:
             row += (f" {e.layout.ep:>3} {e.ep_link:>6} {e.peak_memory.expert_bytes / GIB:10.1f}"
                     f" {_ms(e.comm_s['ep']):>10} {_ms(e.exposed_s['ep']):>9}")
+        if cp and e.layout.cp > 1:
+            kv = e.cp_methods[e.layout.cp_method]["kv_bytes_per_layer"]
+            row += (f" {e.layout.cp:>3} {e.cp_link:>6} {_mib(kv['nvlink']):>10} "
+                    f"{_mib(kv['ib']):>9} {_ms(e.exposed_s['cp']):>9}")
+        elif cp:
+            row += f" {1:>3} {'-':>6} {'-':>10} {'-':>9} {'-':>9}"
         lines.append(row)
     if res.rejected:
         lines += ["", "rejected (first of each reason):"]
@@ -95,6 +128,7 @@ def format_search(res: SearchResult, top: int, capacity_note: str = "") -> str:
                 continue
             seen.add(key)
             ep = f" ep{lay.ep}" if lay.ep > 1 else ""
+            ep += f" cp{lay.cp}" if lay.cp > 1 else ""
             lines.append(f"  tp{lay.tp} pp{lay.pp}{ep} mb{lay.micro_batch} {lay.schedule} "
                          f"rc-{lay.recompute}: {why}")
     return "\n".join(lines)

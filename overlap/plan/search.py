@@ -1,9 +1,11 @@
 """``search(model, cluster, global_batch, constraints)``: rank the layouts that fit.
 
 Candidates: every tp (a power of two up to the node, dividing the heads), pp (dividing the
-layers and the GPUs left), micro-batch, schedule (1F1B, interleaved with v chunks, ZB-H1),
-recomputation and ZeRO stage the constraints allow, with sequence parallelism whenever tp > 1;
-for a MoE model also every ep that divides dp (and the experts).
+layers and the GPUs left), cp (a power of two dividing the GPUs left, with 2*cp dividing the
+sequence and s/cp >= ``min_cp_tokens``; method "auto"), micro-batch, schedule (1F1B, interleaved
+with v chunks, ZB-H1), recomputation and ZeRO stage the constraints allow, with sequence
+parallelism whenever tp > 1; for a MoE model also every ep that divides dp x cp (and the
+experts).
 Each is checked in order of cost: its shapes (``Layout.check``), then its memory (cheap,
 :mod:`overlap.plan.memory`), then the full estimate with the pipeline replay. A candidate that
 fails gets the reason; the rest are ranked by step time (ties: less memory).
@@ -42,6 +44,11 @@ class Constraints:
     moe_imbalance: float = 1.0
     ep_dispatch: str = "bf16"
     ep_chunks: int = 2
+    cp: tuple[int, ...] | None = None   # None: every valid cp
+    # cp > 1 only while every CP rank keeps s/cp >= this many tokens: 4096 allows cp 2 from 8K,
+    # where Megatron-Core's parallelism guide starts recommending CP ("8K+ tokens").
+    min_cp_tokens: int = 4096
+    cp_method: str = "auto"
 
 
 @dataclasses.dataclass(slots=True)
@@ -74,21 +81,35 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int,
         for pp in range(1, min(c.max_pp, model.num_layers) + 1):
             if model.num_layers % pp or cluster.num_gpus % (tp * pp):
                 continue
-            for mb in c.micro_batches:
-                for sched in c.schedules if pp > 1 else ("1f1b",):
-                    for v in c.virtual if sched == "interleaved" else (1,):
-                        for rec in c.recompute:
-                            if sched == "zb-h1" and rec == "full":
-                                continue
-                            for zero in c.zero:
-                                for ep in _ep_values(model, cluster.num_gpus // (tp * pp), c):
-                                    out.append(Layout(
-                                        tp=tp, pp=pp, ep=ep, global_batch=global_batch,
-                                        micro_batch=mb, schedule=sched, virtual=v,
-                                        recompute=rec, sequence_parallel=tp > 1, zero=zero,
-                                        comm_dtype=c.comm_dtype,
-                                        flash_attention=c.flash_attention, overlap=c.overlap,
-                                        **_moe_kw(model, c)))
+            for cp in _cp_values(model, cluster.num_gpus // (tp * pp), c):
+                out += _inner(model, cluster, global_batch, c, tp, pp, cp)
+    return out
+
+
+def _cp_values(model: ModelSpec, rest: int, c: Constraints) -> list[int]:
+    valid = [v for v in _powers_of_two(rest) if rest % v == 0 and (v == 1 or (
+        model.seq_len % (2 * v) == 0 and model.seq_len // v >= c.min_cp_tokens))]
+    return [v for v in valid if c.cp is None or v in c.cp]
+
+
+def _inner(model: ModelSpec, cluster: ClusterSpec, global_batch: int, c: Constraints, tp: int,
+           pp: int, cp: int) -> list[Layout]:
+    """Every micro-batch, schedule, recomputation, ZeRO stage and ep at one (tp, pp, cp)."""
+    out = []
+    for mb in c.micro_batches:
+        for sched in c.schedules if pp > 1 else ("1f1b",):
+            for v in c.virtual if sched == "interleaved" else (1,):
+                for rec in c.recompute:
+                    if sched == "zb-h1" and rec == "full":
+                        continue
+                    for zero in c.zero:
+                        for ep in _ep_values(model, cluster.num_gpus // (tp * pp), c):
+                            out.append(Layout(
+                                tp=tp, pp=pp, cp=cp, cp_method=c.cp_method, ep=ep,
+                                global_batch=global_batch, micro_batch=mb, schedule=sched,
+                                virtual=v, recompute=rec, sequence_parallel=tp > 1, zero=zero,
+                                comm_dtype=c.comm_dtype, flash_attention=c.flash_attention,
+                                overlap=c.overlap, **_moe_kw(model, c)))
     return out
 
 
@@ -123,6 +144,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, global_batch: int,
                                      f"> {capacity / GIB:.1f} GiB ({constraints.memory_fraction:g}"
                                      f" of {cluster.device.hbm_bytes / GIB:.1f} GiB)"))
             continue
-        ranked.append(estimate(model, cluster, layout))
+        ranked.append(estimate(model, cluster, layout,
+                               memory_fraction=constraints.memory_fraction))
     ranked.sort(key=lambda e: (e.step_time_s, e.peak_memory.total))
     return SearchResult(ranked=ranked, rejected=rejected)
