@@ -19,6 +19,7 @@ import inspect
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -33,6 +34,10 @@ __all__ = ["ATTN_NAME", "FAMILIES", "CPShard", "enable_context_parallel",
 ATTN_NAME = "overlap_cp"
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 _OP = f"{ATTN_NAME} attention"
+
+
+def _rank() -> str:
+    return f" (rank {dist.get_rank()})" if dist.is_initialized() else ""
 
 
 class _CPState:
@@ -61,7 +66,8 @@ def overlap_cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     if state is None:
         raise RuntimeError(f"{_OP}{layer}: this attention module has no CP communicator; "
                            "switch the model with enable_context_parallel(model, comm=...) "
-                           f"instead of setting attn_implementation={ATTN_NAME!r} by hand")
+                           f"instead of setting attn_implementation={ATTN_NAME!r} by hand"
+                           f"{_rank()}")
     comm = state.comm
     at = f"{layer}{comm.where}"
     if attention_mask is not None:
@@ -119,7 +125,7 @@ def check_context_parallel(model: nn.Module, *, comm: CPComm) -> list[nn.Module]
     op = "enable_context_parallel"
     if not isinstance(comm, CPComm):
         raise TypeError(f"{op}: comm must be an overlap.cp.CPComm (CPComm(dims.cp_group)), "
-                        f"got {type(comm).__name__}")
+                        f"got {type(comm).__name__}{_rank()}")
     config = getattr(model, "config", None)
     can_set = getattr(type(model), "_can_set_attn_implementation", None)
     if not hasattr(config, "_attn_implementation") or can_set is None or not can_set():
@@ -238,7 +244,8 @@ def cp_shard_inputs(input_ids: torch.Tensor, *, comm: CPComm, labels: torch.Tens
     ``ignore_index``, then sharded like the tokens."""
     op = "cp_shard_inputs"
     if not isinstance(comm, CPComm):
-        raise TypeError(f"{op}: comm must be a CPComm, got {type(comm).__name__}")
+        raise TypeError(f"{op}: comm must be a CPComm, got {type(comm).__name__}"
+                        f"{_rank()}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"{op}: input_ids must be a (b, S) tensor, got "
                          f"{tuple(getattr(input_ids, 'shape', ())) or type(input_ids).__name__}"
@@ -287,7 +294,8 @@ class _GatherSequence(torch.autograd.Function):
 def cp_gather_logits(local_logits: torch.Tensor, *, comm: CPComm) -> torch.Tensor:
     """(b, s, V) on every CP rank -> (b, S, V) in natural order, on every rank."""
     if not isinstance(comm, CPComm):
-        raise TypeError(f"cp_gather_logits: comm must be a CPComm, got {type(comm).__name__}")
+        raise TypeError(f"cp_gather_logits: comm must be a CPComm, got {type(comm).__name__}"
+                        f"{_rank()}")
     if not isinstance(local_logits, torch.Tensor) or local_logits.dim() < 2 or \
             local_logits.shape[1] % 2:
         raise ValueError(f"cp_gather_logits: local_logits must be (b, s, ...) with an even s, "
@@ -321,7 +329,8 @@ def cp_loss(local_logits: torch.Tensor, labels: torch.Tensor, *, comm: CPComm,
     backward gives this rank's terms: the sum of the parameter gradients over CP equals the
     unsharded model's."""
     if not isinstance(comm, CPComm):
-        raise TypeError(f"cp_loss: comm must be a CPComm, got {type(comm).__name__}")
+        raise TypeError(f"cp_loss: comm must be a CPComm, got {type(comm).__name__}"
+                        f"{_rank()}")
     if local_logits.dim() != 3 or tuple(labels.shape) != tuple(local_logits.shape[:2]):
         raise ValueError(f"cp_loss: local_logits must be (b, s, V) and labels (b, s), got "
                          f"{tuple(local_logits.shape)} and {tuple(labels.shape)}{comm.where}")
