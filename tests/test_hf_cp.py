@@ -1,6 +1,6 @@
-"""overlap.cp.hf: tiny Llama, Qwen2, Qwen3, Mistral at cp 2, Llama at cp 2 x tp 2 and cp 1 vs the
-unsharded model on the whole sequence (gathered logits, loss, every gradient summed over CP and
-gathered over TP); the refusals on every rank. Tolerance, fp32 (the ring has no fp64): both
+"""overlap.cp.hf: tiny Llama, Qwen2, Qwen3, Mistral at cp 2 (Llama also by all-gather and Ulysses,
+at cp 2 x tp 2 and cp 1) vs the unsharded model on the whole sequence (gathered logits, loss,
+every gradient summed over CP, gathered over TP); the refusals on every rank. Tolerance, fp32 (the ring has no fp64): both
 sides round each operation once (u = 2^-24 = 6e-8) and differ only in the order of sums
 (attention blocks merged by log-sum-exp vs one SDPA; per-rank token sums of weight gradients
 then a sum over CP; TP partial sums). A reordered sum of n <= 64 terms moves by ~sqrt(n) u =
@@ -85,7 +85,7 @@ def _cp_grads(model, dims, tp: int) -> dict:
     return gather_grads(model) if tp > 1 else {n: p.grad for n, p in model.named_parameters()}
 
 
-def _job(family: str, tp: int, cp: int, extras: bool):
+def _job(family: str, tp: int, cp: int, extras: bool, method: str = "ring"):
     from overlap.cp import CPComm
     from overlap.cp.hf import cp_gather_logits, cp_loss, cp_shard_inputs, enable_context_parallel
     from overlap.dist import ParallelDims
@@ -103,7 +103,7 @@ def _job(family: str, tp: int, cp: int, extras: bool):
         if tp > 1:  # TP first (its verification runs the plain model), then the ring
             parallelize(model, comm=tp_comm, cp_comm=cp_comm)
         else:
-            enable_context_parallel(model, comm=cp_comm)
+            enable_context_parallel(model, comm=cp_comm, method=method)
         ids = _batch(1)
         shard = cp_shard_inputs(ids, comm=cp_comm, labels=ids)
         res = model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False)
@@ -173,6 +173,12 @@ def test_other_families_cp2_equal_the_unsharded_model(family):
     _check(run_ranks(_job, 2, family, 1, 2, False, timeout=60))
 
 
+@pytest.mark.parametrize("method", ["allgather", "ulysses"])
+def test_llama_cp2_other_methods_equal_the_unsharded_model(method):
+    """enable_context_parallel(method=...) runs overlap.cp.cp_attention's other methods."""
+    _check(run_ranks(_job, 2, "llama", 1, 2, False, method, timeout=60))
+
+
 def test_llama_cp2_x_tp2_equals_the_unsharded_model():
     """4 ranks: heads over TP (parallelize(comm=tp, cp_comm=cp)), the ring over CP on each TP
     rank's heads."""
@@ -217,6 +223,8 @@ def _refusal_job():
         refused("family", lambda: enable_context_parallel(build("gpt2"), comm=comm))
         refused("interface", lambda: enable_context_parallel(nn.Linear(4, 4), comm=comm))
         refused("comm", lambda: enable_context_parallel(build("llama"), comm=dist.group.WORLD))
+        refused("method", lambda: enable_context_parallel(build("llama"), comm=comm,
+                                                          method="nope"))
         refused("mask", lambda: model(**kw, attention_mask=torch.ones_like(shard.input_ids)))
         refused("positions", lambda: model(input_ids=shard.input_ids))
         refused("labels", lambda: model(**kw, labels=shard.labels))
@@ -252,6 +260,7 @@ REFUSALS = {
     "family": ("ValueError", "enable_context_parallel", "model_type 'gpt2'", "llama"),
     "interface": ("TypeError", "enable_context_parallel", "AttentionInterface", "Linear"),
     "comm": ("TypeError", "enable_context_parallel", "comm must be an overlap.cp.CPComm"),
+    "method": ("ValueError", "enable_context_parallel", "method must be one of", "'nope'"),
     "mask": ("ValueError", "attention_mask must be None", "padding"),
     "positions": ("ValueError", "position_ids must be given at cp=2", "cp_shard_inputs"),
     "labels": ("ValueError", "labels must be None", "cp_loss"),

@@ -108,15 +108,15 @@ _register()  # a name for a function, not state: the communicator lives on each 
 
 def _attention_op(method: str, where: str):
     try:
-        from overlap.cp.attention import cp_attention
-    except ImportError:
-        cp_attention = None
-    if cp_attention is not None:
-        return lambda q, k, v, **kw: cp_attention(q, k, v, method=method, **kw)
-    if method != "ring":
-        raise ValueError(f"enable_context_parallel: method must be 'ring' (the only CP "
-                         f"attention built), got {method!r}{where}")
-    return ring_attention
+        from overlap.cp.attention import METHODS, cp_attention
+    except ImportError:  # only the ring is built
+        METHODS, cp_attention = ("ring",), None
+    if method not in METHODS:
+        raise ValueError(f"enable_context_parallel: method must be one of {METHODS}, got "
+                         f"{method!r}{where}")
+    if cp_attention is None:
+        return ring_attention
+    return lambda q, k, v, **kw: cp_attention(q, k, v, method=method, **kw)
 
 
 def check_context_parallel(model: nn.Module, *, comm: CPComm) -> list[nn.Module]:
@@ -148,7 +148,8 @@ def enable_context_parallel(model: nn.Module, *, comm: CPComm, method: str = "ri
                             ) -> nn.Module:
     """Run ``model``'s attention over ``comm``'s CP group (in place; returns ``model``).
     Call it after ``parallelize(model, comm=tp_comm)`` (or pass ``cp_comm=`` to it): the
-    ring then runs over this TP rank's heads. ``method``: the CP attention ("ring")."""
+    ring then runs over this TP rank's heads. ``method``: ``overlap.cp.cp_attention``'s
+    ("ring", "allgather", "ulysses", "auto")."""
     attns = check_context_parallel(model, comm=comm)
     state = _CPState(comm, _attention_op(method, comm.where))
     old = getattr(model, "_overlap_cp", None)
