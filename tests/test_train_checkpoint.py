@@ -1,5 +1,6 @@
 """DCP checkpoints of the main job (8 local processes, tp2 x pp2 x dp2): bit-identical resume on
-the same layout, resharded resume on other layouts, and export to a plain state dict.
+the same layout, resharded resume on other layouts (one with context parallelism), and export
+to a plain state dict.
 
 References: the uninterrupted run (bit-identical, fp32), the single-process model trained the
 same steps (``reference_model``: same init, data, param groups, schedule and clipping).
@@ -27,7 +28,10 @@ LAYOUT_A = ["--tp", "2", "--pp", "2", "--dp", "2", "--micro-batches", "2",
 RESHARDED = {"tp1xpp2xdp4": ["--tp", "1", "--pp", "2", "--dp", "4", "--micro-batches", "2",
                              "--micro-batch-size", "1"],
              "tp2xpp1xdp1": ["--tp", "2", "--pp", "1", "--dp", "1", "--micro-batches", "4",
-                             "--micro-batch-size", "2"]}
+                             "--micro-batch-size", "2"],
+             # context parallelism: the ZeRO shards over dp x cp, each sequence in cp pieces
+             "tp2xcp2xpp1xdp1": ["--tp", "2", "--cp", "2", "--pp", "1", "--dp", "1",
+                                 "--micro-batches", "4", "--micro-batch-size", "2"]}
 # Why PARAM_ATOL holds on any CPU. Two runs see gradients g and g + d, d the rounding noise of a
 # different summation order. With AdamW's default eps (1e-8) a gradient that is 0 in exact
 # arithmetic (the key bias: softmax ignores it) or merely tiny is all noise, and the update
