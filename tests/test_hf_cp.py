@@ -1,17 +1,18 @@
-"""overlap.cp.hf: tiny Llama, Qwen2, Qwen3, Mistral at cp 2 (Llama also by all-gather and Ulysses,
-at cp 2 x tp 2 and cp 1) vs the unsharded model on the whole sequence (gathered logits, loss,
-every gradient summed over CP, gathered over TP); the refusals on every rank. Tolerance, fp32 (the ring has no fp64): both
-sides round each operation once (u = 2^-24 = 6e-8) and differ only in the order of sums
-(attention blocks merged by log-sum-exp vs one SDPA; per-rank token sums of weight gradients
-then a sum over CP; TP partial sums). A reordered sum of n <= 64 terms moves by ~sqrt(n) u =
-4.8e-7 of its terms' size per side (probabilistic bound; worst case n u), ~1e-6 for two. It
-passes a chain of ~21 reductions (2 layers x (norm, q/k/v, scores, softmax, P.V, o, norm, up,
-down), norm, head, log-sum-exp), each with gain <= 1 but the softmax: a score error moves it by
-|s| <= 5.3 here (q/k weights of std 0.15 make attention peaked, so positions matter), hence
-logits and loss: (21 + 2 x 5.3) x 1e-6 -> TOL = 3e-5 of the largest entry; gradients run that
-chain back plus the token sum: GRAD_TOL = 6e-5 (of the parameter's largest entry, floored at
-1% of the model's). Measured: logits <= 2.3e-7, loss <= 4.8e-7 (1 ulp of ~4.2), gradients <=
-9.5e-7. Positions counted from 0 on each rank are off by 0.2.
+"""overlap.cp.hf: tiny Llama, Qwen2, Qwen3, Mistral at cp 2 (Llama also by all-gather and
+Ulysses, at cp 2 x tp 2 and cp 1) vs the unsharded model on the whole sequence (gathered
+logits, loss, every gradient summed over CP, gathered over TP); refusals on every rank.
+Tolerance, fp32 (the ring has no fp64): both sides round each operation once (u = 2^-24 = 6e-8)
+and differ only in the order of sums (attention blocks merged by log-sum-exp vs one SDPA;
+per-rank token sums of weight gradients then a sum over CP; TP partial sums). A reordered sum
+of n <= 64 terms moves by ~sqrt(n) u = 4.8e-7 of its terms' size per side (probabilistic bound;
+worst case n u), ~1e-6 for two. It passes a chain of ~21 reductions (2 layers x (norm, q/k/v,
+scores, softmax, P.V, o, norm, up, down), norm, head, log-sum-exp), each with gain <= 1 but the
+softmax: a score error moves it by |s| <= 5.3 here (q/k weights of std 0.15 make attention
+peaked, so positions matter), hence logits and loss: (21 + 2 x 5.3) x 1e-6 -> TOL = 3e-5 of the
+largest entry; gradients run that chain back plus the token sum: GRAD_TOL = 6e-5 (of the
+parameter's largest entry, floored at 1% of the model's). Measured: logits <= 2.3e-7, loss <=
+4.8e-7 (1 ulp of ~4.2), gradients <= 9.5e-7. Positions counted from 0 on each rank are off by
+0.2.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """Context parallelism for Hugging Face decoders (Llama, Qwen2, Qwen3, Mistral).
 
 ``enable_context_parallel(model, comm=cp_comm)`` switches the model's attention to the
-transformers attention implementation ``"overlap_cp"``: ring attention over the CPComm
-stored on each attention module (so two models with two communicators never mix).
-Legend: b batch, S full sequence, s = S / cp this rank's tokens (zig-zag chunks r and
-2cp-1-r), h / h_kv the (TP-local) query / kv heads, d head size, V vocabulary.
-``cp_shard_inputs`` cuts a (b, S) batch into this rank's (b, s) piece with its true
+transformers attention implementation ``"overlap_cp"``: ring attention (or another
+``cp_attention`` method) over the CPComm stored on each attention module (two models with two
+communicators never mix). Legend: b batch, S full sequence, s = S / cp this rank's tokens
+(zig-zag chunks r and 2cp-1-r), h / h_kv the (TP-local) query / kv heads, d head size, V
+vocabulary. ``cp_shard_inputs`` cuts a (b, S) batch into this rank's (b, s) piece with its true
 positions and its next-token labels (shifted before sharding); ``cp_gather_logits`` rebuilds
-(b, S, V) in natural order (backward: this rank's rows); ``cp_loss`` is the mean over the
-whole sequence of every CP rank (its backward gives this rank's share: sum the parameter
-gradients over CP). Refused, naming op, argument and rank: attention masks, KV caches,
-dropout, sliding windows shorter than S, other families. Guide: docs/parallelize.md.
+(b, S, V) in natural order (backward: this rank's rows); ``cp_loss`` is the mean over the whole
+sequence of every CP rank (its backward gives this rank's share: sum the parameter gradients
+over CP). Refused, naming op, argument and rank: attention masks, KV caches, dropout, sliding
+windows shorter than S, other families. Guide: docs/parallelize.md.
 """
 
 from __future__ import annotations
