@@ -26,8 +26,8 @@ from overlap.plan.layout import WIRE_BYTES, Layout
 from overlap.plan.memory import routed_rows
 from overlap.plan.models import ModelSpec
 
-__all__ = ["Gemm", "gemm_time", "LayerCost", "layer_cost", "fused_exposed", "moe_exposed",
-           "ep_volume"]
+__all__ = ["Gemm", "gemm_time", "flash_time", "LayerCost", "layer_cost", "fused_exposed",
+           "moe_exposed", "ep_volume"]
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -54,6 +54,18 @@ def gemm_time(device: DeviceProfile, g: Gemm, elem_bytes: float = 2.0) -> float:
     compute = g.flops / (device.peak_flops * device.gemm.efficiency(g.m, g.n, g.k))
     traffic = elem_bytes * (g.m * g.k + g.k * g.n + g.m * g.n) * g.batch
     memory = traffic / (device.hbm_bandwidth * device.mem_efficiency)
+    return device.gemm.overhead_s + max(compute, memory)
+
+
+def flash_time(device: DeviceProfile, g: Gemm, elem_bytes: float = 2.0) -> float:
+    """An attention-core GEMM inside a causal flash kernel: half its FLOPs (the blocks above the
+    diagonal are skipped; zig-zag CP keeps every rank at half) and no HBM traffic for its
+    s x s operand (the largest of the three), which stays on chip."""
+    if g.flops <= 0:
+        return 0.0
+    compute = 0.5 * g.flops / (device.peak_flops * device.gemm.efficiency(g.m, g.n, g.k))
+    small = sorted((g.m * g.k, g.k * g.n, g.m * g.n))[:2]
+    memory = elem_bytes * sum(small) * g.batch / (device.hbm_bandwidth * device.mem_efficiency)
     return device.gemm.overhead_s + max(compute, memory)
 
 
@@ -202,6 +214,11 @@ def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_pl
         for k in ("expert_fc1", "expert_fc2"):
             for d in (g, g_dgrad, g_wgrad):
                 d[k] /= device.grouped_gemm_efficiency
+    if flash:
+        for k in ("scores", "av"):
+            g[k] = flash_time(device, gm[k], e)
+            g_dgrad[k] = flash_time(device, gm[k].dgrad(), e)
+            g_wgrad[k] = flash_time(device, gm[k].wgrad(), e)
     mem_bw = device.hbm_bandwidth * device.mem_efficiency
     ew_bytes, attn_bytes = _elementwise(model, layout, flash, moe)
     host_f, host_b = device.host_tp_layer_s if layout.tp > 1 else device.host_layer_s
