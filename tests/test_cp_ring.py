@@ -19,28 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cp_common import B, C, D, H, U_BF16, compare, inputs, math_bound, sharded
 from harness import run_ranks
-
-B, H, D, C = 2, 4, 8, 3  # C: rows per zig-zag chunk (awkward on purpose)
-U_BF16 = 2.0 ** -8
-
-
-def _inputs(world: int, hk: int, dtype: torch.dtype, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    s = 2 * world * C
-    q = torch.randn(B, H, s, D, generator=g).to(dtype)
-    k = torch.randn(B, hk, s, D, generator=g).to(dtype)
-    v = torch.randn(B, hk, s, D, generator=g).to(dtype)
-    do = torch.randn(B, H, s, D, generator=g).to(dtype)
-    return q, k, v, do
-
-
-def _reference(q, k, v, do, causal):
-    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=causal,
-                                                           enable_gqa=True)
-    out.backward(do.float())
-    return out.detach(), qr.grad, kr.grad, vr.grad
 
 
 def _ring_vs_sdpa(block):
@@ -51,29 +31,19 @@ def _ring_vs_sdpa(block):
     comm = CPComm(dist.group.WORLD, timeout=30)
     report = {}
     for dtype in (torch.float32, torch.bfloat16):
+        if dtype == torch.float32 or block == "math":
+            bound = math_bound(dtype)
+        else:  # flash rounds each block's output to bf16 before the merge
+            bound = lambda ref: 4 * U_BF16 * ref.abs().max() + 1e-5  # noqa: E731
         for causal in (True, False):
             for hk in (H, 2, 1):
-                q, k, v, do = _inputs(world, hk, dtype)
-                ref = _reference(q, k, v, do, causal)
-                mine = [zigzag_shard(t, 2, cp=world, rank=rank) for t in (q, k, v, do)]
-                ql, kl, vl = (t.clone().requires_grad_() for t in mine[:3])
-                out = ring_attention(ql, kl, vl, comm=comm, causal=causal, block=block)
-                out.backward(mine[3])
-                got = (out.detach(), ql.grad, kl.grad, vl.grad)
-                want = [zigzag_shard(t, 2, cp=world, rank=rank) for t in ref]
-                errs, excess = [], []
-                for a, b in zip(got, want):
-                    a = a.float()
-                    if dtype == torch.float32:
-                        bound = 1e-5
-                    elif block == "math":
-                        bound = U_BF16 * b.abs() + 1e-5
-                    else:  # flash rounds each block's output to bf16 before the merge
-                        bound = 4 * U_BF16 * b.abs().max() + 1e-5
-                    errs.append((a - b).abs().max().item())
-                    excess.append(((a - b).abs() - bound).max().item())
-                report[(str(dtype), causal, hk)] = (errs, excess)
+                full = inputs(world, hk, dtype)
+                got = sharded(ring_attention, full, world=world, rank=rank, causal=causal,
+                              comm=comm, block=block)
+                report[(str(dtype), causal, hk)] = compare(got, full, world=world, rank=rank,
+                                                           causal=causal, bound=bound)
     # Steady state: the same shapes again, forward and backward, under the sync counter.
+    mine = [zigzag_shard(t, 2, cp=world, rank=rank) for t in full]
     ql, kl, vl = (t.clone().requires_grad_() for t in mine[:3])
     with count_host_syncs() as syncs:
         out = ring_attention(ql, kl, vl, comm=comm, causal=False, block=block)
@@ -218,8 +188,8 @@ def _compiled_vs_eager():
 
     world, rank = dist.get_world_size(), dist.get_rank()
     comm = CPComm(dist.group.WORLD, timeout=60)
-    q, k, v, do = (zigzag_shard(t, 2, cp=world, rank=rank) for t in _inputs(world, 2,
-                                                                            torch.float32))
+    q, k, v, do = (zigzag_shard(t, 2, cp=world, rank=rank) for t in inputs(world, 2,
+                                                                           torch.float32))
 
     def attend(q, k, v):
         return ring_attention(q, k, v, comm=comm, causal=True)

@@ -1,12 +1,14 @@
-"""CPComm: the context-parallel communicator of a process group (ring attention's ``comm=``).
+"""CPComm: the context-parallel communicator of a process group (the CP attention ops' ``comm=``).
 
 It owns the ring's two channels, each a two-rank communicator carrying one direction (send
 to the next CP rank, receive from the previous one), built like the pipeline's
-(``overlap.pp.p2p``) so NCCL's one-op-at-a-time order never mixes the directions. Creating it
-is collective over the group; ``close()`` releases the channels. Every wait is bounded by
-``timeout`` s and names the op, the peer and this rank. After any error the communicator is
-failed: every later call raises ``CPCommFailed`` with the first error. One op in flight per
-communicator. The narrative: docs/design/cp.md.
+(``overlap.pp.p2p``) so NCCL's one-op-at-a-time order never mixes the directions, and, from
+the first all-gather or Ulysses call, a collective communicator of the group's own. Creating
+it is collective over the group; ``close()`` releases them. Every wait is bounded by
+``timeout`` s and names the op, the peer (or the group) and this rank. After any error the
+communicator is failed: every later call raises ``CPCommFailed`` with the first error. One op
+in flight per communicator. ``Packet``: a stamp and tensors in one byte message. The
+narrative: docs/design/cp.md.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from overlap.defaults import TIMEOUT_S, positive_seconds
 from overlap.dist.stamp import STAMP_WORDS, Agreement, Schema
 from overlap.profile.timers import comm_wait
 
-__all__ = ["CPComm", "CPCommFailed", "SCHEMA"]
+__all__ = ["CPComm", "CPCommFailed", "SCHEMA", "Packet", "call_scale"]
 
 # The per-call stamp: what every CP rank must pass alike (checked on every call, in the ring's
 # first message; the communicator's first call also all-gathers it and names every rank).
-SCHEMA = Schema("cp", ("ring_attention", "ring_attention_backward"),
+SCHEMA = Schema("cp", ("ring_attention", "ring_attention_backward", "allgather_attention",
+                      "allgather_attention_backward", "ulysses_attention",
+                      "ulysses_attention_backward"),
                 (("q shape", 4, "shape"), ("kv shape", 4, "shape"), ("dtype", 1, "dtype"),
                  ("causal", 1, "bool")))
 
@@ -70,10 +74,15 @@ class CPComm(OpaqueBase):
         self._failed: str | None = None
         self.closed = False
         self._to_next = self._from_prev = None
+        self._coll = None  # the group's collective communicator, built on first use
+        # cp_attention(method="auto"): the method chosen per call shape, and its timings (s)
+        self.cp_choices: dict[tuple, str] = {}
+        self.cp_timings: dict[tuple, dict[str, float]] = {}
         if self.world > 1:
             key = tuple(self.global_ranks)
             _made[key] = _made.get(key, 0) + 1
-            self._build_channels(token or f"{'-'.join(map(str, key))}#{_made[key]}")
+            self._token = token or f"{'-'.join(map(str, key))}#{_made[key]}"
+            self._build_channels(self._token)
 
     def _build_channels(self, token: str) -> None:
         from overlap.pp.p2p import _Channel
@@ -113,14 +122,15 @@ class CPComm(OpaqueBase):
             raise
 
     def close(self) -> None:
-        """Release the channels (local: each end releases its own)."""
+        """Release the channels and the collective communicator (local: each end releases
+        its own)."""
         self.closed = True
-        for name in ("_to_next", "_from_prev"):
+        for name in ("_to_next", "_from_prev", "_coll"):
             chan = getattr(self, name)
             setattr(self, name, None)
             if chan is not None:
                 try:
-                    chan.close()
+                    chan.close() if name != "_coll" else chan.shutdown()
                 except Exception:  # noqa: BLE001 - a channel broken by a dead peer
                     pass
 
@@ -173,22 +183,135 @@ class CPComm(OpaqueBase):
             with comm_wait(f"cp.{op}"):
                 work.wait(timedelta(seconds=self.timeout))
         except Exception as exc:  # gloo raises RuntimeError, NCCL DistBackendError
-            from overlap.dist.nccl_twin import SizeMismatch
-
-            took = time.monotonic() - t0
-            if isinstance(exc, SizeMismatch):
-                how = "failed: the two ranks passed different sizes"
-            elif took >= 0.9 * self.timeout:
-                how = f"timed out after {self.timeout:g}s"
-            else:
-                how = (f"failed after {took:.2f}s (the peer died, aborted or closed its "
-                       "connection)")
+            how = self._how(exc, time.monotonic() - t0, "the two ranks")
             raise self._error(exc, op, what, send, how) from exc
+
+    def _how(self, exc: Exception, took: float, who: str) -> str:
+        from overlap.dist.nccl_twin import SizeMismatch
+
+        if isinstance(exc, SizeMismatch):
+            return f"failed: {who} passed different sizes"
+        if took >= 0.9 * self.timeout:
+            return (f"timed out after {self.timeout:g}s (a peer stalled, or is in another "
+                    "call)")
+        return f"failed after {took:.2f}s (a peer died, aborted or closed its connection)"
 
     def _error(self, exc: Exception, op: str, what: str, send: bool, how: str) -> RuntimeError:
         peer = self.next if send else self.prev
         return RuntimeError(f"cp {op}: {what} {'to' if send else 'from'} "
                             f"{self.describe(peer)} {how}{self.where}: {exc}")
+
+
+    # -- the group's collectives (all-gather and Ulysses attention, the auto choice)
+    def _collectives(self):
+        """The CP group's own collective communicator, built on first use (collective over
+        the group, like the channels): these ops never queue behind the caller's collectives
+        on ``group``, and an error fails this communicator only."""
+        if self._coll is None:
+            from overlap.dist import nccl_twin
+
+            prefix, t = f"overlap_cp/{self._token}/group", timedelta(seconds=self.timeout)
+            store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+            if nccl_twin.is_twin(self.group):
+                self._coll = nccl_twin.NcclTwinGroup(store, self.rank, self.world, t, prefix,
+                                                     self.global_ranks)
+            elif self.device.type == "cuda":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = t
+                self._coll = dist.ProcessGroupNCCL(store, self.rank, self.world, opts)
+            else:
+                self._coll = dist.ProcessGroupGloo(store, self.rank, self.world, t)
+        return self._coll
+
+    def collective(self, kind: str, out: torch.Tensor, inp: torch.Tensor, *, op: str,
+                   what: str):
+        """Post collective ``kind`` over the CP group and return its work: "all_gather"
+        (``out`` is every rank's ``inp`` in CP-rank order), "reduce_scatter" (sum; ``out`` is
+        this rank's 1/cp of ``inp``), "all_to_all" (``inp``'s row q goes to CP rank q; ``out``'s
+        row q comes from it), "all_reduce_max" (``inp`` is ``out``, in place)."""
+        try:
+            pg = self._collectives()
+            if kind == "all_gather":
+                return pg._allgather_base(out, inp)
+            if kind == "reduce_scatter":
+                return pg._reduce_scatter_base(out, inp, dist.ReduceScatterOptions())
+            if kind == "all_to_all":
+                return pg.alltoall_base(out, inp, [], [], dist.AllToAllOptions())
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            return pg.allreduce([out], opts)
+        except Exception as exc:  # noqa: BLE001 - reported with the op, the group and the rank
+            raise self._group_error(exc, op, what, "failed when posted") from exc
+
+    def wait_collective(self, work, *, op: str, what: str) -> None:
+        """Wait for a collective with the timeout; errors name the op, the transfer, the
+        group's ranks and this rank."""
+        t0 = time.monotonic()
+        try:
+            with comm_wait(f"cp.{op}"):
+                work.wait(timedelta(seconds=self.timeout))
+        except Exception as exc:  # gloo raises RuntimeError, NCCL DistBackendError
+            how = self._how(exc, time.monotonic() - t0, "the ranks")
+            raise self._group_error(exc, op, what, how) from exc
+
+    def _group_error(self, exc: Exception, op: str, what: str, how: str) -> RuntimeError:
+        return RuntimeError(f"cp {op}: {what} over the CP group (global ranks "
+                            f"{self.global_ranks}) {how}{self.where}: {exc}")
+
+    def verify_rows(self, op: str, rows: torch.Tensor) -> None:
+        """Compare every rank's stamp (``rows``: (cp, STAMP_WORDS) int64, row q from CP rank
+        q, e.g. the head of a gathered packet) with this call's; a Disagreement names the
+        field and both ranks. A device copy and the usual verify: no host sync."""
+        self.agree.recv.copy_(rows)
+        self.agree.verify(op, [q for q in range(self.world) if q != self.rank])
+
+
+class Packet:
+    """The byte layout of one rank's message to one peer: this call's stamp (optional),
+    then tensors of fixed shapes and dtypes, each 16-byte aligned, so one collective carries
+    the stamp with the data and mixed dtypes. A buffer is (..., nbytes) uint8."""
+
+    def __init__(self, parts: list[tuple[tuple[int, ...], torch.dtype]], *, stamp: bool):
+        self.parts, self.offsets, at = parts, [], STAMP_WORDS * 8 if stamp else 0
+        self.stamped = stamp
+        for shape, dtype in parts:
+            self.offsets.append(at)
+            n = dtype.itemsize
+            for size in shape:
+                n *= size
+            at += -(-n // 16) * 16
+        self.nbytes = at
+
+    def empty(self, rows: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(rows, self.nbytes, dtype=torch.uint8, device=device)
+
+    def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """The parts of ``buf`` (rows, nbytes): each (rows, *shape) in its dtype."""
+        out = []
+        for (shape, dtype), at in zip(self.parts, self.offsets):
+            n = dtype.itemsize
+            for size in shape:
+                n *= size
+            out.append(buf[:, at:at + n].view(dtype).view(buf.shape[0], *shape))
+        return out
+
+    def stamps(self, buf: torch.Tensor) -> torch.Tensor:
+        """The stamp words of every row of ``buf``: (rows, STAMP_WORDS) int64."""
+        return buf[:, :STAMP_WORDS * 8].view(torch.int64)
+
+
+def call_scale(op: str, q, comm, causal, scale) -> float:
+    """The checks every CP attention entry point makes before its autograd Function:
+    ``comm`` a CPComm, ``causal`` a bool; returns ``scale`` as a float (1/sqrt(d) by
+    default; NaN for a non-number, which the op's validation then names)."""
+    if not isinstance(comm, CPComm):
+        raise TypeError(f"{op}: comm must be a CPComm, got {type(comm).__name__}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"{op}: causal must be a bool, got {causal!r}{comm.where}")
+    if isinstance(q, torch.Tensor) and q.dim() == 4:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) \
+        else float("nan")
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
