@@ -87,8 +87,8 @@ class LayerCost:
     tp_comm: float        # raw TP collective seconds, fwd + bwd + recompute
     tp_exposed: float     # of which exposed
     num_comm_ops: int     # collectives per layer and micro-batch (fwd + bwd + recompute)
-    fwd_flops: float      # per GPU
-    attn_flops: float     # attention core forward FLOPs per GPU (selective recompute)
+    fwd_flops: float      # per GPU, executed (flash: half the attention core)
+    attn_flops: float     # attention core forward FLOPs per GPU, executed (recomputation)
     ep_comm: float = 0.0      # raw MoE all-to-all seconds, fwd + bwd + recompute
     ep_exposed: float = 0.0   # of which exposed (already inside fwd, dgrad, recompute)
     ep_ops: int = 0           # all-to-alls per layer and micro-batch
@@ -298,11 +298,14 @@ def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_pl
         fwd_flops = sum(v.flops for v in gm.values())
     else:
         fwd_flops = model.layer_fwd_flops(b * model.seq_len, b) / t / layout.cp
+    # Executed FLOPs (HFU): a causal flash kernel skips half of the scores.
+    attn_flops = sum(gm[k].flops for k in ("scores", "av")) * (0.5 if flash else 1.0)
+    if flash:
+        fwd_flops -= attn_flops
     return LayerCost(fwd=fwd, dgrad=dgrad, wgrad=wgrad, recompute=recompute,
                      tp_comm=fwd_comm + bwd_comm + rec_comm,
                      tp_exposed=fwd_exp + bwd_exp + rec_exp, num_comm_ops=n_ops + n_rec,
-                     fwd_flops=fwd_flops,
-                     attn_flops=sum(gm[k].flops for k in ("scores", "av")),
+                     fwd_flops=fwd_flops, attn_flops=attn_flops,
                      ep_comm=ep_comm, ep_exposed=ep_exp,
                      ep_ops=(4 + (layout.recompute == "full") * 2) if ep_f else 0,
                      cp_comm=cp_comm, cp_exposed=cp_exp, cp_bytes=cp_sent,

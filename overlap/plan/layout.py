@@ -4,7 +4,7 @@
 cannot work (tp not dividing the heads, gpus not divisible by tp*pp*cp, a batch that does not
 split into micro-batches, ep not dividing dp*cp or the experts, ...), before anything is
 estimated. EP is carved out of the dp x cp ranks, as ``overlap.dist.ParallelDims`` does. CP
-needs the sequence divisible by 2*cp (zig-zag) and Ulysses the heads by tp*cp.
+needs the sequence divisible by 2*cp (zig-zag) and Ulysses heads that split over cp.
 """
 
 from __future__ import annotations
@@ -222,10 +222,14 @@ class Layout:
 
 
 def ulysses_error(model: ModelSpec, tp: int, cp: int) -> str | None:
-    """Why Ulysses cannot run at (tp, cp), or None: its all-to-all trades the sequence for heads,
-    so every CP rank needs whole query and key/value heads of its TP rank's share."""
-    for flag, heads in (("--heads", model.num_heads), ("--kv-heads", model.kv_heads)):
-        if heads % (tp * cp):
-            return (f"--cp-method ulysses needs {flag} {heads} divisible by --tp x --cp = "
-                    f"{tp} x {cp} = {tp * cp}: each rank attends whole heads")
+    """Why Ulysses cannot run at (tp, cp), or None. Its all-to-all trades the sequence for heads
+    (``overlap.cp.ulysses_fits``): a TP rank's query heads must split over cp, and its kv heads
+    too, or divide cp (then they are repeated)."""
+    heads, kv = model.num_heads // tp, max(1, model.kv_heads // tp)
+    if heads % cp:
+        return (f"--cp-method ulysses needs the {heads} query heads of a TP rank (--heads "
+                f"{model.num_heads} / --tp {tp}) divisible by --cp {cp}")
+    if kv % cp and cp % kv:
+        return (f"--cp-method ulysses needs the {kv} key/value heads of a TP rank (--kv-heads "
+                f"{model.kv_heads} / --tp {tp}) divisible by --cp {cp} or dividing it")
     return None

@@ -1,18 +1,18 @@
 """Memory per GPU: weights, gradients, optimizer state and activations, per pipeline rank.
 
 Model state (bytes per parameter held by the GPU): bf16 weights 2, gradients 4 with fp32 main
-grads (2 without), Adam optimizer state 12. ZeRO over the ``dp * cp`` ranks that hold the same
-parameters divides the optimizer state (stage 1), also the gradients (stage 2), also the
-weights (stage 3, plus two layers of gathered bf16 weights in flight).
+grads (2 without), Adam state 12. ZeRO over the ``dp * cp`` ranks holding the same parameters
+divides the optimizer state (stage 1), the gradients (2), the weights (3, + two gathered layers).
 
 Activations per layer and micro-batch follow Korthikanti et al. 2022 (arXiv 2205.05198), each
 term derived from the shapes for the rank's s/cp tokens (:func:`layer_activation_bytes`). A
 pipeline rank holds those of its peak number of live (stage, micro-batch) pairs from the
 schedule (:func:`overlap.plan.bubble.peak_live`); the first stage adds the embedding dropout
 mask, the last the output layer's activations for one micro-batch; full recomputation adds one
-layer's full activations; CP adds one layer's exchange buffers (``plan.cp``; "auto": the leanest).
-MoE: experts (E/ep a layer, TP-replicated) shard their state over the dp*cp/ep expert-DP ranks.
-The narrative (with the formulas): docs/design/planner.md.
+layer's full activations; CP adds its attention's fp32 output and lse per live layer and one
+layer's exchange buffers (``plan.cp``; "auto": its leanest method).
+MoE: experts (E/ep a layer, TP-replicated) shard their state over the dp*cp/ep expert-DP ranks;
+the narrative (with the formulas): docs/design/planner.md.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import dataclasses
 
 from overlap.plan.bubble import peak_live
 from overlap.plan.hardware import ClusterSpec
-from overlap.plan.cp import cp_buffer_bytes
+from overlap.plan.cp import cp_buffer_bytes, cp_stored_bytes
 from overlap.plan.layout import CP_METHODS, Layout, ulysses_error
 from overlap.plan.models import ModelSpec
 
@@ -155,7 +155,7 @@ def memory_per_rank(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> l
     edp_shard = dp_shard // layout.ep
     moe_layers = layout.chunk_moe_layers(model)
     per_moe = layer_activation_bytes(model, layout, moe=True) if model.is_moe else 0.0
-    cp_buf = _cp_buffers(model, layout)
+    cp_stored, cp_buf = _cp_terms(model, layout)
     out = []
     for r in range(layout.pp):
         params, experts = rank_param_split(model, layout, r)
@@ -196,17 +196,23 @@ def memory_per_rank(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> l
         if layout.num_chunks - 1 in chunks:
             acts += 4.0 * sbh / t * (1.0 + model.vocab / model.hidden)
         acts *= layout.dtype_bytes / 2.0  # Korthikanti's counts are for 2-byte activations
-        acts += cp_buf
+        # CP: what its attention saves per layer (every live layer, or the one being
+        # recomputed), and one layer's exchange buffers.
+        live = peaks[r] * max(layers[c] for c in chunks) if layout.recompute != "full" else 1
+        acts += live * cp_stored + cp_buf
         out.append(StageMemory(rank=r, params=params + experts, weights=weights, grads=grads,
                                optimizer=optimizer, activations=acts, expert_params=experts,
                                expert_bytes=expert_bytes, cp_buffers=cp_buf))
     return out
 
 
-def _cp_buffers(model: ModelSpec, layout: Layout) -> float:
+def _cp_terms(model: ModelSpec, layout: Layout) -> tuple[float, float]:
+    """(stored bytes per layer and micro-batch, buffer bytes of one layer) of the layout's CP
+    method; "auto": of the feasible method with the least of both for a layer and a buffer."""
     if layout.cp <= 1:
-        return 0.0
-    if layout.cp_method != "auto":
-        return cp_buffer_bytes(model, layout, layout.cp_method)
-    return min(cp_buffer_bytes(model, layout, m) for m in CP_METHODS
-               if m != "ulysses" or ulysses_error(model, layout.tp, layout.cp) is None)
+        return 0.0, 0.0
+    methods = [layout.cp_method] if layout.cp_method != "auto" else \
+        [m for m in CP_METHODS if m != "ulysses"
+         or ulysses_error(model, layout.tp, layout.cp) is None]
+    return min(((cp_stored_bytes(model, layout, m), cp_buffer_bytes(model, layout, m))
+                for m in methods), key=sum)
