@@ -20,7 +20,8 @@ QUANT = [f"quant.{op}.{dt}.{mode}" for op in ("all_reduce", "reduce_scatter", "a
 CPU_CHECKS = TP + QUANT + ["symm.signal_ring", "symm.signal_ring.triton", "streams.event_order",
                            "symm.poisoned_output", "pp.1f1b_step", "ep.moe.capacity",
                            "ep.moe.dropless", "ep.moe.symmetric", "ep.int8_dispatch",
-                           "ep.pipeline_pairs", "timeout.missing_peer.all_gather_matmul"]
+                           "ep.pipeline_pairs", "cp.attention.ring", "cp.attention.allgather",
+                           "cp.attention.ulysses", "timeout.missing_peer.all_gather_matmul"]
 NO_GPU = not torch.cuda.is_available()
 PEER_TIMEOUT = 2.0
 
@@ -46,7 +47,8 @@ def test_cli_runs_every_check_and_passes(tmp_path):
         assert 0 < c["seconds"] < 60, c
         assert c["measured"] <= c["limit"], c
     for name in TP + ["pp.1f1b_step", "ep.moe.capacity", "ep.moe.dropless", "ep.moe.symmetric",
-                      "ep.pipeline_pairs"]:
+                      "ep.pipeline_pairs", "cp.attention.ring", "cp.attention.allgather",
+                      "cp.attention.ulysses"]:
         assert (checks[name]["metric"], checks[name]["limit"]) == ("rel err", 1e-5)
     # The lossy paths lose something (so they ran quantized), and stay within their bounds.
     for name in QUANT:
@@ -71,7 +73,8 @@ def test_cli_runs_every_check_and_passes(tmp_path):
     # The pairs formed (1F1B, m 4, one stage: F1B0, F2B1, F3B2) and changed no number.
     assert checks["ep.pipeline_pairs"]["detail"] == "EP 2, 3 pairs per step"
     assert checks["ep.pipeline_pairs"]["measured"] == 0.0
-    assert "32 of 32 checks passed" in proc.stdout
+    assert checks["cp.attention.ulysses"]["detail"] == "CP 2, ulysses, causal, GQA 4/2"
+    assert "35 of 35 checks passed" in proc.stdout
     env = doc["environment"]
     assert (env["nccl"], env["peer_access"], env["nvlink"]) == ("n/a", "n/a", "n/a")
 
@@ -82,6 +85,7 @@ def test_cli_runs_every_check_and_passes(tmp_path):
                                           ("ep.moe.symmetric", "rel err"),
                                           ("ep.int8_dispatch", "err/bound"),
                                           ("ep.pipeline_pairs", "rel err"),
+                                          ("cp.attention.ring", "rel err"),
                                           ("streams.event_order", "max |err|"),
                                           ("symm.poisoned_output", "wrong elements"),
                                           ("quant.all_gather.int8.async", "err/bound")])

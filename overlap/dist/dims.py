@@ -9,10 +9,9 @@ registry. ``resolve(...)`` validates without any process group. TP innermost, DP
     ep divides dp*cp:  x = d * cp + c = edp_rank * ep + ep_rank
 
 An EP group varies ep_rank (same edp_rank, p, t): the ranks that split the experts; an EDP
-group varies edp_rank (same ep_rank, p, t): the ranks holding the same experts, over which the
-expert gradients reduce. The dcp group (dp x cp, rank x) reduces dense gradients of a
-context-parallel job. Groups come from a torch ``DeviceMesh`` of shape (dp, pp, cp, tp), NCCL
-(``device_type="cuda"``) or gloo (``"cpu"``); EP and EDP groups are separate communicators.
+group varies edp_rank (same ep_rank, p, t): the ranks holding the same experts. A dcp group
+(dp x cp, rank x) reduces a CP job's dense gradients. Groups come from a torch ``DeviceMesh``
+of shape (dp, pp, cp, tp), NCCL or gloo; EP, EDP and DCP groups are separate communicators.
 The narrative: docs/design/dist.md.
 """
 

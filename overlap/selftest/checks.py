@@ -4,7 +4,7 @@ returns what it measured (``Measured``: value <= limit passes) or raises.
 Every rank builds every input from fixed seeds and computes the unsharded reference locally;
 every check gets its own process group (``ctx.new_group()``), so a failure stays in it.
 Tolerances:
-- fused TP ops, the pipeline step and the MoE layer: max |got - ref| / (1 + max |ref|) <= 1e-5
+- fused TP ops, the pipeline step, the MoE layer and CP attention: max |got - ref| / (1 + max |ref|) <= 1e-5
   over the output and every gradient (fp32); the INT8 EP dispatch: err / Q(M) <= 1;
 - INT8 collectives: max |err| / bound <= 1, the per-element bound of ``overlap.comm.quant``
   (Q(M) = M/254 + M*2^-21 + 2^-118 per quantization of a block with absmax M);
@@ -474,6 +474,37 @@ def ep_pipeline_pairs(ctx: RankContext) -> Measured:
     return Measured(err, REL_TOL, "rel err", f"EP {ctx.world}, {pairs} pairs per step")
 
 
+# ---------------------------------------------------------------- context parallelism
+def _cp_attention(method: str) -> Callable[[RankContext], Measured]:
+    """Causal attention with grouped-query heads over a CP group of every rank (zig-zag
+    pieces of one sequence) vs SDPA on the whole sequence: this rank's output rows and dQ,
+    dK, dV."""
+    def run(ctx: RankContext) -> Measured:
+        import torch.nn.functional as F
+        from overlap.cp import CPComm, cp_attention, zigzag_shard
+
+        n, r, b, d = ctx.world, ctx.rank, 2, 8
+        h, hk, s = 2 * n, n, 2 * n * 3
+        q, do = ctx.randn(b, h, s, d, seed=40), ctx.randn(b, h, s, d, seed=41)
+        k, v = ctx.randn(b, hk, s, d, seed=42), ctx.randn(b, hk, s, d, seed=43)
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True).backward(do)
+        ref_out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        mine = [zigzag_shard(t, 2, cp=n, rank=r).clone().requires_grad_() for t in (q, k, v)]
+        comm = CPComm(ctx.new_group(), timeout=ctx.op_timeout, device=ctx.device)
+        try:
+            out = cp_attention(*mine, comm=comm, causal=True, method=method)
+            out.backward(zigzag_shard(do, 2, cp=n, rank=r))
+        finally:
+            comm.close()
+        err = max(_rel_err(ctx.observed(out), zigzag_shard(ref_out, 2, cp=n, rank=r)),
+                  *(_rel_err(m.grad, zigzag_shard(f.grad, 2, cp=n, rank=r))
+                    for m, f in zip(mine, full)))
+        return Measured(err, REL_TOL, "rel err", f"CP {n}, {method}, causal, GQA {h}/{hk}")
+
+    return run
+
+
 def plan(device: torch.device) -> list[tuple[str, Callable[[RankContext], Measured | None]]]:
     """Every check for this device type, in run order (the same list on every rank)."""
     checks: list[tuple[str, Callable[[RankContext], Measured | None]]] = [
@@ -492,5 +523,7 @@ def plan(device: torch.device) -> list[tuple[str, Callable[[RankContext], Measur
     checks.append(("ep.moe.symmetric", _ep_layer("dropless", "symmetric")))
     checks.append(("ep.int8_dispatch", ep_int8_dispatch))
     checks.append(("ep.pipeline_pairs", ep_pipeline_pairs))
+    checks += [(f"cp.attention.{m}", _cp_attention(m)) for m in ("ring", "allgather",
+                                                                  "ulysses")]
     checks.append(("timeout.missing_peer.all_gather_matmul", missing_peer))
     return checks
