@@ -6,7 +6,7 @@ from __future__ import annotations
 from overlap.plan.bubble import peak_live
 from overlap.plan.comm import axis_placement, bus_bandwidth, collective_time, p2p_time
 from overlap.plan.compute import _gemms, gemm_time
-from overlap.plan.cp import cp_blocks, cp_bytes
+from overlap.plan.cp import cp_blocks, cp_bytes, ulysses_repeat
 from overlap.plan.estimate import GIB, Estimate
 from overlap.plan.layout import WIRE_BYTES
 from overlap.plan.memory import layer_activation_bytes, rank_params
@@ -148,13 +148,14 @@ def _explain_cp(e: Estimate) -> list[str]:
     f, b = cp_bytes(m, lay, meth)
     form = {"ring": f"fwd (cp-1) Bkv = {_mib(f)}; bwd (cp-1) Bkv + cp Bkv x 4/e = {_mib(b)} "
                     "(fp32 dK/dV accumulators)",
-            "allgather": f"fwd gather (cp-1) Bkv = {_mib(f)}; bwd gather again + reduce-scatter "
-                         f"2 (cp-1) Bkv = {_mib(b)}",
-            "ulysses": f"(cp-1)/cp (Bq + Bkv + Bo) = {_mib(f)} each way, Bq = {_mib(bq)}, "
-                       f"Bo = {_mib(bo)}"}[meth]
-    hide = {"ring": "each hop under one attention block (1/cp of the rank's attention); the "
-                    "last dK/dV hop exposed",
-            "allgather": "the gathers under the local block; the reduce-scatter exposed",
+            "allgather": f"fwd two half gathers (cp-1) Bkv = {_mib(f)}; bwd the gathers again "
+                         f"+ fp32 dK/dV reduce-scatters (cp-1) Bkv (1 + 4/e) = {_mib(b)}",
+            "ulysses": f"(cp-1)/cp of q + kv (x{ulysses_repeat(m, lay)} kv repeat) and o: "
+                       f"fwd {_mib(f)}, bwd {_mib(b)}; Bq = {_mib(bq)}, Bo = {_mib(bo)}"}[meth]
+    hide = {"ring": "each hop under one ring step (1/cp of the rank's attention); the last "
+                    "dK/dV hop exposed",
+            "allgather": "the gathers under the own block and piece 0, piece 0's "
+                         "reduce-scatter under piece 1; the last reduce-scatter exposed",
             "ulysses": "nothing: the all-to-alls are on the critical path"}[meth]
     row = e.cp_methods[meth]
     return [f"CP {meth}{' (auto: the lowest step time)' if e.cp_auto else ''} over {e.cp_link}, "

@@ -155,7 +155,7 @@ def memory_per_rank(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> l
     edp_shard = dp_shard // layout.ep
     moe_layers = layout.chunk_moe_layers(model)
     per_moe = layer_activation_bytes(model, layout, moe=True) if model.is_moe else 0.0
-    cp_stored, cp_buf = _cp_terms(model, layout)
+    cp_terms = _cp_terms(model, layout)
     out = []
     for r in range(layout.pp):
         params, experts = rank_param_split(model, layout, r)
@@ -199,6 +199,7 @@ def memory_per_rank(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> l
         # CP: what its attention saves per layer (every live layer, or the one being
         # recomputed), and one layer's exchange buffers.
         live = peaks[r] * max(layers[c] for c in chunks) if layout.recompute != "full" else 1
+        cp_stored, cp_buf = min(cp_terms, key=lambda sb: live * sb[0] + sb[1])
         acts += live * cp_stored + cp_buf
         out.append(StageMemory(rank=r, params=params + experts, weights=weights, grads=grads,
                                optimizer=optimizer, activations=acts, expert_params=experts,
@@ -206,13 +207,13 @@ def memory_per_rank(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> l
     return out
 
 
-def _cp_terms(model: ModelSpec, layout: Layout) -> tuple[float, float]:
+def _cp_terms(model: ModelSpec, layout: Layout) -> list[tuple[float, float]]:
     """(stored bytes per layer and micro-batch, buffer bytes of one layer) of the layout's CP
-    method; "auto": of the feasible method with the least of both for a layer and a buffer."""
+    method, or of every feasible one for "auto" (the caller keeps the leanest)."""
     if layout.cp <= 1:
-        return 0.0, 0.0
+        return [(0.0, 0.0)]
     methods = [layout.cp_method] if layout.cp_method != "auto" else \
         [m for m in CP_METHODS if m != "ulysses"
          or ulysses_error(model, layout.tp, layout.cp) is None]
-    return min(((cp_stored_bytes(model, layout, m), cp_buffer_bytes(model, layout, m))
-                for m in methods), key=sum)
+    return [(cp_stored_bytes(model, layout, m), cp_buffer_bytes(model, layout, m))
+            for m in methods]
