@@ -67,9 +67,14 @@ def test_five_axes_moe_experts_over_dp_and_cp():
 
 def test_cp4_without_sequence_parallelism_and_selective_recompute():
     """cp 4 on one TP rank: 8 zig-zag chunks of 2 tokens; the recomputed attention core runs
-    the ring again in the backward."""
-    _passes(["--cp", "4", "--tp", "1", "--pp", "1", "--dp", "1", "--no-sequence-parallel",
-             "--recompute", "selective"], "tp=1 x cp=4 x pp=1 x dp=1 (4 ranks)")
+    the chosen method again in the backward; --cp-method auto measures the three methods on
+    the first call and reports its choice."""
+    out = _passes(["--cp", "4", "--tp", "1", "--pp", "1", "--dp", "1", "--no-sequence-parallel",
+                   "--recompute", "selective", "--cp-method", "auto"],
+                  "tp=1 x cp=4 x pp=1 x dp=1 (4 ranks)")
+    chose = re.search(r"auto chose (\w+) for \(b, h, h_kv, s_local, d\) = \(2, 4, 4, 4, 8\) .*"
+                      r"ring [\d.]+ ms, allgather [\d.]+ ms, ulysses [\d.]+ ms", out)
+    assert chose and chose.group(1) in ("ring", "allgather", "ulysses"), out
 
 
 @pytest.mark.parametrize("args, message", [

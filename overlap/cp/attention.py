@@ -36,6 +36,10 @@ def choice_key(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple:
     return b, h, k.shape[1], s, d, str(q.dtype).replace("torch.", ""), causal
 
 
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _measure(q, k, v, comm: CPComm, causal: bool, scale: float) -> str:
     """Time every eligible method (forward and backward, interleaved rounds) and agree."""
     eligible = [m for m in _ATTEND if m != "ulysses" or ulysses_fits(q.shape[1], k.shape[1],
@@ -46,7 +50,10 @@ def _measure(q, k, v, comm: CPComm, causal: bool, scale: float) -> str:
         for m in eligible:
             qm, km, vm = (t.detach().requires_grad_() for t in (q, k, v))
             t0 = time.perf_counter()
-            with torch.enable_grad():
+            # Own saved-tensor hooks: inside activation checkpointing the measuring graphs
+            # must not be recorded by the checkpoint's hooks (its recomputation, which finds
+            # the choice cached, would save fewer tensors and fail).
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
                 _ATTEND[m](qm, km, vm, comm=comm, causal=causal, scale=scale).backward(dout)
             if q.is_cuda:
                 torch.cuda.synchronize()  # the first call of a shape only

@@ -238,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
                  "forward and backward of two micro-batches under each other's all-to-alls, "
                  "where the schedule's cost model says it pays")
         print(f"in-schedule EP pairs {r0.get('ep_pairs', 0)} per step on pp rank 0 ({state})")
+    for (shape, method), timings in zip(r0.get("cp_choices", []), r0.get("cp_timings", [])):
+        measured = ", ".join(f"{m} {t * 1e3:.1f} ms" for m, t in timings.items())
+        print(f"cp attention    auto chose {method} for (b, h, h_kv, s_local, d) = {shape} on "
+              f"rank 0's CP group (slowest rank's forward + backward: {measured})")
     if r0.get("saved"):
         print(f"checkpoints     {', '.join(r0['saved'])}")
     if cfg.compare_no_overlap:

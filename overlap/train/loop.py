@@ -373,7 +373,16 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             "start_step": start_step, "resumed_from": resumed_from,
             "fault_to_resumed_s": (resumed_at - fault_s) if fault_s and resumed_at else None,
             "saved": writer.saved if writer is not None else [],
-            "ep_pairs": len(job.pipe.pairs)}
+            "ep_pairs": len(job.pipe.pairs), **_cp_report(job.cp_comm)}
+
+
+def _cp_report(comm) -> dict:
+    """What ``--cp-method auto`` chose per attention shape, and the timings it chose by."""
+    if comm is None or not getattr(comm, "cp_choices", None):
+        return {}
+    keys = sorted(comm.cp_choices, key=str)
+    return {"cp_choices": [(str(tuple(k[:5])), comm.cp_choices[k]) for k in keys],
+            "cp_timings": [comm.cp_timings.get(k, {}) for k in keys]}
 
 
 def _cp_share(tokens: torch.Tensor, dims) -> torch.Tensor:
