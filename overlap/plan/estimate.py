@@ -109,6 +109,7 @@ class Estimate:
                                ep_chunks=lay.ep_chunks)
             d["ep_link"] = self.ep_link
         if lay.cp > 1:
+            d["memory_gib"]["cp_buffers"] = mem.cp_buffers / GIB
             d["layout"]["cp_method"] = lay.cp_method
             d["cp"] = {"method": lay.cp_method, "auto": self.cp_auto, "link": self.cp_link,
                        **self.cp_methods[lay.cp_method], "hidden_fraction": self.cp_hidden,
