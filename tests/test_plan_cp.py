@@ -209,8 +209,9 @@ def test_search_keeps_cp1_for_a_short_sequence():
     res = search(model, cluster, 64, Constraints(min_cp_tokens=256))
     assert {e.layout.cp for e in res.ranked} >= {1, 2, 4, 8, 16}
     assert res.ranked[0].layout.cp == 1
-    # The default search does not try cp on sequences under 2 x 4096 tokens.
+    # The default search does not try cp on sequences under 2 x 4096 tokens, unless asked to.
     assert {e.layout.cp for e in search(model, cluster, 64).ranked} == {1}
+    assert {e.layout.cp for e in search(model, cluster, 64, Constraints(cp=(4,))).ranked} == {4}
 
 
 def test_llama3_table4_long_context_ratio():

@@ -87,8 +87,10 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int,
 
 
 def _cp_values(model: ModelSpec, rest: int, c: Constraints) -> list[int]:
+    """Every cp the search tries; an explicit ``c.cp`` is not held to ``min_cp_tokens``."""
+    floor = c.min_cp_tokens if c.cp is None else 0
     valid = [v for v in _powers_of_two(rest) if rest % v == 0 and (v == 1 or (
-        model.seq_len % (2 * v) == 0 and model.seq_len // v >= c.min_cp_tokens))]
+        model.seq_len % (2 * v) == 0 and model.seq_len // v >= floor))]
     return [v for v in valid if c.cp is None or v in c.cp]
 
 
