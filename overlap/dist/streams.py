@@ -28,7 +28,22 @@ from overlap.dist.fifo import FifoWorker
 from overlap.profile import syncs
 
 __all__ = ["Stream", "Event", "StreamTimeout", "StreamStillRunning", "delay_ms",
-           "InjectedDelay"]
+           "InjectedDelay", "fill_poison", "device_empty"]
+
+
+def fill_poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` with what no computation produces by chance (NaN; -1 for integers; True
+    for bools): the twin's stand-in for device memory nobody wrote."""
+    if t.dtype == torch.bool:
+        return t.fill_(True)
+    return t.fill_(float("nan") if t.is_floating_point() or t.is_complex() else -1)
+
+
+def device_empty(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized device buffer: ``torch.empty`` on CUDA; poisoned on the CPU twin, so
+    reading it before the copy that fills it has run gives wrong numbers, as on a GPU."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    return out if out.is_cuda else fill_poison(out)
 
 
 class StreamTimeout(TimeoutError):
@@ -157,6 +172,43 @@ class Stream:
                 t.record_stream(self.cuda)
             return
         self._put(("run", fn))
+
+    def enqueue_copy(self, dst: torch.Tensor, src: torch.Tensor, *,
+                     keep_src: bool = True) -> None:
+        """``dst.copy_(src)`` on this stream (order it first, as for ``enqueue``); ``dst`` is
+        kept allocated until the copy ran. ``keep_src``: so is ``src`` (CUDA:
+        ``record_stream``), and the caller may drop its last reference at once. False models
+        a caller that skips that rule: on CUDA the allocator may hand ``src``'s memory out
+        again before the copy reads it; the twin copies poison (NaN, or -1 for integers) when
+        by the time the copy runs nothing but the copy still holds ``src``."""
+        keep = (dst, src) if keep_src else (dst,)
+        if self.cuda is not None:  # record_stream is for the device's (not pinned host) memory
+            keep = tuple(t for t in keep if t.is_cuda) or keep[:0]
+            if not self._after_caller:
+                raise RuntimeError(f"streams: work on stream {self.name!r} touches caller "
+                                   "tensors but the stream was not ordered after the caller "
+                                   "(call wait_current() or wait_event() first)")
+            self._after_caller = False
+            with torch.cuda.stream(self.cuda):
+                dst.copy_(src, non_blocking=True)
+            for t in keep:
+                t.record_stream(self.cuda)
+            return
+        if keep_src:
+            self.enqueue(lambda: dst.copy_(src), tensors=keep)
+            return
+        holder = [src]
+
+        def copy() -> None:
+            t = holder.pop()
+            # references to the storage: this tensor, the temporary storage object and any
+            # tensor of the caller's still alive
+            if torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2:
+                fill_poison(dst)  # the allocator could have reused the memory
+            else:
+                dst.copy_(t)
+
+        self.enqueue(copy, tensors=keep)
 
     def wait_current(self) -> None:
         """Later work on this stream waits for everything the caller's stream has issued (on

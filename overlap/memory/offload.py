@@ -1,0 +1,313 @@
+"""Activation offloading: tensors saved for the backward go to host memory on a side stream and
+come back on another one ahead of their use.
+
+``ActivationOffloader(device).wrap(layers, keep_last=N)``: every call of a wrapped layer is a
+group; what autograd saves inside it is copied to a reused (pinned on CUDA) host buffer on the
+``d2h`` stream right after it is saved, and the device tensor is released once that copy ran
+(``enqueue_copy`` keeps it: ``record_stream``). When a group's backward starts (the gradient of
+its output arrives), the reload of the previous layer's group starts on the ``h2d`` stream;
+a saved tensor is used only after its reload's event (a device-side wait, never the host). The
+last ``keep_last`` layers keep their tensors on the device. Works per thread and per call, so
+several micro-batches in flight, recomputation (checkpoint inputs are offloaded, the
+recomputed tensors are not) and split backward passes hold. Rules and twin: docs/memory.md.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+from overlap.defaults import TIMEOUT_S, positive_seconds
+from overlap.dist.streams import Event, Stream, device_empty
+
+__all__ = ["ActivationOffloader", "OffloadStats"]
+
+MIN_BYTES = 1024  # smaller saved tensors stay on the device: a copy costs more than it frees
+
+
+class OffloadStats:
+    """Counters of one offloader (bytes are distinct saved tensors; host-side bookkeeping,
+    no device sync): offloaded and reloaded bytes and copies, the bytes of saved tensors
+    currently held on the device by the offloader (kept layers, copies in flight, reloads)
+    and their peak."""
+
+    def __init__(self) -> None:
+        self.offloaded_bytes = self.reloaded_bytes = 0
+        self.offloaded = self.reloaded = self.kept = 0
+        self.resident_bytes = self.peak_resident_bytes = 0
+
+    def hold(self, nbytes: int) -> None:
+        self.resident_bytes += nbytes
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+
+    def drop(self, nbytes: int) -> None:
+        self.resident_bytes -= nbytes
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+class _HostPool:
+    """Host buffers by size; a buffer is handed out again only once the event of its last
+    use (the reload's copy, or the offload's if never reloaded) has run."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.free: dict[int, list[tuple[torch.Tensor, Event]]] = {}
+        self.allocated_bytes = 0
+        self.lock = threading.Lock()
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        with self.lock:
+            entries = self.free.get(nbytes, [])
+            for i, (buf, after) in enumerate(entries):
+                if after.query():
+                    del entries[i]
+                    return buf
+            self.allocated_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+
+    def put(self, buf: torch.Tensor, after: Event) -> None:
+        with self.lock:
+            self.free.setdefault(buf.numel(), []).append((buf, after))
+
+
+class _State:
+    """One offloaded tensor: its host copy, the events of both copies and, once reloaded, the
+    device tensor (kept for a second unpack: the zero-bubble weight pass). Released when
+    autograd frees its handle."""
+
+    __slots__ = ("owner", "shape", "dtype", "device", "nbytes", "host", "offloaded", "reload",
+                 "loaded", "released")
+
+    def __init__(self, owner: "ActivationOffloader", t: torch.Tensor, host: torch.Tensor,
+                 offloaded: Event):
+        self.owner = owner
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+        self.nbytes = t.numel() * t.element_size()
+        self.host, self.offloaded = host, offloaded
+        self.reload: Event | None = None
+        self.loaded: torch.Tensor | None = None
+        self.released = False
+
+    def start_reload(self) -> None:
+        if self.reload is not None or self.released:
+            return
+        o = self.owner
+        self.loaded = device_empty(self.shape, dtype=self.dtype, device=self.device)
+        o.h2d.wait_event(self.offloaded)  # never before its copy to host has run
+        o.h2d.enqueue_copy(self.loaded,
+                           self.host[:self.nbytes].view(self.dtype).view(self.shape))
+        self.reload = o.h2d.record_event()
+        o.stats.reloaded += 1
+        o.stats.reloaded_bytes += self.nbytes
+        o.stats.hold(self.nbytes)
+
+    def release(self) -> None:
+        """The host buffer goes back to the pool after its last copy; the reloaded device
+        tensor is dropped."""
+        self.released = True
+        o = self.owner
+        o.pool.put(self.host, self.reload or self.offloaded)
+        if self.loaded is not None:
+            o.stats.drop(self.nbytes)
+            self.loaded = None
+
+
+class _Saved:
+    """What autograd holds for an offloaded tensor; its death releases the state."""
+
+    __slots__ = ("state", "__weakref__")
+
+    def __init__(self, state: _State):
+        self.state = state
+        weakref.finalize(self, _State.release, state)
+
+
+class _Group:
+    """The tensors one call of one wrapped layer saved, and the previous layer's group of the
+    same forward (the one to reload when this one's backward starts)."""
+
+    __slots__ = ("index", "saved", "prev", "offload", "__weakref__")
+
+    def __init__(self, index: int, offload: bool, prev: "_Group | None"):
+        self.index, self.offload, self.prev = index, offload, prev
+        self.saved: list[weakref.ref] = []
+
+    def prefetch(self) -> None:
+        for ref in self.saved:
+            handle = ref()
+            if handle is not None:
+                handle.state.start_reload()
+
+
+class ActivationOffloader:
+    """Offloads what wrapped layers save (module docstring). ``device``: where activations
+    live (tensors elsewhere are left alone); ``min_bytes``: smaller saved tensors stay;
+    ``timeout``: bound of every wait for a copy. ``close()`` stops the streams."""
+
+    def __init__(self, device: torch.device | str, *, min_bytes: int = MIN_BYTES,
+                 timeout: float = TIMEOUT_S, census: bool = False):
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.min_bytes = int(min_bytes)
+        self.timeout = positive_seconds(timeout, "ActivationOffloader: timeout")
+        self.d2h = Stream(self.device, name="offload-d2h")
+        self.h2d = Stream(self.device, name="offload-h2d")
+        self.pool = _HostPool(pin=self.device.type == "cuda")
+        self.stats = OffloadStats()
+        self._local = threading.local()
+        self._wrapped: list[nn.Module] = []
+        self._weights: set[int] = set()
+        # census=True: every device storage a wrapped layer saved, by a weak reference, so
+        # resident_saved_bytes() measures what is still allocated (tests and the benchmark)
+        self._census: dict[int, tuple[object, int]] | None = {} if census else None
+        # The two rules; only tests switch them off, to show the twins catch the breach.
+        self._keep_source = False  # the device tensor outlives its copy to host
+        self._wait_reload = False  # a reloaded tensor is used after its copy's event
+
+    # -- wrapping
+    def wrap(self, layers: Iterable[nn.Module], *, keep_last: int = 0) -> int:
+        """Wrap ``layers`` (in forward order, e.g. a pipeline chunk's blocks): all but the last
+        ``keep_last`` offload. Returns how many offload."""
+        layers = list(layers)
+        if not layers:
+            raise ValueError("ActivationOffloader.wrap: no layers given")
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0:
+            raise ValueError(f"ActivationOffloader.wrap: keep_last must be an int >= 0, got "
+                             f"{keep_last!r}")
+        for m in layers:
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"ActivationOffloader.wrap: expected nn.Modules, got "
+                                f"{type(m).__name__}")
+            if "_overlap_offload" in m.__dict__:
+                raise ValueError(f"ActivationOffloader.wrap: {type(m).__name__} is wrapped "
+                                 "already")
+        # weights (and views of them, e.g. the transposed matrix a linear saves) stay
+        self._weights |= {p.untyped_storage().data_ptr() for m in layers
+                          for p in m.parameters()}
+        chain = object()  # links groups of these layers only
+        n_off = max(0, len(layers) - keep_last)
+        for i, m in enumerate(layers):
+            self._wrap_one(m, chain, i, offload=i < n_off)
+            self._wrapped.append(m)
+        return n_off
+
+    def _wrap_one(self, module: nn.Module, chain: object, index: int, offload: bool) -> None:
+        inner = module.forward
+        me = self
+
+        def forward(*args, **kwargs):
+            last = getattr(me._local, "last", None)
+            prev = last if last is not None and last[0] is chain and last[1].index == index - 1 \
+                else None
+            group = _Group(index, offload, prev[1] if prev else None)
+            outer = getattr(me._local, "group", None)
+            me._local.group = group
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(me._pack, me._unpack):
+                    out = inner(*args, **kwargs)
+            finally:
+                me._local.group = outer
+            me._local.last = (chain, group)
+            first = out if isinstance(out, torch.Tensor) else next(
+                (o for o in (out if isinstance(out, (tuple, list)) else ())
+                 if isinstance(o, torch.Tensor)), None)
+            if first is not None and first.requires_grad:
+                # this layer's backward is next: its own tensors, and the layer before it
+                first.register_hook(_Prefetch(group))
+            return out
+
+        module.__dict__["_overlap_offload"] = (self, inner)
+        module.forward = forward
+
+    def unwrap(self) -> None:
+        for m in self._wrapped:
+            _owner, inner = m.__dict__.pop("_overlap_offload")
+            m.forward = inner
+            if m.__dict__.get("forward") is inner:
+                del m.__dict__["forward"]  # the class's own forward again
+        self._wrapped.clear()
+
+    def resident_saved_bytes(self) -> int:
+        """With ``census=True``: bytes of the distinct device storages that wrapped layers saved
+        for the backward and that are still allocated (kept, not yet released after their
+        copy, or held elsewhere too). Reloads are counted apart (``stats``)."""
+        if self._census is None:
+            raise RuntimeError("ActivationOffloader.resident_saved_bytes needs census=True")
+        return sum(n for ref, n in self._census.values() if not ref.expired())
+
+    # -- the hooks
+    def _pack(self, t: torch.Tensor):
+        group = getattr(self._local, "group", None)
+        nbytes = t.numel() * t.element_size()
+        if group is None or t.device != self.device or _is_weight(t, self._weights):
+            return t
+        if self._census is not None:
+            from torch.multiprocessing.reductions import StorageWeakRef
+
+            st = t.untyped_storage()
+            self._census[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
+        if nbytes < self.min_bytes or t.layout != torch.strided:
+            return t
+        if not group.offload:
+            self.stats.kept += 1
+            return t
+        host = self.pool.get(nbytes)
+        self.d2h.wait_current()  # after the work that produced t
+        src = t.detach()
+        if not src.is_contiguous():
+            src = src.contiguous()
+        self.d2h.enqueue_copy(host[:nbytes].view(t.dtype).view(t.shape), src,
+                              keep_src=self._keep_source)
+        del src
+        saved = _Saved(_State(self, t, host, self.d2h.record_event()))
+        group.saved.append(weakref.ref(saved))
+        self.stats.offloaded += 1
+        self.stats.offloaded_bytes += nbytes
+        return saved
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _Saved):
+            return packed
+        st = packed.state
+        st.start_reload()  # no-op when prefetched
+        if self._wait_reload:
+            st.reload.wait(self.timeout, what="activation reload")
+        return st.loaded
+
+    def close(self) -> None:
+        self.unwrap()
+        for s in (self.d2h, self.h2d):
+            s.close(self.timeout)
+
+
+def _is_weight(t: torch.Tensor, weights: set[int]) -> bool:
+    """A parameter, a view of one, or memory of the wrapped layers' parameters."""
+    if isinstance(t, nn.Parameter):
+        return True
+    base = t._base if t._is_view() else t
+    if base.requires_grad and base.grad_fn is None:
+        return True
+    return t.untyped_storage().data_ptr() in weights
+
+
+class _Prefetch:
+    """A gradient hook on a group's output: this layer's backward starts now."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: _Group):
+        self.group = group
+
+    def __call__(self, grad):
+        g = self.group
+        g.prefetch()
+        if g.prev is not None:
+            g.prev.prefetch()
+        return None

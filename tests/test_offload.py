@@ -1,0 +1,189 @@
+"""Activation offloading (overlap.memory) on the stream twin: gradients equal training without
+offload bit for bit (fp32: the same kernels on the same values, only where the saved tensors
+wait differs), with several micro-batches in flight, recomputation, a split backward and
+injected stream delays; 0 host syncs; the host pool reused; the device-resident bytes measured
+against the kept fraction; and the two rules, each broken on purpose: a device tensor released
+before its copy to host ran, and a reload used before its event, both give wrong numbers on
+the twin (as on a GPU), so the tests with the rules pass only because the rules hold.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from overlap.memory import ActivationOffloader
+from overlap.models.gpt import GPT, GPTConfig, gpt_loss
+from overlap.profile.syncs import count_host_syncs
+from overlap.train.recompute import apply_recompute
+
+L = 4
+CFG = dict(vocab_size=64, seq_len=16, d_model=32, n_layer=L, n_head=4)
+
+
+def _model(recompute: str = "none") -> GPT:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    if recompute != "none":
+        apply_recompute(model, recompute)
+    return model
+
+
+def _batches(n: int = 3):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (n, 2, 17), generator=g)
+    return [(b[:, :-1], b[:, 1:]) for b in ids]
+
+
+def _grads(model: GPT, order=(1, 0, 2)) -> list[torch.Tensor]:
+    """Forward every micro-batch, then their backwards in ``order``: several micro-batches'
+    saved tensors in flight at once, as in a pipeline."""
+    losses = [gpt_loss(model(x), y) for x, y in _batches()]
+    for i in order:
+        losses[i].backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _offloaded(recompute="none", keep_last=1, min_bytes=1024, **rules
+               ) -> tuple[GPT, ActivationOffloader]:
+    model = _model(recompute)
+    off = ActivationOffloader("cpu", timeout=30, census=True, min_bytes=min_bytes)
+    for name, on in rules.items():
+        setattr(off, f"_{name}", on)
+    off.wrap(list(model.blocks), keep_last=keep_last)
+    return model, off
+
+
+def _reference(recompute="none") -> list[torch.Tensor]:
+    return _grads(_model(recompute))
+
+
+def _same(got, ref) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+@pytest.mark.parametrize("delay", ["0", "3"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("keep_last", [0, 1])
+def test_offload_changes_no_number(monkeypatch, recompute, keep_last, delay):
+    monkeypatch.setenv("OVERLAP_STREAM_DELAY_MS", delay)
+    ref = _reference(recompute)
+    model, off = _offloaded(recompute, keep_last)
+    try:
+        assert _same(_grads(model), ref)
+        # everything offloaded came back (the full-recompute blocks save only their inputs)
+        assert off.stats.offloaded > 0 and off.stats.reloaded == off.stats.offloaded
+        assert off.stats.kept > 0 if keep_last else off.stats.kept == 0
+    finally:
+        off.close()
+
+
+def test_split_backward_unpacks_twice(monkeypatch):
+    """The zero-bubble schedule's split: input gradients first (retain_graph), weights later;
+    the second pass reads the reloaded tensors again."""
+    monkeypatch.setenv("OVERLAP_STREAM_DELAY_MS", "2")
+
+    def run(model):
+        x, y = _batches(1)[0]
+        h = model.pipeline_pieces()[0](x).detach().requires_grad_()
+        out = h
+        for block in model.blocks:
+            out = block(out)
+        loss = gpt_loss(model.pipeline_pieces()[-1](out), y)
+        (dh,) = torch.autograd.grad(loss, h, retain_graph=True)
+        ws = [p for b in model.blocks for p in b.parameters()]
+        return [dh, *torch.autograd.grad(loss, ws)]
+
+    ref = run(_model())
+    model, off = _offloaded(keep_last=0)
+    try:
+        assert _same(run(model), ref)
+    finally:
+        off.close()
+
+
+def test_steady_state_has_no_host_sync_and_reuses_the_host_pool():
+    model, off = _offloaded(keep_last=1)
+    try:
+        _grads(model)
+        first = off.pool.allocated_bytes
+        assert first > 0
+        for _ in range(2):
+            model.zero_grad()
+            with count_host_syncs() as syncs:
+                _grads(model)
+            assert syncs.count == 0, syncs.what
+        assert off.pool.allocated_bytes <= first  # every buffer came back to the pool
+    finally:
+        off.close()
+
+
+@pytest.mark.parametrize("min_bytes", [0, 1024])
+def test_device_resident_bytes_follow_the_kept_fraction(min_bytes):
+    """After the forward (copies to host done), the device still holds what the kept layers
+    saved: <= keep/L of the run that offloads nothing, plus nothing in flight, plus (by
+    default) the tensors under min_bytes that every layer keeps (its LayerNorm statistics,
+    the attention's log-sum-exp)."""
+    resident = {}
+    for keep in (L, 2, 1, 0):
+        model, off = _offloaded(keep_last=keep, min_bytes=min_bytes)
+        try:
+            x, y = _batches(1)[0]
+            loss = gpt_loss(model(x), y)
+            off.d2h.synchronize()  # the test's host wait: every copy to host has run
+            resident[keep] = off.resident_saved_bytes()
+            loss.backward()
+        finally:
+            off.close()
+    base, small = resident[L], resident[0]
+    assert base > 0
+    assert small == 0 if min_bytes == 0 else 0 < small <= 0.05 * base, resident
+    for keep in (2, 1):
+        assert resident[keep] <= base * keep / L + small * (L - keep) / L, resident
+
+
+def test_rule_device_tensor_outlives_its_copy():
+    """Without the rule (the device tensor dropped as soon as its copy is queued, no
+    record_stream), the twin's copy reads reused memory: wrong gradients."""
+    ref = _reference()
+    model, off = _offloaded(keep_last=0, keep_source=False)
+    try:
+        got = _grads(model)
+    finally:
+        off.close()
+    assert not _same(got, ref)
+    assert any(g.isnan().any() for g in got)
+
+
+def test_rule_reload_used_after_its_event(monkeypatch):
+    """Without the rule (the reloaded tensor used without waiting for its copy's event),
+    stream delays make the backward read the poisoned, not yet filled buffer."""
+    monkeypatch.setenv("OVERLAP_STREAM_DELAY_MS", "50")
+    ref = _reference()
+    model, off = _offloaded(keep_last=0, wait_reload=False)
+    try:
+        got = _grads(model)
+    finally:
+        off.close()
+    assert not _same(got, ref)
+
+
+def test_bad_arguments_are_refused():
+    model = _model()
+    off = ActivationOffloader("cpu", timeout=5)
+    try:
+        with pytest.raises(ValueError, match="no layers given"):
+            off.wrap([])
+        with pytest.raises(ValueError, match="keep_last must be an int >= 0, got -1"):
+            off.wrap(list(model.blocks), keep_last=-1)
+        with pytest.raises(TypeError, match="expected nn.Modules, got int"):
+            off.wrap([3])
+        off.wrap(list(model.blocks))
+        with pytest.raises(ValueError, match="Block is wrapped already"):
+            off.wrap([model.blocks[0]])
+        with pytest.raises(RuntimeError, match="needs census=True"):
+            off.resident_saved_bytes()
+    finally:
+        off.close()
+    # unwrapped: the class's forward again
+    assert "forward" not in model.blocks[0].__dict__
