@@ -168,7 +168,7 @@ class ActivationOffloader:
         # resident_saved_bytes() measures what is still allocated (tests and the benchmark)
         self._census: dict[int, tuple[object, int]] | None = {} if census else None
         # The two rules; only tests switch them off, to show the twins catch the breach.
-        self._keep_source = False  # the device tensor outlives its copy to host
+        self._keep_source = True   # the device tensor outlives its copy to host
         self._wait_reload = False  # a reloaded tensor is used after its copy's event
 
     # -- wrapping
