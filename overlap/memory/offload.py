@@ -169,7 +169,7 @@ class ActivationOffloader:
         self._census: dict[int, tuple[object, int]] | None = {} if census else None
         # The two rules; only tests switch them off, to show the twins catch the breach.
         self._keep_source = True   # the device tensor outlives its copy to host
-        self._wait_reload = False  # a reloaded tensor is used after its copy's event
+        self._wait_reload = True   # a reloaded tensor is used after its copy's event
 
     # -- wrapping
     def wrap(self, layers: Iterable[nn.Module], *, keep_last: int = 0) -> int:
