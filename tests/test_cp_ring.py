@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cp_common import B, C, D, H, U_BF16, compare, inputs, math_bound, sharded
+from cp_common import B, D, H, compare, inputs, error_bound, peer_fault, sharded
 from harness import run_ranks
 
 
@@ -31,10 +31,7 @@ def _ring_vs_sdpa(block):
     comm = CPComm(dist.group.WORLD, timeout=30)
     report = {}
     for dtype in (torch.float32, torch.bfloat16):
-        if dtype == torch.float32 or block == "math":
-            bound = math_bound(dtype)
-        else:  # flash rounds each block's output to bf16 before the merge
-            bound = lambda ref: 4 * U_BF16 * ref.abs().max() + 1e-5  # noqa: E731
+        bound = error_bound(dtype, block)
         for causal in (True, False):
             for hk in (H, 2, 1):
                 full = inputs(world, hk, dtype)
@@ -143,38 +140,13 @@ def test_bad_input_is_an_error_on_every_rank(world):
         assert failed, errs[6]
 
 
-def _peer_fault(kind, timeout):
-    import os
-    import time
-
-    from overlap.cp import CPComm, ring_attention
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    comm = CPComm(dist.group.WORLD, timeout=timeout)
-    q = torch.randn(B, H, 2 * C, D, requires_grad=True)
-    k, v = torch.randn(B, 2, 2 * C, D), torch.randn(B, 2, 2 * C, D)
-    ring_attention(q, k, v, comm=comm, causal=True).sum().backward()  # one good call first
-    dist.barrier()
-    if rank == world - 1:
-        if kind == "dead":
-            os._exit(3)
-        time.sleep(timeout * 3)  # alive, but not taking part
-        return None
-    time.sleep(0.2)
-    t0 = time.monotonic()
-    try:
-        ring_attention(q, k, v, comm=comm, causal=True).sum().backward()
-    except Exception as exc:  # noqa: BLE001 - the test reads the message
-        return time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
-    return time.monotonic() - t0, "returned"
-
-
 @pytest.mark.parametrize("kind", ["dead", "stalled"])
 def test_dead_or_stalled_peer_is_an_error_on_every_survivor(kind):
     from harness import run_ranks_outcomes
 
     timeout, world = 2.0, 4
-    outcomes = run_ranks_outcomes(_peer_fault, world, kind, timeout, timeout=60, grace=20)
+    outcomes = run_ranks_outcomes(peer_fault, world, kind, timeout, "ring", timeout=60,
+                                  grace=20)
     for out in outcomes[:-1]:
         assert out.status == "ok", (out.status, out.error)
         took, msg = out.value

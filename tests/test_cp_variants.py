@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cp_common import B, D, H, U_BF16, compare, inputs, math_bound, sharded
+from cp_common import B, D, H, compare, inputs, error_bound, peer_fault, sharded
 from harness import run_ranks, run_ranks_outcomes
 
 METHODS = ("allgather", "ulysses")
@@ -42,10 +42,7 @@ def _variants_vs_sdpa(block):
     report = {}
     for method in METHODS:
         for dtype in (torch.float32, torch.bfloat16):
-            if dtype == torch.float32 or block == "math":
-                bound = math_bound(dtype)
-            else:  # flash rounds each block's output to bf16 before the merge
-                bound = lambda ref: 4 * U_BF16 * ref.abs().max() + 1e-5  # noqa: E731
+            bound = error_bound(dtype, block)
             for causal in (True, False):
                 for hk in (H, 2, 1):
                     full = inputs(world, hk, dtype, seed=hk)
@@ -58,7 +55,7 @@ def _variants_vs_sdpa(block):
     got = sharded(cp_attention, full, world=world, rank=rank, causal=True, comm=comm,
                   method="auto")
     report[("auto",)] = compare(got, full, world=world, rank=rank, causal=True,
-                                bound=math_bound(torch.float32))
+                                bound=error_bound(torch.float32))
     # Steady state: the same shapes again, forward and backward, under the sync counter.
     mine = [zigzag_shard(t, 2, cp=world, rank=rank).requires_grad_() for t in full[:3]]
     with count_host_syncs() as syncs:
@@ -167,36 +164,10 @@ def test_bad_input_is_an_error_on_every_rank(world):
         assert disagreement and "disagree on op" in msg and "ring_attention" in msg, msg
 
 
-def _peer_fault(kind, method, timeout):
-    import os
-    import time
-
-    from overlap.cp import CPComm
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    comm = CPComm(dist.group.WORLD, timeout=timeout)
-    q = torch.randn(B, H, 6, D, requires_grad=True)
-    k, v = torch.randn(B, 2, 6, D), torch.randn(B, 2, 6, D)
-    _attend(method)(q, k, v, comm=comm, causal=True).sum().backward()  # one good call first
-    dist.barrier()
-    if rank == world - 1:
-        if kind == "dead":
-            os._exit(3)
-        time.sleep(timeout * 3)  # alive, but not taking part
-        return None
-    time.sleep(0.2)
-    t0 = time.monotonic()
-    try:
-        _attend(method)(q, k, v, comm=comm, causal=True).sum().backward()
-    except Exception as exc:  # noqa: BLE001 - the test reads the message
-        return time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
-    return time.monotonic() - t0, "returned"
-
-
 @pytest.mark.parametrize("kind,method", [("dead", "allgather"), ("stalled", "ulysses")])
 def test_dead_or_stalled_peer_is_an_error_on_every_survivor(kind, method):
     timeout, world = 2.0, 4
-    outcomes = run_ranks_outcomes(_peer_fault, world, kind, method, timeout, timeout=50,
+    outcomes = run_ranks_outcomes(peer_fault, world, kind, timeout, method, timeout=50,
                                   grace=10)
     for out in outcomes[:-1]:
         assert out.status == "ok", (out.status, out.error)

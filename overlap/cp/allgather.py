@@ -1,4 +1,4 @@
-"""All-gather attention over a CP group: ``allgather_attention(q, k, v, *, comm, causal, scale=None)``.
+"""All-gather attention over a CP group: ``allgather_attention(q, k, v, *, comm, causal)``.
 
 Legend and contract as ``ring_attention`` (q (b, h, s_local, d), k/v (b, h_kv, s_local, d),
 zig-zag pieces, this rank's rows back). Pieces: p = 0 every rank's first zig-zag chunk, p = 1
@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from overlap.cp.blocks import block_backward, block_forward, merge, pick_kernel
+from overlap.cp.blocks import backward_kernel, block_backward, block_forward, merge, pick_kernel
 from overlap.cp.comm import CPComm, Packet, call_scale
-from overlap.cp.ring import _validate
-from overlap.tp.ops import call_op, define_op
+from overlap.cp.ring import _validate, attention_function, forward_outputs
 
 __all__ = ["allgather_attention"]
 
@@ -103,16 +102,12 @@ def _ag_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: CPComm,
                                                kv_p[1, :, :, keys].unsqueeze(2), scale, False,
                                                kernel)
                 merge(o[..., rows, :], lse[..., rows], o_blk, lse_blk)
-        out = o.reshape(b, h, s, d)
-        o32 = out.new_empty(0) if q.dtype == torch.float32 else out
-        out = out.to(q.dtype) if q.dtype != torch.float32 else out
-        comm.agree.poison(out)
-        return out, o32, lse
+        return forward_outputs(o.reshape(b, h, s, d), lse, q, comm)
 
 
 def _ag_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o32: torch.Tensor, lse: torch.Tensor, comm: CPComm, causal: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 scale: float, block: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in q's dtype; ``o32`` is the forward's fp32 output (b, h, s, d)."""
     op = "allgather_attention_backward"
     comm.check_usable(op)
@@ -124,11 +119,13 @@ def _ag_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         posted = _post_gathers(comm, kv, op) if cp > 1 else []
         q5 = q.reshape(b, hk, g, s, d).float()
         do5 = dout.reshape(b, hk, g, s, d).float()
-        delta = (do5 * o32.reshape(b, hk, g, s, d)).sum(-1)
+        o5 = o32.reshape(b, hk, g, s, d)
+        delta = (do5 * o5).sum(-1)
+        kernel = backward_kernel(pick_kernel(block, q), q)
         kv32 = kv.float()
         # The own block's backward runs while the gathers are in flight.
         dq5, dk, dv = block_backward(q5, kv32[0].unsqueeze(2), kv32[1].unsqueeze(2), do5, lse,
-                                     delta, scale, causal)
+                                     delta, scale, causal, kernel, o5)
         dkv_own = torch.stack([dk, dv])
         scattered = []
         for p, piece in enumerate(_pieces(s)[:len(posted)]):
@@ -138,7 +135,7 @@ def _ag_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                 dq_blk, dk_blk, dv_blk = block_backward(
                     q5[..., rows, :], kv_p[0, :, :, keys].unsqueeze(2),
                     kv_p[1, :, :, keys].unsqueeze(2), do5[..., rows, :], lse[..., rows],
-                    delta[..., rows], scale, False)
+                    delta[..., rows], scale, False, kernel, o5[..., rows, :])
                 dq5[..., rows, :] += dq_blk
                 dkv_p[0, :, :, keys] += dk_blk
                 dkv_p[1, :, :, keys] += dv_blk
@@ -162,33 +159,7 @@ def _ag_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         return dq, dk, dv
 
 
-define_op("allgather_attention", _ag_forward, lambda q, k, v, comm, causal, scale, block: (
-    q.new_empty(q.shape), q.new_empty(0 if q.dtype == torch.float32 else q.shape,
-                                      dtype=torch.float32),
-    q.new_empty(q.shape[0], k.shape[1], q.shape[1] // k.shape[1], q.shape[2],
-                dtype=torch.float32)))
-define_op("allgather_attention_backward", _ag_backward,
-          lambda dout, q, k, v, o32, lse, comm, causal, scale: (
-              q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)))
-
-
-# ---------------------------------------------------------------- autograd: one backward
-
-class _AllGatherAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, comm, causal, scale, block):
-        out, o32, lse = call_op("allgather_attention", _ag_forward, q, k, v, comm, causal,
-                                scale, block)
-        ctx.comm, ctx.causal, ctx.scale = comm, causal, scale
-        ctx.save_for_backward(q, k, v, out if o32.numel() == 0 else o32, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, o32, lse = ctx.saved_tensors
-        dq, dk, dv = call_op("allgather_attention_backward", _ag_backward, dout.contiguous(),
-                             q, k, v, o32, lse, ctx.comm, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None, None
+_AllGatherAttention = attention_function("allgather_attention", _ag_forward, _ag_backward)
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: CPComm,

@@ -178,13 +178,18 @@ class CPComm(OpaqueBase):
     def wait(self, work, *, op: str, what: str, send: bool) -> None:
         """Wait for one transfer with the timeout; errors name the op, the transfer, the peer
         and this rank, and say whether it failed at once (a dead peer) or timed out."""
+        self._timed_wait(work, op, lambda exc, took: self._error(
+            exc, op, what, send, self._how(exc, took, "the two ranks")))
+
+    def _timed_wait(self, work, op: str, error) -> None:
+        """``work.wait`` with the timeout, counted as exposed communication; a failure raises
+        ``error(exc, seconds waited)`` from it."""
         t0 = time.monotonic()
         try:
             with comm_wait(f"cp.{op}"):
                 work.wait(timedelta(seconds=self.timeout))
         except Exception as exc:  # gloo raises RuntimeError, NCCL DistBackendError
-            how = self._how(exc, time.monotonic() - t0, "the two ranks")
-            raise self._error(exc, op, what, send, how) from exc
+            raise error(exc, time.monotonic() - t0) from exc
 
     def _how(self, exc: Exception, took: float, who: str) -> str:
         from overlap.dist.nccl_twin import SizeMismatch
@@ -246,13 +251,8 @@ class CPComm(OpaqueBase):
     def wait_collective(self, work, *, op: str, what: str) -> None:
         """Wait for a collective with the timeout; errors name the op, the transfer, the
         group's ranks and this rank."""
-        t0 = time.monotonic()
-        try:
-            with comm_wait(f"cp.{op}"):
-                work.wait(timedelta(seconds=self.timeout))
-        except Exception as exc:  # gloo raises RuntimeError, NCCL DistBackendError
-            how = self._how(exc, time.monotonic() - t0, "the ranks")
-            raise self._group_error(exc, op, what, how) from exc
+        self._timed_wait(work, op, lambda exc, took: self._group_error(
+            exc, op, what, self._how(exc, took, "the ranks")))
 
     def _group_error(self, exc: Exception, op: str, what: str, how: str) -> RuntimeError:
         return RuntimeError(f"cp {op}: {what} over the CP group (global ranks "

@@ -16,11 +16,12 @@ import math
 
 import torch
 
-from overlap.cp.blocks import KERNELS, block_backward, block_forward, merge, pick_kernel
-from overlap.cp.comm import CPComm
+from overlap.cp.blocks import (KERNELS, backward_kernel, block_backward, block_forward, merge,
+                               pick_kernel)
+from overlap.cp.comm import CPComm, call_scale
 from overlap.tp.ops import call_op, define_op
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "attention_function", "forward_outputs"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -132,16 +133,23 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: CPCom
             if step + 1 < cp:
                 _wait_hop(comm, hop, op, step)
                 kv = nxt
-        out = o.reshape(b, h, s, d)
-        o32 = out.new_empty(0) if q.dtype == torch.float32 else out
-        out = out.to(q.dtype) if q.dtype != torch.float32 else out
-        comm.agree.poison(out)
-        return out, o32, lse
+        return forward_outputs(o.reshape(b, h, s, d), lse, q, comm)
+
+
+def forward_outputs(o: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, comm: CPComm
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A forward's results from its fp32 output ``o`` (b, h, s, d): (out in q's dtype, ``o``
+    for the backward or empty when q is fp32 (out is then ``o``), lse), poisoned on a GPU
+    whose stamps disagreed."""
+    o32 = o.new_empty(0) if q.dtype == torch.float32 else o
+    out = o.to(q.dtype) if q.dtype != torch.float32 else o
+    comm.agree.poison(out)
+    return out, o32, lse
 
 
 def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    o32: torch.Tensor, lse: torch.Tensor, comm: CPComm, causal: bool,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   scale: float, block: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in q's dtype; ``o32`` is the forward's fp32 output (b, h, s, d)."""
     op = "ring_attention_backward"
     comm.check_usable(op)
@@ -151,7 +159,9 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         g, cp, rank = h // hk, comm.world, comm.rank
         q5 = q.reshape(b, hk, g, s, d).float()
         do5 = dout.reshape(b, hk, g, s, d).float()
-        delta = (do5 * o32.reshape(b, hk, g, s, d)).sum(-1)
+        o5 = o32.reshape(b, hk, g, s, d)
+        delta = (do5 * o5).sum(-1)
+        kernel = backward_kernel(pick_kernel(block, q), q)
         dq5 = torch.zeros_like(q5)
         kv = torch.stack([k, v])
         dkv = dkv_hop = None  # this step's accumulator; the hop carrying the previous one
@@ -163,7 +173,7 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             k5, v5 = (kv[i, :, :, kv_rows].unsqueeze(2).float() for i in (0, 1))
             dq_blk, dk_blk, dv_blk = block_backward(
                 q5[..., rows, :], k5, v5, do5[..., rows, :], lse[..., rows], delta[..., rows],
-                scale, diag)
+                scale, diag, kernel, o5[..., rows, :])
             dq5[..., rows, :] += dq_blk
             if step == 0:  # every row of the own block is touched at step 0
                 dkv = torch.stack([dk_blk, dv_blk])
@@ -192,48 +202,51 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         return dq, dk, dv
 
 
-define_op("ring_attention", _ring_forward, lambda q, k, v, comm, causal, scale, block: (
-    q.new_empty(q.shape), q.new_empty(0 if q.dtype == torch.float32 else q.shape,
-                                      dtype=torch.float32),
-    q.new_empty(q.shape[0], k.shape[1], q.shape[1] // k.shape[1], q.shape[2],
-                dtype=torch.float32)))
-define_op("ring_attention_backward", _ring_backward,
-          lambda dout, q, k, v, o32, lse, comm, causal, scale: (
-              q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)))
-
-
 # ---------------------------------------------------------------- autograd: one backward
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, comm, causal, scale, block):
-        out, o32, lse = call_op("ring_attention", _ring_forward, q, k, v, comm, causal, scale,
-                                block)
-        ctx.comm, ctx.causal, ctx.scale = comm, causal, scale
-        ctx.save_for_backward(q, k, v, out if o32.numel() == 0 else o32, lse)
-        return out
+def attention_function(name: str, forward, backward) -> type:
+    """Define the custom ops ``name`` and ``name_backward`` and return the autograd Function
+    of a CP attention method with the ring's signature: ``forward(q, k, v, comm, causal,
+    scale, block) -> (out, out in fp32 or empty when q is fp32, lse (b, h_kv, g, s))`` and
+    ``backward(dout, q, k, v, o32, lse, comm, causal, scale, block) -> (dq, dk, dv)``."""
+    define_op(name, forward, lambda q, k, v, comm, causal, scale, block: (
+        q.new_empty(q.shape), q.new_empty(0 if q.dtype == torch.float32 else q.shape,
+                                          dtype=torch.float32),
+        q.new_empty(q.shape[0], k.shape[1], q.shape[1] // k.shape[1], q.shape[2],
+                    dtype=torch.float32)))
+    define_op(f"{name}_backward", backward,
+              lambda dout, q, k, v, o32, lse, comm, causal, scale, block: (
+                  q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)))
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, o32, lse = ctx.saved_tensors
-        dq, dk, dv = call_op("ring_attention_backward", _ring_backward, dout.contiguous(), q,
-                             k, v, o32, lse, ctx.comm, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None, None
+    class Attention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, comm, causal, scale, block):
+            out, o32, lse = call_op(name, forward, q, k, v, comm, causal, scale, block)
+            ctx.comm, ctx.causal, ctx.scale, ctx.block = comm, causal, scale, block
+            ctx.save_for_backward(q, k, v, out if o32.numel() == 0 else o32, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, o32, lse = ctx.saved_tensors
+            dq, dk, dv = call_op(f"{name}_backward", backward, dout.contiguous(), q, k, v, o32,
+                                 lse, ctx.comm, ctx.causal, ctx.scale, ctx.block)
+            return dq, dk, dv, None, None, None, None
+
+    Attention.__name__ = Attention.__qualname__ = f"_{name}"
+    return Attention
+
+
+_RingAttention = attention_function("ring_attention", _ring_forward, _ring_backward)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: CPComm,
                    causal: bool, scale: float | None = None, block: str = "auto"
                    ) -> torch.Tensor:
     """Attention of this rank's zig-zag rows ``q`` over the whole sequence (module docstring).
-    ``scale`` defaults to 1/sqrt(d). ``block``: the forward's per-block kernel, "math" (fp32),
-    "flash" (torch's flash kernel, in the inputs' dtype) or "auto" (flash on CUDA for
-    fp16/bf16, else math); the backward is the fp32 math recomputation either way."""
-    if not isinstance(comm, CPComm):
-        raise TypeError(f"ring_attention: comm must be a CPComm, got {type(comm).__name__}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"ring_attention: causal must be a bool, got {causal!r}{comm.where}")
-    if isinstance(q, torch.Tensor) and q.dim() == 4:
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scale = float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) \
-        else float("nan")
+    ``scale`` defaults to 1/sqrt(d). ``block``: the per-block kernel, "math" (fp32), "flash"
+    (torch's fused flash kernel, in the inputs' dtype) or "auto" (flash on CUDA for fp16/bf16
+    and on CPU for fp32, else math); the backward recomputes in fp32 (on CPU after a flash
+    forward with the fused flash backward, else math)."""
+    scale = call_scale("ring_attention", q, comm, causal, scale)
     return _RingAttention.apply(q, k, v, comm, causal, scale, block)

@@ -1,4 +1,4 @@
-"""Ulysses attention over a CP group: ``ulysses_attention(q, k, v, *, comm, causal, scale=None)``.
+"""Ulysses attention over a CP group: ``ulysses_attention(q, k, v, *, comm, causal)``.
 
 Legend and contract as ``ring_attention``, plus heads that split: h % cp == 0, and h_kv % cp
 == 0 or cp % h_kv == 0 (kv heads are then repeated to cp heads and their dK/dV summed back).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from overlap.cp.blocks import block_backward, block_forward, merge, pick_kernel
+from overlap.cp.blocks import backward_kernel, block_backward, block_forward, merge, pick_kernel
 from overlap.cp.comm import CPComm, Packet, call_scale
 from overlap.cp.ring import _validate
 from overlap.tp.ops import call_op, define_op
@@ -156,8 +156,8 @@ def _ul_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: CPComm,
 
 
 def _ul_backward(dout: torch.Tensor, q_h: torch.Tensor, kv_h: torch.Tensor, o_h: torch.Tensor,
-                 lse: torch.Tensor, comm: CPComm, causal: bool, scale: float, h_kv: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 lse: torch.Tensor, comm: CPComm, causal: bool, scale: float, h_kv: int,
+                 block: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq (b, h, s, d), dk, dv (b, h_kv, s, d)) in dout's dtype."""
     op = "ulysses_attention_backward"
     comm.check_usable(op)
@@ -172,12 +172,14 @@ def _ul_backward(dout: torch.Tensor, q_h: torch.Tensor, kv_h: torch.Tensor, o_h:
         do5 = _to_sequence(do_from, causal).view(b, hkc, hq // hkc, n, d).float()
         q5 = q_h.view(b, hkc, hq // hkc, n, d).float()
         k5, v5 = (t.unsqueeze(2) for t in kv_h.float())
-        delta = (do5 * o_h.view(do5.shape)).sum(-1)
+        o5 = o_h.view(do5.shape)
+        delta = (do5 * o5).sum(-1)
+        kernel = backward_kernel(pick_kernel(block, dout), dout)
         dq5, dkv = torch.zeros_like(q5), torch.zeros_like(kv_h, dtype=torch.float32)
         for rows, keys, diag, _first in _tiles(cp, s, causal):
             dq_blk, dk_blk, dv_blk = block_backward(
                 q5[..., rows, :], k5[..., keys, :], v5[..., keys, :], do5[..., rows, :],
-                lse[..., rows], delta[..., rows], scale, diag)
+                lse[..., rows], delta[..., rows], scale, diag, kernel, o5[..., rows, :])
             dq5[..., rows, :] += dq_blk
             dkv[0, :, :, keys] += dk_blk
             dkv[1, :, :, keys] += dv_blk
@@ -212,7 +214,7 @@ define_op("ulysses_attention", _ul_forward, lambda q, k, v, comm, causal, scale,
                 q.shape[1] // max(k.shape[1], comm.world), q.shape[2] * comm.world,
                 dtype=torch.float32)))
 define_op("ulysses_attention_backward", _ul_backward,
-          lambda dout, q_h, kv_h, o_h, lse, comm, causal, scale, h_kv: (
+          lambda dout, q_h, kv_h, o_h, lse, comm, causal, scale, h_kv, block: (
               dout.new_empty(dout.shape),
               dout.new_empty(dout.shape[0], h_kv, dout.shape[2], dout.shape[3]),
               dout.new_empty(dout.shape[0], h_kv, dout.shape[2], dout.shape[3])))
@@ -225,7 +227,8 @@ class _UlyssesAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, comm, causal, scale, block):
         out, q_h, kv_h, o_h, lse = call_op("ulysses_attention", _ul_forward, q, k, v, comm,
                                            causal, scale, block)
-        ctx.comm, ctx.causal, ctx.scale, ctx.h_kv = comm, causal, scale, k.shape[1]
+        ctx.comm, ctx.causal, ctx.scale, ctx.block = comm, causal, scale, block
+        ctx.h_kv = k.shape[1]
         ctx.save_for_backward(q_h, kv_h, o_h, lse)
         return out
 
@@ -233,7 +236,8 @@ class _UlyssesAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q_h, kv_h, o_h, lse = ctx.saved_tensors
         dq, dk, dv = call_op("ulysses_attention_backward", _ul_backward, dout.contiguous(),
-                             q_h, kv_h, o_h, lse, ctx.comm, ctx.causal, ctx.scale, ctx.h_kv)
+                             q_h, kv_h, o_h, lse, ctx.comm, ctx.causal, ctx.scale, ctx.h_kv,
+                             ctx.block)
         return dq, dk, dv, None, None, None, None
 
 
