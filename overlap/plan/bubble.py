@@ -20,7 +20,8 @@ import functools
 
 from overlap.pp.schedules import SCHEDULES, Action
 
-__all__ = ["PipelineSim", "simulate_stages", "peak_live", "closed_form_bubble", "PP_NAMES"]
+__all__ = ["PipelineSim", "simulate_stages", "peak_live", "live_pairs", "closed_form_bubble",
+           "PP_NAMES"]
 
 # Planner schedule names -> overlap.pp names.
 PP_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b",
@@ -54,10 +55,10 @@ def _actions(name: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...
 def peak_live(schedule: str, pp: int, m: int, v: int = 1) -> list[int]:
     """Peak live activations (stage-micro-batches) per pp rank, counted as
     ``overlap.pp.check.check_schedule`` counts them. Depends on m only up to the warm-up, so it is
-    computed at ``min(m, 4p)`` (rounded to a multiple of p)."""
-    m_eff = m if m <= 4 * pp else 4 * pp
+    computed at ``min(m, 4p)`` (rounded to a multiple of p), except for GPipe, which runs every
+    forward before any backward (its peak is m)."""
     peaks = []
-    for prog in _actions(schedule, pp, m_eff, v):
+    for prog in _actions(schedule, pp, _warmup_m(schedule, pp, m), v):
         live = peak = 0
         for a in prog:
             live += a.kind == "F"
@@ -65,6 +66,31 @@ def peak_live(schedule: str, pp: int, m: int, v: int = 1) -> list[int]:
             peak = max(peak, live)
         peaks.append(peak)
     return peaks
+
+
+def _warmup_m(schedule: str, pp: int, m: int) -> int:
+    return m if m <= 4 * pp or schedule == "gpipe" else 4 * pp
+
+
+@functools.lru_cache(maxsize=256)
+def live_pairs(schedule: str, pp: int, m: int, v: int = 1) -> tuple[tuple[tuple[int, int], ...],
+                                                                     ...]:
+    """Per pp rank, the (before, after) counts of live stage-micro-batches its program passes
+    through: ``before`` ran F and not yet B or I, ``after`` ran I and not yet W (ZB-H1's split
+    backward; 0 for the other schedules). Only the states no other one dominates are kept, so
+    ``max(a * x + b * y)`` over them is the peak of any positive weights. ``before + after``
+    peaks at :func:`peak_live`; m as there."""
+    out = []
+    for prog in _actions(schedule, pp, _warmup_m(schedule, pp, m), v):
+        pre = post = 0
+        seen = {(0, 0)}
+        for a in prog:
+            pre += (a.kind == "F") - (a.kind in ("B", "I"))
+            post += (a.kind == "I") - (a.kind == "W")
+            seen.add((pre, post))
+        out.append(tuple(sorted(s for s in seen if not any(
+            t != s and t[0] >= s[0] and t[1] >= s[1] for t in seen))))
+    return tuple(out)
 
 
 _KIND = {"F": 0, "B": 1, "I": 2, "W": 3}

@@ -7,6 +7,8 @@ arithmetic, or calibrate this machine. A thin layer over :class:`overlap.plan.co
     overlap-plan --model mixtral-8x7b --gpus 64 --gpu h100-sxm --global-batch 1024 --search
     overlap-plan --model llama3-8b --seq 131072 --gpus 16 --gpu h100-sxm --global-batch 16 \\
         --search                                     # picks cp > 1: cp 1 does not fit
+    overlap-plan --model llama3-8b --seq 131072 --gpus 16 --gpu h100-sxm --global-batch 16 \\
+        --tp 8 --sequence-parallel --offload-activations 31   # activations to host memory
     overlap-plan --calibrate --output local.json      # then: --profile local.json --gpus 8 ...
 """
 
@@ -41,14 +43,15 @@ def run(cfg: PlanConfig) -> str:
             ep=(cfg.ep,) if cfg.ep > 1 else None, capacity_factor=cfg.capacity_factor,
             moe_imbalance=cfg.moe_imbalance, ep_dispatch=cfg.ep_dispatch,
             ep_chunks=cfg.ep_chunks, cp=(cfg.cp,) if cfg.cp > 1 else None,
-            cp_method=cfg.cp_method))
+            cp_method=cfg.cp_method, offload=cfg.search_offload_modes()))
         if cfg.json:
             return json.dumps({"ranked": [e.as_dict() for e in res.ranked[:cfg.top]],
                                "rejected": [{"tp": lay.tp, "pp": lay.pp, "cp": lay.cp,
                                              **({"ep": lay.ep} if model.is_moe else {}),
                                              "micro_batch": lay.micro_batch,
                                              "schedule": lay.schedule,
-                                             "recompute": lay.recompute, "reason": why}
+                                             "recompute": lay.recompute,
+                                             "offload": lay.offload, "reason": why}
                                             for lay, why in res.rejected]}, indent=1)
         return format_search(res, cfg.top)
     from overlap.plan.estimate import estimate
@@ -68,6 +71,9 @@ def run(cfg: PlanConfig) -> str:
     if not est.fits(cfg.memory_fraction):
         text += (f"\n\nDOES NOT FIT: {est.peak_memory.total / 2**30:.1f} GiB > "
                  f"{cfg.memory_fraction:g} x {cluster.device.hbm_bytes / 2**30:.1f} GiB")
+        if not est.host_fits(cfg.memory_fraction):
+            text += (f" or pinned host memory {est.host_node_bytes / 2**30:.1f} GiB per node > "
+                     f"{cfg.memory_fraction:g} x {est.host_capacity / 2**30:.1f} GiB")
     return text
 
 

@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from overlap.plan.comm import Placement, all_to_all_time, collective_time
+from overlap.plan.comm import (Placement, all_to_all_time, axis_placement, collective_time,
+                               edp_placement, ep_placement, ranks_placement)
 from overlap.plan.cp import cp_cost
-from overlap.plan.hardware import DeviceProfile
+from overlap.plan.hardware import ClusterSpec, DeviceProfile
 from overlap.plan.layout import WIRE_BYTES, Layout
 from overlap.plan.memory import routed_rows
 from overlap.plan.models import ModelSpec
 
 __all__ = ["Gemm", "gemm_time", "flash_time", "LayerCost", "layer_cost", "fused_exposed",
-           "moe_exposed", "ep_volume"]
+           "moe_exposed", "ep_volume", "LayerContext", "dp_group_placement"]
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -310,3 +311,43 @@ def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_pl
                      ep_ops=(4 + (layout.recompute == "full") * 2) if ep_f else 0,
                      cp_comm=cp_comm, cp_exposed=cp_exp, cp_bytes=cp_sent,
                      cp_p2p_sides=cp_sides)
+
+
+def dp_group_placement(cluster: ClusterSpec, layout: Layout, dp: int) -> Placement:
+    """The dp x cp ranks that hold the same parameters (one DP reduction group)."""
+    tp, cp, pp = layout.tp, layout.cp, layout.pp
+    return ranks_placement(cluster, [(d * pp * cp + c) * tp for d in range(dp)
+                                     for c in range(cp)])
+
+
+class LayerContext:
+    """What every estimate of a layout shares (every CP method's, the offload terms'): the
+    groups' placements and the layer builder. ``ep_group`` replaces the EP group's placement
+    (``estimate``)."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, layout: Layout,
+                 ep_group: Placement | None) -> None:
+        self.model, self.cluster = model, cluster
+        self.dp = dp = layout.dp(cluster)
+        self.m = layout.num_microbatches(cluster)
+        kw = dict(tp=layout.tp, cp=layout.cp, pp=layout.pp, dp=dp)
+        self.tp_place = axis_placement(cluster, "tp", **kw)
+        self.cp_place = axis_placement(cluster, "cp", **kw)
+        self.dp_place = dp_group_placement(cluster, layout, dp)
+        self.ep_place = self.edp_place = None
+        if model.is_moe:
+            geo = dict(tp=layout.tp, cp=layout.cp, pp=layout.pp)
+            self.ep_place = ep_group or ep_placement(cluster, ep=layout.ep, **geo)
+            self.edp_place = edp_placement(cluster, dp=dp, ep=layout.ep, **geo)
+        self.layout = layout
+
+    def layers(self, cp_method: str) -> tuple[LayerCost, LayerCost | None]:
+        """(dense layer, MoE layer or None) with ``cp_method``'s KV exchange."""
+        lay, dev = self.layout, self.cluster.device
+        kw = dict(tp_place=self.tp_place, cp_place=self.cp_place, flash=lay.flash_attention,
+                  cp_method=cp_method)
+        dense = layer_cost(self.model, lay, dev, **kw)
+        if not self.model.is_moe:
+            return dense, None
+        return dense, layer_cost(self.model, lay, dev, moe=True, ep_place=self.ep_place,
+                                 num_microbatches=self.m, **kw)

@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 
 from overlap import cli
-from overlap.plan.hardware import ClusterSpec, DeviceProfile
+from overlap.plan.hardware import ClusterSpec, DeviceProfile, LinkSpec
 from overlap.plan.layout import (COMM_DTYPES, CP_METHODS, EP_DISPATCH, RECOMPUTE, SCHEDULES,
                                  Layout, Overlap)
 from overlap.plan.models import MODELS, ModelSpec, get_model
@@ -67,8 +67,20 @@ class PlanConfig:
     comm_dtype: str = _field("bf16", "data-parallel gradient wire dtype", choices=COMM_DTYPES)
     overlap: bool = _field(True, "this runtime's overlaps (fused TP ops, DP under backward, "
                                  "P2P under compute); --no-overlap waits for every transfer")
+    offload_activations: str = _field("none", "copy what transformer blocks save for the "
+                                               "backward to host memory and reload it one block "
+                                               "ahead: none, all, or N (the first N blocks of "
+                                               "each pipeline chunk); --search: none tries all, "
+                                               "all-but-one and half where a layout does not fit "
+                                               "without, all or N only that")
+    host_bandwidth: float | None = _field(None, "GB/s per direction between a GPU and host "
+                                                "memory, achieved (default: the profile's PCIe "
+                                                "link; e.g. 450 for GH200's NVLink-C2C)")
+    search_offload: bool = _field(True, "--search: try offloading where a layout does not fit "
+                                        "without (--no-search-offload: never)")
     memory_fraction: float = _field(0.9, "share of GPU memory a layout may use (the rest: "
-                                         "CUDA context, communication buffers, fragmentation)")
+                                         "CUDA context, communication buffers, fragmentation); "
+                                         "with offloading also of the node's host memory")
     json: bool = _field(False, "print one JSON object")
     search: bool = _field(False, "search layouts for --gpus and --global-batch; rank those "
                                  "that fit")
@@ -97,9 +109,15 @@ class PlanConfig:
         return ModelSpec(**given)
 
     def device(self) -> DeviceProfile:
-        if self.profile:
-            return DeviceProfile.load(self.profile)
-        return get_profile(self.gpu)
+        dev = DeviceProfile.load(self.profile) if self.profile else get_profile(self.gpu)
+        if self.host_bandwidth is None:
+            return dev
+        if not self.host_bandwidth > 0:
+            raise ValueError(f"--host-bandwidth must be > 0 GB/s, got {self.host_bandwidth}")
+        link = LinkSpec(bandwidth=self.host_bandwidth * 1e9, latency_s=0.0)
+        return dev.replace(host_link=link, sources={
+            **dev.sources, "host_link.bandwidth": f"--host-bandwidth {self.host_bandwidth:g}",
+            "host_link.efficiency": "--host-bandwidth is the achieved bandwidth"})
 
     def cluster(self) -> ClusterSpec:
         if self.gpus is None:
@@ -120,7 +138,14 @@ class PlanConfig:
                       flash_attention=self.flash_attention, zero=self.zero,
                       comm_dtype=self.comm_dtype, capacity_factor=self.capacity_factor,
                       moe_imbalance=self.moe_imbalance, ep_dispatch=self.ep_dispatch,
-                      ep_chunks=self.ep_chunks, overlap=self.overlap_modes())
+                      ep_chunks=self.ep_chunks, overlap=self.overlap_modes(),
+                      offload=self.offload_activations)
+
+    def search_offload_modes(self) -> tuple[str, ...] | None:
+        """``Constraints.offload`` for --search."""
+        if self.offload_activations != "none":
+            return (self.offload_activations,)
+        return None if self.search_offload else ("none",)
 
     def overlap_modes(self) -> Overlap:
         if not self.overlap:
@@ -142,6 +167,8 @@ class PlanConfig:
                              "is dense")
         if not self.search:
             layout.check(model, cluster)
+        else:
+            layout.check_offload(model, cluster)
 
 
 _PROG = "overlap-plan"

@@ -7,7 +7,9 @@ optimizer step (memory bound: 32 bytes per local parameter). MoE: the stages' co
 exposed all-to-all (``comm_s["ep"]``, ``exposed_s["ep"]``); expert gradients reduce over the
 expert-DP group after the dense ones, in the same overlap window. When ranks outnumber cores
 (``cluster.cores_per_node``, the CPU twin), the step is also never shorter than the node's CPU
-work divided by the cores.
+work divided by the cores. Activation offloading adds its exposed copies to the stages' F and
+B (``comm_s["offload"]``, ``exposed_s["offload"]``; ``plan.offload``), and a layout fits when
+the fullest node's pinned host memory also fits (``fits``).
 The narrative: docs/design/planner.md.
 """
 
@@ -18,14 +20,14 @@ import math
 from typing import Any
 
 from overlap.plan.bubble import closed_form_bubble, simulate_stages
-from overlap.plan.comm import (Placement, axis_placement, collective_time, edp_placement,
-                               ep_placement, placement, ranks_placement)
-from overlap.plan.compute import LayerCost, layer_cost
+from overlap.plan.comm import Placement, collective_time, placement
+from overlap.plan.compute import LayerContext, LayerCost
 from overlap.plan.cp import link_split
 from overlap.plan.hardware import ClusterSpec
 from overlap.plan.layout import CP_METHODS, WIRE_BYTES, Layout, ulysses_error
 from overlap.plan.memory import StageMemory, memory_per_rank, rank_param_split, rank_params
 from overlap.plan.models import ModelSpec
+from overlap.plan.offload import ChunkOffload, node_host_bytes, offload_chunks
 from overlap.plan.stages import StageCost, stage_costs
 
 __all__ = ["Estimate", "estimate", "GIB"]
@@ -61,6 +63,10 @@ class Estimate:
     # for those "auto" replayed, the step time; ``cp_auto``: the method was chosen by "auto".
     cp_methods: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     cp_auto: bool = False
+    # Activation offloading: per model chunk (stage order), one micro-batch (``plan.offload``);
+    # the fullest node's pinned host bytes.
+    offload: tuple[ChunkOffload, ...] = ()
+    host_node_bytes: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -93,8 +99,26 @@ class Estimate:
         raw = self.comm_s.get("cp", 0.0)
         return 1.0 - self.exposed_s["cp"] / raw if raw > 0 else 0.0
 
+    @property
+    def host_capacity(self) -> float | None:
+        """Host memory of a node (None: the profile does not say)."""
+        per_gpu = self.cluster.device.host_bytes_per_gpu
+        return None if per_gpu is None else per_gpu * self.cluster.gpus_per_node
+
+    @property
+    def offload_bytes_per_step(self) -> float:
+        """Bytes one GPU copies to host per step (and back), on the pp rank that copies most."""
+        m = self.num_microbatches
+        return max((m * sum(self.offload[c].host_bytes for c in self.layout.rank_chunks(r))
+                    for r in range(self.layout.pp)), default=0.0) if self.offload else 0.0
+
+    def host_fits(self, fraction: float = 0.9) -> bool:
+        cap = self.host_capacity
+        return cap is None or self.host_node_bytes <= fraction * cap
+
     def fits(self, fraction: float = 0.9) -> bool:
-        return self.peak_memory.total <= fraction * self.cluster.device.hbm_bytes
+        return self.peak_memory.total <= fraction * self.cluster.device.hbm_bytes and \
+            self.host_fits(fraction)
 
     def as_dict(self) -> dict[str, Any]:
         mem = self.peak_memory
@@ -114,7 +138,26 @@ class Estimate:
             d["cp"] = {"method": lay.cp_method, "auto": self.cp_auto, "link": self.cp_link,
                        **self.cp_methods[lay.cp_method], "hidden_fraction": self.cp_hidden,
                        "methods": self.cp_methods}
+        if self.offload:
+            d["memory_gib"]["host_pinned"] = max(s.host_bytes for s in self.memory) / GIB
+            d["offload"] = self.offload_dict()
         return d
+
+    def offload_dict(self) -> dict[str, Any]:
+        """The offload terms for ``--json``: per GPU and step on the busiest pp rank, the
+        fullest node's pinned host memory against the node's (None: unknown)."""
+        raw, exp = self.comm_s["offload"], self.exposed_s["offload"]
+        cap = self.host_capacity
+        return {"mode": self.layout.offload,
+                "blocks_per_chunk": [o.offloaded for o in self.offload],
+                "layers_per_chunk": [o.layers for o in self.offload],
+                "host_link_gb_s": self.cluster.device.host_link.effective_bandwidth / 1e9,
+                "bytes_to_host_per_step": self.offload_bytes_per_step,
+                "copy_s": raw, "exposed_s": exp,
+                "hidden_fraction": 1.0 - exp / raw if raw > 0 else 1.0,
+                "host_gib_per_gpu": max(s.host_bytes for s in self.memory) / GIB,
+                "host_gib_per_node": self.host_node_bytes / GIB,
+                "host_capacity_gib_per_node": None if cap is None else cap / GIB}
 
     def _as_dict(self, mem: StageMemory, lay: Layout) -> dict[str, Any]:
         return {
@@ -140,15 +183,9 @@ class Estimate:
                        "micro_batch": lay.micro_batch, "num_microbatches": self.num_microbatches,
                        "schedule": lay.schedule, "virtual": lay.num_virtual,
                        "recompute": lay.recompute, "sequence_parallel": lay.sequence_parallel,
-                       "zero": lay.zero, "comm_dtype": lay.comm_dtype},
+                       "zero": lay.zero, "comm_dtype": lay.comm_dtype,
+                       "offload": lay.offload},
         }
-
-
-def _group_placement(cluster: ClusterSpec, layout: Layout, dp: int) -> Placement:
-    """The dp x cp ranks that hold the same parameters (one DP reduction group)."""
-    tp, cp, pp = layout.tp, layout.cp, layout.pp
-    return ranks_placement(cluster, [(d * pp * cp + c) * tp for d in range(dp)
-                                     for c in range(cp)])
 
 
 def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout, *,
@@ -160,7 +197,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout, *,
     ``memory_fraction`` of the device (all, when none does), the one with the lowest step
     time (``Estimate.cp_auto``)."""
     layout.check(model, cluster)
-    ctx = _Context(model, cluster, layout, ep_group)
+    ctx = LayerContext(model, cluster, layout, ep_group)
     if layout.cp == 1:
         return _estimate(ctx, layout, ctx.layers("none"), {})
     terms = {meth: ctx.layers(meth) for meth in CP_METHODS
@@ -187,37 +224,6 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout, *,
     return dataclasses.replace(ests[best], cp_auto=True)
 
 
-class _Context:
-    """What every CP method's estimate shares: the groups' placements and the layer builder."""
-
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, layout: Layout,
-                 ep_group: Placement | None) -> None:
-        self.model, self.cluster = model, cluster
-        self.dp = dp = layout.dp(cluster)
-        self.m = layout.num_microbatches(cluster)
-        kw = dict(tp=layout.tp, cp=layout.cp, pp=layout.pp, dp=dp)
-        self.tp_place = axis_placement(cluster, "tp", **kw)
-        self.cp_place = axis_placement(cluster, "cp", **kw)
-        self.dp_place = _group_placement(cluster, layout, dp)
-        self.ep_place = self.edp_place = None
-        if model.is_moe:
-            geo = dict(tp=layout.tp, cp=layout.cp, pp=layout.pp)
-            self.ep_place = ep_group or ep_placement(cluster, ep=layout.ep, **geo)
-            self.edp_place = edp_placement(cluster, dp=dp, ep=layout.ep, **geo)
-        self.layout = layout
-
-    def layers(self, cp_method: str) -> tuple[LayerCost, LayerCost | None]:
-        """(dense layer, MoE layer or None) with ``cp_method``'s KV exchange."""
-        lay, dev = self.layout, self.cluster.device
-        kw = dict(tp_place=self.tp_place, cp_place=self.cp_place, flash=lay.flash_attention,
-                  cp_method=cp_method)
-        dense = layer_cost(self.model, lay, dev, **kw)
-        if not self.model.is_moe:
-            return dense, None
-        return dense, layer_cost(self.model, lay, dev, moe=True, ep_place=self.ep_place,
-                                 num_microbatches=self.m, **kw)
-
-
 def _cp_key(cluster: ClusterSpec, dense: LayerCost, moe: LayerCost | None) -> tuple:
     """What differs between CP methods in a step: layer forward and backward seconds (with the
     exposed exchange) and, on the CPU twin, the ring's host CPU per P2P side."""
@@ -228,7 +234,7 @@ def _cp_key(cluster: ClusterSpec, dense: LayerCost, moe: LayerCost | None) -> tu
     return tuple(out)
 
 
-def _cp_row(ctx: _Context, method: str, dense: LayerCost) -> dict[str, Any]:
+def _cp_row(ctx: LayerContext, method: str, dense: LayerCost) -> dict[str, Any]:
     """One CP method's terms per (dense) layer and micro-batch on one GPU, for the report."""
     nv, ib = link_split(method, ctx.cp_place)
     return {"comm_s_per_layer": dense.cp_comm, "exposed_s_per_layer": dense.cp_exposed,
@@ -236,7 +242,7 @@ def _cp_row(ctx: _Context, method: str, dense: LayerCost) -> dict[str, Any]:
             "step_time_s": None}
 
 
-def _estimate(ctx: _Context, layout: Layout, lay_costs: tuple[LayerCost, LayerCost | None],
+def _estimate(ctx: LayerContext, layout: Layout, lay_costs: tuple[LayerCost, LayerCost | None],
               cp_rows: dict[str, dict[str, Any]]) -> Estimate:
     model, cluster = ctx.model, ctx.cluster
     dev = cluster.device
@@ -246,6 +252,13 @@ def _estimate(ctx: _Context, layout: Layout, lay_costs: tuple[LayerCost, LayerCo
     layer, moe_layer = lay_costs
     costs = stage_costs(model, layout, cluster, layer, tp_place=tp_place, dp_place=dp_place,
                         moe_layer=moe_layer, edp_place=edp_place)
+    offload = offload_chunks(model, layout, cluster, lay_costs) \
+        if layout.offload != "none" else []
+    if offload:  # copies both ways; what did not hide delays the stage's forward or backward
+        costs = [dataclasses.replace(c, F=c.F + o.exposed_f, I=c.I + o.exposed_b,
+                                     B=c.B + o.exposed_b, offload_comm=2.0 * o.copy_s,
+                                     offload_exposed=o.exposed_f + o.exposed_b)
+                 for c, o in zip(costs, offload)]
     sim = simulate_stages(layout.schedule, layout.pp, m, v, [c.as_sim() for c in costs])
 
     # Data-parallel reduction and parameter gather, per pp rank.
@@ -330,6 +343,9 @@ def _estimate(ctx: _Context, layout: Layout, lay_costs: tuple[LayerCost, LayerCo
             "dp": max(dp_comm_rank, default=0.0) + emb_sync + per_rank("dp_comm", worst)}
     exposed = {"tp": per_rank("tp_exposed", worst), "pp": per_rank("pp_exposed", worst),
                "dp": dp_exposed + ag_exposed + emb_sync + per_rank("dp_exposed", worst)}
+    if offload:
+        comm["offload"] = per_rank("offload_comm", worst)
+        exposed["offload"] = per_rank("offload_exposed", worst)
     cp_link = "none"
     if layout.cp > 1:
         comm["cp"], exposed["cp"] = per_rank("cp_comm", worst), per_rank("cp_exposed", worst)
@@ -343,12 +359,15 @@ def _estimate(ctx: _Context, layout: Layout, lay_costs: tuple[LayerCost, LayerCo
     model_flops = seqs * model.model_flops_per_sequence()
     hw_per_mb = sum(c.hw_flops for c in costs)  # one micro-batch through every stage, per GPU
     hardware_flops = hw_per_mb * m * cluster.num_gpus / layout.pp
+    memory = tuple(memory_per_rank(model, layout, cluster, offload=offload or None))
+    host_node = node_host_bytes(layout, cluster, [s.host_bytes for s in memory]) \
+        if offload else 0.0
     return Estimate(model=model, cluster=cluster, layout=layout, dp=dp, num_microbatches=m,
                     step_time_s=step, pipeline_s=sim.makespan, optimizer_s=opt,
                     bubble_fraction=sim.bubble_fraction,
                     closed_form_bubble=closed_form_bubble(layout.schedule, layout.pp, m, v),
-                    memory=tuple(memory_per_rank(model, layout, cluster)), comm_s=comm,
+                    memory=memory, comm_s=comm,
                     exposed_s=exposed, stage_costs=tuple(costs), model_flops=model_flops,
                     hardware_flops=hardware_flops, cpu_work_s=cpu_work, cpu_bound=cpu_bound,
                     dp_algorithm=dp_algo, ep_link=ep_link, cp_link=cp_link,
-                    cp_methods=cp_rows)
+                    cp_methods=cp_rows, offload=tuple(offload), host_node_bytes=host_node)

@@ -68,8 +68,10 @@ class DeviceProfile:
     transfer; ``host_cores`` the cores the ranks of a node share. ``a2a_efficiency``: the
     achieved fraction of both links' bandwidth in the MoE all-to-all, and
     ``grouped_gemm_efficiency`` the expert grouped GEMMs' throughput relative to a dense GEMM of
-    the same shape (both fitted on MoE runs). ``sources`` maps a field name
-    to where its number comes from."""
+    the same shape (both fitted on MoE runs). ``host_link`` (None: unknown, no offloading) is
+    the GPU's link to host memory, per direction (PCIe or NVLink-C2C), which activation
+    offloading copies over; ``host_bytes_per_gpu`` (None: unknown) a GPU's share of its node's
+    host memory. ``sources`` maps a field name to where its number comes from."""
 
     name: str
     peak_flops: float
@@ -94,6 +96,8 @@ class DeviceProfile:
     host_cores: float | None = None
     a2a_efficiency: float = 1.0
     grouped_gemm_efficiency: float = 1.0
+    host_link: LinkSpec | None = None
+    host_bytes_per_gpu: float | None = None
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -105,8 +109,9 @@ class DeviceProfile:
         d["gemm"] = GemmCurve(**d["gemm"])
         d["intra"] = LinkSpec(**d["intra"])
         d["inter"] = LinkSpec(**d["inter"])
-        if d.get("tp_link") is not None:
-            d["tp_link"] = LinkSpec(**d["tp_link"])
+        for k in ("tp_link", "host_link"):
+            if d.get(k) is not None:
+                d[k] = LinkSpec(**d[k])
         for k in ("host_layer_s", "host_tp_layer_s"):
             if k in d:
                 d[k] = tuple(d[k])

@@ -70,7 +70,11 @@ class Layout:
     calibration runs used; this runtime's exchange sends every routed row).
 
     ``cp_method``: how attention reaches the other CP ranks' keys and values, "ring",
-    "allgather", "ulysses" or "auto" (``estimate`` picks the one with the lowest step time)."""
+    "allgather", "ulysses" or "auto" (``estimate`` picks the one with the lowest step time).
+
+    ``offload``: activation offloading (``overlap.memory.ActivationOffloader``), "none", "all"
+    or a number N as a string: the first N transformer blocks of every pipeline chunk copy what
+    they save to host memory (``overlap.plan.offload``)."""
 
     tp: int = 1
     pp: int = 1
@@ -95,6 +99,7 @@ class Layout:
     dtype_bytes: int = 2
     bucket_bytes: float = 25 * 2**20
     overlap: Overlap = Overlap()
+    offload: str = "none"
 
     # ------------------------------------------------------------------ derived
     def dp(self, cluster: ClusterSpec) -> int:
@@ -190,6 +195,7 @@ class Layout:
             why = ulysses_error(model, self.tp, self.cp)
             if why:
                 raise ValueError(why)
+        self.check_offload(model, cluster)
         if self.sequence_parallel and (model.seq_len // self.cp) % self.tp:
             raise ValueError(f"--sequence-parallel splits the {model.seq_len // self.cp} tokens "
                              f"of a sequence over --tp {self.tp}: it must divide them")
@@ -219,6 +225,23 @@ class Layout:
         if self.schedule == "interleaved" and m % self.pp:
             raise ValueError(f"--schedule interleaved needs the {m} micro-batches per pipeline "
                              f"to be a multiple of --pp {self.pp}")
+
+
+    def check_offload(self, model: ModelSpec, cluster: ClusterSpec) -> None:
+        """``offload`` is none, all or a block count, and the device has a host link."""
+        v = self.offload
+        if v == "none":
+            return
+        if v != "all":
+            if not (isinstance(v, str) and v.isdigit() and int(v) >= 1):
+                raise ValueError(f"--offload-activations must be none, all or a positive number "
+                                 f"of blocks per pipeline chunk, got {v!r}")
+            if int(v) > model.num_layers:
+                raise ValueError(f"--offload-activations {v} is more than the "
+                                 f"{model.num_layers} layers (--layers)")
+        if cluster.device.host_link is None:
+            raise ValueError(f"--offload-activations {v} needs the GPU's host link: the profile "
+                             f"{cluster.device.name!r} has none (give --host-bandwidth)")
 
 
 def ulysses_error(model: ModelSpec, tp: int, cp: int) -> str | None:

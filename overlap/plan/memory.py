@@ -10,7 +10,9 @@ pipeline rank holds those of its peak number of live (stage, micro-batch) pairs 
 schedule (:func:`overlap.plan.bubble.peak_live`); the first stage adds the embedding dropout
 mask, the last the output layer's activations for one micro-batch; full recomputation adds one
 layer's full activations; CP adds its attention's fp32 output and lse per live layer and one
-layer's exchange buffers (``plan.cp``; "auto": its leanest method).
+layer's exchange buffers (``plan.cp``; "auto": its leanest method). Offloading keeps on the
+device only the kept blocks of every live pair, the pending copies and the reloads in flight
+(``plan.offload``); the host holds the rest (pinned, ``host_bytes``).
 MoE: experts (E/ep a layer, TP-replicated) shard their state over the dp*cp/ep expert-DP ranks;
 the narrative (with the formulas): docs/design/planner.md.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from overlap.plan.bubble import peak_live
+from overlap.plan.bubble import live_pairs, peak_live
 from overlap.plan.hardware import ClusterSpec
 from overlap.plan.cp import cp_buffer_bytes, cp_stored_bytes
 from overlap.plan.layout import CP_METHODS, Layout, ulysses_error
@@ -42,6 +44,7 @@ class StageMemory:
     expert_params: float = 0.0   # of ``params``, the routed experts (E/ep per MoE layer)
     expert_bytes: float = 0.0    # of weights + grads + optimizer, the experts'
     cp_buffers: float = 0.0      # of ``activations``, the CP exchange's buffers (one layer)
+    host_bytes: float = 0.0      # pinned host memory of offloaded activations (not in total)
 
     @property
     def total(self) -> float:
@@ -142,8 +145,20 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout,
     return replicated + sharded / t + moe_rows
 
 
-def memory_per_rank(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> list[StageMemory]:
-    """One entry per pipeline rank (every GPU of that rank holds the same)."""
+def memory_per_rank(model: ModelSpec, layout: Layout, cluster: ClusterSpec, *,
+                    offload: list | None = None) -> list[StageMemory]:
+    """One entry per pipeline rank (every GPU of that rank holds the same). ``offload``: the
+    layout's ``plan.offload.offload_chunks`` when the caller has them."""
+    if layout.offload != "none":
+        if layout.cp > 1 and layout.cp_method == "auto":  # each method's, the leanest per rank
+            per = [memory_per_rank(model, dataclasses.replace(layout, cp_method=m), cluster)
+                   for m in _cp_methods(model, layout)]
+            return [min(col, key=lambda sm: sm.total) for col in zip(*per)]
+        # Imported here: plan.offload builds layer costs, whose module imports this one.
+        from overlap.plan.offload import device_bytes, offload_chunks
+
+        if offload is None:
+            offload = offload_chunks(model, layout, cluster)
     dp_shard = layout.dp(cluster) * layout.cp
     grad_bytes = 4.0 if layout.fp32_main_grads else 2.0
     m = layout.num_microbatches(cluster)
@@ -182,7 +197,13 @@ def memory_per_rank(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> l
         chunks = layout.rank_chunks(r)
         # Peak live pairs x layers of a chunk (all chunks of a rank have the same size when
         # interleaving; without it a rank has one chunk).
-        if model.is_moe:
+        host = saved = 0.0
+        if offload:  # what stays on the device, in bytes (CP's stored extras included)
+            states = live_pairs(layout.schedule, layout.pp, m, layout.num_virtual)[r]
+            saved = max(device_bytes(offload[c], states) for c in chunks)
+            host = peaks[r] * max(offload[c].host_bytes for c in chunks)
+            acts = 0.0
+        elif model.is_moe:
             acts = peaks[r] * max((layers[c] - moe_layers[c]) * per_layer
                                   + moe_layers[c] * per_moe for c in chunks)
         else:
@@ -196,15 +217,26 @@ def memory_per_rank(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> l
         if layout.num_chunks - 1 in chunks:
             acts += 4.0 * sbh / t * (1.0 + model.vocab / model.hidden)
         acts *= layout.dtype_bytes / 2.0  # Korthikanti's counts are for 2-byte activations
+        acts += saved
         # CP: what its attention saves per layer (every live layer, or the one being
-        # recomputed), and one layer's exchange buffers.
+        # recomputed; offloading counts the kept ones above), and one layer's buffers.
         live = peaks[r] * max(layers[c] for c in chunks) if layout.recompute != "full" else 1
+        if offload and layout.recompute != "full":
+            live = 0
         cp_stored, cp_buf = min(cp_terms, key=lambda sb: live * sb[0] + sb[1])
         acts += live * cp_stored + cp_buf
         out.append(StageMemory(rank=r, params=params + experts, weights=weights, grads=grads,
                                optimizer=optimizer, activations=acts, expert_params=experts,
-                               expert_bytes=expert_bytes, cp_buffers=cp_buf))
+                               expert_bytes=expert_bytes, cp_buffers=cp_buf, host_bytes=host))
     return out
+
+
+def _cp_methods(model: ModelSpec, layout: Layout) -> list[str]:
+    """The layout's CP method, or every feasible one for "auto"."""
+    if layout.cp_method != "auto":
+        return [layout.cp_method]
+    return [m for m in CP_METHODS if m != "ulysses"
+            or ulysses_error(model, layout.tp, layout.cp) is None]
 
 
 def _cp_terms(model: ModelSpec, layout: Layout) -> list[tuple[float, float]]:
@@ -212,8 +244,5 @@ def _cp_terms(model: ModelSpec, layout: Layout) -> list[tuple[float, float]]:
     method, or of every feasible one for "auto" (the caller keeps the leanest)."""
     if layout.cp <= 1:
         return [(0.0, 0.0)]
-    methods = [layout.cp_method] if layout.cp_method != "auto" else \
-        [m for m in CP_METHODS if m != "ulysses"
-         or ulysses_error(model, layout.tp, layout.cp) is None]
     return [(cp_stored_bytes(model, layout, m), cp_buffer_bytes(model, layout, m))
-            for m in methods]
+            for m in _cp_methods(model, layout)]

@@ -4,14 +4,16 @@ Vendor numbers are peaks from the datasheets. The efficiencies (``FITTED``) are 
 parameters of the planner: fitted once, by ``python -m overlap.plan.fit``, to the ten runs of
 Narayanan et al. 2021 Table 1 (A100-80GB, DGX A100 nodes, HDR InfiniBand) and to nothing else.
 Hopper profiles reuse them: no Hopper run was used to fit anything, so Hopper predictions are
-extrapolations and say so in their sources.
+extrapolations and say so in their sources. The host links (activation offloading) are PCIe
+x16 at the fraction of it that published pinned-copy measurements reach, not fitted.
 """
 
 from __future__ import annotations
 
 from overlap.plan.hardware import DeviceProfile, GemmCurve, LinkSpec
 
-__all__ = ["FITTED", "MOE_FITTED", "PROFILES", "get_profile", "build_profiles", "NCCL_LATENCY"]
+__all__ = ["FITTED", "MOE_FITTED", "PROFILES", "get_profile", "build_profiles", "NCCL_LATENCY",
+           "PCIE_GEN4_X16", "PCIE_GEN5_X16", "PCIE_EFFICIENCY"]
 
 # Written by `python -m overlap.plan.fit` (see its docstring for the objective).
 FITTED = {
@@ -34,6 +36,17 @@ NCCL_LATENCY = {"base": 8.4e-6, "nvlink_step": 3.4e-6, "net_step": 9.6e-6}
 
 _NCCL_SRC = "NCCL src/graph/tuning.cc latency model (ring, Simple protocol)"
 _FIT_SRC = "fitted to Narayanan et al. 2021 Table 1 (python -m overlap.plan.fit)"
+# Host links, per direction: PCIe x16 at 16 GT/s (Gen4) or 32 GT/s (Gen5) per lane with 128b/130b
+# encoding is 31.5 or 63.0 GB/s; pinned copies reach about 80% of it (the measurements below).
+PCIE_GEN4_X16 = 16e9 * 16 * 128 / 130 / 8
+PCIE_GEN5_X16 = 32e9 * 16 * 128 / 130 / 8
+PCIE_EFFICIENCY = 0.8
+_PCIE_EFF_SRC = ("measured pinned copies: 25.1 GB/s host-to-device on an A100-SXM4 (PCIe Gen4 "
+                 "x16; NVIDIA/nvbandwidth issue #42) = 0.80 of 31.5 GB/s, and 52.8 GB/s "
+                 "device-to-host on H100 nodes (Gen5 x16; nvbandwidth issue #24, where "
+                 "host-to-device read 35.2) = 0.84 of 63.0 GB/s; 0.8 assumed for both, one GPU "
+                 "copying alone (the other GPUs of the node sharing a PCIe switch or the host "
+                 "memory are not modelled)")
 _MEM_EFF_SRC = ("about 88-90% of datasheet HBM bandwidth is the best any kernel reaches on A100 "
                 "(NVIDIA developer forum, 'Trouble to reach peak bandwidth of A100', 2024)")
 
@@ -43,7 +56,7 @@ def _gemm(fit: dict[str, float]) -> GemmCurve:
 
 
 def _a100(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: str,
-          fit: dict[str, float]) -> DeviceProfile:
+          fit: dict[str, float], host_node: float, host_src: str) -> DeviceProfile:
     return DeviceProfile(
         name=name, peak_flops=312e12, hbm_bytes=hbm_bytes, hbm_bandwidth=hbm_bw,
         mem_efficiency=0.88, gemm=_gemm(fit),
@@ -53,7 +66,14 @@ def _a100(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: str,
                        efficiency=fit["ib_efficiency"]),
         base_latency_s=NCCL_LATENCY["base"], a2a_efficiency=MOE_FITTED["a2a_efficiency"],
         grouped_gemm_efficiency=MOE_FITTED["grouped_gemm_efficiency"],
+        host_link=LinkSpec(bandwidth=PCIE_GEN4_X16, latency_s=0.0, efficiency=PCIE_EFFICIENCY),
+        host_bytes_per_gpu=host_node / 8,
         sources={
+            "host_link.bandwidth": "A100 SXM4 on a PCIe Gen4 x16 link to the host (A100 "
+                                   "datasheet: PCIe Gen4 64 GB/s, i.e. 32 per direction; "
+                                   "31.5 GB/s after 128b/130b encoding)",
+            "host_link.efficiency": _PCIE_EFF_SRC,
+            "host_bytes_per_gpu": host_src,
             "a2a_efficiency": _A2A_SRC + "; assumed on A100",
             "grouped_gemm_efficiency": _A2A_SRC + "; assumed on A100",
             "peak_flops": "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16/FP16 Tensor Core",
@@ -72,7 +92,7 @@ def _a100(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: str,
 
 
 def _hopper(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: str,
-            product: str, fit: dict[str, float]) -> DeviceProfile:
+            product: str, fit: dict[str, float], host_src: str) -> DeviceProfile:
     return DeviceProfile(
         name=name, peak_flops=989e12, hbm_bytes=hbm_bytes, hbm_bandwidth=hbm_bw,
         mem_efficiency=0.88, gemm=_gemm(fit),
@@ -82,7 +102,14 @@ def _hopper(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: st
                        efficiency=fit["ib_efficiency"]),
         base_latency_s=NCCL_LATENCY["base"], a2a_efficiency=MOE_FITTED["a2a_efficiency"],
         grouped_gemm_efficiency=MOE_FITTED["grouped_gemm_efficiency"],
+        host_link=LinkSpec(bandwidth=PCIE_GEN5_X16, latency_s=0.0, efficiency=PCIE_EFFICIENCY),
+        host_bytes_per_gpu=2e12 / 8,
         sources={
+            "host_link.bandwidth": f"{product} on a PCIe Gen5 x16 link to the host ({product} "
+                                   "datasheet: PCIe Gen5 128 GB/s, i.e. 64 per direction; "
+                                   "63.0 GB/s after 128b/130b encoding)",
+            "host_link.efficiency": _PCIE_EFF_SRC,
+            "host_bytes_per_gpu": host_src,
             "a2a_efficiency": _A2A_SRC, "grouped_gemm_efficiency": _A2A_SRC,
             "peak_flops": f"NVIDIA {product} datasheet: 1,979 TFLOP/s BF16 Tensor Core with "
                           "sparsity, i.e. 989 TFLOP/s dense",
@@ -108,19 +135,23 @@ def build_profiles(fit: dict[str, float] | None = None) -> dict[str, DeviceProfi
         "a100-40g": _a100(
             "a100-40g", 42_405_855_232, 1555e9,
             "A100-SXM4-40GB usable memory reported by deviceQuery: 42,405,855,232 bytes "
-            "(39.5 GiB)", "NVIDIA A100 datasheet: 1,555 GB/s HBM2 (40GB)", fit),
+            "(39.5 GiB)", "NVIDIA A100 datasheet: 1,555 GB/s HBM2 (40GB)", fit, 1e12,
+            "DGX A100 (320GB) datasheet: 1 TB of system memory for 8 GPUs = 125 GB per GPU"),
         "a100-80g": _a100(
             "a100-80g", 85_056_798_720, 2039e9,
             "A100-SXM4-80GB total memory reported by torch.cuda: 85,056,798,720 bytes "
-            "(79.2 GiB)", "NVIDIA A100 datasheet: 2,039 GB/s HBM2e (80GB SXM)", fit),
+            "(79.2 GiB)", "NVIDIA A100 datasheet: 2,039 GB/s HBM2e (80GB SXM)", fit, 2e12,
+            "DGX A100 (640GB) datasheet: 2 TB of system memory for 8 GPUs = 250 GB per GPU"),
         "h100-sxm": _hopper(
             "h100-sxm", 81559 * 2**20, 3.35e12,
             "H100 80GB HBM3 total memory reported by nvidia-smi: 81,559 MiB (79.6 GiB)",
-            "NVIDIA H100 datasheet: 3.35 TB/s HBM3 (SXM)", "H100 SXM", fit),
+            "NVIDIA H100 datasheet: 3.35 TB/s HBM3 (SXM)", "H100 SXM", fit,
+            "DGX H100 datasheet: 2 TB of system memory for 8 GPUs = 250 GB per GPU"),
         "h200": _hopper(
             "h200", 143771 * 2**20, 4.8e12,
             "H200 total memory reported by nvidia-smi: 143,771 MiB (140.4 GiB; datasheet "
-            "141 GB)", "NVIDIA H200 datasheet: 4.8 TB/s HBM3e", "H200 SXM", fit),
+            "141 GB)", "NVIDIA H200 datasheet: 4.8 TB/s HBM3e", "H200 SXM", fit,
+            "DGX H200 datasheet: 2 TB of system memory for 8 GPUs = 250 GB per GPU"),
     }
 
 

@@ -16,7 +16,8 @@ def layout_name(e: Estimate) -> str:
     parts = [f"tp{lay.tp}", f"pp{lay.pp}"] + cp + \
         [f"dp{e.dp}"] + ([f"ep{lay.ep}"] if e.model.is_moe else []) + \
         [f"mb{lay.micro_batch}", sched, f"rc-{lay.recompute}",
-         f"zero{lay.zero}"] + (["sp"] if lay.sequence_parallel else [])
+         f"zero{lay.zero}"] + (["sp"] if lay.sequence_parallel else []) + \
+        ([f"off-{lay.offload}"] if lay.offload != "none" else [])
     return " ".join(parts)
 
 
@@ -65,8 +66,10 @@ def format_estimate(e: Estimate) -> str:
                         f"({mem.expert_params / 1e9:.2f}B expert parameters on this GPU)")
     if lay.cp > 1:  # after the layout line; lines[7] below stays the memory breakdown
         lines[2] += "\n" + _cp_line(e)
+    if e.offload:
+        lines[2] += "\n" + _offload_line(e)
     for axis in ("tp", "pp", "dp") + (("ep",) if m.is_moe else ()) + \
-            (("cp",) if lay.cp > 1 else ()):
+            (("cp",) if lay.cp > 1 else ()) + (("offload",) if e.offload else ()):
         lines.append(f"  {axis}  {_ms(e.comm_s[axis]):>12} -> {_ms(e.exposed_s[axis]):>10}")
     lines.append(f"  exposed in total {_ms(e.exposed_comm_s)} "
                  f"({100 * e.exposed_comm_s / e.step_time_s:.1f}% of the step)")
@@ -91,6 +94,19 @@ def _cp_line(e: Estimate) -> str:
             f"{e.peak_memory.cp_buffers / GIB:.2f} GiB")
 
 
+def _offload_line(e: Estimate) -> str:
+    """The offload terms: blocks per chunk, link, bytes per step, exposed, host memory."""
+    d = e.offload_dict()
+    blocks = ", ".join(sorted({f"{o.offloaded} of {o.layers}" for o in e.offload}))
+    cap = d["host_capacity_gib_per_node"]
+    return (f"offload   {e.layout.offload}: {blocks} blocks per pipeline chunk, host link "
+            f"{d['host_link_gb_s']:.1f} GB/s each way; {d['bytes_to_host_per_step'] / GIB:,.1f}"
+            f" GiB to host per step and GPU (and back), copies {_ms(d['copy_s'])}, exposed "
+            f"{_ms(d['exposed_s'])} ({100 * d['hidden_fraction']:.0f}% hidden); pinned host "
+            f"{d['host_gib_per_gpu']:.1f} GiB per GPU, {d['host_gib_per_node']:.1f} GiB per node"
+            + (f" of {cap:,.0f}" if cap is not None else ""))
+
+
 def format_search(res: SearchResult, top: int, capacity_note: str = "") -> str:
     lines = [f"{len(res.ranked)} layouts fit, {len(res.rejected)} rejected "
              f"({', '.join(f'{k}: {v}' for k, v in sorted(res.reasons().items()))})"
@@ -104,6 +120,9 @@ def format_search(res: SearchResult, top: int, capacity_note: str = "") -> str:
     cp = any(e.layout.cp > 1 for e in res.ranked[:top])
     if cp:
         head += f" {'cp':>3} {'link':>6} {'kv MiB nvl':>10} {'kv MiB ib':>9} {'cp exp':>9}"
+    off = any(e.offload for e in res.ranked[:top])
+    if off:
+        head += f" {'offload':>7} {'GiB/step':>8} {'host GiB':>8} {'off exp':>9}"
     lines += [head, "-" * len(head)]
     for i, e in enumerate(res.ranked[:top], 1):
         row = (f"{i:>3}  {layout_name(e):<{width}} {_ms(e.step_time_s):>10} "
@@ -118,6 +137,12 @@ def format_search(res: SearchResult, top: int, capacity_note: str = "") -> str:
                     f"{_mib(kv['ib']):>9} {_ms(e.exposed_s['cp']):>9}")
         elif cp:
             row += f" {1:>3} {'-':>6} {'-':>10} {'-':>9} {'-':>9}"
+        if off and e.offload:
+            row += (f" {e.layout.offload:>7} {e.offload_bytes_per_step / GIB:8.1f} "
+                    f"{max(s.host_bytes for s in e.memory) / GIB:8.1f} "
+                    f"{_ms(e.exposed_s['offload']):>9}")
+        elif off:
+            row += f" {'none':>7} {'-':>8} {'-':>8} {'-':>9}"
         lines.append(row)
     if res.rejected:
         lines += ["", "rejected (first of each reason):"]
@@ -129,6 +154,7 @@ def format_search(res: SearchResult, top: int, capacity_note: str = "") -> str:
             seen.add(key)
             ep = f" ep{lay.ep}" if lay.ep > 1 else ""
             ep += f" cp{lay.cp}" if lay.cp > 1 else ""
+            off = f" off-{lay.offload}" if lay.offload != "none" else ""
             lines.append(f"  tp{lay.tp} pp{lay.pp}{ep} mb{lay.micro_batch} {lay.schedule} "
-                         f"rc-{lay.recompute}: {why}")
+                         f"rc-{lay.recompute}{off}: {why}")
     return "\n".join(lines)

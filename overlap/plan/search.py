@@ -5,10 +5,13 @@ layers and the GPUs left), cp (a power of two dividing the GPUs left, with 2*cp 
 sequence and s/cp >= ``min_cp_tokens``; method "auto"), micro-batch, schedule (1F1B, interleaved
 with v chunks, ZB-H1), recomputation and ZeRO stage the constraints allow, with sequence
 parallelism whenever tp > 1; for a MoE model also every ep that divides dp x cp (and the
-experts).
+experts). Offloading (``Constraints.offload``): by default never; None tries, for a layout
+that does not fit without it, all blocks, all but one and half of them (never faster than the
+same layout without it, so only those); a tuple of modes gives every candidate each of them.
 Each is checked in order of cost: its shapes (``Layout.check``), then its memory (cheap,
-:mod:`overlap.plan.memory`), then the full estimate with the pipeline replay. A candidate that
-fails gets the reason; the rest are ranked by step time (ties: less memory).
+:mod:`overlap.plan.memory`; with offloading also the node's host memory), then the full
+estimate with the pipeline replay. A candidate that fails gets the reason; the rest are ranked
+by step time (ties: fewer bytes to host, then less memory).
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import dataclasses
 from overlap.plan.estimate import GIB, Estimate, estimate
 from overlap.plan.hardware import ClusterSpec
 from overlap.plan.layout import Layout, Overlap
-from overlap.plan.memory import memory_per_rank
+from overlap.plan.memory import StageMemory, memory_per_rank
 from overlap.plan.models import ModelSpec
+from overlap.plan.offload import node_host_bytes, search_modes
 
 __all__ = ["Constraints", "SearchResult", "search", "candidates"]
 
@@ -49,6 +53,9 @@ class Constraints:
     # where Megatron-Core's parallelism guide starts recommending CP ("8K+ tokens").
     min_cp_tokens: int = 4096
     cp_method: str = "auto"
+    # ("none",): never offload; None: the modes of ``offload.search_modes`` for a layout that
+    # does not fit without; else every candidate with each of these modes.
+    offload: tuple[str, ...] | None = ("none",)
 
 
 @dataclasses.dataclass(slots=True)
@@ -106,12 +113,13 @@ def _inner(model: ModelSpec, cluster: ClusterSpec, global_batch: int, c: Constra
                         continue
                     for zero in c.zero:
                         for ep in _ep_values(model, cluster.num_gpus // (tp * pp), c):
-                            out.append(Layout(
+                            out += [Layout(
                                 tp=tp, pp=pp, cp=cp, cp_method=c.cp_method, ep=ep,
                                 global_batch=global_batch, micro_batch=mb, schedule=sched,
                                 virtual=v, recompute=rec, sequence_parallel=tp > 1, zero=zero,
                                 comm_dtype=c.comm_dtype, flash_attention=c.flash_attention,
-                                overlap=c.overlap, **_moe_kw(model, c)))
+                                overlap=c.overlap, offload=off, **_moe_kw(model, c))
+                                for off in c.offload or ("none",)]
     return out
 
 
@@ -133,20 +141,49 @@ def search(model: ModelSpec, cluster: ClusterSpec, global_batch: int,
            constraints: Constraints = Constraints()) -> SearchResult:
     ranked: list[Estimate] = []
     rejected: list[tuple[Layout, str]] = []
-    capacity = constraints.memory_fraction * cluster.device.hbm_bytes
+    frac = constraints.memory_fraction
+    try_offload = constraints.offload is None and cluster.device.host_link is not None
     for layout in candidates(model, cluster, global_batch, constraints):
         try:
             layout.check(model, cluster)
         except ValueError as exc:
             rejected.append((layout, f"invalid: {exc}"))
             continue
-        mem = max(memory_per_rank(model, layout, cluster), key=lambda s: s.total)
-        if mem.total > capacity:
-            rejected.append((layout, f"memory: {mem.total / GIB:.1f} GiB on pp rank {mem.rank} "
-                                     f"> {capacity / GIB:.1f} GiB ({constraints.memory_fraction:g}"
-                                     f" of {cluster.device.hbm_bytes / GIB:.1f} GiB)"))
+        why = _memory_error(model, cluster, layout, frac)
+        if why is None:
+            ranked.append(estimate(model, cluster, layout, memory_fraction=frac))
             continue
-        ranked.append(estimate(model, cluster, layout,
-                               memory_fraction=constraints.memory_fraction))
-    ranked.sort(key=lambda e: (e.step_time_s, e.peak_memory.total))
+        rejected.append((layout, why))
+        if try_offload and layout.offload == "none" and why.startswith("memory"):
+            # The same layout with offloading is only worth it when it does not fit without.
+            for mode in search_modes(model, layout):
+                lay = dataclasses.replace(layout, offload=mode)
+                if _memory_error(model, cluster, lay, frac) is None:
+                    ranked.append(estimate(model, cluster, lay, memory_fraction=frac))
+    ranked.sort(key=lambda e: (e.step_time_s, e.offload_bytes_per_step, e.peak_memory.total))
     return SearchResult(ranked=ranked, rejected=rejected)
+
+
+def _memory_error(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
+                  fraction: float) -> str | None:
+    """Why the layout does not fit (device memory, or the node's pinned host memory), or None."""
+    dev = cluster.device
+    mems = memory_per_rank(model, layout, cluster)
+    mem = max(mems, key=lambda s: s.total)
+    capacity = fraction * dev.hbm_bytes
+    if mem.total > capacity:
+        return (f"memory: {mem.total / GIB:.1f} GiB on pp rank {mem.rank} > "
+                f"{capacity / GIB:.1f} GiB ({fraction:g} of {dev.hbm_bytes / GIB:.1f} GiB)")
+    return _host_error(cluster, layout, mems, fraction)
+
+
+def _host_error(cluster: ClusterSpec, layout: Layout, mems: list[StageMemory],
+                fraction: float) -> str | None:
+    if layout.offload == "none" or cluster.device.host_bytes_per_gpu is None:
+        return None
+    node = node_host_bytes(layout, cluster, [s.host_bytes for s in mems])
+    cap = fraction * cluster.device.host_bytes_per_gpu * cluster.gpus_per_node
+    if node <= cap:
+        return None
+    return (f"host memory: {node / GIB:.1f} GiB pinned on a node > {cap / GIB:.1f} GiB "
+            f"({fraction:g} of {cap / fraction / GIB:.1f} GiB)")

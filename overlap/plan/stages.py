@@ -48,12 +48,14 @@ class StageCost:
     ep_exposed: float = 0.0
     cp_comm: float = 0.0    # CP KV exchange, raw and exposed
     cp_exposed: float = 0.0
+    offload_comm: float = 0.0     # activation copies to host and back, raw and exposed
+    offload_exposed: float = 0.0
 
     @property
     def work(self) -> float:
         """Compute seconds (F + B without their exposed communication)."""
         return self.F + self.B - self.tp_exposed - self.pp_exposed - self.dp_exposed - \
-            self.ep_exposed - self.cp_exposed
+            self.ep_exposed - self.cp_exposed - self.offload_exposed
 
     def as_sim(self) -> dict[str, float]:
         return {"F": self.F, "B": self.B, "I": self.I, "W": self.W}
