@@ -3,13 +3,14 @@ so the arithmetic can be checked by hand the way the seeds do it."""
 
 from __future__ import annotations
 
-from overlap.plan.bubble import peak_live
+from overlap.plan.bubble import live_pairs, peak_live
 from overlap.plan.comm import axis_placement, bus_bandwidth, collective_time, p2p_time
-from overlap.plan.compute import _gemms, gemm_time
+from overlap.plan.compute import LayerContext, _gemms, gemm_time
 from overlap.plan.cp import cp_blocks, cp_bytes, ulysses_repeat
 from overlap.plan.estimate import GIB, Estimate
 from overlap.plan.layout import WIRE_BYTES
 from overlap.plan.memory import layer_activation_bytes, rank_params
+from overlap.plan.offload import layer_offload_bytes
 
 __all__ = ["explain"]
 
@@ -122,6 +123,8 @@ def explain(e: Estimate) -> str:
                    if lay.overlap.dp else " (after the flush)")]
     if cp > 1:
         out += _explain_cp(e)
+    if e.offload:
+        out += _explain_offload(e)
 
     # -- step
     mf = e.model_flops
@@ -165,6 +168,46 @@ def _explain_cp(e: Estimate) -> list[str]:
             f"{row['exposed_s_per_layer'] * 1e3:.3f} ms exposed; per step "
             f"{e.comm_s['cp'] * 1e3:.1f} ms raw, {e.exposed_s['cp'] * 1e3:.1f} ms exposed "
             f"({100 * e.cp_hidden:.0f}% hidden)"]
+
+
+def _explain_offload(e: Estimate) -> list[str]:
+    m, lay, dev = e.model, e.layout, e.cluster.device
+    r = e.peak_memory.rank
+    ch = lay.rank_chunks(r)[0]
+    o = e.offload[ch]
+    dense, _ = LayerContext(m, e.cluster, lay, None).layers(lay.cp_method)
+    a = layer_offload_bytes(m, lay)
+    bw = dev.host_link.effective_bandwidth
+    c = a / bw
+    split = lay.schedule == "zb-h1"
+    b = dense.dgrad + dense.recompute + (0.0 if split else dense.wgrad)
+    n, k = o.offloaded, o.layers - o.offloaded
+    states = live_pairs(lay.schedule, lay.pp, e.num_microbatches, lay.num_virtual)[r]
+    live = max(x + y for x, y in states)
+    first = f" + c = {c * 1e3:.3f} ms (k = 0: the first reload hides under nothing)" \
+        if k == 0 else ""
+    ms = 1e3
+    return [
+        "", f"## activation offloading (--offload-activations {lay.offload})",
+        f"saved per block and micro-batch A = {_mib(a)} (recompute={lay.recompute}"
+        f"{', the block input' if lay.recompute == 'full' else ''}); host link B = "
+        f"{bw / 1e9:.1f} GB/s each way ({dev.host_link.bandwidth / 1e9:.1f} x "
+        f"{dev.host_link.efficiency:g}); a copy c = A/B = {c * ms:.3f} ms",
+        f"chunk {ch} on pp rank {r}: n = {n} of L = {o.layers} blocks offload, k = {k} stay; "
+        f"dense block f = {dense.fwd * ms:.3f} ms forward, b = {b * ms:.3f} ms backward"
+        + (" (the I pass)" if split else ""),
+        f"  d2h: copy j queued at the end of block j's forward, D_j = max(D_(j-1), E_j) + c; "
+        f"exposed beyond the next action = {o.exposed_f * ms:.3f} ms per micro-batch",
+        f"  h2d: block j's backward reloads j-1, max(0, c - b) = {max(0.0, c - b) * ms:.3f} ms "
+        f"exposed for each of {n if k else n - 1} reloads{first}; {o.exposed_b * ms:.3f} ms "
+        "per micro-batch",
+        f"  device: {live} live pairs x k x A + pending copies {_mib(o.staging_bytes)} + "
+        f"reloads in flight {_mib(o.inflight_bytes)}; host: {live} x n x A = "
+        f"{e.peak_memory.host_bytes / GIB:.2f} GiB pinned per GPU, "
+        f"{e.host_node_bytes / GIB:.1f} GiB per node"
+        + (f" of {e.host_capacity / GIB:,.0f}" if e.host_capacity else ""),
+        f"  per step (busiest pp rank): {e.offload_bytes_per_step / GIB:,.1f} GiB each way, "
+        f"copies {e.comm_s['offload']:.3f} s both ways, exposed {e.exposed_s['offload']:.3f} s"]
 
 
 def _mib(x: float) -> str:
