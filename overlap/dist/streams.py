@@ -31,6 +31,13 @@ __all__ = ["Stream", "Event", "StreamTimeout", "StreamStillRunning", "delay_ms",
            "InjectedDelay", "fill_poison", "device_empty"]
 
 
+def _ranged(name: str, fn: Callable[[], object]) -> Callable[[], None]:
+    def run() -> None:
+        with torch.profiler.record_function(name):
+            fn()
+    return run
+
+
 def fill_poison(t: torch.Tensor) -> torch.Tensor:
     """Fill ``t`` with what no computation produces by chance (NaN; -1 for integers; True
     for bools): the twin's stand-in for device memory nobody wrote."""
@@ -174,14 +181,16 @@ class Stream:
         self._put(("run", fn))
 
     def enqueue_copy(self, dst: torch.Tensor, src: torch.Tensor, *,
-                     keep_src: bool = True) -> None:
+                     keep_src: bool = True, name: str | None = None) -> None:
         """``dst.copy_(src)`` on this stream (order it first, as for ``enqueue``); ``dst`` is
         kept allocated until the copy ran. ``keep_src``: so is ``src`` (CUDA:
         ``record_stream``), and the caller may drop its last reference at once. False models
         a caller that skips that rule: on CUDA the allocator may hand ``src``'s memory out
         again before the copy reads it; the twin copies poison (NaN, or -1 for integers) when
-        by the time the copy runs nothing but the copy still holds ``src``."""
+        by the time the copy runs nothing but the copy still holds ``src``. ``name``: a
+        profiler range around the copy (on the twin's worker, where it runs)."""
         keep = (dst, src) if keep_src else (dst,)
+        ranged = (lambda fn: fn) if name is None else (lambda fn: _ranged(name, fn))
         if self.cuda is not None:  # record_stream is for the device's (not pinned host) memory
             keep = tuple(t for t in keep if t.is_cuda) or keep[:0]
             if not self._after_caller:
@@ -190,12 +199,12 @@ class Stream:
                                    "(call wait_current() or wait_event() first)")
             self._after_caller = False
             with torch.cuda.stream(self.cuda):
-                dst.copy_(src, non_blocking=True)
+                ranged(lambda: dst.copy_(src, non_blocking=True))()
             for t in keep:
                 t.record_stream(self.cuda)
             return
         if keep_src:
-            self.enqueue(lambda: dst.copy_(src), tensors=keep)
+            self.enqueue(ranged(lambda: dst.copy_(src)), tensors=keep)
             return
         holder = [src]
 
@@ -208,7 +217,7 @@ class Stream:
             else:
                 dst.copy_(t)
 
-        self.enqueue(copy, tensors=keep)
+        self.enqueue(ranged(copy), tensors=keep)
 
     def wait_current(self) -> None:
         """Later work on this stream waits for everything the caller's stream has issued (on

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from overlap.defaults import TIMEOUT_S, positive_seconds
 from overlap.dist.streams import Event, Stream, device_empty
+from overlap.profile.timers import comm_wait
 
 __all__ = ["ActivationOffloader", "OffloadStats"]
 
@@ -76,32 +77,30 @@ class _HostPool:
             self.free.setdefault(buf.numel(), []).append((buf, after))
 
 
-class _State:
-    """One offloaded tensor: its host copy, the events of both copies and, once reloaded, the
-    device tensor (kept for a second unpack: the zero-bubble weight pass). Released when
-    autograd frees its handle."""
+class _Copy:
+    """One offloaded device storage: its host copy, the events of both copies and, once
+    reloaded, the device storage (kept for a second unpack: the zero-bubble weight pass).
+    Whole storages move, so every saved view of one comes back with its own strides, offset
+    and aliasing: the backward computes on the same memory layout (bit for bit)."""
 
-    __slots__ = ("owner", "shape", "dtype", "device", "nbytes", "host", "offloaded", "reload",
-                 "loaded", "released")
+    __slots__ = ("owner", "device", "nbytes", "host", "offloaded", "reload", "loaded",
+                 "released")
 
-    def __init__(self, owner: "ActivationOffloader", t: torch.Tensor, host: torch.Tensor,
-                 offloaded: Event):
-        self.owner = owner
-        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
-        self.nbytes = t.numel() * t.element_size()
+    def __init__(self, owner: "ActivationOffloader", device: torch.device, nbytes: int,
+                 host: torch.Tensor, offloaded: Event):
+        self.owner, self.device, self.nbytes = owner, device, nbytes
         self.host, self.offloaded = host, offloaded
         self.reload: Event | None = None
-        self.loaded: torch.Tensor | None = None
+        self.loaded: torch.Tensor | None = None  # uint8, the storage's bytes
         self.released = False
 
     def start_reload(self) -> None:
         if self.reload is not None or self.released:
             return
         o = self.owner
-        self.loaded = device_empty(self.shape, dtype=self.dtype, device=self.device)
+        self.loaded = device_empty((self.nbytes,), dtype=torch.uint8, device=self.device)
         o.h2d.wait_event(self.offloaded)  # never before its copy to host has run
-        o.h2d.enqueue_copy(self.loaded,
-                           self.host[:self.nbytes].view(self.dtype).view(self.shape))
+        o.h2d.enqueue_copy(self.loaded, self.host[:self.nbytes], name="offload.h2d.comm")
         self.reload = o.h2d.record_event()
         o.stats.reloaded += 1
         o.stats.reloaded_bytes += self.nbytes
@@ -109,7 +108,7 @@ class _State:
 
     def release(self) -> None:
         """The host buffer goes back to the pool after its last copy; the reloaded device
-        tensor is dropped."""
+        storage is dropped."""
         self.released = True
         o = self.owner
         o.pool.put(self.host, self.reload or self.offloaded)
@@ -118,31 +117,56 @@ class _State:
             self.loaded = None
 
 
+class _CopyRef:
+    """Shared by the handles of one storage's saved views; its death releases the copy."""
+
+    __slots__ = ("copy", "__weakref__")
+
+    def __init__(self, copy: _Copy):
+        self.copy = copy
+        weakref.finalize(self, _Copy.release, copy)
+
+
 class _Saved:
-    """What autograd holds for an offloaded tensor; its death releases the state."""
+    """What autograd holds for one offloaded saved tensor: its storage's copy and its view."""
 
-    __slots__ = ("state", "__weakref__")
+    __slots__ = ("ref", "dtype", "shape", "stride", "offset")
 
-    def __init__(self, state: _State):
-        self.state = state
-        weakref.finalize(self, _State.release, state)
+    def __init__(self, ref: _CopyRef, t: torch.Tensor):
+        self.ref = ref
+        self.dtype, self.shape, self.stride = t.dtype, t.shape, t.stride()
+        self.offset = t.storage_offset()
+
+    def view(self) -> torch.Tensor:
+        loaded = self.ref.copy.loaded
+        return torch.empty(0, dtype=self.dtype, device=loaded.device).set_(
+            loaded.untyped_storage(), self.offset, self.shape, self.stride)
 
 
 class _Group:
     """The tensors one call of one wrapped layer saved, and the previous layer's group of the
     same forward (the one to reload when this one's backward starts)."""
 
-    __slots__ = ("index", "saved", "prev", "offload", "__weakref__")
+    __slots__ = ("index", "copies", "prev", "offload", "__weakref__")
 
     def __init__(self, index: int, offload: bool, prev: "_Group | None"):
         self.index, self.offload, self.prev = index, offload, prev
-        self.saved: list[weakref.ref] = []
+        # device storage address -> (its weak reference, a weak reference to its copy)
+        self.copies: dict[int, tuple[object, weakref.ref]] = {}
+
+    def copy_of(self, storage) -> "_CopyRef | None":
+        """The copy this group made of ``storage`` (alive: an address reused by another
+        storage does not match)."""
+        entry = self.copies.get(storage.data_ptr())
+        if entry is None or entry[0].expired():
+            return None
+        return entry[1]()
 
     def prefetch(self) -> None:
-        for ref in self.saved:
+        for _weak, ref in list(self.copies.values()):
             handle = ref()
             if handle is not None:
-                handle.state.start_reload()
+                handle.copy.start_reload()
 
 
 class ActivationOffloader:
@@ -258,28 +282,33 @@ class ActivationOffloader:
         if not group.offload:
             self.stats.kept += 1
             return t
-        host = self.pool.get(nbytes)
-        self.d2h.wait_current()  # after the work that produced t
-        src = t.detach()
-        if not src.is_contiguous():
-            src = src.contiguous()
-        self.d2h.enqueue_copy(host[:nbytes].view(t.dtype).view(t.shape), src,
-                              keep_src=self._keep_source)
-        del src
-        saved = _Saved(_State(self, t, host, self.d2h.record_event()))
-        group.saved.append(weakref.ref(saved))
-        self.stats.offloaded += 1
-        self.stats.offloaded_bytes += nbytes
-        return saved
+        st = t.untyped_storage()
+        ref = group.copy_of(st)
+        if ref is None:  # the first saved view of this storage in the group: copy it all
+            from torch.multiprocessing.reductions import StorageWeakRef
+
+            nbytes = st.nbytes()
+            host = self.pool.get(nbytes)
+            self.d2h.wait_current()  # after the work that produced t
+            src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
+            self.d2h.enqueue_copy(host[:nbytes], src, keep_src=self._keep_source,
+                                  name="offload.d2h.comm")
+            del src
+            ref = _CopyRef(_Copy(self, t.device, nbytes, host, self.d2h.record_event()))
+            group.copies[st.data_ptr()] = (StorageWeakRef(st), weakref.ref(ref))
+            self.stats.offloaded += 1
+            self.stats.offloaded_bytes += nbytes
+        return _Saved(ref, t)
 
     def _unpack(self, packed):
         if not isinstance(packed, _Saved):
             return packed
-        st = packed.state
-        st.start_reload()  # no-op when prefetched
-        if self._wait_reload:
-            st.reload.wait(self.timeout, what="activation reload")
-        return st.loaded
+        copy = packed.ref.copy
+        copy.start_reload()  # no-op when prefetched
+        if self._wait_reload and not copy.reload.query():
+            with comm_wait("offload.reload"):  # exposed: the reload did not hide
+                copy.reload.wait(self.timeout, what="activation reload")
+        return packed.view()
 
     def close(self) -> None:
         self.unwrap()

@@ -242,6 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         measured = ", ".join(f"{m} {t * 1e3:.1f} ms" for m, t in timings.items())
         print(f"cp attention    auto chose {method} for (b, h, h_kv, s_local, d) = {shape} on "
               f"rank 0's CP group (slowest rank's forward + backward: {measured})")
+    if r0.get("offload"):
+        o, steps = r0["offload"], len(records)
+        exposed = statistics.median(r["offload_exposed_s"] for r in records[1:] or records)
+        print(f"offload         {cfg.offload_activations} blocks per chunk: "
+              f"{o['offloaded_bytes'] / steps / 2**20:.2f} MiB per step to host on rank 0 "
+              f"({o['offloaded'] // steps} tensors), reloaded one block ahead; waiting for "
+              f"reloads {exposed * 1e3:.1f} ms per step (median, mean over ranks)")
     if r0.get("saved"):
         print(f"checkpoints     {', '.join(r0['saved'])}")
     if cfg.compare_no_overlap:

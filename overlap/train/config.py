@@ -72,6 +72,12 @@ class TrainConfig:
                                  "TP-sharded regions draw per-rank masks")
     recompute: str = _field("none", "activation recomputation: selective (the attention core) "
                                     "or full (each transformer block)", choices=RECOMPUTE)
+    offload_activations: str = _field("none", "copy what transformer blocks save for the "
+                                               "backward to host memory on a side stream and "
+                                               "reload it one block ahead of its backward: "
+                                               "none, all, or N (the first N blocks of each "
+                                               "pipeline chunk; the later ones, whose backward "
+                                               "comes first, stay on the device)")
     dtype: str = _field("fp32", "parameter and activation dtype; bf16 keeps fp32 gradient "
                                 "buffers and fp32 master weights", choices=DTYPES)
     seed: int = _field(0, "seed for the model init and the data order")
@@ -174,6 +180,7 @@ class TrainConfig:
             raise ConfigError(f"--tp {self.tp} must divide the MLP width {4 * self.d_model} and "
                               f"the vocabulary {VOCAB_SIZE}")
         self._validate_cp()
+        self._validate_offload()
         if self.sequence_parallel and (self.seq_len // self.cp) % self.tp:
             raise ConfigError(f"sequence parallelism splits the {self.seq_len // self.cp} tokens "
                               f"of each sequence (per context-parallel rank) over --tp "
@@ -190,6 +197,23 @@ class TrainConfig:
                               f"({self.micro_batches}) to be a multiple of --pp ({self.pp})")
         self._validate_data()
         self._validate_checkpoints()
+
+    def offload_blocks(self, chunk_blocks: int) -> int:
+        """How many of a pipeline chunk's ``chunk_blocks`` blocks offload."""
+        v = self.offload_activations
+        return 0 if v == "none" else chunk_blocks if v == "all" else min(int(v),
+                                                                          chunk_blocks)
+
+    def _validate_offload(self) -> None:
+        v = self.offload_activations
+        if v in ("none", "all"):
+            return
+        if not (isinstance(v, str) and v.isdigit() and int(v) >= 1):
+            raise ConfigError(f"--offload-activations must be none, all or a positive number "
+                              f"of blocks per pipeline chunk, got {v!r}")
+        if int(v) > self.n_layer:
+            raise ConfigError(f"--offload-activations {v} is more than the {self.n_layer} "
+                              "blocks (--n-layer)")
 
     def _validate_cp(self) -> None:
         if self.cp == 1:

@@ -49,6 +49,7 @@ class StepRecord:
     tokens_per_s: float
     exposed_fraction: float  # mean over ranks of (blocked-in-communication time / step time)
     ep_exposed_s: float = 0.0  # mean over ranks of the time blocked in EP all-to-alls
+    offload_exposed_s: float = 0.0  # mean over ranks of the time waiting for reloads
     grad_norm: float = 0.0   # global L2 norm of the gradient before clipping (0: not computed)
     lr: float = 0.0
 
@@ -217,10 +218,28 @@ def _build(cfg: TrainConfig, dims, device: torch.device, dtype: torch.dtype, *,
         else:
             optimizers.append(torch.optim.AdamW(groups, lr=cfg.lr, eps=cfg.adam_eps))
     replicated = _tp_replicated(model, reducers)
-    return SimpleNamespace(model=model, tp_comm=tp_comm, tracker=tracker, stages=stages,
+    offloader = _offloader(cfg, stages, device)
+    return SimpleNamespace(offloader=offloader, model=model, tp_comm=tp_comm, tracker=tracker, stages=stages,
                            schedule=schedule, pipe=pipe, reducers=reducers,
                            optimizers=optimizers, replicated=replicated, overlap=overlap,
                            ep_comm=ep_comm, cp_comm=cp_comm)
+
+
+def _offloader(cfg: TrainConfig, stages, device: torch.device):
+    """--offload-activations: the first N blocks of every pipeline chunk offload what they
+    save (after recomputation's wrappers: a checkpointed block offloads its inputs)."""
+    if cfg.offload_activations == "none":
+        return None
+    from overlap.memory import ActivationOffloader
+    from overlap.models.gpt import Block
+
+    off = ActivationOffloader(device, timeout=cfg.timeout)
+    for stage in stages:
+        blocks = [m for m in stage.module.modules() if isinstance(m, Block)]
+        n = cfg.offload_blocks(len(blocks))
+        if n:
+            off.wrap(blocks, keep_last=len(blocks) - n)
+    return off
 
 
 def _reduction_groups(cfg: TrainConfig, dims, stages):
@@ -264,23 +283,25 @@ def _train_step(cfg: TrainConfig, job: SimpleNamespace, dims, step: int, x, y, l
                 opt.wait_params()  # no parameter-gather prefetch under the next forward
     step_s = time.perf_counter() - t0
     exposed, ep_exposed = exposed_seconds(), exposed_seconds("ep")
+    off_exposed = exposed_seconds("offload")
     loss = float(out.loss) if has_last and dims.tp_rank == 0 else 0.0
     # One small collective gathers what rank 0 reports: loss (from the last stage, averaged
     # over dp x cp: each CP rank's is the mean over its equal share of the tokens), the mean
-    # exposed fraction and the slowest step time.
+    # exposed fraction, EP and offload waits, and the slowest step time.
     world = dist.get_world_size()
-    stats = torch.tensor([loss / (cfg.dp * cfg.cp), exposed / step_s / world, ep_exposed / world, step_s],
+    stats = torch.tensor([loss / (cfg.dp * cfg.cp), exposed / step_s / world,
+                          ep_exposed / world, off_exposed / world, step_s],
                          dtype=torch.float64, device=device)
-    sums = stats[:3].clone()
+    sums = stats[:4].clone()
     with comm_wait("train.stats"):
         dist.all_reduce(sums)
-        slowest = stats[3:].clone()
+        slowest = stats[4:].clone()
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     tokens_per_step = cfg.dp * cfg.micro_batches * cfg.micro_batch_size * cfg.seq_len
     return StepRecord(step=step, loss=float(sums[0]), step_s=float(slowest[0]),
                       tokens_per_s=tokens_per_step / float(slowest[0]),
                       exposed_fraction=min(max(float(sums[1]), 0.0), 1.0),
-                      ep_exposed_s=float(sums[2]),
+                      ep_exposed_s=float(sums[2]), offload_exposed_s=float(sums[3]),
                       grad_norm=float(norm) if norm is not None else 0.0, lr=lr)
 
 
@@ -361,7 +382,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             for red in j.reducers:
                 red.close()
             j.tp_comm.close()
-            for c in (j.ep_comm, j.cp_comm):
+            for c in (j.ep_comm, j.cp_comm, j.offloader):
                 if c is not None:
                     c.close()
         if writer is not None:
@@ -373,7 +394,8 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             "start_step": start_step, "resumed_from": resumed_from,
             "fault_to_resumed_s": (resumed_at - fault_s) if fault_s and resumed_at else None,
             "saved": writer.saved if writer is not None else [],
-            "ep_pairs": len(job.pipe.pairs), **_cp_report(job.cp_comm)}
+            "ep_pairs": len(job.pipe.pairs), **_cp_report(job.cp_comm),
+            "offload": job.offloader.stats.as_dict() if job.offloader is not None else None}
 
 
 def _cp_report(comm) -> dict:
