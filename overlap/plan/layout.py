@@ -4,7 +4,8 @@
 cannot work (tp not dividing the heads, gpus not divisible by tp*pp*cp, a batch that does not
 split into micro-batches, ep not dividing dp*cp or the experts, ...), before anything is
 estimated. EP is carved out of the dp x cp ranks, as ``overlap.dist.ParallelDims`` does. CP
-needs the sequence divisible by 2*cp (zig-zag) and Ulysses heads that split over cp.
+needs the sequence divisible by 2*cp (zig-zag) and Ulysses heads that split over cp. Offloading
+needs none, all or a block count, and a device with a host link.
 """
 
 from __future__ import annotations

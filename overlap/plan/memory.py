@@ -3,18 +3,16 @@
 Model state (bytes per parameter held by the GPU): bf16 weights 2, gradients 4 with fp32 main
 grads (2 without), Adam state 12. ZeRO over the ``dp * cp`` ranks holding the same parameters
 divides the optimizer state (stage 1), the gradients (2), the weights (3, + two gathered layers).
-
 Activations per layer and micro-batch follow Korthikanti et al. 2022 (arXiv 2205.05198), each
 term derived from the shapes for the rank's s/cp tokens (:func:`layer_activation_bytes`). A
 pipeline rank holds those of its peak number of live (stage, micro-batch) pairs from the
 schedule (:func:`overlap.plan.bubble.peak_live`); the first stage adds the embedding dropout
 mask, the last the output layer's activations for one micro-batch; full recomputation adds one
 layer's full activations; CP adds its attention's fp32 output and lse per live layer and one
-layer's exchange buffers (``plan.cp``; "auto": its leanest method). Offloading keeps on the
-device only the kept blocks of every live pair, the pending copies and the reloads in flight
-(``plan.offload``); the host holds the rest (pinned, ``host_bytes``).
-MoE: experts (E/ep a layer, TP-replicated) shard their state over the dp*cp/ep expert-DP ranks;
-the narrative (with the formulas): docs/design/planner.md.
+layer's exchange buffers (``plan.cp``; "auto": its leanest method). Offloading leaves the
+kept blocks of live pairs, pending copies and reloads in flight (``plan.offload``). MoE: experts
+(E/ep a layer, TP-replicated) shard their state over the dp*cp/ep expert-DP ranks.
+The narrative (with the formulas): docs/design/planner.md.
 """
 
 from __future__ import annotations
