@@ -120,7 +120,7 @@ def test_cli_json(tmp_path, capsys):
     assert report["format"] == "nsys-sqlite" and report["schema_version"] == "3.28.1"
     (rank,) = report["ranks"]
     assert set(rank) == {"rank", "source", "format", "mode", "main_track", "steps", "total",
-                         "top_exposed"}
+                         "top_exposed", "by_group"}
     assert set(rank["steps"][0]) == {"step", "step_s", "compute_s", "comm_s", "hidden_s",
                                      "exposed_s", "fused_s", "overlap_pct", "exposed_pct"}
     s0, s1 = rank["steps"]

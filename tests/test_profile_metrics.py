@@ -128,3 +128,19 @@ def test_summary_is_the_mean_per_step_over_ranks():
     assert s["overlap_pct"] == pytest.approx(100 * 50 / 100)
     assert s["exposed_pct"] == pytest.approx(100 * 50 / 300)
     assert names.classify_range("comm:y").kind == names.COMM
+
+
+def test_communication_by_kind_reports_how_much_of_each_hid():
+    # compute 0-100 on the training thread except a reload wait 70-80; the offload copies run
+    # on the copy threads: d2h 20-50 (under compute), h2d 60-80 (60-70 under compute, 70-80
+    # waited for); a pipeline send 90-110 (90-100 hidden).
+    events = [_ev("step:0", 0, 120), _ev("compute:blocks", 0, 100),
+              _ev("comm_wait:offload.reload", 70, 10), _ev("offload.d2h.comm", 20, 30, tid=2),
+              _ev("offload.h2d.comm", 60, 20, tid=3), _ev("pp.stage0.comm[send]", 90, 20,
+                                                           tid=4)]
+    r = _report(events)
+    got = {g: (round(v["comm_s"] / US, 9), round(v["hidden_s"] / US, 9))
+           for g, v in r.by_group.items()}
+    # offload: 20-50 and 60-80 (the wait 70-80 inside it) = 50, hidden 30 + 10 = 40
+    assert got == {"offload": (50, 40), "pp": (20, 10)}
+    assert r.as_dict()["by_group"]["offload"]["hidden_s"] == pytest.approx(40 * US)

@@ -161,6 +161,14 @@ def format_table(report: dict[str, Any]) -> str:
         for t in r["top_exposed"]:
             what = t["range"] + (f" [{t['kernel']}]" if t["kernel"] else "")
             lines.append(f"{r['rank']:>4} {_ms(t['exposed_s']):>10} {t['count']:>6}  {what}")
+    lines.append("")
+    lines.append("communication by kind (ms over all steps; hidden = under compute)")
+    lines.append(f"{'rank':>4} {'kind':<22} {'comm':>10} {'hidden':>10} {'hidden%':>8}")
+    for r in ranks:
+        for g, v in r.get("by_group", {}).items():
+            pct = 100.0 * v["hidden_s"] / v["comm_s"] if v["comm_s"] > 0 else None
+            lines.append(f"{r['rank']:>4} {g:<22} {_ms(v['comm_s']):>10} "
+                         f"{_ms(v['hidden_s']):>10} {_pct(pct):>8}")
     s = report["summary"]
     if s:
         lines.append("")

@@ -25,7 +25,8 @@ from overlap.profile import spans as sp
 from overlap.profile.spans import Span
 
 __all__ = ["StepMetrics", "ExposedRange", "RankReport", "analyze_rank", "main_track",
-           "window_metrics", "lane_of", "summary", "exposed_intervals"]
+           "window_metrics", "lane_of", "summary", "exposed_intervals", "comm_group",
+           "group_metrics"]
 
 _US = 1e-6
 
@@ -72,12 +73,16 @@ class RankReport:
     steps: list[StepMetrics]
     total: StepMetrics
     top_exposed: list[ExposedRange]
+    # communication by its name's first part (tp op, pp, dp, moe, cp, offload, ...): seconds
+    # over all steps of {"comm_s", "hidden_s"}
+    by_group: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "source": self.source, "format": self.fmt, "mode": self.mode,
                 "main_track": self.main_track, "steps": [s.as_dict() for s in self.steps],
                 "total": self.total.as_dict(),
-                "top_exposed": [dataclasses.asdict(t) for t in self.top_exposed]}
+                "top_exposed": [dataclasses.asdict(t) for t in self.top_exposed],
+                "by_group": self.by_group}
 
 
 def main_track(spans: list[Span]) -> str | None:
@@ -158,6 +163,31 @@ def window_metrics(step: int | None, spans: list[Span], lo: float, hi: float,
                        exposed * _US, sp.length(fused) * _US), parts
 
 
+def comm_group(name: str) -> str:
+    """The first part of a communication range's name: ``offload.d2h.comm`` and
+    ``comm_wait:offload.reload`` are "offload"; third-party rows are "other"."""
+    for prefix in (names.COMM_WAIT_PREFIX, names.COMM_PREFIX):
+        if name.startswith(prefix):
+            return name[len(prefix):].split(".")[0].split(":")[0] or "other"
+    piece = names.parse(name)
+    return piece.path.split(".")[0] if piece is not None else "other"
+
+
+def group_metrics(spans: list[Span], main: str | None, device_mode: bool
+                  ) -> dict[str, tuple[float, float]]:
+    """Per ``comm_group``: (communication, hidden under compute) in the trace's time unit."""
+    c, _m, _f = _sets(spans, main, device_mode)
+    by: dict[str, list[tuple[float, float]]] = {}
+    for s in spans:
+        if s.kind == names.COMM and s.device == device_mode:
+            by.setdefault(comm_group(s.label or s.name), []).append((s.start, s.end))
+    out = {}
+    for g, iv in by.items():
+        m = sp.merge(iv)
+        out[g] = (sp.length(m), sp.length(sp.intersect(m, c)))
+    return out
+
+
 def _outermost(spans) -> list[Span]:
     """Drop host ranges nested in another on the same thread (the outer one names the op)."""
     out, last_end = [], {}
@@ -212,10 +242,14 @@ def _windows(spans: list[Span], main: str | None):
 def analyze_rank(trace: sp.RankTrace, *, top: int = 5) -> RankReport:
     main = main_track(trace.spans)
     device_mode = any(s.device and s.kind is not None for s in trace.spans)
-    steps, exposed = [], {}
+    steps, exposed, groups = [], {}, {}
     for step, lo, hi, spans in _windows(trace.spans, main):
         metrics, parts = window_metrics(step, spans, lo, hi, main, device_mode)
         steps.append(metrics)
+        for g, (comm, hidden) in group_metrics(spans, main, device_mode).items():
+            cur = groups.setdefault(g, {"comm_s": 0.0, "hidden_s": 0.0})
+            cur["comm_s"] += comm * _US
+            cur["hidden_s"] += hidden * _US
         for s, e in parts:
             key = (s.label or s.name, s.name if s.label else None) if s.device else (s.name, None)
             cur = exposed.setdefault(key, [0.0, 0])
@@ -227,7 +261,8 @@ def analyze_rank(trace: sp.RankTrace, *, top: int = 5) -> RankReport:
     ranked = sorted(exposed.items(), key=lambda kv: (-kv[1][0], kv[0][0]))[:top]
     return RankReport(trace.rank, trace.source, trace.fmt, "device" if device_mode else "host",
                       main, steps, total,
-                      [ExposedRange(k[0], k[1], v[0] * _US, v[1]) for k, v in ranked])
+                      [ExposedRange(k[0], k[1], v[0] * _US, v[1]) for k, v in ranked],
+                      dict(sorted(groups.items())))
 
 
 def summary(reports: list[RankReport]) -> dict[str, float | None]:
