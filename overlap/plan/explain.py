@@ -201,8 +201,8 @@ def _explain_offload(e: Estimate) -> list[str]:
         f"  h2d: block j's backward reloads j-1, max(0, c - b) = {max(0.0, c - b) * ms:.3f} ms "
         f"exposed for each of {n if k else n - 1} reloads{first}; {o.exposed_b * ms:.3f} ms "
         "per micro-batch",
-        f"  device: {live} live pairs x k x A + pending copies {_mib(o.staging_bytes)} + "
-        f"reloads in flight {_mib(o.inflight_bytes)}; host: {live} x n x A = "
+        f"  device: live pairs {live} x k x A + pending copies {_mib(o.staging_bytes)} + "
+        f"reloads in flight {_mib(o.inflight_bytes)}; host: live pairs x n x A = "
         f"{e.peak_memory.host_bytes / GIB:.2f} GiB pinned per GPU, "
         f"{e.host_node_bytes / GIB:.1f} GiB per node"
         + (f" of {e.host_capacity / GIB:,.0f}" if e.host_capacity else ""),

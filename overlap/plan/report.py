@@ -101,7 +101,8 @@ def _offload_line(e: Estimate) -> str:
     cap = d["host_capacity_gib_per_node"]
     return (f"offload   {e.layout.offload}: {blocks} blocks per pipeline chunk, host link "
             f"{d['host_link_gb_s']:.1f} GB/s each way; {d['bytes_to_host_per_step'] / GIB:,.1f}"
-            f" GiB to host per step and GPU (and back), copies {_ms(d['copy_s'])}, exposed "
+            f" GiB to host per step and GPU (and back), copies {_ms(d['copy_s'])} both ways, "
+            f"exposed "
             f"{_ms(d['exposed_s'])} ({100 * d['hidden_fraction']:.0f}% hidden); pinned host "
             f"{d['host_gib_per_gpu']:.1f} GiB per GPU, {d['host_gib_per_node']:.1f} GiB per node"
             + (f" of {cap:,.0f}" if cap is not None else ""))
