@@ -3,20 +3,25 @@ unoverlapped reference (gather all KV, then attend), at CP 2 and 4.
 
     python -m bench.bench_cp                                   # CPU: 2 and 4 local gloo ranks
     torchrun --nproc-per-node 8 -m bench.bench_cp --seqs 32768 65536 131072 \\
-        --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16   # GPUs: NCCL (not run here)
+        --heads 32 --kv-heads 8 --head-dim 128 --skip-dense   # GPUs: NCCL, bf16 (not run here)
 
 Per rank: q (b, h, S / cp, d), k/v (b, h_kv, S / cp, d), zig-zag pieces of a causal sequence of
 S tokens. Rows, each timed once per round in turn (so drift hits them alike), ``rounds``
 rounds, medians reported: ``reference`` = the kv all-gather waited for, then one SDPA call of
 the local rows over the whole gathered sequence with the zig-zag causal mask (torch's fused
-kernel); backward: SDPA's backward, then the dK/dV reduce-scatter waited for. ``ring``,
+kernel, every masked entry computed); backward: SDPA's, then the dK/dV reduce-scatter waited
+for. ``reference (blocks)``: the same transfers, waited for, around the methods' own block
+kernel over the causal blocks only (the methods' work, nothing overlapped). ``ring``,
 ``allgather``, ``ulysses``: overlap.cp's methods; ``auto``: ``cp_attention(method="auto")``
 (its choice measured before the timed rounds). ``ratio`` = reference ms / row ms (higher is
-faster). ``sent_MB``: bytes one rank's data must reach the others per forward + backward.
-``comm_ms``: the row's transfers alone (same sizes and order, nothing to hide under);
-``exposed_ms``: time blocked in its waits (overlap.profile.timers); ``hidden%`` = 100 * (1 -
-exposed / comm). On CPU the ranks share 2 cores with gloo's threads: these numbers say nothing
-about a GPU.
+faster); ``vs_blocks`` the same against ``reference (blocks)``. ``--skip-dense`` drops the
+dense-mask reference (its mask and scores do not fit a GPU at 64k+ tokens; ratio then uses
+the blocks). ``sent_MB``: bytes one rank's data must reach the others per forward + backward;
+``comm_ms``: the row's transfers alone; ``exposed_ms``: time blocked in its waits
+(overlap.profile.timers); ``hidden%`` = 100 * (1 - exposed / comm). On CPU the ranks share 2
+cores with gloo's threads: these numbers say nothing about a GPU. On CUDA the backward is the
+fp32 math recomputation (a block's s x s scores in fp32): at 128k tokens lower ``--heads`` or
+raise cp if it does not fit.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class BenchConfig(TraceOptions):
     head_dim: int = 64
     dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU
     rounds: int = 5
+    skip_dense: bool = False  # drop the dense-mask SDPA reference (long sequences on GPUs)
     warmup: int = 1
     timeout: float = 1200.0
     out: str = ""  # default bench/results/cp (CPU), cp_<gpu> (GPU)
@@ -264,9 +270,10 @@ def _rank(cfg: BenchConfig) -> list[dict] | None:
         q, k, v, do = (torch.randn(b, n, s, d, generator=gen).to(device, dtype)
                        for n in (h, hk, hk, h))
         comm = CPComm(group, timeout=cfg.timeout)
-        mask = _zigzag_mask(s, cp, rank, device)
-        steps = {"reference": lambda q, k, v: _GatherThenAttend.apply(q, k, v, comm, mask),
-                 "reference (blocks)": lambda q, k, v: _GatherThenBlocks.apply(q, k, v, comm)}
+        mask = None if cfg.skip_dense else _zigzag_mask(s, cp, rank, device)
+        steps = {} if cfg.skip_dense else {
+            "reference": lambda q, k, v: _GatherThenAttend.apply(q, k, v, comm, mask)}
+        steps["reference (blocks)"] = lambda q, k, v: _GatherThenBlocks.apply(q, k, v, comm)
         for m in METHODS:
             if m != "ulysses" or ulysses_fits(h, hk, cp):
                 steps[m] = (lambda m: lambda q, k, v: cp_attention(
@@ -286,7 +293,7 @@ def _rank(cfg: BenchConfig) -> list[dict] | None:
 
         alone = {m: _transfers(m, comm, q, k) for m in steps if m not in ("auto",
                                                                        "reference (blocks)")}
-        alone["reference (blocks)"] = alone["reference"]
+        alone["reference (blocks)"] = _transfers("reference", comm, q, k)
         alone["auto"] = alone[choice]
         for fn in steps.values():
             for _ in range(cfg.warmup):
@@ -320,7 +327,8 @@ def _rank(cfg: BenchConfig) -> list[dict] | None:
                 t = torch.tensor(values, dtype=torch.float64)
                 dist.all_reduce(t, op=how, group=group)
                 table[m] = t.tolist()
-        base = statistics.median(samples["reference"])
+        base = statistics.median(samples["reference" if "reference" in samples else
+                                         "reference (blocks)"])
         same_work = statistics.median(samples["reference (blocks)"])
         for m in steps:
             med = statistics.median(samples[m])
