@@ -142,30 +142,21 @@ def test_device_resident_bytes_follow_the_kept_fraction(min_bytes):
         assert resident[keep] <= base * keep / L + small * (L - keep) / L, resident
 
 
-def test_rule_device_tensor_outlives_its_copy():
-    """Without the rule (the device tensor dropped as soon as its copy is queued, no
-    record_stream), the twin's copy reads reused memory: wrong gradients."""
+@pytest.mark.parametrize("rule, delay", [("keep_source", "0"), ("wait_reload", "50")])
+def test_each_rule_broken_gives_wrong_numbers(monkeypatch, rule, delay):
+    """keep_source off: the device tensor is dropped as soon as its copy is queued (no
+    record_stream), and the twin's copy reads reused memory. wait_reload off: the reloaded
+    tensor is used without waiting for its copy's event, and stream delays make the backward
+    read the poisoned, not yet filled buffer. Either way the gradients are wrong."""
+    monkeypatch.setenv("OVERLAP_STREAM_DELAY_MS", delay)
     ref = _reference()
-    model, off = _offloaded(keep_last=0, keep_source=False)
+    model, off = _offloaded(keep_last=0, **{rule: False})
     try:
         got = _grads(model)
     finally:
         off.close()
     assert not _same(got, ref)
     assert any(g.isnan().any() for g in got)
-
-
-def test_rule_reload_used_after_its_event(monkeypatch):
-    """Without the rule (the reloaded tensor used without waiting for its copy's event),
-    stream delays make the backward read the poisoned, not yet filled buffer."""
-    monkeypatch.setenv("OVERLAP_STREAM_DELAY_MS", "50")
-    ref = _reference()
-    model, off = _offloaded(keep_last=0, wait_reload=False)
-    try:
-        got = _grads(model)
-    finally:
-        off.close()
-    assert not _same(got, ref)
 
 
 def test_bad_arguments_are_refused():

@@ -1,21 +1,17 @@
 """The main job end to end: `python -m overlap.train` on 8 local processes (tp2 x pp2 x dp2)."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
+
+from train_cli import check_diffs, run_train
 
 TINY = ["--steps", "3", "--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
         "--micro-batch-size", "2", "--micro-batches", "2", "--timeout", "240"]
 
 
-def _run(args, timeout=300):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "overlap.train", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+_run = run_train
 
 
 def test_check_and_profile_on_8_processes(tmp_path):
@@ -28,7 +24,7 @@ def test_check_and_profile_on_8_processes(tmp_path):
     assert [int(r[0]) for r in rows] == [1, 2, 3]
     assert all(0.0 <= float(r[2]) <= 100.0 for r in rows)
     # --check: every step's loss equals the one-process run within the stated tolerance.
-    diffs = [float(d) for d in re.findall(r"^ +\d+ +[\d.]+ +[\d.]+ +([\d.e+-]+)$", out, re.M)]
+    diffs = check_diffs(out)
     assert len(diffs) == 3 and max(diffs) <= 2e-3, out
     assert "check: max |loss difference|" in out and "PASS" in out
     # --profile: a trace per rank, a PNG, and consistent overlap metrics.
@@ -54,8 +50,7 @@ def test_check_passes_for_every_schedule_under_nccl_order(schedule):
         args[args.index("--n-layer") + 1] = "4"  # pp x virtual stages = 4 chunks
     res = _run(args)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    diffs = [float(d) for d in re.findall(r"^ +\d+ +[\d.]+ +[\d.]+ +([\d.e+-]+)$", res.stdout,
-                                          re.M)]
+    diffs = check_diffs(res.stdout)
     assert len(diffs) == 3 and max(diffs) <= 2e-3, res.stdout
     assert f"schedule {schedule}, 2 micro-batches" in res.stdout
 

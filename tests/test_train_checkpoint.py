@@ -9,15 +9,12 @@ width), so parameters match the reference within PARAM_ATOL, derived below, and 
 loss within 1e-5."""
 
 import os
-import re
-import subprocess
-import sys
-import warnings
 
 import pytest
 import torch
 
 from overlap.train.config import parse_args
+from train_cli import read_checkpoint, run_train, step_losses
 
 TINY = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
         "--timeout", "240", "--clip-grad", "0.5", "--weight-decay", "0.1",
@@ -48,29 +45,12 @@ PARAM_ATOL = 1e-6
 
 
 def _run(args, timeout=300):
-    res = subprocess.run([sys.executable, "-m", "overlap.train", *args], capture_output=True,
-                         text=True, timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    res = run_train(args, timeout=timeout)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout
 
 
-def _losses(out: str) -> dict[int, str]:
-    return {int(s): loss for s, loss in re.findall(r"^step +(\d+)/\d+ .* loss +([\d.]+)", out,
-                                                   re.M)}
-
-
-def _read(path: str) -> dict[str, torch.Tensor]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(path)
-    md = reader.read_metadata()
-    sd = {k: torch.empty(v.size, dtype=v.properties.dtype)
-          for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(sd, storage_reader=reader, no_dist=True)
-    return sd
+_losses, _read = step_losses, read_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +106,8 @@ def test_export_loads_into_unsharded_gpt(run_a, tmp_path):
 
     root, _ = run_a
     out_file = tmp_path / "model.pt"
-    res = subprocess.run([sys.executable, "-m", "overlap.train", "--export", str(out_file),
-                          "--resume", str(root / "a"), *TINY, *LAYOUT_A], capture_output=True,
-                         text=True, timeout=120)
+    res = run_train(["--export", str(out_file), "--resume", str(root / "a"), *TINY,
+                     *LAYOUT_A], timeout=120)
     assert res.returncode == 0, res.stderr
     assert "step_4" in res.stdout
     cfg = parse_args([*TINY, *LAYOUT_A, "--steps", "4"])

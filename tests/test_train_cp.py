@@ -10,31 +10,20 @@ the dense runs measure ~1e-6. The MoE run uses --check's MoE rule (1% of the los
 near-tie may send a token to another expert.
 """
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
+
+from train_cli import check_diffs, run_train, step_losses
 
 TINY = ["--steps", "3", "--n-layer", "2", "--d-model", "32", "--n-head", "4", "--seq-len", "16",
         "--micro-batch-size", "2", "--micro-batches", "2", "--timeout", "240"]
 
 
-def _run(args, timeout=300):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "overlap.train", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
-
-
-def _diffs(out: str) -> list[float]:
-    return [float(d) for d in re.findall(r"^ +\d+ +[\d.]+ +[\d.]+ +([\d.e+-]+)$", out, re.M)]
-
-
 def _passes(args, layout: str, steps: int = 3):
-    res = _run([*TINY, "--check", *args])
+    res = run_train([*TINY, "--check", *args])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    diffs = _diffs(res.stdout)
+    diffs = check_diffs(res.stdout)
     assert len(diffs) == steps and max(diffs) <= 2e-3, res.stdout
     assert layout in res.stdout, res.stdout
     return res.stdout
@@ -90,15 +79,10 @@ def test_cp4_without_sequence_parallelism_and_selective_recompute():
     (["--cp", "0"], r"--cp must be a positive integer, got 0"),
 ])
 def test_bad_cp_flags_fail_fast_with_one_line(args, message):
-    res = _run([*TINY, *args], timeout=60)
+    res = run_train([*TINY, *args], timeout=60)
     assert res.returncode == 2, res.stdout + res.stderr
     assert re.search(message, res.stderr), res.stderr
     assert "Traceback" not in res.stderr
-
-
-def _losses(out: str) -> dict[int, float]:
-    return {int(s): float(v) for s, v in re.findall(r"^step +(\d+)/\d+ .* loss +([\d.]+)", out,
-                                                    re.M)}
 
 
 def test_cp_checkpoint_resumes_without_cp(tmp_path):
@@ -106,12 +90,12 @@ def test_cp_checkpoint_resumes_without_cp(tmp_path):
     steps' losses equal the uninterrupted cp2 run's (the printed 4 decimals; the runs differ
     in summation order only)."""
     one = ["--tp", "1", "--pp", "1", "--dp", "1"]
-    a = _run([*TINY, *one, "--cp", "2", "--steps", "4", "--save", str(tmp_path / "a"),
+    a = run_train([*TINY, *one, "--cp", "2", "--steps", "4", "--save", str(tmp_path / "a"),
               "--save-every", "2"])
     assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
-    b = _run([*TINY, *one, "--cp", "1", "--steps", "4", "--resume",
+    b = run_train([*TINY, *one, "--cp", "1", "--steps", "4", "--resume",
               str(tmp_path / "a" / "step_2")])
     assert b.returncode == 0, b.stdout[-3000:] + b.stderr[-3000:]
-    la, lb = _losses(a.stdout), _losses(b.stdout)
+    la, lb = step_losses(a.stdout), step_losses(b.stdout)
     assert sorted(lb) == [3, 4], b.stdout
-    assert all(abs(lb[s] - la[s]) <= 1e-4 for s in lb), (la, lb)
+    assert all(abs(float(lb[s]) - float(la[s])) <= 1e-4 for s in lb), (la, lb)

@@ -5,26 +5,17 @@ refused before any process starts. Tolerance: --check's per-step loss tolerance 
 runs differ in summation order only and measure ~1e-6)."""
 
 import json
-import os
-import re
-import subprocess
-import sys
 
 import pytest
+
+from train_cli import check_diffs, run_train
 
 TINY = ["--steps", "3", "--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
         "--micro-batch-size", "2", "--micro-batches", "2", "--timeout", "240",
         "--ep", "2", "--moe-experts", "4"]
 
 
-def _run(args, timeout=300):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "overlap.train", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
-
-
-def _diffs(out: str) -> list[float]:
-    return [float(d) for d in re.findall(r"^ +\d+ +[\d.]+ +[\d.]+ +([\d.e+-]+)$", out, re.M)]
+_run, _diffs = run_train, check_diffs
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])

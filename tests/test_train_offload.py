@@ -6,46 +6,24 @@ on the NCCL-ordering twin with injected stream delays (the copies run late); bad
 refused before any process starts.
 """
 
-import os
 import re
-import subprocess
-import sys
-import warnings
 
 import pytest
 import torch
+
+from train_cli import read_checkpoint, run_train, step_losses
 
 TINY = ["--steps", "2", "--n-layer", "4", "--d-model", "32", "--n-head", "4", "--seq-len", "16",
         "--micro-batch-size", "2", "--micro-batches", "4", "--timeout", "240"]
 DELAY = {"OVERLAP_STREAM_DELAY_MS": "2"}
 
 
-def _run(args, env=None, timeout=300):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "overlap.train", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
-
-
 def _trained(args, tmp_path, name, env=None):
-    res = _run([*TINY, *args, "--save", str(tmp_path / name)], env=env)
+    res = run_train([*TINY, *args, "--save", str(tmp_path / name)], env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    losses = re.findall(r"^step +\d+/\d+ .* loss +([\d.]+)", res.stdout, re.M)
-    assert len(losses) == 2, res.stdout
-    return res.stdout, losses, _read(str(tmp_path / name / "step_2"))
-
-
-def _read(path: str) -> dict[str, torch.Tensor]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(path)
-    md = reader.read_metadata()
-    sd = {k: torch.empty(v.size, dtype=v.properties.dtype)
-          for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(sd, storage_reader=reader, no_dist=True)
-    return sd
+    losses = step_losses(res.stdout)
+    assert sorted(losses) == [1, 2], res.stdout
+    return res.stdout, losses, read_checkpoint(str(tmp_path / name / "step_2"))
 
 
 def _same_training(tmp_path, base, offloads, env=DELAY):
@@ -89,6 +67,6 @@ def test_offload_with_moe_experts_and_context_parallelism(tmp_path):
     ("9", r"--offload-activations 9 is more than the 4 blocks \(--n-layer\)"),
 ])
 def test_bad_offload_values_fail_fast(value, message):
-    res = _run([*TINY, "--offload-activations", value], timeout=60)
+    res = run_train([*TINY, "--offload-activations", value], timeout=60)
     assert res.returncode == 2, res.stdout + res.stderr
     assert re.search(message, res.stderr), res.stderr
