@@ -11,7 +11,6 @@ import json
 import os
 import statistics
 import sys
-from datetime import timedelta
 
 from overlap.train.config import TrainConfig, parse_args
 
@@ -46,8 +45,10 @@ def _run(cfg: TrainConfig) -> list[dict]:
         if world != cfg.world_size:
             raise SystemExit(f"overlap-train: error: torchrun started {world} processes but "
                              f"tp*cp*pp*dp = {cfg.world_size}")
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout))
+        from overlap.dist.envinit import init_from_env
+
+        # the store keys of each torchrun attempt apart (a restart reuses the job's store)
+        init_from_env("nccl" if torch.cuda.is_available() else "gloo", timeout=cfg.timeout)
         from overlap.train.loop import train_rank
 
         try:
