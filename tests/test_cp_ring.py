@@ -22,6 +22,8 @@ import torch.distributed as dist
 from cp_common import B, D, H, compare, inputs, error_bound, peer_fault, sharded
 from harness import run_ranks
 
+pytestmark = pytest.mark.own_delays  # CI's delay pass skips it (it injects delays itself)
+
 
 def _ring_vs_sdpa(block):
     from overlap.cp import CPComm, ring_attention, zigzag_shard

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from cp_common import B, D, H, compare, inputs, error_bound, peer_fault, sharded
 from harness import run_ranks, run_ranks_outcomes
 
+pytestmark = pytest.mark.own_delays  # CI's delay pass skips it (it injects delays itself)
+
 METHODS = ("allgather", "ulysses")
 
 

@@ -17,6 +17,8 @@ from overlap.models.gpt import GPT, GPTConfig, gpt_loss
 from overlap.profile.syncs import count_host_syncs
 from overlap.train.recompute import apply_recompute
 
+pytestmark = pytest.mark.own_delays  # CI's delay pass skips it (it injects delays itself)
+
 L = 4
 CFG = dict(vocab_size=64, seq_len=16, d_model=32, n_layer=L, n_head=4)
 

@@ -13,6 +13,8 @@ import torch
 
 from train_cli import read_checkpoint, run_train, step_losses
 
+pytestmark = pytest.mark.own_delays  # CI's delay pass skips it (it injects delays itself)
+
 TINY = ["--steps", "2", "--n-layer", "4", "--d-model", "32", "--n-head", "4", "--seq-len", "16",
         "--micro-batch-size", "2", "--micro-batches", "4", "--timeout", "240"]
 DELAY = {"OVERLAP_STREAM_DELAY_MS": "2"}
