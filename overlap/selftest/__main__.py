@@ -6,7 +6,8 @@ writes it all as JSON with ``--json PATH`` and exits 0 iff every check passed.
 
 Without torchrun it starts its own local ranks: one per GPU with NCCL when there are at least
 two GPUs, else 2 CPU ranks (``--world-size``) on nccl_twin (gloo with NCCL's ordering rules).
-Under torchrun (RANK/WORLD_SIZE set) every process runs its rank and rank 0 reports.
+Under torchrun (RANK/WORLD_SIZE set) or an srun step of >= 2 tasks (``overlap.dist.slurm``)
+every process runs its rank and rank 0 reports.
 """
 
 from __future__ import annotations
@@ -71,14 +72,17 @@ def _report(cfg: SelftestConfig, env, results, *, device: str, world: int, mode:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    from overlap.dist.slurm import adopt_or_exit
     from overlap.selftest.env import detect
     from overlap.selftest.runner import check_names, run_local, run_torchrun, under_torchrun
 
     t0 = time.monotonic()
+    srun = adopt_or_exit("overlap-selftest", tp=None) is not None  # sets torchrun's variables
     if under_torchrun():
         results, passed, device, world = run_torchrun(cfg)
         if results is not None:  # rank 0 reports
-            _report(cfg, detect(), results, device=device, world=world, mode="torchrun",
+            _report(cfg, detect(), results, device=device, world=world,
+                    mode="srun" if srun else "torchrun",
                     seconds=time.monotonic() - t0, note="")
         return 0 if passed else 1
     env = detect()

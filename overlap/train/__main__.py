@@ -1,8 +1,9 @@
 """``python -m overlap.train`` / ``overlap-train``: 3D-parallel GPT training with every overlap on.
 
 Without torchrun it starts tp*pp*dp local processes itself (CPU; gloo with NCCL's ordering
-rules by default, see ``overlap.dist.nccl_twin``). Under torchrun
-(RANK/WORLD_SIZE set) every process runs one rank: NCCL on GPUs, gloo otherwise.
+rules by default, see ``overlap.dist.nccl_twin``). Under torchrun (RANK/WORLD_SIZE set) or
+an srun step of >= 2 tasks (``overlap.dist.slurm``) every process runs one rank: NCCL on GPUs,
+gloo otherwise.
 """
 
 from __future__ import annotations
@@ -37,13 +38,16 @@ def _under_torchrun() -> bool:
 
 def _run(cfg: TrainConfig) -> list[dict]:
     """Every rank's result (under torchrun only this rank's, and only rank 0 reports)."""
+    from overlap.dist.slurm import adopt_or_exit
+
+    launcher = "srun" if adopt_or_exit("overlap-train", tp=cfg.tp) else "torchrun"  # sets RANK...
     if _under_torchrun():
         import torch
         import torch.distributed as dist
 
         world = int(os.environ["WORLD_SIZE"])
         if world != cfg.world_size:
-            raise SystemExit(f"overlap-train: error: torchrun started {world} processes but "
+            raise SystemExit(f"overlap-train: error: {launcher} started {world} processes but "
                              f"tp*cp*pp*dp = {cfg.world_size}")
         from overlap.dist.envinit import init_from_env
 
