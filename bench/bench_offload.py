@@ -50,7 +50,7 @@ class BenchConfig:
     traced_steps: int = 3
     stream_delay_ms: float = 0.0
     device: str = "cpu"
-    profile: str = ""  # keep the traces of the traced steps here (default: a temporary dir)
+    profile: str = ""  # keep the traced steps' traces: DIR/<config>/step<n>/trace_rank0.json
     out: str = "bench/results/offload"
 
 
@@ -169,9 +169,9 @@ def _trace(v: _Variant, n: int, batches, sync, where: str) -> None:
     with nvtx.step(n):
         exposed = _step(v, batches, sync)[1]
     prof.stop()
-    path = os.path.join(where, _slug(v.name))
+    path = os.path.join(where, _slug(v.name), f"step{n}")  # one trace per overlap-analyze run
     os.makedirs(path, exist_ok=True)
-    trace = os.path.join(path, f"trace_rank0_step{n}.json")
+    trace = os.path.join(path, "trace_rank0.json")
     prof.export_chrome_trace(trace)
     got = dict(zip(("copy_s", "hidden_s", "comm_s"), _copies(trace, cuda)), exposed_s=exposed,
                steps=1)
