@@ -72,29 +72,14 @@ def peer_fault(kind: str, timeout: float, method: str):
     """One good call of ``<method>_attention`` on every rank; then the last rank dies
     (``kind`` "dead") or stops taking part ("stalled") and every other rank calls it again:
     (seconds until it raised, "Type: message") on the survivors."""
-    import os
-    import time
-
     import torch.distributed as dist
 
     import overlap.cp as cp
+    from harness import last_rank_fails_during
 
-    world, rank = dist.get_world_size(), dist.get_rank()
     comm = cp.CPComm(dist.group.WORLD, timeout=timeout)
     attend = getattr(cp, f"{method}_attention")
     q = torch.randn(B, H, 2 * C, D, requires_grad=True)
     k, v = torch.randn(B, 2, 2 * C, D), torch.randn(B, 2, 2 * C, D)
-    attend(q, k, v, comm=comm, causal=True).sum().backward()  # one good call first
-    dist.barrier()
-    if rank == world - 1:
-        if kind == "dead":
-            os._exit(3)
-        time.sleep(timeout * 3)  # alive, but not taking part
-        return None
-    time.sleep(0.2)
-    t0 = time.monotonic()
-    try:
-        attend(q, k, v, comm=comm, causal=True).sum().backward()
-    except Exception as exc:  # noqa: BLE001 - the test reads the message
-        return time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
-    return time.monotonic() - t0, "returned"
+    return last_rank_fails_during(
+        kind, timeout, lambda: attend(q, k, v, comm=comm, causal=True).sum().backward())

@@ -62,6 +62,30 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any,
                   raise_on_error=False, backend=CPU_BACKEND, preload=_PRELOAD)
 
 
+def last_rank_fails_during(kind: str, timeout: float, call: Callable[[], Any]):
+    """Run ``call`` once on every rank, then again with the last rank gone: ``kind`` "dead"
+    (it exits) or "stalled" (alive, but it never calls). The others return (seconds until
+    ``call`` returned or raised, "ExcType: message" or "returned"); the last rank None."""
+    import time
+
+    import torch.distributed as dist
+
+    call()  # one good call first
+    dist.barrier()
+    if dist.get_rank() == dist.get_world_size() - 1:
+        if kind == "dead":
+            os._exit(3)
+        time.sleep(timeout * 3)
+        return None
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
+    return time.monotonic() - t0, "returned"
+
+
 def fail_signals_then_call(mode: str, stall_s: float, call: Callable[[], Any]) -> None:
     """On this rank, make every userbuffer signal fail as a broken peer would (``mode``
     "kill": the process exits at its first signal; "stall": each signal hangs ``stall_s``

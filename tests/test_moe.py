@@ -230,32 +230,16 @@ def test_bad_inputs_raise_on_every_rank():
 
 
 def _peer_fault(kind, cf, timeout, backend="chunked"):
-    import os
-    import time
-
+    from harness import last_rank_fails_during
     from overlap.moe import EPComm, MoE
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     extra = dict(max_tokens=12) if backend == "symmetric" else {}
     layer = MoE(D, FF, E, K, comm=EPComm(dist.group.WORLD, chunks=2, timeout=timeout,
                                          backend=backend, **extra),
                 capacity_factor=cf)
     x = torch.randn(12, D)
-    layer(x).sum().backward()  # one good step first
-    dist.barrier()
-    if rank == world - 1:
-        if kind == "dead":
-            os._exit(3)
-        time.sleep(timeout * 3)  # alive, but not taking part
-        return None
-    time.sleep(0.2)
-    t0 = time.monotonic()
-    try:
-        layer(x).sum().backward()
-    except Exception as exc:  # noqa: BLE001 - the test reads the message
-        return time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
-    return time.monotonic() - t0, "returned"
+    return last_rank_fails_during(kind, timeout, lambda: layer(x).sum().backward())
 
 
 @pytest.mark.parametrize("kind", ["dead", "stalled"])
