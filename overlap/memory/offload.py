@@ -191,6 +191,7 @@ class ActivationOffloader:
         # census=True: every device storage a wrapped layer saved, by a weak reference, so
         # resident_saved_bytes() measures what is still allocated (tests and the benchmark)
         self._census: dict[int, tuple[object, int]] | None = {} if census else None
+        self._census_limit = 4096
         # The two rules; only tests switch them off, to show the twins catch the breach.
         self._keep_source = True   # the device tensor outlives its copy to host
         self._wait_reload = True   # a reloaded tensor is used after its copy's event
@@ -264,7 +265,13 @@ class ActivationOffloader:
         copy, or held elsewhere too). Reloads are counted apart (``stats``)."""
         if self._census is None:
             raise RuntimeError("ActivationOffloader.resident_saved_bytes needs census=True")
-        return sum(n for ref, n in self._census.values() if not ref.expired())
+        self._prune_census()
+        return sum(n for _ref, n in self._census.values())
+
+    def _prune_census(self) -> None:
+        """Forget freed storages (the census would otherwise grow by every step's saves)."""
+        self._census = {k: v for k, v in self._census.items() if not v[0].expired()}
+        self._census_limit = max(4096, 2 * len(self._census))
 
     # -- the hooks
     def _pack(self, t: torch.Tensor):
@@ -277,6 +284,8 @@ class ActivationOffloader:
 
             st = t.untyped_storage()
             self._census[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
+            if len(self._census) > self._census_limit:
+                self._prune_census()
         if nbytes < self.min_bytes or t.layout != torch.strided:
             return t
         if not group.offload:
