@@ -247,7 +247,7 @@ def test_train_under_emulated_srun_2_nodes_x_2_tasks_checks(tmp_path):
     for rc, so, se in out:
         assert rc == 0, so[-2000:] + se[-3000:]
     rank0 = out[0][1]
-    assert "layout          tp=2 x cp=1 x pp=1 x dp=2 (4 ranks)" in rank0, rank0
+    assert "layout          tp=2 x pp=1 x dp=2 (4 ranks)" in rank0, rank0
     diffs = check_diffs(rank0)
     assert len(diffs) == 3 and max(diffs) <= 2e-3 and "PASS" in rank0, rank0
     assert all("summary" not in so for _, so, _ in out[1:])  # rank 0 reports

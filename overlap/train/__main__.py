@@ -69,7 +69,8 @@ def _summary(cfg: TrainConfig, records: list[dict]) -> str:
     steady = records[1:] or records  # step 0 pays for warm-up (shape exchange, bucket rebuild)
     med = statistics.median
     lines = ["", "summary", "-------",
-             f"layout          tp={cfg.tp} x cp={cfg.cp} x pp={cfg.pp} x dp={cfg.dp} "
+             f"layout          tp={cfg.tp} x {f'cp={cfg.cp} x ' if cfg.cp > 1 else ''}"
+             f"pp={cfg.pp} x dp={cfg.dp} "
              f"({cfg.world_size} ranks), schedule {cfg.schedule}, {cfg.micro_batches} "
              "micro-batches",
              *([f"context         each sequence in 2 x {cfg.cp} zig-zag chunks, "
@@ -149,8 +150,9 @@ def _profile_report(cfg: TrainConfig, results: list[dict]) -> None:
         m["rank"] = rank
         m["main_tid"] = str(m["main_tid"])
     png = os.path.join(cfg.profile, "timeline.png")
-    plot_timeline(events, png, title=f"overlap-train tp={cfg.tp} cp={cfg.cp} pp={cfg.pp} "
-                                           f"dp={cfg.dp}")
+    plot_timeline(events, png, title=f"overlap-train tp={cfg.tp} "
+                                           f"{f'cp={cfg.cp} ' if cfg.cp > 1 else ''}"
+                                           f"pp={cfg.pp} dp={cfg.dp}")
     out = os.path.join(cfg.profile, "overlap_metrics.json")
     with open(out, "w") as f:
         json.dump({"ranks": metrics}, f, indent=1)

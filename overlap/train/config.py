@@ -181,6 +181,10 @@ class TrainConfig:
                               f"the vocabulary {VOCAB_SIZE}")
         self._validate_cp()
         self._validate_offload()
+        if self.sequence_parallel and self.cp == 1 and self.seq_len % self.tp:
+            raise ConfigError(f"sequence parallelism splits the {self.seq_len} tokens of each "
+                              f"sequence over --tp {self.tp}: --seq-len {self.seq_len} must be "
+                              "divisible by it (or pass --no-sequence-parallel)")
         if self.sequence_parallel and (self.seq_len // self.cp) % self.tp:
             raise ConfigError(f"sequence parallelism splits the {self.seq_len // self.cp} tokens "
                               f"of each sequence (per context-parallel rank) over --tp "
@@ -254,9 +258,10 @@ class TrainConfig:
             raise ConfigError(f"--moe-top-k {self.moe_top_k} is larger than --moe-experts "
                               f"{self.moe_experts}")
         if self.seq_len % (self.tp * self.cp):
-            raise ConfigError(f"MoE blocks route each sequence in cp x tp = "
-                              f"{self.cp * self.tp} groups (as sequence-parallel ranks do): "
-                              f"--seq-len {self.seq_len} must be divisible by it")
+            groups = f"cp x tp = {self.cp * self.tp}" if self.cp > 1 else f"--tp {self.tp}"
+            raise ConfigError(f"MoE blocks route each sequence in {groups} groups (as "
+                              f"sequence-parallel ranks do): --seq-len {self.seq_len} must be "
+                              "divisible by it")
         for flag, on in (("--dtype bf16", self.dtype == "bf16"),
                          ("--recompute full", self.recompute == "full")):
             if on:
