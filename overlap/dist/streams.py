@@ -176,7 +176,8 @@ class Stream:
             with torch.cuda.stream(self.cuda):
                 fn()
             for t in tensors:
-                t.record_stream(self.cuda)
+                if t.is_cuda:  # pinned host memory is not the caching allocator's
+                    t.record_stream(self.cuda)
             return
         self._put(("run", fn))
 
@@ -191,20 +192,8 @@ class Stream:
         profiler range around the copy (on the twin's worker, where it runs)."""
         keep = (dst, src) if keep_src else (dst,)
         ranged = (lambda fn: fn) if name is None else (lambda fn: _ranged(name, fn))
-        if self.cuda is not None:  # record_stream is for the device's (not pinned host) memory
-            keep = tuple(t for t in keep if t.is_cuda) or keep[:0]
-            if not self._after_caller:
-                raise RuntimeError(f"streams: work on stream {self.name!r} touches caller "
-                                   "tensors but the stream was not ordered after the caller "
-                                   "(call wait_current() or wait_event() first)")
-            self._after_caller = False
-            with torch.cuda.stream(self.cuda):
-                ranged(lambda: dst.copy_(src, non_blocking=True))()
-            for t in keep:
-                t.record_stream(self.cuda)
-            return
-        if keep_src:
-            self.enqueue(ranged(lambda: dst.copy_(src)), tensors=keep)
+        if keep_src or self.cuda is not None:
+            self.enqueue(ranged(lambda: dst.copy_(src, non_blocking=True)), tensors=keep)
             return
         holder = [src]
 

@@ -21,6 +21,8 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from torch.multiprocessing.reductions import StorageWeakRef
+
 from overlap.defaults import TIMEOUT_S, positive_seconds
 from overlap.dist.streams import Event, Stream, device_empty
 from overlap.profile.timers import comm_wait
@@ -31,10 +33,9 @@ MIN_BYTES = 1024  # smaller saved tensors stay on the device: a copy costs more 
 
 
 class OffloadStats:
-    """Counters of one offloader (bytes are distinct saved tensors; host-side bookkeeping,
-    no device sync): offloaded and reloaded bytes and copies, the bytes of saved tensors
-    currently held on the device by the offloader (kept layers, copies in flight, reloads)
-    and their peak."""
+    """Counters of one offloader (host-side bookkeeping, no device sync): offloaded and
+    reloaded bytes and storages, saved tensors kept on the device, and the bytes of reloads
+    held on the device now and at their peak."""
 
     def __init__(self) -> None:
         self.offloaded_bytes = self.reloaded_bytes = 0
@@ -147,7 +148,7 @@ class _Group:
     """The tensors one call of one wrapped layer saved, and the previous layer's group of the
     same forward (the one to reload when this one's backward starts)."""
 
-    __slots__ = ("index", "copies", "prev", "offload", "__weakref__")
+    __slots__ = ("index", "copies", "prev", "offload")
 
     def __init__(self, index: int, offload: bool, prev: "_Group | None"):
         self.index, self.offload, self.prev = index, offload, prev
@@ -228,10 +229,9 @@ class ActivationOffloader:
         me = self
 
         def forward(*args, **kwargs):
-            last = getattr(me._local, "last", None)
-            prev = last if last is not None and last[0] is chain and last[1].index == index - 1 \
-                else None
-            group = _Group(index, offload, prev[1] if prev else None)
+            last = getattr(me._local, "last", None)  # (chain, group) of this thread's last call
+            prev = last[1] if last and last[0] is chain and last[1].index == index - 1 else None
+            group = _Group(index, offload, prev)
             outer = getattr(me._local, "group", None)
             me._local.group = group
             try:
@@ -280,8 +280,6 @@ class ActivationOffloader:
         if group is None or t.device != self.device or _is_weight(t, self._weights):
             return t
         if self._census is not None:
-            from torch.multiprocessing.reductions import StorageWeakRef
-
             st = t.untyped_storage()
             self._census[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
             if len(self._census) > self._census_limit:
@@ -294,8 +292,6 @@ class ActivationOffloader:
         st = t.untyped_storage()
         ref = group.copy_of(st)
         if ref is None:  # the first saved view of this storage in the group: copy it all
-            from torch.multiprocessing.reductions import StorageWeakRef
-
             nbytes = st.nbytes()
             host = self.pool.get(nbytes)
             self.d2h.wait_current()  # after the work that produced t

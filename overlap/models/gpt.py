@@ -106,7 +106,7 @@ class CausalSelfAttention(nn.Module):
         self.num_heads = config.n_head
         self.dropout = config.dropout
         self.resid_drop = nn.Dropout(config.dropout)
-        # Context parallelism (GPT(cp_comm=...)): q/k/v hold this rank's zig-zag rows and
+        # Context parallelism (GPT.context_parallel): q/k/v hold this rank's zig-zag rows and
         # the core attends them over the whole sequence with overlap.cp's cp_attention.
         self.cp_comm, self.cp_method = None, "ring"
 
@@ -245,7 +245,9 @@ class GPTEmbedding(nn.Module):
             if t != self.positions.numel():
                 raise ValueError(f"GPT: a context-parallel rank takes its {self.positions.numel()}"
                                  f" tokens of each sequence (zig-zag), got {t}")
-            pos = self.positions.to(idx.device)
+            if self.positions.device != idx.device:  # moved once, not per forward
+                self.positions = self.positions.to(idx.device)
+            pos = self.positions
         elif t > self.pos_emb.num_embeddings:
             raise ValueError(f"GPT: sequence length {t} exceeds seq_len="
                              f"{self.pos_emb.num_embeddings}")
@@ -272,13 +274,12 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 class GPT(nn.Module):
     """``ep_comm``: an EPComm over which the MoE blocks shard their experts (None: every
-    expert here). The same seed gives the same model at any EP size. ``cp_comm``: a CPComm;
-    the model then takes this CP rank's zig-zag tokens of each sequence (``zigzag_shard`` of
-    the ids, dim 1), embeds them at their true positions and attends over the whole sequence
-    with ``cp_attention(method=cp_method)``."""
+    expert here). The same seed gives the same model at any EP size. After
+    ``context_parallel(cp_comm)`` the model takes a CP rank's zig-zag tokens of each sequence
+    (``zigzag_shard`` of the ids, dim 1), embeds them at their true positions and attends over
+    the whole sequence with ``cp_attention``."""
 
-    def __init__(self, config: GPTConfig, *, ep_comm=None, cp_comm=None,
-                 cp_method: str = "ring"):
+    def __init__(self, config: GPTConfig, *, ep_comm=None):
         super().__init__()
         if not isinstance(config, GPTConfig):
             raise TypeError(f"GPT: config must be a GPTConfig, got {type(config).__name__}")
@@ -294,8 +295,6 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self._init_weights()
-        if cp_comm is not None:
-            self.context_parallel(cp_comm, method=cp_method)
 
     def context_parallel(self, cp_comm, *, method: str = "ring") -> None:
         """Make this model a CP rank's (``cp_comm``; class docstring). Call it after

@@ -219,10 +219,10 @@ def _build(cfg: TrainConfig, dims, device: torch.device, dtype: torch.dtype, *,
             optimizers.append(torch.optim.AdamW(groups, lr=cfg.lr, eps=cfg.adam_eps))
     replicated = _tp_replicated(model, reducers)
     offloader = _offloader(cfg, stages, device)
-    return SimpleNamespace(offloader=offloader, model=model, tp_comm=tp_comm, tracker=tracker, stages=stages,
+    return SimpleNamespace(model=model, tp_comm=tp_comm, tracker=tracker, stages=stages,
                            schedule=schedule, pipe=pipe, reducers=reducers,
                            optimizers=optimizers, replicated=replicated, overlap=overlap,
-                           ep_comm=ep_comm, cp_comm=cp_comm)
+                           ep_comm=ep_comm, cp_comm=cp_comm, offloader=offloader)
 
 
 def _offloader(cfg: TrainConfig, stages, device: torch.device):
@@ -400,7 +400,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
 
 def _cp_report(comm) -> dict:
     """What ``--cp-method auto`` chose per attention shape, and the timings it chose by."""
-    if comm is None or not getattr(comm, "cp_choices", None):
+    if comm is None or not comm.cp_choices:
         return {}
     keys = sorted(comm.cp_choices, key=str)
     return {"cp_choices": [(str(tuple(k[:5])), comm.cp_choices[k]) for k in keys],
