@@ -25,7 +25,7 @@ from overlap.plan.memory import StageMemory, memory_per_rank
 from overlap.plan.models import ModelSpec
 from overlap.plan.offload import node_host_bytes, search_modes
 
-__all__ = ["Constraints", "SearchResult", "search", "candidates"]
+__all__ = ["Constraints", "SearchResult", "search", "candidates", "rank_layouts"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -139,11 +139,19 @@ def _moe_kw(model: ModelSpec, c: Constraints) -> dict:
 
 def search(model: ModelSpec, cluster: ClusterSpec, global_batch: int,
            constraints: Constraints = Constraints()) -> SearchResult:
+    try_offload = constraints.offload is None and cluster.device.host_link is not None
+    return rank_layouts(model, cluster, candidates(model, cluster, global_batch, constraints),
+                        memory_fraction=constraints.memory_fraction, try_offload=try_offload)
+
+
+def rank_layouts(model: ModelSpec, cluster: ClusterSpec, layouts: list[Layout], *,
+                 memory_fraction: float = 0.9, try_offload: bool = False) -> SearchResult:
+    """The given layouts that are valid and fit, fastest first (``search`` without the
+    enumeration; ``overlap.train.shrink`` ranks the layouts a job can resume on)."""
     ranked: list[Estimate] = []
     rejected: list[tuple[Layout, str]] = []
-    frac = constraints.memory_fraction
-    try_offload = constraints.offload is None and cluster.device.host_link is not None
-    for layout in candidates(model, cluster, global_batch, constraints):
+    frac = memory_fraction
+    for layout in layouts:
         try:
             layout.check(model, cluster)
         except ValueError as exc:

@@ -34,20 +34,29 @@ _SCHEDULES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "z
 
 def plan_inputs(cfg) -> tuple[ModelSpec, Layout]:
     """The planner's view of a ``TrainConfig``: overlap's GPT (untied head, learned positions,
-    biases, no dropout) in fp32, with the runtime's overlaps on."""
+    biases, no dropout) with the job's degrees, batch split, recomputation, offloading and
+    dtype, and the runtime's overlaps on."""
     from overlap.train.config import VOCAB_SIZE
 
+    moe = dict(num_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k,
+               num_shared_experts=cfg.moe_shared_experts, moe_every=cfg.moe_every,
+               moe_ffn=4 * cfg.d_model) if cfg.moe_experts else {}
     model = ModelSpec(name="overlap-train", num_layers=cfg.n_layer, hidden=cfg.d_model,
                       num_heads=cfg.n_head, vocab=VOCAB_SIZE, seq_len=cfg.seq_len,
-                      tied_embeddings=False, dropout=False)
-    layout = Layout(tp=cfg.tp, pp=cfg.pp, global_batch=cfg.dp * cfg.micro_batches *
-                    cfg.micro_batch_size, micro_batch=cfg.micro_batch_size,
+                      tied_embeddings=False, dropout=False, **moe)
+    moe_layout = (dict(ep=cfg.ep, capacity_factor=cfg.capacity_factor or None)
+                  if cfg.moe_experts else {})
+    layout = Layout(tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, cp_method=cfg.cp_method,
+                    global_batch=cfg.dp * cfg.micro_batches * cfg.micro_batch_size,
+                    micro_batch=cfg.micro_batch_size,
                     schedule=_SCHEDULES[cfg.schedule],
                     virtual=cfg.virtual_stages if cfg.schedule == "interleaved" else 1,
-                    recompute="none", sequence_parallel=cfg.sequence_parallel,
+                    recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
                     flash_attention=True, zero=1 if cfg.sharded_optimizer else 0,
-                    comm_dtype=cfg.comm_dtype, fp32_main_grads=True, dtype_bytes=4,
-                    bucket_bytes=cfg.bucket_mb * 2**20)
+                    comm_dtype=cfg.comm_dtype, fp32_main_grads=True,
+                    dtype_bytes=2 if cfg.dtype == "bf16" else 4,
+                    bucket_bytes=cfg.bucket_mb * 2**20, offload=cfg.offload_activations,
+                    **moe_layout)
     return model, layout
 
 

@@ -47,8 +47,7 @@ def _run(cfg: TrainConfig) -> list[dict]:
 
         world = int(os.environ["WORLD_SIZE"])
         if world != cfg.world_size:
-            raise SystemExit(f"overlap-train: error: {launcher} started {world} processes but "
-                             f"tp*cp*pp*dp = {cfg.world_size}")
+            cfg = _membership_changed(cfg, world, launcher)
         from overlap.dist.envinit import init_from_env
 
         # the store keys of each torchrun attempt apart (a restart reuses the job's store)
@@ -59,10 +58,65 @@ def _run(cfg: TrainConfig) -> list[dict]:
             result = train_rank(cfg)
         finally:
             dist.destroy_process_group()
+        result["final_cfg"] = cfg
         return [result] if int(os.environ["RANK"]) == 0 else []
     from overlap.train import elastic
 
     return elastic.run(cfg)
+
+
+def _membership_changed(cfg: TrainConfig, world: int, launcher: str) -> TrainConfig:
+    """torchrun --nnodes MIN:MAX restarted the workers on another number of ranks: with
+    --min-nodes, continue on a planner-chosen layout of them (every rank chooses the same);
+    without, refuse."""
+    rpn = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if not cfg.min_nodes:
+        raise SystemExit(f"overlap-train: error: {launcher} started {world} processes but "
+                         f"tp*cp*pp*dp = {cfg.world_size} (pass --min-nodes N to continue "
+                         "on a planner-chosen layout of the ranks there are)")
+    if world // rpn < cfg.min_nodes:
+        raise SystemExit(f"overlap-train: error: {launcher} started {world // rpn} node(s) of "
+                         f"{rpn} ranks, fewer than --min-nodes {cfg.min_nodes}")
+    from overlap.train.config import ConfigError
+    from overlap.train.shrink import choose_layout, layout_name
+
+    try:
+        choice = choose_layout(cfg, world, ranks_per_node=rpn)
+    except ConfigError as exc:
+        raise SystemExit(f"overlap-train: error: {exc}") from None
+    if int(os.environ["RANK"]) == 0:
+        from overlap.train.elastic import log_event
+        from overlap.train.shrink import layout_dict
+
+        print(f"overlap-train: {launcher} started {world} ranks instead of {cfg.world_size}: "
+              f"continuing on {layout_name(choice.cfg)} (planner's choice of {choice.ranked})"
+              + "".join(f"; {c}" for c in choice.changes), file=sys.stderr, flush=True)
+        log_event(cfg, "shrink" if world < cfg.world_size else "grow",
+                  old_layout=layout_dict(cfg), new_layout=layout_dict(choice.cfg),
+                  why=f"{launcher} membership")
+    return choice.cfg
+
+
+def _events_report(events: list[dict]) -> str:
+    """One line per fault or layout change of the job."""
+    from overlap.train.shrink import layout_name
+    from overlap.train.config import TrainConfig as _C
+
+    def name(d: dict) -> str:
+        return layout_name(_C(**{k: d[k] for k in ("tp", "cp", "pp", "dp", "ep",
+                                                   "micro_batches", "micro_batch_size")}))
+
+    lines = []
+    for e in events:
+        resumed = (f"resumed at step {e['resumed_step']}" if "resumed_step" in e
+                   else "did not resume (the next attempt failed too)")
+        took = (f", training resumed {e['fault_to_resumed_s']:.2f} s after the "
+                f"{'fault' if e['kind'] != 'grow' else 'nodes returned'}"
+                if e.get("fault_to_resumed_s") is not None else "") + f" (attempt {e['attempt']})"
+        change = (f"{name(e['old_layout'])} -> {name(e['new_layout'])}"
+                  if e["old_layout"] != e["new_layout"] else f"same layout {name(e['old_layout'])}")
+        lines.append(f"{e['kind']:<15} {change}; {resumed}{took}")
+    return "\n".join(lines)
 
 
 def _summary(cfg: TrainConfig, records: list[dict]) -> str:
@@ -228,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not results:  # a non-zero torchrun rank
         return 0
+    cfg = results[0].get("final_cfg", cfg)  # after a shrink: the layout the job ended on
     records = results[0]["records"]
     if not records:
         print(f"overlap-train: nothing to do: the checkpoint is at step "
@@ -237,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     r0 = results[0]
     if r0.get("resumed_from"):
         print(f"resumed         from {r0['resumed_from']} at step {r0['start_step']}")
-    if r0.get("fault_to_resumed_s") is not None:
+    if r0.get("events"):
+        print(_events_report(r0["events"]))
+    elif r0.get("fault_to_resumed_s") is not None:  # under torchrun: this attempt's own
         print(f"restart         training resumed {r0['fault_to_resumed_s']:.2f} s after the "
               f"fault (attempt {r0.get('attempts', 1)})")
     if cfg.moe_experts and cfg.ep > 1:

@@ -125,6 +125,21 @@ class TrainConfig:
                                       "as one torch.save file (FILE) and exit; no training")
     max_restarts: int = _field(0, "restart every rank from the latest complete checkpoint "
                                   "(of --save) up to K times after a rank dies or times out")
+    ranks_per_node: int = _field(0, "ranks that share a node (a local job emulates nodes: "
+                                    "ranks k*N..k*N+N-1 are node k); tp must fit in one; 0: "
+                                    "LOCAL_WORLD_SIZE under torchrun/srun, else one node")
+    min_nodes: int = _field(0, "when nodes are lost for good, continue on the survivors while "
+                               "at least this many nodes remain: the planner picks their "
+                               "layout and the job resumes from the latest checkpoint, "
+                               "resharded (needs --save, --max-restarts); 0: never shrink")
+    grow_back: bool = _field(False, "after a shrink, return to the full layout when the lost "
+                                    "nodes come back (the job stops at a fresh checkpoint and "
+                                    "resumes on every node)")
+    plan_profile: str = _field("h100-sxm", "device the shrink planner ranks layouts for: a GPU "
+                                           "name of overlap-plan or a profile JSON written by "
+                                           "overlap-plan --calibrate")
+    log_json: str | None = _field(None, "append one JSON line per step, fault, layout change "
+                                        "and resume to FILE")
     timeout: float = _field(600.0, "seconds before a hung local job is killed")
     transport: str = _field("nccl_twin", "local CPU processes only: nccl_twin is gloo with "
                                          "NCCL's ordering rules (an order that would hang on "
@@ -133,6 +148,9 @@ class TrainConfig:
     # fault injection for the restart test: rank R kills itself with SIGKILL at step S, once
     kill_rank: int = _field(-1, "test only", hidden=True)
     kill_at_step: int = _field(-1, "test only", hidden=True)
+    # ... or every rank of emulated node N dies, and the node stays down this long (inf: for good)
+    kill_node: int = _field(-1, "test only", hidden=True)
+    node_down_s: float = _field(math.inf, "test only", hidden=True)
 
     @property
     def world_size(self) -> int:
@@ -150,7 +168,7 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
-        for name in ("warmup_steps", "max_restarts"):
+        for name in ("warmup_steps", "max_restarts", "ranks_per_node", "min_nodes"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v}")
@@ -168,7 +186,9 @@ class TrainConfig:
 
         try:
             ParallelDims.resolve(world_size=self.world_size, tp=self.tp, cp=self.cp, pp=self.pp,
-                                 dp=self.dp, ep=self.ep, ranks_per_node=max(self.tp, self.world_size))
+                                 dp=self.dp, ep=self.ep,
+                                 ranks_per_node=self.ranks_per_node or max(self.tp,
+                                                                           self.world_size))
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if self.d_model % self.n_head:
@@ -321,9 +341,37 @@ class TrainConfig:
                 if on:
                     raise ConfigError(f"{which} measures two runs side by side; "
                                       f"it does not combine with {flag}")
+        self._validate_elastic()
         if self.max_restarts and self.save is None:
             raise ConfigError(f"--max-restarts {self.max_restarts} needs --save DIR: a restart "
                               "continues from the latest checkpoint written there")
+
+
+    def _validate_elastic(self) -> None:
+        rpn = self.ranks_per_node
+        if rpn and self.world_size % rpn and self.world_size > rpn:
+            raise ConfigError(f"--ranks-per-node {rpn} does not divide the {self.world_size} "
+                              "ranks (tp*cp*pp*dp): every node holds the same number")
+        if self.min_nodes or self.grow_back:
+            flag = f"--min-nodes {self.min_nodes}" if self.min_nodes else "--grow-back"
+            if not self.min_nodes:
+                raise ConfigError("--grow-back returns to the full layout after a shrink: it "
+                                  "needs --min-nodes N")
+            if self.save is None or not self.max_restarts:
+                raise ConfigError(f"{flag} continues from the latest checkpoint after a lost "
+                                  "node: it needs --save DIR and --max-restarts K >= 1")
+            nodes = self.world_size // rpn if rpn else 1
+            if self.min_nodes >= nodes and not os.environ.get("LOCAL_WORLD_SIZE"):
+                raise ConfigError(f"{flag}: the job has {nodes} node(s) of "
+                                  f"{rpn or self.world_size} ranks (--ranks-per-node), so "
+                                  "losing one always leaves fewer than --min-nodes; pass "
+                                  "--ranks-per-node and a smaller --min-nodes")
+            from overlap.train.shrink import load_profile
+
+            try:
+                load_profile(self.plan_profile)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"--plan-profile {self.plan_profile}: {exc}") from None
 
 
 def _check_number(name: str, v: float, *, low: float, high: float | None = None,

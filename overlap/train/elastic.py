@@ -13,14 +13,17 @@ the fault interrupted is skipped. Under torchrun, ``--max-restarts`` is torchrun
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
+import threading
 import time
 
 from overlap.dist.launch import LaunchError, RankOutcome
 from overlap.train.config import TrainConfig
 
-__all__ = ["run", "root_cause"]
+__all__ = ["run", "root_cause", "log_event"]
 
 _PRELOAD = ("overlap.train.loop", "overlap.tp", "overlap.pp", "overlap.dp",
             "torch.distributed.checkpoint")
@@ -45,34 +48,148 @@ def root_cause(exc: LaunchError) -> str:
     return "\n".join(lines)
 
 
+def log_event(cfg: TrainConfig, event: str, **fields) -> None:
+    """Append one JSON line to ``--log-json`` (one write: lines of other processes interleave
+    whole)."""
+    if not cfg.log_json:
+        return
+    line = json.dumps({"event": event, "time": round(time.time(), 3), **fields})
+    with open(cfg.log_json, "a") as f:
+        f.write(line + "\n")
+
+
+def _say(msg: str) -> None:
+    print(f"overlap-train: {msg}", file=sys.stderr, flush=True)
+
+
+class _GrowWatch:
+    """After a shrink with --grow-back: watch the emulated nodes; when one returns, ask the
+    ranks to stop at a checkpoint (a file rank 0 looks for every step)."""
+
+    def __init__(self, cfg: TrainConfig, down: int, path: str):
+        self.cfg, self.down, self.path = cfg, down, path
+        self._stop = threading.Event()
+        self.requested_at: float | None = None
+        self._thread = threading.Thread(target=self._watch, name="overlap-grow-watch",
+                                        daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        from overlap.train.shrink import nodes_down
+
+        while not self._stop.wait(0.2):
+            if nodes_down(self.cfg.save) < self.down:
+                self.requested_at = time.time()
+                with open(self.path, "w") as f:
+                    f.write(repr(self.requested_at))
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def _next_layout(full: TrainConfig, cur: TrainConfig) -> tuple[TrainConfig, int, str]:
+    """The configuration of the next attempt after a fault: the full layout when every node
+    is up, a planner-chosen one on the survivors when --min-nodes allows, else SystemExit.
+    Returns (config, nodes down, why)."""
+    from overlap.train.shrink import choose_layout, nodes_down
+
+    rpn = full.ranks_per_node or full.world_size
+    nodes = full.world_size // rpn
+    down = nodes_down(full.save)
+    if not down:
+        return full, 0, "every node is up"
+    alive = nodes - down
+    if not full.min_nodes or alive < full.min_nodes:
+        raise SystemExit(f"overlap-train: error: {down} of {nodes} nodes ({rpn} ranks each) "
+                         f"are down and {alive} remain, fewer than --min-nodes "
+                         f"{full.min_nodes or nodes} (0: never shrink); the job stops")
+    choice = choose_layout(full, alive * rpn, ranks_per_node=rpn)
+    why = (f"{down} of {nodes} nodes down; the planner ranked {choice.ranked} layouts of the "
+           f"{alive * rpn} surviving ranks ({full.plan_profile}: "
+           f"{choice.step_time_s * 1e3:.3g} ms per step)"
+           + ("" if choice.batch_kept else "; " + "; ".join(choice.changes)))
+    return choice.cfg, down, why
+
+
 def run(cfg: TrainConfig) -> list[dict]:
     """Every rank's result of the last (successful) attempt; raises LaunchError once the
-    restarts are used up."""
+    restarts are used up. ``results[0]["events"]`` lists the faults and layout changes, and
+    ``results[0]["final_cfg"]`` is the configuration the job finished on."""
     from overlap.dist.launch import launch
+    from overlap.train.checkpoint import latest_checkpoint
     from overlap.train.loop import train_rank
+    from overlap.train.shrink import layout_dict, layout_name
 
-    attempt = 0
+    full, cur = cfg, cfg
+    if cfg.save:  # what an earlier job under this directory left: its faults are not ours
+        shutil.rmtree(os.path.join(cfg.save, ".nodes"), ignore_errors=True)
+        for name in ("fault_time", ".grow_request"):
+            if os.path.exists(os.path.join(cfg.save, name)):
+                os.unlink(os.path.join(cfg.save, name))
+    launches = failures = 0
+    down = 0
+    events: list[dict] = []
     while True:
         t0 = time.monotonic()
+        grow = None
+        env = {"OVERLAP_RESTART_ATTEMPT": str(launches)}
+        if cur is not full and full.grow_back:
+            grow = _GrowWatch(full, down, os.path.join(full.save, ".grow_request"))
+            env["OVERLAP_GROW_REQUEST"] = grow.path
         try:
             # train_rank lives in an importable module: ranks unpickle it by reference.
-            results = launch(train_rank, cfg.world_size, args=(cfg,), timeout=cfg.timeout,
-                             backend=cfg.transport, preload=_PRELOAD,
-                             env={"OVERLAP_RESTART_ATTEMPT": str(attempt)})
+            results = launch(train_rank, cur.world_size, args=(cur,), timeout=cur.timeout,
+                             backend=cur.transport, preload=_PRELOAD, env=env)
         except LaunchError as exc:
-            if attempt >= cfg.max_restarts:
+            if failures >= cfg.max_restarts:
                 raise
-            attempt += 1
-            from overlap.train.checkpoint import latest_checkpoint
-
+            failures += 1
+            launches += 1
+            cause = root_cause(exc).splitlines()[0]
+            _say(f"attempt {launches} failed after {time.monotonic() - t0:.1f}s: {cause}")
+            nxt, down, why = _next_layout(full, cur)
             latest = latest_checkpoint(cfg.save) if cfg.save else None
             start = (f"from {os.path.basename(latest)}" if latest else
                      "from step 0 (no checkpoint was complete yet)")
-            print(f"overlap-train: attempt {attempt} failed after "
-                  f"{time.monotonic() - t0:.1f}s: {root_cause(exc).splitlines()[0]}\n"
-                  f"overlap-train: every rank stopped; restart {attempt}/{cfg.max_restarts} "
-                  f"{start}", file=sys.stderr, flush=True)
+            kind = "restart" if nxt.world_size == cur.world_size else (
+                "shrink" if nxt.world_size < cur.world_size else "grow")
+            _say(f"every rank stopped; {kind} {failures}/{cfg.max_restarts} {start}"
+                 + (f" on {layout_name(nxt)} instead of {layout_name(cur)}: {why}"
+                    if nxt is not cur else ""))
+            events.append({"kind": kind, "attempt": launches + 1, "cause": cause,
+                           "old_layout": layout_dict(cur),
+                           "new_layout": layout_dict(nxt), "nodes_down": down,
+                           "checkpoint": latest, "why": why})
+            log_event(cfg, kind, **{k: v for k, v in events[-1].items() if k != "kind"})
+            cur = nxt
+            continue
+        finally:
+            if grow is not None:
+                grow.close()
+        if events and results[0].get("start_step") is not None:
+            events[-1].update(resumed_step=results[0]["start_step"],
+                              fault_to_resumed_s=results[0].get("fault_to_resumed_s"))
+        if any(r.get("stopped_to_grow") for r in results):
+            launches += 1
+            latest = latest_checkpoint(cfg.save)
+            _say(f"{down} lost node(s) returned: stopped at {os.path.basename(latest)}; "
+                 f"grow from {layout_name(cur)} back to {layout_name(full)}")
+            events.append({"kind": "grow", "attempt": launches + 1, "cause": "nodes returned",
+                           "old_layout": layout_dict(cur), "new_layout": layout_dict(full),
+                           "nodes_down": 0, "checkpoint": latest, "why": "every node is up",
+                           "segment_records": results[0]["records"]})
+            log_event(cfg, "grow", **{k: v for k, v in events[-1].items()
+                                      if k not in ("kind", "segment_records")})
+            with open(os.path.join(cfg.save, "fault_time"), "w") as f:
+                f.write(repr(grow.requested_at or time.time()))
+            cur, down = full, 0
             continue
         for r in results:
-            r["attempts"] = attempt + 1
+            r["attempts"] = launches + 1
+        results[0]["events"] = events
+        results[0]["final_cfg"] = cur
         return results

@@ -32,6 +32,7 @@ from overlap.profile import nvtx
 from overlap.profile.timers import comm_wait, exposed_seconds, reset_exposed
 from overlap.train.config import VOCAB_SIZE, TrainConfig
 from overlap.train.data import Batches, load_tokens
+from overlap.train.shrink import layout_dict, mark_node_down
 
 __all__ = ["train_rank", "tp_comm_for", "reference_losses", "StepRecord", "model_config",
            "lr_at", "param_groups", "attempt_number"]
@@ -339,11 +340,12 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     # step of a long run is hundreds of MB per rank.
     first_traced = max(1 if cfg.steps > 1 else 0, cfg.steps - PROFILED_STEPS)
     resumed_at = None
+    grow_path = os.environ.get("OVERLAP_GROW_REQUEST")
+    stop = False
     try:
         for step in range(start_step, cfg.steps):
-            if (cfg.kill_rank == dist.get_rank() and step == cfg.kill_at_step
-                    and attempt_number() == 0):
-                _die(cfg)
+            if step == cfg.kill_at_step and attempt_number() == 0:
+                _maybe_die(cfg)
             if prof is not None and step == first_traced:
                 prof.start()
             inputs, targets = batches.step(step)
@@ -354,6 +356,10 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             lr = lr_at(cfg, step)
             if resumed_at is None:
                 resumed_at = time.time()
+                if printer and (resumed_from or attempt_number()):
+                    _log(cfg, "resumed", step=start_step, checkpoint=resumed_from,
+                         attempt=attempt_number() + 1, layout=layout_dict(cfg),
+                         fault_to_resumed_s=(resumed_at - fault_s) if fault_s else None)
             # --compare-*: the baseline's step runs next to this one, first on odd
             # steps, so load and warm caches affect both alike.
             if off is not None and step % 2:
@@ -364,9 +370,15 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             records.append(rec)
             if printer:
                 print(_row(rec, cfg.steps), flush=True)
+                _log(cfg, "step", layout=layout_dict(cfg), **dataclasses.asdict(rec))
             done = step + 1
-            if writer is not None and (done % cfg.save_every == 0 or done == cfg.steps):
+            stop = grow_path is not None and done < cfg.steps and _grow_requested(grow_path,
+                                                                                  device)
+            if writer is not None and (done % cfg.save_every == 0 or done == cfg.steps
+                                       or stop):
                 _save(cfg, writer, model, stages, optimizers, tracker, done)
+            if stop:  # the lost nodes are back: stop here, the launcher resumes on all of them
+                break
         if prof is not None:
             prof.stop()
             prof.export_chrome_trace(trace_path)
@@ -393,7 +405,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             "trace": trace_path if prof is not None else None,
             "start_step": start_step, "resumed_from": resumed_from,
             "fault_to_resumed_s": (resumed_at - fault_s) if fault_s and resumed_at else None,
-            "saved": writer.saved if writer is not None else [],
+            "saved": writer.saved if writer is not None else [], "stopped_to_grow": stop,
             "ep_pairs": len(job.pipe.pairs), **_cp_report(job.cp_comm),
             "offload": job.offloader.stats.as_dict() if job.offloader is not None else None}
 
@@ -422,12 +434,33 @@ def _grad_dtype_option(cfg: TrainConfig) -> dict:
     return {"grad_dtype": torch.float32} if cfg.dtype == "bf16" else {}
 
 
-def _die(cfg: TrainConfig) -> None:
-    """Fault injection (hidden --kill-rank/--kill-at-step): note the time, then SIGKILL."""
+def _maybe_die(cfg: TrainConfig) -> None:
+    """Fault injection (hidden --kill-rank or --kill-node, with --kill-at-step): note the
+    time (and that the emulated node is down), then SIGKILL."""
+    rank = dist.get_rank()
+    rpn = cfg.ranks_per_node or cfg.world_size
+    if cfg.kill_rank != rank and cfg.kill_node != rank // rpn:
+        return
     if cfg.save:
+        if cfg.kill_node == rank // rpn and rank % rpn == 0:
+            mark_node_down(cfg.save, cfg.kill_node, cfg.node_down_s)
         with open(os.path.join(cfg.save, "fault_time"), "w") as f:
             f.write(repr(time.time()))
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _grow_requested(path: str, device: torch.device) -> bool:
+    """Did the launcher ask to stop for a grow? Rank 0 looks; every rank gets its answer."""
+    flag = torch.tensor([float(dist.get_rank() == 0 and os.path.exists(path))], device=device)
+    with comm_wait("train.grow"):
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _log(cfg: TrainConfig, event: str, **fields) -> None:
+    from overlap.train.elastic import log_event
+
+    log_event(cfg, event, **fields)
 
 
 def _tp_replicated(model, reducers) -> list[list[bool]]:
