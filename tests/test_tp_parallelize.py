@@ -293,3 +293,39 @@ def test_bad_plan_lists_every_problem_and_changes_nothing():
         assert res["unchanged"], f"rank {rank}: the model was modified by a failing parallelize"
         assert "no shipped plan for Sequential" in res["unknown"]
         assert "unknown style 'diagonal'" in res["style"]
+
+
+def _probe_rejected():
+    from overlap.models import GPT
+    from overlap.nn.parallelize import parallelize
+
+    class MaskedGPT(GPT):  # a forward the default probe (ids only) cannot call
+        def forward(self, ids, scale):
+            return super().forward(ids) * scale
+
+    group, out = dist.group.WORLD, {}
+    ref = _gpt_model()
+    model = MaskedGPT(ref.config)
+    model.load_state_dict(ref.state_dict())
+    try:
+        parallelize(copy.deepcopy(model), comm=default_comm(group), sequence_parallel=True)
+    except ValueError as exc:
+        out["sp"] = str(exc)
+    # with probe= the same model parallelizes and gives the unsharded logits
+    ids = _batch(0, dist.get_world_size())
+    tp_model = parallelize(copy.deepcopy(model), comm=default_comm(group),
+                           sequence_parallel=True, probe=lambda m: m(ids, 2.0))
+    out["logits"] = _rel(tp_model(ids, 2.0), model(ids, 2.0).detach())
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_needs_a_probe_the_model_accepts(world):
+    """Which replicated modules run on sequence-sharded activations (and need their gradients
+    summed over TP) is found by running the model; a forward that rejects the default probe
+    is an error naming probe=, not a silently skipped check."""
+    for rank, res in enumerate(run_ranks(_probe_rejected, world, timeout=120)):
+        msg = res.get("sp") or ""
+        assert "the verification probe failed on the unsharded model (pass probe=" in msg, msg
+        assert "sequence parallelism" in msg and "TypeError" in msg, msg
+        assert res["logits"] <= TOL["logits"], (rank, res["logits"])

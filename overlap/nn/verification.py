@@ -107,10 +107,17 @@ class Verifier:
                 try:
                     self.grads = GradProbe(model, run, skip=set(chosen))
                 except Exception as exc:
-                    if whole_model or probe is not None:
+                    if whole_model or probe is not None or sequence_parallel:
+                        # With sequence parallelism, which replicated modules run on sharded
+                        # activations (and need their gradients summed over TP) is found by
+                        # this run: skipping it would train them on a partial gradient.
+                        why = (" (sequence parallelism: the probe finds the modules that "
+                               "need their gradients summed over TP)"
+                               if sequence_parallel and probe is None and not whole_model
+                               else "")
                         raise ValueError(f"{head}: the verification probe failed on the "
-                                         f"unsharded model (pass probe=, the model's input): "
-                                         f"{type(exc).__name__}: {exc}") from exc
+                                         f"unsharded model (pass probe=, the model's "
+                                         f"input){why}: {type(exc).__name__}: {exc}") from exc
             self.units, self.unit_names = None, sorted(units)
             if run is None:
                 if whole_model:

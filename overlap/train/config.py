@@ -182,6 +182,10 @@ class TrainConfig:
         _check_number("timeout", self.timeout, low=0.0, low_open=True)
         _check_number("check_tolerance", self.check_tolerance, low=0.0, low_open=True)
         self._validate_moe()
+        rpn = self.ranks_per_node
+        if rpn and self.world_size % rpn and self.world_size > rpn:
+            raise ConfigError(f"--ranks-per-node {rpn} does not divide the {self.world_size} "
+                              "ranks (tp*cp*pp*dp): every node holds the same number")
         from overlap.dist.dims import ParallelDims
 
         try:
@@ -349,15 +353,13 @@ class TrainConfig:
 
     def _validate_elastic(self) -> None:
         rpn = self.ranks_per_node
-        if rpn and self.world_size % rpn and self.world_size > rpn:
-            raise ConfigError(f"--ranks-per-node {rpn} does not divide the {self.world_size} "
-                              "ranks (tp*cp*pp*dp): every node holds the same number")
         if self.min_nodes or self.grow_back:
             flag = f"--min-nodes {self.min_nodes}" if self.min_nodes else "--grow-back"
             if not self.min_nodes:
                 raise ConfigError("--grow-back returns to the full layout after a shrink: it "
                                   "needs --min-nodes N")
-            if self.save is None or not self.max_restarts:
+            torchrun = "TORCHELASTIC_RESTART_COUNT" in os.environ  # its own --max-restarts
+            if self.save is None or not (self.max_restarts or torchrun):
                 raise ConfigError(f"{flag} continues from the latest checkpoint after a lost "
                                   "node: it needs --save DIR and --max-restarts K >= 1")
             nodes = self.world_size // rpn if rpn else 1

@@ -1,14 +1,15 @@
-"""Restart after a fault: re-launch every rank from the latest complete checkpoint.
+"""Restart after a fault, on the same layout or on the surviving nodes.
 
 ``run(cfg)`` launches the job on local processes (``overlap.dist.launch``). When any rank dies
-(a SIGKILL, a segfault) or raises (a collective that timed out on a dead peer), the launcher
-tears every rank down: survivors get ``grace`` seconds to fail on their own, then are killed,
-and every ``/dev/shm`` segment of the job is unlinked. Up to ``--max-restarts`` times, the job
-then starts again as attempt k (``OVERLAP_RESTART_ATTEMPT=k`` in every rank), and each rank
-resumes from ``latest_checkpoint(--save)`` (``overlap.train.loop._maybe_resume``): the newest
-``step_<N>`` directory, which exists only once DCP finished writing it, so a checkpoint that
-the fault interrupted is skipped. Under torchrun, ``--max-restarts`` is torchrun's own and
-``TORCHELASTIC_RESTART_COUNT`` plays the same role.
+or raises, the launcher tears every rank down (survivors get ``grace`` seconds, then SIGKILL;
+every ``/dev/shm`` segment of the job is unlinked), so no communicator of the old layout
+survives. Up to ``--max-restarts`` times it starts again as attempt k
+(``OVERLAP_RESTART_ATTEMPT=k``), each rank resuming from ``latest_checkpoint(--save)``: the
+newest complete ``step_<N>``. If emulated nodes stayed down and ``--min-nodes`` allows, the new
+attempt runs on the survivors with ``shrink.choose_layout``'s layout (resharded resume); with
+``--grow-back`` a watcher asks the shrunk job to stop at a checkpoint once the nodes return,
+and the full layout resumes from it. Each event goes to the output and ``--log-json``. Under
+torchrun, torchrun restarts the workers (``TORCHELASTIC_RESTART_COUNT``).
 """
 
 from __future__ import annotations

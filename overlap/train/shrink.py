@@ -61,7 +61,8 @@ def layout_name(cfg: TrainConfig) -> str:
     degrees = " x ".join(f"{k}{getattr(cfg, k)}" for k in ("tp", "cp", "pp", "dp")
                          if k in ("tp", "pp", "dp") or getattr(cfg, k) > 1)
     ep = f" ep{cfg.ep}" if cfg.ep > 1 else ""
-    return (f"{degrees}{ep} ({cfg.world_size} ranks, {cfg.micro_batches} micro-batches of "
+    ranks = f"{cfg.world_size} rank{'s' if cfg.world_size > 1 else ''}"
+    return (f"{degrees}{ep} ({ranks}, {cfg.micro_batches} micro-batches of "
             f"{cfg.micro_batch_size})")
 
 
@@ -81,9 +82,10 @@ def _batch_splits(cfg: TrainConfig, dp: int) -> list[tuple[int, int]]:
     return [(max(1, g // (dp * cfg.micro_batch_size)), cfg.micro_batch_size)]
 
 
-def _candidates(cfg: TrainConfig, world: int, rpn: int) -> tuple[list[TrainConfig], int]:
-    """Every runnable configuration on ``world`` ranks (first valid batch split per layout)."""
-    out, refused = [], 0
+def _candidates(cfg: TrainConfig, world: int, rpn: int) -> tuple[list[TrainConfig], list[str]]:
+    """Every runnable configuration on ``world`` ranks (first valid batch split per layout),
+    and why the others cannot run."""
+    out, refused = [], []
     for tp in (t for t in _divisors(world) if t <= rpn):
         for cp in _divisors(world // tp):
             for pp in _divisors(world // (tp * cp)):
@@ -91,17 +93,20 @@ def _candidates(cfg: TrainConfig, world: int, rpn: int) -> tuple[list[TrainConfi
                 eps = ([e for e in _divisors(dp * cp) if cfg.moe_experts % e == 0]
                        if cfg.moe_experts else [1])
                 for ep in eps:
+                    why = None
                     for mb, mbs in _batch_splits(cfg, dp):
                         new = dataclasses.replace(
                             cfg, tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, micro_batches=mb,
-                            micro_batch_size=mbs, resume=None, ranks_per_node=rpn)
-                        try:
-                            new.validate()
-                        except ConfigError:
-                            refused += 1
+                            micro_batch_size=mbs, ranks_per_node=rpn)
+                        try:  # the layout, not the elastic flags (the job is already elastic)
+                            dataclasses.replace(new, min_nodes=0, grow_back=False).validate()
+                        except ConfigError as exc:
+                            why = str(exc)
                             continue
                         out.append(new)
                         break
+                    else:
+                        refused.append(why)
     return out, refused
 
 
@@ -120,18 +125,20 @@ def choose_layout(cfg: TrainConfig, world_size: int, *, ranks_per_node: int,
     scored = []
     for new in configs:
         model, layout = plan_inputs(new)
-        ranked = rank_layouts(model, cluster, [layout]).ranked
-        if not ranked:
-            refused += 1
+        result = rank_layouts(model, cluster, [layout])
+        if not result.ranked:
+            refused.append(f"the planner: {result.rejected[0][1]}")
             continue
+        ranked = result.ranked
         batch_kept = global_batch(new) == global_batch(cfg)
         mp_changed = any(getattr(new, k) != getattr(cfg, k) for k in _DEGREES)
         scored.append(((not batch_kept, mp_changed, ranked[0].step_time_s, new.tp, new.pp),
                        new, ranked[0].step_time_s, batch_kept))
     if not scored:
-        raise ConfigError(f"no layout of this job runs on {world_size} ranks ({rpn} per node): "
-                          f"{refused} candidates refused by the job's constraints or the "
-                          f"planner's memory model ({cfg.plan_profile})")
+        seen = sorted(set(refused), key=lambda w: (not w.startswith("the planner"), w))
+        raise ConfigError(f"no layout of this job runs on {world_size} ranks ({rpn} per node, "
+                          f"planner profile {cfg.plan_profile}): {len(refused)} candidates "
+                          f"refused, for example: {'; '.join(seen[:2])}")
     scored.sort(key=lambda s: s[0])
     _, new, t, kept = scored[0]
     changes = []
@@ -141,7 +148,7 @@ def choose_layout(cfg: TrainConfig, world_size: int, *, ranks_per_node: int,
     elif new.micro_batch_size != cfg.micro_batch_size:
         changes.append(f"micro-batch size {cfg.micro_batch_size} -> {new.micro_batch_size}")
     return Choice(cfg=new, step_time_s=t, batch_kept=kept, changes=tuple(changes),
-                  ranked=len(scored), rejected=refused)
+                  ranked=len(scored), rejected=len(refused))
 
 
 # ---- emulated nodes of a local job -----------------------------------------------------------
