@@ -257,3 +257,82 @@ def test_torchrun_with_fewer_ranks_continues_on_a_planner_layout(tmp_path):
     assert "torchrun started 2 ranks instead of 4: continuing on" in res.stderr, msg
     a, b = _steps(_log(tmp_path / "a.jsonl")), _steps(events)
     assert sorted(b) == [3, 4] and abs(a[3] - b[3]) <= LOSS_TOL, (a, b)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def test_torchrun_node_frozen_the_survivors_shrink_instead_of_hanging(tmp_path):
+    """Two torchrun agents (--nnodes 1:2, 2 workers each) train one 4-rank job; one agent and
+    its workers freeze (SIGSTOP: their sockets stay open, so the survivors' collectives would
+    wait for --timeout, 300 s). The heartbeat finds the frozen ranks in --heartbeat-timeout,
+    every survivor exits, torchrun re-forms the job on the one node left, and the job shrinks
+    to the planner's 2-rank layout and finishes; its losses equal a fresh run of that layout
+    from the same checkpoint."""
+    from test_train_torchrun import _free_port
+
+    steps = 14
+    base = [*TINY, "--tp", "2", "--pp", "1", "--dp", "2", "--steps", str(steps)]
+    log = tmp_path / "log.jsonl"
+    args = [*base, "--timeout", "300", "--save", str(tmp_path / "ck"), "--min-nodes", "1",
+            "--heartbeat-timeout", "5", "--log-json", str(log)]
+    port = _free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
+           "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+           f"127.0.0.1:{port}", "--rdzv-id", "shrink", "--max-restarts", "2",
+           "--rdzv-conf", "last_call_timeout=5,join_timeout=60", "-m", "overlap.train", *args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True, env=env)]
+    time.sleep(0.5)
+    agents.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   start_new_session=True, env=env))
+    frozen: list[int] = []
+    try:
+        deadline, done = time.monotonic() + 120, []
+        while time.monotonic() < deadline and agents[0].poll() is None:
+            done = [e for e in (_log(log) if log.exists() else []) if e["event"] == "step"]
+            if done and done[-1]["step"] >= 4:
+                break
+            time.sleep(0.1)
+        assert done and done[0]["layout"]["ranks"] == 4, "the two agents did not form one job"
+        frozen = [agents[1].pid, *_children(agents[1].pid)]
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        t_freeze = time.monotonic()
+        out, _ = agents[0].communicate(timeout=200)
+        took = time.monotonic() - t_freeze
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+            a.communicate()
+    msg = out[-5000:]
+    assert agents[0].returncode == 0, msg
+    assert "stopped its heartbeat" in out and "its node is lost" in out, msg
+    assert "torchrun started 2 ranks instead of 4: continuing on" in out, msg
+    assert took < 150, (took, msg)  # far below the 300 s collective timeout
+    want = choose_layout(parse_args(base), 2, ranks_per_node=2).cfg
+    events = _log(log)
+    resumed = [e for e in events if e["event"] == "resumed"]
+    assert resumed and resumed[-1]["layout"] == layout_dict(want), msg
+    assert resumed[-1]["fault_to_resumed_s"] is not None and \
+        0 < resumed[-1]["fault_to_resumed_s"] < 150, resumed
+    got = _steps(events, after=resumed[-1]["step"] - 1)
+    assert max(got) == steps, msg
+    _fresh_run_matches(tmp_path, layout_dict(want), resumed[-1]["checkpoint"], steps, got)

@@ -23,8 +23,9 @@ def restart_attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def init_from_env(backend: str, *, timeout: float) -> None:
-    """``init_process_group`` from the environment, its store keys prefixed by the attempt."""
+def init_from_env(backend: str, *, timeout: float) -> dist.Store:
+    """``init_process_group`` from the environment, its store keys prefixed by the attempt.
+    Returns that attempt's store (``overlap.dist.heartbeat`` keeps its keys there)."""
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     # The agent hosts the store (TORCHELASTIC_USE_AGENT_STORE) or rank 0 does (plain env://).
@@ -32,6 +33,7 @@ def init_from_env(backend: str, *, timeout: float) -> None:
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world,
                           is_master=not agent and rank == 0,
                           timeout=timedelta(seconds=timeout), wait_for_workers=False)
-    dist.init_process_group(backend, store=dist.PrefixStore(
-        f"overlap/attempt{restart_attempt()}", store), rank=rank, world_size=world,
-        timeout=timedelta(seconds=timeout))
+    attempt = dist.PrefixStore(f"overlap/attempt{restart_attempt()}", store)
+    dist.init_process_group(backend, store=attempt, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout))
+    return attempt

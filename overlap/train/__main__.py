@@ -51,11 +51,21 @@ def _run(cfg: TrainConfig) -> list[dict]:
         from overlap.dist.envinit import init_from_env
 
         # the store keys of each torchrun attempt apart (a restart reuses the job's store)
-        init_from_env("nccl" if torch.cuda.is_available() else "gloo", timeout=cfg.timeout)
+        store = init_from_env("nccl" if torch.cuda.is_available() else "gloo",
+                              timeout=cfg.timeout)
+        from overlap.dist.heartbeat import Heartbeat
         from overlap.train.loop import train_rank
 
+        rank, rpn = int(os.environ["RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world))
         try:
-            result = train_rank(cfg)
+            if cfg.heartbeat_timeout > 0:
+                with Heartbeat(store, rank, world, cfg.ranks_per_node or rpn,
+                               timeout=cfg.heartbeat_timeout, label="overlap-train",
+                               fault_file=(os.path.join(cfg.save, "fault_time") if cfg.save
+                                           else None)):
+                    result = train_rank(cfg)
+            else:
+                result = train_rank(cfg)
         finally:
             dist.destroy_process_group()
         result["final_cfg"] = cfg

@@ -140,6 +140,11 @@ class TrainConfig:
                                            "overlap-plan --calibrate")
     log_json: str | None = _field(None, "append one JSON line per step, fault, layout change "
                                         "and resume to FILE")
+    heartbeat_timeout: float = _field(15.0, "under torchrun or srun: when a watched peer's "
+                                            "heartbeat stops for this many seconds (its node is "
+                                            "lost), every rank exits so that the launcher "
+                                            "restarts the job, instead of waiting --timeout in "
+                                            "a collective; 0: off")
     timeout: float = _field(600.0, "seconds before a hung local job is killed")
     transport: str = _field("nccl_twin", "local CPU processes only: nccl_twin is gloo with "
                                          "NCCL's ordering rules (an order that would hang on "
@@ -180,6 +185,10 @@ class TrainConfig:
         _check_number("dropout", self.dropout, low=0.0, high=1.0, high_open=True)
         _check_number("bucket_mb", self.bucket_mb, low=0.0)
         _check_number("timeout", self.timeout, low=0.0, low_open=True)
+        _check_number("heartbeat_timeout", self.heartbeat_timeout, low=0.0)
+        if 0 < self.heartbeat_timeout <= 1.0:
+            raise ConfigError(f"--heartbeat-timeout {self.heartbeat_timeout} must exceed the "
+                              "1 s heartbeat interval (or be 0: off)")
         _check_number("check_tolerance", self.check_tolerance, low=0.0, low_open=True)
         self._validate_moe()
         rpn = self.ranks_per_node
