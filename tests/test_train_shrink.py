@@ -178,8 +178,8 @@ def test_a_batch_no_dp_divides_is_changed_and_said():
     c = choose_layout(cfg, 2, ranks_per_node=1)
     assert (c.cfg.dp, c.cfg.micro_batches, c.cfg.micro_batch_size) == (2, 1, 1)
     assert not c.batch_kept
-    assert c.changes == ("global batch 3 -> 2 sequences: no data-parallel degree of 2 ranks "
-                         "divides it",)
+    assert c.changes == ("global batch 3 -> 2 sequences: no layout of 2 ranks whose dp "
+                         "divides it runs this job",)
 
 
 def test_no_layout_fits_is_a_clear_error():
@@ -205,12 +205,12 @@ def test_too_few_nodes_left_stops_with_a_clear_error(tmp_path):
     cfg = _cfg("--tp", "2", "--pp", "2", "--dp", "2", "--save", str(tmp_path),
                "--max-restarts", "1", "--ranks-per-node", "2", "--min-nodes", "3")
     mark_node_down(str(tmp_path), 0, float("inf"))
-    nxt, down, _ = _next_layout(cfg, cfg)
+    nxt, down, _ = _next_layout(cfg)
     assert down == 1 and nxt.world_size == 6
     mark_node_down(str(tmp_path), 3, float("inf"))
     with pytest.raises(SystemExit, match=r"2 of 4 nodes \(2 ranks each\) are down and 2 "
                                          r"remain, fewer than --min-nodes 3"):
-        _next_layout(cfg, cfg)
+        _next_layout(cfg)
 
 
 @pytest.mark.parametrize("args, match", [
@@ -336,3 +336,18 @@ def test_torchrun_node_frozen_the_survivors_shrink_instead_of_hanging(tmp_path):
     got = _steps(events, after=resumed[-1]["step"] - 1)
     assert max(got) == steps, msg
     _fresh_run_matches(tmp_path, layout_dict(want), resumed[-1]["checkpoint"], steps, got)
+
+
+def test_no_layout_for_the_survivors_stops_with_a_clear_error(tmp_path):
+    from overlap.train.elastic import _next_layout
+    from overlap.train.shrink import load_profile
+
+    profile = tmp_path / "tiny.json"  # a device of 1 KiB: the planner fits nothing on it
+    profile.write_text(load_profile("h100-sxm").replace(hbm_bytes=1024.0).to_json())
+    cfg = _cfg("--tp", "2", "--pp", "2", "--dp", "2", "--save", str(tmp_path / "ck"),
+               "--max-restarts", "1", "--ranks-per-node", "2", "--min-nodes", "2",
+               "--plan-profile", str(profile))
+    mark_node_down(str(tmp_path / "ck"), 2, float("inf"))
+    with pytest.raises(SystemExit, match=r"1 of 4 nodes are down: no layout of this job runs "
+                                         r"on 6 ranks \(2 per node.*the planner: memory"):
+        _next_layout(cfg)

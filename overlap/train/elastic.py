@@ -22,7 +22,7 @@ import threading
 import time
 
 from overlap.dist.launch import LaunchError, RankOutcome
-from overlap.train.config import TrainConfig
+from overlap.train.config import ConfigError, TrainConfig
 
 __all__ = ["run", "root_cause", "log_event"]
 
@@ -92,7 +92,7 @@ class _GrowWatch:
             os.unlink(self.path)
 
 
-def _next_layout(full: TrainConfig, cur: TrainConfig) -> tuple[TrainConfig, int, str]:
+def _next_layout(full: TrainConfig) -> tuple[TrainConfig, int, str]:
     """The configuration of the next attempt after a fault: the full layout when every node
     is up, a planner-chosen one on the survivors when --min-nodes allows, else SystemExit.
     Returns (config, nodes down, why)."""
@@ -108,7 +108,11 @@ def _next_layout(full: TrainConfig, cur: TrainConfig) -> tuple[TrainConfig, int,
         raise SystemExit(f"overlap-train: error: {down} of {nodes} nodes ({rpn} ranks each) "
                          f"are down and {alive} remain, fewer than --min-nodes "
                          f"{full.min_nodes or nodes} (0: never shrink); the job stops")
-    choice = choose_layout(full, alive * rpn, ranks_per_node=rpn)
+    try:
+        choice = choose_layout(full, alive * rpn, ranks_per_node=rpn)
+    except ConfigError as exc:
+        raise SystemExit(f"overlap-train: error: {down} of {nodes} nodes are down: {exc}") \
+            from None
     why = (f"{down} of {nodes} nodes down; the planner ranked {choice.ranked} layouts of the "
            f"{alive * rpn} surviving ranks ({full.plan_profile}: "
            f"{choice.step_time_s * 1e3:.3g} ms per step)"
@@ -152,7 +156,7 @@ def run(cfg: TrainConfig) -> list[dict]:
             launches += 1
             cause = root_cause(exc).splitlines()[0]
             _say(f"attempt {launches} failed after {time.monotonic() - t0:.1f}s: {cause}")
-            nxt, down, why = _next_layout(full, cur)
+            nxt, down, why = _next_layout(full)
             latest = latest_checkpoint(cfg.save) if cfg.save else None
             start = (f"from {os.path.basename(latest)}" if latest else
                      "from step 0 (no checkpoint was complete yet)")

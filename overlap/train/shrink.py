@@ -144,7 +144,7 @@ def choose_layout(cfg: TrainConfig, world_size: int, *, ranks_per_node: int,
     changes = []
     if not kept:
         changes.append(f"global batch {global_batch(cfg)} -> {global_batch(new)} sequences: no "
-                       f"data-parallel degree of {world_size} ranks divides it")
+                       f"layout of {world_size} ranks whose dp divides it runs this job")
     elif new.micro_batch_size != cfg.micro_batch_size:
         changes.append(f"micro-batch size {cfg.micro_batch_size} -> {new.micro_batch_size}")
     return Choice(cfg=new, step_time_s=t, batch_kept=kept, changes=tuple(changes),
