@@ -292,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not results:  # a non-zero torchrun rank
         return 0
+    from overlap.train.shrink import layout_dict
+
     cfg = results[0].get("final_cfg", cfg)  # after a shrink: the layout the job ended on
     records = results[0]["records"]
     if not records:
@@ -301,7 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     print(_summary(cfg, records))
     r0 = results[0]
     if r0.get("resumed_from"):
-        print(f"resumed         from {r0['resumed_from']} at step {r0['start_step']}")
+        saved, now = r0.get("checkpoint_layout") or {}, layout_dict(cfg)
+        other = {k: v for k, v in saved.items() if v != now.get(k)}
+        print(f"resumed         from {r0['resumed_from']} at step {r0['start_step']}"
+              + (f", written by {' '.join(f'{k}={v}' for k, v in saved.items())} (resharded)"
+                 if other else ""))
     if r0.get("events"):
         print(_events_report(r0["events"]))
     elif r0.get("fault_to_resumed_s") is not None:  # under torchrun: this attempt's own

@@ -324,6 +324,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
 
     start_step, resumed_from, fault_s = _maybe_resume(cfg, dims, model, stages, optimizers,
                                                       tracker)
+    saved_layout = _saved_layout(resumed_from)
     writer = None
     if cfg.save:
         from overlap.train.checkpoint import CheckpointWriter
@@ -359,6 +360,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
                 if printer and (resumed_from or attempt_number()):
                     _log(cfg, "resumed", step=start_step, checkpoint=resumed_from,
                          attempt=attempt_number() + 1, layout=layout_dict(cfg),
+                         checkpoint_layout=saved_layout,
                          fault_to_resumed_s=(resumed_at - fault_s) if fault_s else None)
             # --compare-*: the baseline's step runs next to this one, first on odd
             # steps, so load and warm caches affect both alike.
@@ -404,6 +406,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             "records_no_overlap": [dataclasses.asdict(r) for r in off_records],
             "trace": trace_path if prof is not None else None,
             "start_step": start_step, "resumed_from": resumed_from,
+            "checkpoint_layout": saved_layout,
             "fault_to_resumed_s": (resumed_at - fault_s) if fault_s and resumed_at else None,
             "saved": writer.saved if writer is not None else [], "stopped_to_grow": stop,
             "ep_pairs": len(job.pipe.pairs), **_cp_report(job.cp_comm),
@@ -546,6 +549,17 @@ def _layout_key(meta_or_cfg) -> tuple:
         if isinstance(meta_or_cfg, dict) else (lambda k: getattr(meta_or_cfg, k))
     return tuple(g(k) for k in ("tp", "cp", "pp", "dp", "schedule", "virtual_stages",
                                 "sharded_optimizer"))
+
+
+def _saved_layout(path: str | None) -> dict | None:
+    """The degrees and global batch of the run that wrote a checkpoint."""
+    if path is None:
+        return None
+    from overlap.train.checkpoint import read_meta
+
+    meta = read_meta(path)
+    return {k: meta.get(k, 1 if k == "cp" else None) for k in ("tp", "cp", "pp", "dp",
+                                                               "global_batch")}
 
 
 def _maybe_resume(cfg, dims, model, stages, optimizers, tracker):
