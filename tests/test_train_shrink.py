@@ -351,3 +351,23 @@ def test_no_layout_for_the_survivors_stops_with_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match=r"1 of 4 nodes are down: no layout of this job runs "
                                          r"on 6 ranks \(2 per node.*the planner: memory"):
         _next_layout(cfg)
+
+
+def test_the_node_of_a_rank_that_died_is_presumed_lost(tmp_path):
+    """A rank that exited without a result (however it was killed) takes its node down; ranks
+    that raised (their peer vanished) or were stopped by the launcher do not."""
+    from overlap.dist.launch import LaunchError, RankOutcome
+    from overlap.train.elastic import _mark_lost_nodes, _next_layout
+
+    cfg = _cfg("--tp", "2", "--pp", "2", "--dp", "2", "--save", str(tmp_path),
+               "--max-restarts", "1", "--ranks-per-node", "2", "--min-nodes", "2")
+    status = {0: "error", 1: "error", 2: "aborted", 3: "aborted", 4: "aborted", 5: "died",
+              6: "error", 7: "aborted"}
+    exc = LaunchError("x", [RankOutcome(rank=r, status=s) for r, s in status.items()])
+    _mark_lost_nodes(cfg, exc, 1)
+    assert nodes_down(str(tmp_path)) == 1
+    assert os.listdir(tmp_path / ".nodes") == ["down_a1_n2"]  # rank 5 is on node 2
+    nxt, down, _ = _next_layout(cfg)
+    assert down == 1 and nxt == choose_layout(cfg, 6, ranks_per_node=2).cfg
+    os.unlink(tmp_path / ".nodes" / "down_a1_n2")  # the node passed its health check again
+    assert _next_layout(cfg)[0] is cfg

@@ -153,9 +153,8 @@ class TrainConfig:
     # fault injection for the restart test: rank R kills itself with SIGKILL at step S, once
     kill_rank: int = _field(-1, "test only", hidden=True)
     kill_at_step: int = _field(-1, "test only", hidden=True)
-    # ... or every rank of emulated node N dies, and the node stays down this long (inf: for good)
+    # ... or every rank of emulated node N (--ranks-per-node) does
     kill_node: int = _field(-1, "test only", hidden=True)
-    node_down_s: float = _field(math.inf, "test only", hidden=True)
 
     @property
     def world_size(self) -> int:

@@ -5,11 +5,12 @@ or raises, the launcher tears every rank down (survivors get ``grace`` seconds, 
 every ``/dev/shm`` segment of the job is unlinked), so no communicator of the old layout
 survives. Up to ``--max-restarts`` times it starts again as attempt k
 (``OVERLAP_RESTART_ATTEMPT=k``), each rank resuming from ``latest_checkpoint(--save)``: the
-newest complete ``step_<N>``. If emulated nodes stayed down and ``--min-nodes`` allows, the new
-attempt runs on the survivors with ``shrink.choose_layout``'s layout (resharded resume); with
-``--grow-back`` a watcher asks the shrunk job to stop at a checkpoint once the nodes return,
-and the full layout resumes from it. Each event goes to the output and ``--log-json``. Under
-torchrun, torchrun restarts the workers (``TORCHELASTIC_RESTART_COUNT``).
+newest complete ``step_<N>``. With ``--min-nodes``, the node of a rank that died is presumed
+lost (``shrink.nodes_down``) and, while enough remain, the next attempt runs on the survivors
+with ``shrink.choose_layout``'s layout (resharded resume); with ``--grow-back`` a watcher asks
+the shrunk job to stop at a checkpoint once the nodes return, and the full layout resumes from
+it. Each event goes to the output and ``--log-json``. Under torchrun, torchrun restarts the
+workers (``TORCHELASTIC_RESTART_COUNT``).
 """
 
 from __future__ import annotations
@@ -92,6 +93,16 @@ class _GrowWatch:
             os.unlink(self.path)
 
 
+def _mark_lost_nodes(cur: TrainConfig, exc: LaunchError, attempt: int) -> None:
+    """With --min-nodes, the node of every rank that died (exited without a result: SIGKILL,
+    a crash, the OOM killer) is presumed lost until its marker is removed."""
+    from overlap.train.shrink import mark_node_down
+
+    rpn = cur.ranks_per_node or cur.world_size
+    for node in sorted({o.rank // rpn for o in exc.outcomes if o.status == "died"}):
+        mark_node_down(cur.save, f"a{attempt}_n{node}")
+
+
 def _next_layout(full: TrainConfig) -> tuple[TrainConfig, int, str]:
     """The configuration of the next attempt after a fault: the full layout when every node
     is up, a planner-chosen one on the survivors when --min-nodes allows, else SystemExit.
@@ -156,6 +167,8 @@ def run(cfg: TrainConfig) -> list[dict]:
             launches += 1
             cause = root_cause(exc).splitlines()[0]
             _say(f"attempt {launches} failed after {time.monotonic() - t0:.1f}s: {cause}")
+            if full.min_nodes:
+                _mark_lost_nodes(cur, exc, launches)
             nxt, down, why = _next_layout(full)
             latest = latest_checkpoint(cfg.save) if cfg.save else None
             start = (f"from {os.path.basename(latest)}" if latest else

@@ -32,7 +32,7 @@ from overlap.profile import nvtx
 from overlap.profile.timers import comm_wait, exposed_seconds, reset_exposed
 from overlap.train.config import VOCAB_SIZE, TrainConfig
 from overlap.train.data import Batches, load_tokens
-from overlap.train.shrink import layout_dict, mark_node_down
+from overlap.train.shrink import layout_dict
 
 __all__ = ["train_rank", "tp_comm_for", "reference_losses", "StepRecord", "model_config",
            "lr_at", "param_groups", "attempt_number"]
@@ -439,14 +439,12 @@ def _grad_dtype_option(cfg: TrainConfig) -> dict:
 
 def _maybe_die(cfg: TrainConfig) -> None:
     """Fault injection (hidden --kill-rank or --kill-node, with --kill-at-step): note the
-    time (and that the emulated node is down), then SIGKILL."""
+    time, then SIGKILL."""
     rank = dist.get_rank()
     rpn = cfg.ranks_per_node or cfg.world_size
     if cfg.kill_rank != rank and cfg.kill_node != rank // rpn:
         return
     if cfg.save:
-        if cfg.kill_node == rank // rpn and rank % rpn == 0:
-            mark_node_down(cfg.save, cfg.kill_node, cfg.node_down_s)
         with open(os.path.join(cfg.save, "fault_time"), "w") as f:
             f.write(repr(time.time()))
     os.kill(os.getpid(), signal.SIGKILL)

@@ -7,9 +7,10 @@ before a changed one; dp changed alone before tp, cp, pp or ep change; then the 
 time (``overlap.plan.search.rank_layouts`` with the device profile), among those that fit its
 memory. Pure and deterministic: every rank computes the same choice without communicating.
 
-A local job's nodes are groups of ``--ranks-per-node`` consecutive ranks. A lost node is a
-file ``<save>/.nodes/down_<k>`` holding the time it comes back (``inf``: never); the launcher
-reads them as a health check would (``nodes_down``).
+A local job's nodes are groups of ``--ranks-per-node`` consecutive ranks. With ``--min-nodes``
+the launcher presumes the node of a rank that died (exited without a result) lost and writes
+``<save>/.nodes/down_<id>``; the node counts as back once that file is removed (what a health
+check would report; ``nodes_down``).
 """
 
 from __future__ import annotations
@@ -157,8 +158,8 @@ def _nodes_dir(save: str) -> str:
     return os.path.join(save, ".nodes")
 
 
-def mark_node_down(save: str, node: int, seconds: float) -> None:
-    """Node ``node`` is down for ``seconds`` from now (inf: for good)."""
+def mark_node_down(save: str, node: str | int, seconds: float = math.inf) -> None:
+    """Node ``node`` is down for ``seconds`` from now (inf: until its marker is removed)."""
     os.makedirs(_nodes_dir(save), exist_ok=True)
     until = time.time() + seconds if math.isfinite(seconds) else math.inf
     path = os.path.join(_nodes_dir(save), f"down_{node}")
