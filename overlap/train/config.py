@@ -128,10 +128,11 @@ class TrainConfig:
     ranks_per_node: int = _field(0, "ranks that share a node (a local job emulates nodes: "
                                     "ranks k*N..k*N+N-1 are node k); tp must fit in one; 0: "
                                     "LOCAL_WORLD_SIZE under torchrun/srun, else one node")
-    min_nodes: int = _field(0, "when nodes are lost for good, continue on the survivors while "
-                               "at least this many nodes remain: the planner picks their "
-                               "layout and the job resumes from the latest checkpoint, "
-                               "resharded (needs --save, --max-restarts); 0: never shrink")
+    min_nodes: int = _field(0, "when a rank dies, presume its node lost and continue on the "
+                               "surviving nodes while at least this many remain: the planner "
+                               "picks their layout and the job resumes from the latest "
+                               "checkpoint, resharded (needs --save, --max-restarts); 0: "
+                               "restart on the same layout only")
     grow_back: bool = _field(False, "after a shrink, return to the full layout when the lost "
                                     "nodes come back (the job stops at a fresh checkpoint and "
                                     "resumes on every node)")
