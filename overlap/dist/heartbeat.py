@@ -5,7 +5,7 @@ process group's timeout (gloo and NCCL alike), and torchrun restarts nothing unt
 ``Heartbeat`` runs a thread per rank that bumps a counter in the job's store every
 ``interval`` s and reads the counters of the ranks it watches (the next rank, and the same local
 rank on the next node). A watched counter that stops moving for ``timeout`` s, or a store that
-stops answering, means a lost node: the rank publishes ``abort`` (the reason) and exits, and
+stops answering for as long, means a lost node: the rank publishes ``abort`` (the reason) and exits, and
 every other rank reads ``abort`` within ``interval`` and exits too, so the launcher restarts
 all of them (and the job shrinks, ``overlap.train.shrink``). A rank that finishes says so first
 (``bye``), so an early finisher is not taken for a lost one. O(1) store operations per rank
@@ -79,12 +79,20 @@ class Heartbeat:
 
     def _run(self) -> None:
         seen = {r: (-1, time.monotonic()) for r in self.watch}
+        failing_since = None
         while not self._stop.wait(self.interval):
             try:
                 reason = self._beat(seen)
-            except Exception as exc:  # noqa: BLE001 - an unreachable store is a lost node
-                reason = (f"{self.label}: rank {self.rank}: the job's store stopped answering "
-                          f"({type(exc).__name__}: {exc}); its host is lost")
+                failing_since = None
+            except Exception as exc:  # noqa: BLE001 - an unreachable store is a lost host
+                # ... once it stays unreachable for the timeout: the rank hosting it may just
+                # have finished first, and this rank is about to.
+                now = time.monotonic()
+                failing_since = failing_since or now
+                reason = (None if now - failing_since <= self.timeout else
+                          f"{self.label}: rank {self.rank}: the job's store stopped answering "
+                          f"for {now - failing_since:.0f} s ({type(exc).__name__}: {exc}); "
+                          "its host is lost")
             if reason is not None and not self._stop.is_set():
                 self.on_lost(reason)
                 return
