@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 
+from overlap.train.shrink import describe_layout
+
 CASES = ("restart", "shrink", "grow")
 JOB = ["--steps", "14", "--save-every", "2", "--max-restarts", "1", "--ranks-per-node", "2",
        "--min-nodes", "1", "--kill-at-step", "5"]
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     first = rounds[0]
     what = {"restart": "rank 3 killed; same layout, 8 ranks",
             "shrink": "node 1 (ranks 2-3) lost for good; "
-                      f"{_name(first['shrink']['layouts'][0])} chosen by the planner",
+                      f"{describe_layout(first['shrink']['layouts'][0])} chosen by the planner",
             "grow": "node 1 back while the shrunk job runs; back to 8 ranks at a fresh "
                     "checkpoint (time from the node's return)"}
     lines = [f"# Fault to resumed training (`python -m bench.bench_elastic "
@@ -118,11 +120,6 @@ def main(argv: list[str] | None = None) -> int:
     with open(a.out + ".json", "w") as f:
         json.dump({"job": JOB, "rounds": rounds}, f, indent=1)
     return 0
-
-
-def _name(d: dict) -> str:
-    return f"tp{d['tp']} x pp{d['pp']} x dp{d['dp']} ({d['ranks']} ranks, " \
-           f"{d['micro_batches']} micro-batches of {d['micro_batch_size']})"
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@ process group's timeout (gloo and NCCL alike), and torchrun restarts nothing unt
 ``Heartbeat`` runs a thread per rank that bumps a counter in the job's store every
 ``interval`` s and reads the counters of the ranks it watches (the next rank, and the same local
 rank on the next node). A watched counter that stops moving for ``timeout`` s, or a store that
-stops answering for as long, means a lost node: the rank publishes ``abort`` (the reason) and exits, and
-every other rank reads ``abort`` within ``interval`` and exits too, so the launcher restarts
-all of them (and the job shrinks, ``overlap.train.shrink``). A rank that finishes says so first
+stops answering for as long, means a lost node: the rank publishes ``abort`` (the reason) and
+exits, and every other rank reads ``abort`` within ``interval`` and exits too, so the launcher
+restarts all of them (and the job shrinks, ``overlap.train.shrink``). A rank that finishes says so first
 (``bye``), so an early finisher is not taken for a lost one. O(1) store operations per rank
 per interval; the counters are read with ``add(key, 0)``, which never blocks. ``fault_file``
 receives the time the lost peer was last seen alive.
@@ -21,7 +21,9 @@ import threading
 import time
 from typing import Callable
 
-__all__ = ["Heartbeat", "watched_ranks"]
+__all__ = ["Heartbeat", "watched_ranks", "INTERVAL_S"]
+
+INTERVAL_S = 1.0  # between a rank's beats (and its reads of the watched ranks)
 
 
 def watched_ranks(rank: int, world: int, ranks_per_node: int) -> list[int]:
@@ -43,7 +45,8 @@ class Heartbeat:
     ``on_lost(reason)`` defaults to printing the reason and exiting the process."""
 
     def __init__(self, store, rank: int, world: int, ranks_per_node: int, *, timeout: float,
-                 interval: float = 1.0, label: str = "overlap", fault_file: str | None = None,
+                 interval: float = INTERVAL_S, label: str = "overlap",
+                 fault_file: str | None = None,
                  on_lost: Callable[[str], None] = _exit):
         if timeout <= interval:
             raise ValueError(f"Heartbeat: timeout {timeout} s must exceed the interval "

@@ -8,6 +8,7 @@ gloo otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -46,8 +47,9 @@ def _run(cfg: TrainConfig) -> list[dict]:
         import torch.distributed as dist
 
         world = int(os.environ["WORLD_SIZE"])
+        rpn = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if world != cfg.world_size:
-            cfg = _membership_changed(cfg, world, launcher)
+            cfg = _membership_changed(cfg, world, rpn, launcher)
         from overlap.dist.envinit import init_from_env
 
         # the store keys of each torchrun attempt apart (a restart reuses the job's store)
@@ -56,15 +58,12 @@ def _run(cfg: TrainConfig) -> list[dict]:
         from overlap.dist.heartbeat import Heartbeat
         from overlap.train.loop import train_rank
 
-        rank, rpn = int(os.environ["RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        beat = (Heartbeat(store, int(os.environ["RANK"]), world, rpn,
+                          timeout=cfg.heartbeat_timeout, label="overlap-train",
+                          fault_file=os.path.join(cfg.save, "fault_time") if cfg.save else None)
+                if cfg.heartbeat_timeout > 0 else contextlib.nullcontext())
         try:
-            if cfg.heartbeat_timeout > 0:
-                with Heartbeat(store, rank, world, cfg.ranks_per_node or rpn,
-                               timeout=cfg.heartbeat_timeout, label="overlap-train",
-                               fault_file=(os.path.join(cfg.save, "fault_time") if cfg.save
-                                           else None)):
-                    result = train_rank(cfg)
-            else:
+            with beat:
                 result = train_rank(cfg)
         finally:
             dist.destroy_process_group()
@@ -75,11 +74,10 @@ def _run(cfg: TrainConfig) -> list[dict]:
     return elastic.run(cfg)
 
 
-def _membership_changed(cfg: TrainConfig, world: int, launcher: str) -> TrainConfig:
-    """torchrun --nnodes MIN:MAX restarted the workers on another number of ranks: with
-    --min-nodes, continue on a planner-chosen layout of them (every rank chooses the same);
-    without, refuse."""
-    rpn = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+def _membership_changed(cfg: TrainConfig, world: int, rpn: int, launcher: str) -> TrainConfig:
+    """torchrun --nnodes MIN:MAX restarted the workers on another number of ranks (``rpn`` per
+    node): with --min-nodes, continue on a planner-chosen layout of them (every rank chooses
+    the same); without, refuse."""
     if not cfg.min_nodes:
         raise SystemExit(f"overlap-train: error: {launcher} started {world} processes but "
                          f"tp*cp*pp*dp = {cfg.world_size} (pass --min-nodes N to continue "
@@ -109,12 +107,7 @@ def _membership_changed(cfg: TrainConfig, world: int, launcher: str) -> TrainCon
 
 def _events_report(events: list[dict]) -> str:
     """One line per fault or layout change of the job."""
-    from overlap.train.shrink import layout_name
-    from overlap.train.config import TrainConfig as _C
-
-    def name(d: dict) -> str:
-        return layout_name(_C(**{k: d[k] for k in ("tp", "cp", "pp", "dp", "ep",
-                                                   "micro_batches", "micro_batch_size")}))
+    from overlap.train.shrink import describe_layout as name
 
     lines = []
     for e in events:

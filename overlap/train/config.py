@@ -162,6 +162,11 @@ class TrainConfig:
         return self.tp * self.cp * self.pp * self.dp
 
     @property
+    def node_size(self) -> int:
+        """Ranks per node: --ranks-per-node, or the whole job as one node."""
+        return self.ranks_per_node or self.world_size
+
+    @property
     def num_stages(self) -> int:
         return self.pp * (self.virtual_stages if self.schedule == "interleaved" else 1)
 
@@ -186,9 +191,11 @@ class TrainConfig:
         _check_number("bucket_mb", self.bucket_mb, low=0.0)
         _check_number("timeout", self.timeout, low=0.0, low_open=True)
         _check_number("heartbeat_timeout", self.heartbeat_timeout, low=0.0)
-        if 0 < self.heartbeat_timeout <= 1.0:
+        from overlap.dist.heartbeat import INTERVAL_S
+
+        if 0 < self.heartbeat_timeout <= INTERVAL_S:
             raise ConfigError(f"--heartbeat-timeout {self.heartbeat_timeout} must exceed the "
-                              "1 s heartbeat interval (or be 0: off)")
+                              f"{INTERVAL_S:g} s heartbeat interval (or be 0: off)")
         _check_number("check_tolerance", self.check_tolerance, low=0.0, low_open=True)
         self._validate_moe()
         rpn = self.ranks_per_node
@@ -359,9 +366,7 @@ class TrainConfig:
             raise ConfigError(f"--max-restarts {self.max_restarts} needs --save DIR: a restart "
                               "continues from the latest checkpoint written there")
 
-
     def _validate_elastic(self) -> None:
-        rpn = self.ranks_per_node
         if self.min_nodes or self.grow_back:
             flag = f"--min-nodes {self.min_nodes}" if self.min_nodes else "--grow-back"
             if not self.min_nodes:
@@ -371,10 +376,10 @@ class TrainConfig:
             if self.save is None or not (self.max_restarts or torchrun):
                 raise ConfigError(f"{flag} continues from the latest checkpoint after a lost "
                                   "node: it needs --save DIR and --max-restarts K >= 1")
-            nodes = self.world_size // rpn if rpn else 1
+            nodes = self.world_size // self.node_size
             if self.min_nodes >= nodes and not os.environ.get("LOCAL_WORLD_SIZE"):
                 raise ConfigError(f"{flag}: the job has {nodes} node(s) of "
-                                  f"{rpn or self.world_size} ranks (--ranks-per-node), so "
+                                  f"{self.node_size} ranks (--ranks-per-node), so "
                                   "losing one always leaves fewer than --min-nodes; pass "
                                   "--ranks-per-node and a smaller --min-nodes")
             from overlap.train.shrink import load_profile

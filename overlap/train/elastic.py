@@ -98,8 +98,7 @@ def _mark_lost_nodes(cur: TrainConfig, exc: LaunchError, attempt: int) -> None:
     a crash, the OOM killer) is presumed lost until its marker is removed."""
     from overlap.train.shrink import mark_node_down
 
-    rpn = cur.ranks_per_node or cur.world_size
-    for node in sorted({o.rank // rpn for o in exc.outcomes if o.status == "died"}):
+    for node in sorted({o.rank // cur.node_size for o in exc.outcomes if o.status == "died"}):
         mark_node_down(cur.save, f"a{attempt}_n{node}")
 
 
@@ -109,7 +108,7 @@ def _next_layout(full: TrainConfig) -> tuple[TrainConfig, int, str]:
     Returns (config, nodes down, why)."""
     from overlap.train.shrink import choose_layout, nodes_down
 
-    rpn = full.ranks_per_node or full.world_size
+    rpn = full.node_size
     nodes = full.world_size // rpn
     down = nodes_down(full.save)
     if not down:

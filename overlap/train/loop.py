@@ -32,6 +32,7 @@ from overlap.profile import nvtx
 from overlap.profile.timers import comm_wait, exposed_seconds, reset_exposed
 from overlap.train.config import VOCAB_SIZE, TrainConfig
 from overlap.train.data import Batches, load_tokens
+from overlap.train.elastic import log_event
 from overlap.train.shrink import layout_dict
 
 __all__ = ["train_rank", "tp_comm_for", "reference_losses", "StepRecord", "model_config",
@@ -322,9 +323,8 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
            _build(cfg, dims, device, dtype, ep_pairs=False) if cfg.compare_ep_overlap else None)
     model, tracker, stages, optimizers = job.model, job.tracker, job.stages, job.optimizers
 
-    start_step, resumed_from, fault_s = _maybe_resume(cfg, dims, model, stages, optimizers,
-                                                      tracker)
-    saved_layout = _saved_layout(resumed_from)
+    start_step, resumed_from, fault_s, saved_layout = _maybe_resume(cfg, dims, model, stages,
+                                                                    optimizers, tracker)
     writer = None
     if cfg.save:
         from overlap.train.checkpoint import CheckpointWriter
@@ -343,6 +343,8 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     resumed_at = None
     grow_path = os.environ.get("OVERLAP_GROW_REQUEST")
     stop = False
+    logging = printer and cfg.log_json is not None
+    layout = layout_dict(cfg)
     try:
         for step in range(start_step, cfg.steps):
             if step == cfg.kill_at_step and attempt_number() == 0:
@@ -357,11 +359,11 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             lr = lr_at(cfg, step)
             if resumed_at is None:
                 resumed_at = time.time()
-                if printer and (resumed_from or attempt_number()):
-                    _log(cfg, "resumed", step=start_step, checkpoint=resumed_from,
-                         attempt=attempt_number() + 1, layout=layout_dict(cfg),
-                         checkpoint_layout=saved_layout,
-                         fault_to_resumed_s=(resumed_at - fault_s) if fault_s else None)
+                if logging and (resumed_from or attempt_number()):
+                    log_event(cfg, "resumed", step=start_step, checkpoint=resumed_from,
+                              attempt=attempt_number() + 1, layout=layout,
+                              checkpoint_layout=saved_layout,
+                              fault_to_resumed_s=(resumed_at - fault_s) if fault_s else None)
             # --compare-*: the baseline's step runs next to this one, first on odd
             # steps, so load and warm caches affect both alike.
             if off is not None and step % 2:
@@ -372,7 +374,8 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             records.append(rec)
             if printer:
                 print(_row(rec, cfg.steps), flush=True)
-                _log(cfg, "step", layout=layout_dict(cfg), **dataclasses.asdict(rec))
+            if logging:
+                log_event(cfg, "step", layout=layout, **dataclasses.asdict(rec))
             done = step + 1
             stop = grow_path is not None and done < cfg.steps and _grow_requested(grow_path,
                                                                                   device)
@@ -441,8 +444,7 @@ def _maybe_die(cfg: TrainConfig) -> None:
     """Fault injection (hidden --kill-rank or --kill-node, with --kill-at-step): note the
     time, then SIGKILL."""
     rank = dist.get_rank()
-    rpn = cfg.ranks_per_node or cfg.world_size
-    if cfg.kill_rank != rank and cfg.kill_node != rank // rpn:
+    if cfg.kill_rank != rank and cfg.kill_node != rank // cfg.node_size:
         return
     if cfg.save:
         with open(os.path.join(cfg.save, "fault_time"), "w") as f:
@@ -456,12 +458,6 @@ def _grow_requested(path: str, device: torch.device) -> bool:
     with comm_wait("train.grow"):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
-
-
-def _log(cfg: TrainConfig, event: str, **fields) -> None:
-    from overlap.train.elastic import log_event
-
-    log_event(cfg, event, **fields)
 
 
 def _tp_replicated(model, reducers) -> list[list[bool]]:
@@ -549,20 +545,16 @@ def _layout_key(meta_or_cfg) -> tuple:
                                 "sharded_optimizer"))
 
 
-def _saved_layout(path: str | None) -> dict | None:
-    """The degrees and global batch of the run that wrote a checkpoint."""
-    if path is None:
-        return None
-    from overlap.train.checkpoint import read_meta
-
-    meta = read_meta(path)
+def _saved_layout(meta: dict) -> dict:
+    """The degrees and global batch of the run that wrote a checkpoint (its meta)."""
     return {k: meta.get(k, 1 if k == "cp" else None) for k in ("tp", "cp", "pp", "dp",
                                                                "global_batch")}
 
 
 def _maybe_resume(cfg, dims, model, stages, optimizers, tracker):
     """Load the checkpoint to continue from, if any: after a restart the latest complete one
-    under --save, else --resume. Returns (first step, path or None, fault time or None)."""
+    under --save, else --resume. Returns (first step, path or None, fault time or None, the
+    writer's layout or None)."""
     from overlap.train.checkpoint import latest_checkpoint, load, read_meta
 
     path, fault_s = None, None
@@ -576,7 +568,7 @@ def _maybe_resume(cfg, dims, model, stages, optimizers, tracker):
     if path is None and cfg.resume:
         path = latest_checkpoint(cfg.resume)
     if path is None:  # a fault before the first checkpoint was complete: start over
-        return 0, None, fault_s
+        return 0, None, fault_s, None
     meta = read_meta(path)
     state = _checkpoint_state(cfg, model, stages, optimizers)
     same = _layout_key(meta) == _layout_key(cfg)
@@ -610,7 +602,7 @@ def _maybe_resume(cfg, dims, model, stages, optimizers, tracker):
               f"{meta.get('global_batch')} sequences, this run's "
               f"{cfg.dp * cfg.micro_batches * cfg.micro_batch_size}: the data order differs "
               "from the original run", flush=True)
-    return int(meta["step"]), path, fault_s
+    return int(meta["step"]), path, fault_s, _saved_layout(meta)
 
 
 def _profiler(cfg: TrainConfig, dims) -> tuple[Any, str | None]:

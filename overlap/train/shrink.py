@@ -22,8 +22,8 @@ import time
 
 from overlap.train.config import ConfigError, TrainConfig
 
-__all__ = ["Choice", "choose_layout", "layout_name", "layout_dict", "load_profile",
-           "mark_node_down", "nodes_down"]
+__all__ = ["Choice", "choose_layout", "layout_name", "describe_layout", "layout_dict",
+           "load_profile", "mark_node_down", "nodes_down"]
 
 _DEGREES = ("tp", "cp", "pp", "ep")
 
@@ -59,12 +59,17 @@ def layout_dict(cfg: TrainConfig) -> dict:
 
 
 def layout_name(cfg: TrainConfig) -> str:
-    degrees = " x ".join(f"{k}{getattr(cfg, k)}" for k in ("tp", "cp", "pp", "dp")
-                         if k in ("tp", "pp", "dp") or getattr(cfg, k) > 1)
-    ep = f" ep{cfg.ep}" if cfg.ep > 1 else ""
-    ranks = f"{cfg.world_size} rank{'s' if cfg.world_size > 1 else ''}"
-    return (f"{degrees}{ep} ({ranks}, {cfg.micro_batches} micro-batches of "
-            f"{cfg.micro_batch_size})")
+    return describe_layout(layout_dict(cfg))
+
+
+def describe_layout(d: dict) -> str:
+    """``layout_dict``'s dict in words: "tp2 x pp2 x dp2 (8 ranks, 4 micro-batches of 4)"."""
+    degrees = " x ".join(f"{k}{d[k]}" for k in ("tp", "cp", "pp", "dp")
+                         if k != "cp" or d[k] > 1)
+    ep = f" ep{d['ep']}" if d["ep"] > 1 else ""
+    ranks = f"{d['ranks']} rank{'s' if d['ranks'] > 1 else ''}"
+    return f"{degrees}{ep} ({ranks}, {d['micro_batches']} micro-batches of " \
+           f"{d['micro_batch_size']})"
 
 
 def _divisors(n: int) -> list[int]:
@@ -83,6 +88,14 @@ def _batch_splits(cfg: TrainConfig, dp: int) -> list[tuple[int, int]]:
     return [(max(1, g // (dp * cfg.micro_batch_size)), cfg.micro_batch_size)]
 
 
+def _layout_only(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` without what ``validate`` checks apart from the layout: the elastic flags (the
+    job is already elastic) and the files (data, checkpoints), which the job's own validation
+    read once and which no layout changes."""
+    return dataclasses.replace(cfg, min_nodes=0, grow_back=False, data=None, save=None,
+                               resume=None, export=None, max_restarts=0)
+
+
 def _candidates(cfg: TrainConfig, world: int, rpn: int) -> tuple[list[TrainConfig], list[str]]:
     """Every runnable configuration on ``world`` ranks (first valid batch split per layout),
     and why the others cannot run."""
@@ -99,8 +112,8 @@ def _candidates(cfg: TrainConfig, world: int, rpn: int) -> tuple[list[TrainConfi
                         new = dataclasses.replace(
                             cfg, tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, micro_batches=mb,
                             micro_batch_size=mbs, ranks_per_node=rpn)
-                        try:  # the layout, not the elastic flags (the job is already elastic)
-                            dataclasses.replace(new, min_nodes=0, grow_back=False).validate()
+                        try:
+                            _layout_only(new).validate()
                         except ConfigError as exc:
                             why = str(exc)
                             continue
@@ -130,11 +143,10 @@ def choose_layout(cfg: TrainConfig, world_size: int, *, ranks_per_node: int,
         if not result.ranked:
             refused.append(f"the planner: {result.rejected[0][1]}")
             continue
-        ranked = result.ranked
+        t = result.ranked[0].step_time_s
         batch_kept = global_batch(new) == global_batch(cfg)
         mp_changed = any(getattr(new, k) != getattr(cfg, k) for k in _DEGREES)
-        scored.append(((not batch_kept, mp_changed, ranked[0].step_time_s, new.tp, new.pp),
-                       new, ranked[0].step_time_s, batch_kept))
+        scored.append(((not batch_kept, mp_changed, t, new.tp, new.pp), new, t, batch_kept))
     if not scored:
         seen = sorted(set(refused), key=lambda w: (not w.startswith("the planner"), w))
         raise ConfigError(f"no layout of this job runs on {world_size} ranks ({rpn} per node, "
