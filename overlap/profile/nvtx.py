@@ -21,7 +21,7 @@ import torch.autograd.profiler as _autograd_profiler
 
 from overlap.profile import names
 
-__all__ = ["range", "step", "enabled"]
+__all__ = ["range", "step", "enabled", "recording"]
 
 _ENABLED = os.environ.get("OVERLAP_NVTX", "1") != "0"
 _CUDA: bool | None = None
@@ -31,6 +31,11 @@ def enabled() -> bool:
     return _ENABLED
 
 
+def recording() -> bool:
+    """Whether a range would record anything now (a torch.profiler runs, or CUDA's NVTX)."""
+    return _autograd_profiler._is_profiler_enabled or _cuda()
+
+
 def _cuda() -> bool:
     global _CUDA
     if _CUDA is None:
@@ -38,19 +43,24 @@ def _cuda() -> bool:
     return _CUDA
 
 
-@contextlib.contextmanager
-def range(name: str, *, required: bool = False) -> Iterator[None]:  # noqa: A001
+_NULL = contextlib.nullcontext()
+
+
+def range(name: str, *, required: bool = False  # noqa: A001
+          ) -> contextlib.AbstractContextManager[None]:
     """Mark the enclosed host code as ``name`` in torch.profiler traces and, on CUDA, in NVTX
-    (the name mirrors torch.cuda.nvtx.range)."""
-    if not (_ENABLED or required):
-        yield
-        return
+    (the name mirrors torch.cuda.nvtx.range). When nothing would record it, a shared no-op
+    context: ranges sit on every op's hot path."""
+    if not (_ENABLED or required) or not recording():
+        return _NULL
+    return _recorded(name)
+
+
+@contextlib.contextmanager
+def _recorded(name: str) -> Iterator[None]:
     # record_function costs ~6 us even when no torch.profiler runs (it would record nowhere):
     # only when one does (a process-wide flag, so every thread's ranges are kept).
     traced = _autograd_profiler._is_profiler_enabled
-    if not traced and not _cuda():
-        yield
-        return
     with torch.profiler.record_function(name) if traced else contextlib.nullcontext():
         if _cuda():
             torch.cuda.nvtx.range_push(name)

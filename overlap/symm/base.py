@@ -82,7 +82,21 @@ class SymmetricWorkspace(abc.ABC):
         return self.buffer(self.rank)
 
     def view(self, r: int, dtype: torch.dtype, shape: Sequence[int], offset: int = 0) -> torch.Tensor:
-        """A typed view of rank r's buffer at byte ``offset``; bounds and alignment checked."""
+        """A typed view of rank r's buffer at byte ``offset``; bounds and alignment checked.
+        Made once per (r, dtype, shape, offset) and reused (an op asks for the same views on
+        every call); ``close`` drops them before the memory goes."""
+        key = (r, dtype, *shape, offset)
+        views = self.__dict__.setdefault("_views", {})
+        view = views.get(key)
+        if view is None:
+            view = views[key] = self._make_view(r, dtype, shape, offset)
+        return view
+
+    def _forget_views(self) -> None:
+        self.__dict__.pop("_views", None)
+
+    def _make_view(self, r: int, dtype: torch.dtype, shape: Sequence[int], offset: int
+                   ) -> torch.Tensor:
         self._check_rank("view", r)
         itemsize = dtype.itemsize
         numel = 1

@@ -259,6 +259,7 @@ class CudaWorkspace(SymmetricWorkspace):
                 except (PeerDied, SignalTimeout):
                     pass
         self._closed = True
+        self._forget_views()
         torch.cuda.synchronize(self.device)
         self._whole, self._data = [], []
         self._handle = None

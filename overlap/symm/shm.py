@@ -323,6 +323,7 @@ class ShmWorkspace(SymmetricWorkspace):
             # Freed memory may be reused at once on a GPU: the twin makes that visible.
             self._data[self.rank].fill_(POISON)
         self._closed = True
+        self._forget_views()
         self._unlink_own()
         self._data, self._whole, self._base = [], [], []
         own = getattr(self, "_maps_own", None)

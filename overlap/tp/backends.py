@@ -39,6 +39,8 @@ class Backend:
 
     name = "?"
 
+    has_workspace = False  # whether ``workspace`` can return anything but None
+
     def workspace(self, op: str, rows: int, k: int, n: int, world: int,
                   dtype: torch.dtype, chunks: int = 0) -> tuple[int, int] | None:
         """(bytes per rank, signals) for an op whose input has ``rows`` rows (the shard's m for
@@ -83,6 +85,7 @@ class ChunkedBackend(Backend):
 
 class SymmetricBackend(Backend):
     name = "symmetric"
+    has_workspace = True
 
     def workspace(self, op, rows, k, n, world, dtype, chunks=0):
         if world == 1 or chunks == 1:  # one piece: the chunked backend's whole collective
@@ -150,6 +153,7 @@ class TritonBackend(Backend):
     GEMM runs after the kernel call (on a GPU both go to the current stream)."""
 
     name = "triton"
+    has_workspace = True
 
     @staticmethod
     def _kernels():
@@ -233,8 +237,15 @@ def backend_for(comm) -> Backend:
 def context_for(comm, backend: Backend, op: str, x: torch.Tensor, w: torch.Tensor,
                 chunks: int) -> TPContext | None:
     """The comm's workspace context for this op, shape and piece count (None when the
-    backend needs no workspace for it)."""
+    backend needs no workspace for it). Sized once, when the context is made; later calls
+    find it by its key."""
+    if not backend.has_workspace:
+        return None
     rows, k, n = x.shape[0], x.shape[1], w.shape[1]
+    key = (op, backend.name, rows, k, n, x.dtype, x.device)
+    found = comm.find_context(key)
+    if found is not None and chunks != 1:
+        return found
     need = backend.workspace(op, rows, k, n, comm.world, x.dtype, chunks)
     if need is None:
         return None
@@ -243,7 +254,7 @@ def context_for(comm, backend: Backend, op: str, x: torch.Tensor, w: torch.Tenso
         return TPContext(op=op, backend=backend.name, group=comm.group, nbytes=need[0],
                          num_signals=need[1], device=x.device, timeout=comm.timeout)
 
-    return comm.context((op, backend.name, rows, k, n, x.dtype, x.device), create)
+    return comm.context(key, create)
 
 
 def gather(comm, x_shard: torch.Tensor) -> torch.Tensor:

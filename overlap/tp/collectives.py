@@ -68,7 +68,8 @@ def all_gather_dim(x: torch.Tensor, dim: int, *, group, sizes: list[int] | None 
     if tp == 1:
         return x
     dim = dim % x.dim()
-    x = x.movedim(dim, 0)
+    if dim:
+        x = x.movedim(dim, 0)
     pad = 0 if sizes is None else max(sizes) - x.shape[0]
     if pad:
         x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
@@ -79,7 +80,7 @@ def all_gather_dim(x: torch.Tensor, dim: int, *, group, sizes: list[int] | None 
     if sizes is not None:
         rows = out.shape[0] // tp
         out = torch.cat([out[r * rows: r * rows + s] for r, s in enumerate(sizes)])
-    return out.movedim(0, dim)
+    return out.movedim(0, dim) if dim else out
 
 
 def reduce_scatter_dim(x: torch.Tensor, dim: int, *, group, op: str = "reduce_scatter",
@@ -89,8 +90,8 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, *, group, op: str = "reduce_sc
     if tp == 1:
         return x
     dim = dim % x.dim()
-    x = x.movedim(dim, 0).contiguous()
+    x = (x.movedim(dim, 0) if dim else x).contiguous()
     out = x.new_empty((x.shape[0] // tp, *x.shape[1:]))
     wait(reduce_scatter_single(out, x, group=group, async_op=True), op=op, group=group,
          timeout=timeout)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim) if dim else out

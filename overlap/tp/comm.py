@@ -36,6 +36,7 @@ __all__ = ["TPComm", "TPCommFailed", "BACKENDS", "DEFAULT_TIMEOUT", "MAX_CONTEXT
 BACKENDS = ("auto", "chunked", "symmetric", "triton", "unfused")
 DEFAULT_TIMEOUT = TIMEOUT_S  # overlap.defaults
 MAX_CONTEXTS = 16
+MAX_SIGNATURES = 1024  # validated call signatures remembered (then forgotten and re-checked)
 
 
 class TPCommFailed(RuntimeError):
@@ -84,6 +85,9 @@ class TPComm(OpaqueBase):
         self.closed = False
         self._failed: BaseException | None = None
         self._contexts: collections.OrderedDict[tuple, object] = collections.OrderedDict()
+        # Signatures (op, shapes, dtypes, devices, chunks) whose local checks passed: they are
+        # a function of the signature alone, so a call repeats them only for a new one.
+        self.validated: set[tuple] = set()
         self.agree: Agreement | None = None
         self.header: stamps.HeaderBlock | None = None
         if self.world > 1:
@@ -168,6 +172,11 @@ class TPComm(OpaqueBase):
             return self.auto.begin(op, x, w)
         return (self.world if self.chunks == AUTO else self.chunks), None, None
 
+    def remember_valid(self, key: tuple) -> None:
+        if len(self.validated) >= MAX_SIGNATURES:
+            self.validated.clear()
+        self.validated.add(key)
+
     def first_call(self) -> bool:
         """True before the first op call: the one call every rank reaches in the same state,
         so the full cross-rank check may run there without desynchronising the ranks."""
@@ -179,6 +188,9 @@ class TPComm(OpaqueBase):
         peer's in ``settle`` (the chunked backend compares in its first hop). ``timeout``:
         an explicit context's, which bounds the whole call."""
         if self.agree is None:
+            return
+        if self.backend == "unfused":  # carries no stamps (docs/reliability.md): count only
+            self.agree.calls += 1
             return
         self.agree.next(op, key=(op, x.shape, None if w is None else w.shape, x.dtype, chunks,
                                  flags),
@@ -194,11 +206,18 @@ class TPComm(OpaqueBase):
         if self.header is not None:
             self.header.settle()
 
-    def context(self, key: tuple, create):
-        """The workspace context for ``key``, created (collectively) by ``create()`` once."""
+    def find_context(self, key: tuple):
+        """The open workspace context for ``key``, or None (nothing collective)."""
         context = self._contexts.get(key)
         if context is not None and not context.closed:
             self._contexts.move_to_end(key)
+            return context
+        return None
+
+    def context(self, key: tuple, create):
+        """The workspace context for ``key``, created (collectively) by ``create()`` once."""
+        context = self.find_context(key)
+        if context is not None:
             return context
         self.settle()  # creating is collective: a peer on another path must be named first
         context = create()

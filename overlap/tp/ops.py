@@ -29,43 +29,57 @@ __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "c
            "define_op"]
 
 
-class _Run:
-    """One call's communicator, backend and chunks (0 until the stamped call picks them:
-    the call's own, the communicator's, or its ``"auto"`` race's; overlap.tp.autochunk)."""
+def _run(op: str, comm: TPComm, body, x: torch.Tensor | None = None,
+         w: torch.Tensor | None = None, chunks: int = 0, flags: int = 0, *,
+         start: tuple | None = None):
+    """Run ``body(backend, context, chunks)``; any error fails the communicator (peers blocked
+    on us raise now). With ``x`` (the backend's 2-D input) and ``w`` the call picks its chunks
+    (the call's own, the communicator's, or its ``"auto"`` race's; overlap.tp.autochunk) and
+    is counted and stamped first (overlap.tp.stamps), so ranks that disagree on it raise
+    before anything else. ``start`` = (check, x_shape, flags): a forward call, validated
+    (once per signature: the local checks are a function of it) and, on the communicator's
+    first call, compared across ranks by name."""
+    if comm.closed or comm.failed is not None:
+        comm.ensure_usable(op)
+    try:
+        if start is not None:
+            _validate(op, comm, x, w, chunks, *start)
+        race = timer = context = None
+        backend = backends.backend_for(comm)
+        if x is not None:
+            if w is not None:
+                chunks, race, timer = comm.pick_chunks(op, chunks, x, w)
+            comm.stamp(op, x, w, chunks, flags)
+            if w is not None:  # after the stamp: creating one settles it first (collective)
+                context = backends.context_for(comm, backend, op, x, w, chunks)
+        out = body(backend, context, chunks)
+        comm.settle()  # a no-op once the backend has settled (before poisoning)
+        if race is not None:
+            comm.auto.finish(race, chunks, timer)
+        return out
+    except TPCommFailed:
+        raise
+    except BaseException as exc:
+        _name_the_op(exc, op, comm)
+        comm.fail(exc)
+        raise
 
-    __slots__ = ("comm", "backend", "requested", "chunks")
 
-    def __init__(self, comm: TPComm, chunks: int):
-        self.comm, self.requested, self.chunks = comm, chunks, chunks
-        self.backend = backends.backend_for(comm)
-
-    def context_for(self, op: str, x: torch.Tensor, w: torch.Tensor):
-        return backends.context_for(self.comm, self.backend, op, x, w, self.chunks)
-
-    def guarded(self, op: str, fn, x: torch.Tensor | None = None, w: torch.Tensor | None = None,
-                flags: int = 0):
-        """Run ``fn``; any error fails the communicator (peers blocked on us raise now).
-        With ``x`` (the backend's 2-D input) and ``w`` the call picks its chunks and is
-        counted and stamped first (overlap.tp.stamps), so ranks that disagree on it raise
-        before anything else."""
-        self.comm.ensure_usable(op)
-        try:
-            race = timer = None
-            if x is not None:
-                if w is not None:
-                    self.chunks, race, timer = self.comm.pick_chunks(op, self.requested, x, w)
-                self.comm.stamp(op, x, w, self.chunks, flags)
-            out = fn()
-            self.comm.settle()  # a no-op once the backend has settled (before poisoning)
-            if race is not None:
-                self.comm.auto.finish(race, self.chunks, timer)
-            return out
-        except TPCommFailed:
-            raise
-        except BaseException as exc:
-            _name_the_op(exc, op, self.comm)
-            self.comm.fail(exc)
-            raise
+def _validate(op: str, comm: TPComm, x2: torch.Tensor, w: torch.Tensor, chunks: int,
+              check: bool, x_shape: list[int], flags: int) -> None:
+    """The local checks of a forward call (its original shape ``x_shape``, sequence-first),
+    run once per signature; the named all-gather on the communicator's first call only: every
+    rank reaches it alike, so no rank runs a collective its peers skip. Stamps compare every
+    call after it."""
+    key = (op, *x_shape, w.shape, x2.dtype, w.dtype, x2.device, w.device, chunks)
+    if key not in comm.validated:
+        xs = x2.view(x_shape)
+        validate(op, xs, w, group=comm.group, backend=comm.backend, chunks=chunks or None)
+        comm.remember_valid(key)
+    if check and comm.world > 1 and comm.first_call():
+        xs = x2.view(x_shape)
+        check_across_ranks(op, signature(op, comm.backend, xs, w, chunks or None, flags),
+                           group=comm.group, device=x2.device)
 
 
 def _name_the_op(exc: BaseException, op: str, comm: TPComm) -> None:
@@ -80,25 +94,6 @@ def _name_the_op(exc: BaseException, op: str, comm: TPComm) -> None:
     exc.args = (f"{op} ({comm.backend}){comm.where()} {kind}: {text}", *exc.args[1:])
 
 
-def _start(op: str, comm: TPComm, x2: torch.Tensor, w: torch.Tensor, chunks: int, check: bool,
-           x_shape: list[int], flags: int) -> _Run:
-    """Validate a call (its original shape ``x_shape``, sequence-first) and, on the
-    communicator's first call, compare every rank's shapes by name. Errors fail the comm."""
-    run = _Run(comm, chunks)
-
-    def setup() -> None:
-        xs = x2.view(x_shape)
-        validate(op, xs, w, group=comm.group, backend=comm.backend, chunks=chunks or None)
-        # The named all-gather runs on the first call only: every rank reaches it alike, so
-        # no rank runs a collective its peers skip. Stamps compare every call after it.
-        if check and comm.world > 1 and comm.first_call():
-            check_across_ranks(op, signature(op, comm.backend, xs, w, chunks or None, flags),
-                               group=comm.group, device=x2.device)
-
-    run.guarded(op, setup)
-    return run
-
-
 def _empty(t: torch.Tensor) -> torch.Tensor:
     return t.new_empty(0)
 
@@ -108,10 +103,9 @@ def _empty(t: torch.Tensor) -> torch.Tensor:
 def _ag_forward(x2: torch.Tensor, w: torch.Tensor, comm: TPComm, chunks: int, check: bool,
                 x_shape: list[int], flags: int) -> tuple[torch.Tensor, torch.Tensor]:
     op = "all_gather_matmul"
-    run = _start(op, comm, x2, w, chunks, check, x_shape, flags)
-    y, gathered = run.guarded(op, lambda: run.backend.all_gather_matmul(
-        comm, run.context_for(op, x2, w), x2, w, chunks=run.chunks, return_gathered=True),
-        x2, w, flags=1)
+    y, gathered = _run(op, comm, lambda backend, context, n: backend.all_gather_matmul(
+        comm, context, x2, w, chunks=n, return_gathered=True), x2, w, chunks, 1,
+        start=(check, x_shape, flags))
     return y, (gathered.clone() if gathered is x2 else gathered)  # no output aliases an input
 
 
@@ -121,7 +115,6 @@ def _ag_backward(dy: torch.Tensor, gathered: torch.Tensor | None, w: torch.Tenso
     """dx_shard = reduce_scatter(dy @ w.T) (+ reduce_scatter(dgathered)); dw = gathered.T @ dy,
     computed while the dgrad's last transfers are in flight (``gathered`` is saved only when
     w needs a gradient)."""
-    run = _Run(comm, chunks)
     dx = dw = None
     if need_dw and not need_dx:
         dw = gathered.t() @ dy
@@ -130,14 +123,14 @@ def _ag_backward(dy: torch.Tensor, gathered: torch.Tensor | None, w: torch.Tenso
             nonlocal dw
             dw = gathered.t() @ dy
         op, wt = "matmul_reduce_scatter", w.t()
-        dx = run.guarded(op, lambda: run.backend.matmul_reduce_scatter(
-            comm, run.context_for(op, dy, wt), dy, wt, chunks=run.chunks,
-            overlap_with=wgrad if need_dw else None), dy, wt)
+        dx = _run(op, comm, lambda backend, context, n: backend.matmul_reduce_scatter(
+            comm, context, dy, wt, chunks=n, overlap_with=wgrad if need_dw else None),
+            dy, wt, chunks)
         if need_dw and dw is None:  # a backend that ran its GEMMs without calling back
             wgrad()
         if dgathered is not None:
-            extra = run.guarded("reduce_scatter (tp backward)",
-                                lambda: backends.scatter(comm, dgathered), dgathered)
+            extra = _run("reduce_scatter (tp backward)", comm,
+                         lambda *_: backends.scatter(comm, dgathered), dgathered, None, chunks)
             dx = dx + extra
     return (dx if dx is not None else _empty(dy)), (dw if dw is not None else _empty(w))
 
@@ -145,25 +138,24 @@ def _ag_backward(dy: torch.Tensor, gathered: torch.Tensor | None, w: torch.Tenso
 def _rs_forward(x2: torch.Tensor, w: torch.Tensor, comm: TPComm, chunks: int, check: bool,
                 x_shape: list[int], flags: int) -> torch.Tensor:
     op = "matmul_reduce_scatter"
-    run = _start(op, comm, x2, w, chunks, check, x_shape, flags)
-    return run.guarded(op, lambda: run.backend.matmul_reduce_scatter(
-        comm, run.context_for(op, x2, w), x2, w, chunks=run.chunks, overlap_with=None), x2, w)
+    return _run(op, comm, lambda backend, context, n: backend.matmul_reduce_scatter(
+        comm, context, x2, w, chunks=n, overlap_with=None), x2, w, chunks,
+        start=(check, x_shape, flags))
 
 
 def _rs_backward(dy_shard: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, comm: TPComm,
                  chunks: int, need_dx: bool, need_dw: bool
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """dx = all_gather(dy_shard) @ w.T (fused); dw = x.T @ all_gather(dy_shard) (reused)."""
-    run = _Run(comm, chunks)
     dx = dy = None
     if need_dx:
         op, wt = "all_gather_matmul", w.t()
-        dx, dy = run.guarded(op, lambda: run.backend.all_gather_matmul(
-            comm, run.context_for(op, dy_shard, wt), dy_shard, wt, chunks=run.chunks,
-            return_gathered=need_dw), dy_shard, wt, flags=int(need_dw))
+        dx, dy = _run(op, comm, lambda backend, context, n: backend.all_gather_matmul(
+            comm, context, dy_shard, wt, chunks=n, return_gathered=need_dw),
+            dy_shard, wt, chunks, int(need_dw))
     elif need_dw:
-        dy = run.guarded("all_gather (tp backward)",
-                         lambda: backends.gather(comm, dy_shard), dy_shard)
+        dy = _run("all_gather (tp backward)", comm, lambda *_: backends.gather(comm, dy_shard),
+                  dy_shard, None, chunks)
     dw = x2.t() @ dy if need_dw else None
     return (dx if dx is not None else _empty(dy_shard)), (dw if dw is not None else _empty(w))
 
@@ -171,9 +163,8 @@ def _rs_backward(dy_shard: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, comm
 def _ar_forward(x2: torch.Tensor, w: torch.Tensor, comm: TPComm, chunks: int, check: bool,
                 x_shape: list[int], flags: int) -> torch.Tensor:
     op = "matmul_all_reduce"
-    run = _start(op, comm, x2, w, chunks, check, x_shape, flags)
-    return run.guarded(op, lambda: run.backend.matmul_all_reduce(
-        comm, run.context_for(op, x2, w), x2, w, chunks=run.chunks), x2, w)
+    return _run(op, comm, lambda backend, context, n: backend.matmul_all_reduce(
+        comm, context, x2, w, chunks=n), x2, w, chunks, start=(check, x_shape, flags))
 
 
 # ---------------------------------------------------------------- the same, as custom ops
@@ -275,6 +266,12 @@ class _MatmulAllReduce(torch.autograd.Function):
 
 # ---------------------------------------------------------------- the public functions
 
+def _needs_grad(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether autograd records this call; when it does not, the op's forward runs without
+    the autograd.Function around it (the same implementation, a few microseconds less)."""
+    return torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+
+
 def _comm_for(op: str, comm, group, backend: str) -> TPComm:
     if comm is not None:
         if not isinstance(comm, TPComm):
@@ -287,7 +284,7 @@ def _comm_for(op: str, comm, group, backend: str) -> TPComm:
 
 
 def _sequence_first(op: str, comm: TPComm, x, w, seq_dim: int) -> torch.Tensor:
-    """``x`` sequence-first, after the checks a reshape needs (the rest run in _start). A
+    """``x`` sequence-first, after the checks a reshape needs (the rest run in _validate). A
     refused call fails the communicator, as every error of an op does."""
     try:
         _check_reshapable(op, comm, x, w, seq_dim)
@@ -338,8 +335,12 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, *, comm: TPComm | 
     c = _comm_for(op, comm, group, backend)
     xs = _sequence_first(op, c, x_shard, w, seq_dim)
     n, check = _settings(c, comm is not None, chunks, check_inputs)
-    x2 = xs.reshape(-1, xs.shape[-1])
-    y2, g2 = _AllGatherMatmul.apply(x2, w, c, n, check, list(xs.shape), int(return_gathered))
+    x2 = xs if xs.dim() == 2 else xs.reshape(-1, xs.shape[-1])
+    args = (x2, w, c, n, check, list(xs.shape), int(return_gathered))
+    y2, g2 = (_AllGatherMatmul.apply(*args) if _needs_grad(x2, w)
+              else call_op("all_gather_matmul", _ag_forward, *args))
+    if xs.dim() == 2 and not return_gathered:
+        return y2
     lead = (c.world * xs.shape[0], *xs.shape[1:-1])
     y = y2.view(*lead, w.shape[-1])
     if seq_dim == 1:
@@ -369,8 +370,12 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, comm: TPComm | No
     c = _comm_for(op, comm, group, backend)
     xs = _sequence_first(op, c, x, w, seq_dim)
     n, check = _settings(c, comm is not None, chunks, check_inputs)
-    y2 = _MatmulReduceScatter.apply(xs.reshape(-1, xs.shape[-1]), w, c, n, check,
-                                    list(xs.shape), 0)
+    x2 = xs if xs.dim() == 2 else xs.reshape(-1, xs.shape[-1])
+    args = (x2, w, c, n, check, list(xs.shape), 0)
+    y2 = (_MatmulReduceScatter.apply(*args) if _needs_grad(x2, w)
+          else call_op("matmul_reduce_scatter", _rs_forward, *args))
+    if xs.dim() == 2:
+        return y2
     y = y2.view(xs.shape[0] // c.world, *xs.shape[1:-1], w.shape[-1])
     return y.transpose(0, 1) if seq_dim == 1 else y
 
@@ -392,6 +397,10 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, comm: TPComm | None =
     c = _comm_for(op, comm, group, backend)
     xs = _sequence_first(op, c, x, w, 0)
     n, check = _settings(c, comm is not None, chunks, check_inputs)
-    y2 = _MatmulAllReduce.apply(xs.reshape(-1, xs.shape[-1]), w, c, n, check,
-                                list(xs.shape), 0)
+    x2 = xs if xs.dim() == 2 else xs.reshape(-1, xs.shape[-1])
+    args = (x2, w, c, n, check, list(xs.shape), 0)
+    y2 = (_MatmulAllReduce.apply(*args) if _needs_grad(x2, w)
+          else call_op("matmul_all_reduce", _ar_forward, *args))
+    if xs.dim() == 2:
+        return y2
     return y2.view(*xs.shape[:-1], w.shape[-1])

@@ -29,7 +29,7 @@ __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "a
 
 
 def _isz(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def ag_bytes(m: int, k: int, dtype: torch.dtype) -> int:
