@@ -16,7 +16,7 @@ BACKENDS = ("chunked", "symmetric", "unfused")
 def _bad_after_good(backend):
     from overlap.tp import TPComm, TPCommFailed, all_gather_matmul, matmul_reduce_scatter
 
-    g, r, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    g, world = dist.group.WORLD, dist.get_world_size()
     x, w = torch.randn(4 * world, 16), torch.randn(16, 8)
     cases = {
         "k": (ValueError, lambda c: all_gather_matmul(x, torch.randn(15, 8), comm=c)),
