@@ -17,7 +17,8 @@ For every shape, in one run: ``t_gemm`` (the whole local GEMM alone), ``t_comm``
 torch.distributed collective alone: all_gather_into_tensor / reduce_scatter_tensor /
 all_reduce), ``t_seq`` (collective then GEMM: the unfused reference of the tests) and
 ``t_fused`` per backend. A sample is ``inner`` back-to-back calls between two barriers (so the
-barrier's cost is amortised), divided by ``inner``; the table shows rank 0's median sample.
+barrier's cost is amortised), divided by ``inner``; each of ``iters`` rounds takes one sample of
+every one of them in turn (interleaved), and the table shows rank 0's median sample.
 ``speedup = t_seq / t_fused``; ``overlap_eff = (t_comm + t_gemm - t_fused) / min(t_comm,
 t_gemm)``: 1 = the shorter of the two is fully hidden, 0 = no overlap, < 0 = the fused op is
 slower than the two parts back to back. A backend with a faster transport than the reference
@@ -56,7 +57,7 @@ import torch.distributed as dist
 from overlap.tp.autochunk import MAX_RACE
 
 from bench.runner import (Table, TraceOptions, Tracer, check_trace_options, finish_trace_column,
-                          time_fn, trace_columns)
+                          time_fn, time_interleaved, trace_columns)
 
 COLUMNS = ["op", "shape", "backend", "chunks", "t_fused_ms", "t_seq_ms", "t_comm_ms", "t_gemm_ms",
            "speedup", "overlap_eff", "spread"]
@@ -146,14 +147,8 @@ def _bench_rank(cfg: BenchConfig) -> list[dict] | None:
     tracer = Tracer(cfg, rank=rank, device=device)
 
     def timed(fn, iters: int, warmup: int, inner: int, trace=None):
-        def many() -> None:
-            for _ in range(inner):
-                fn()
-        t = time_fn(many, warmup=warmup, iters=iters, sync=sync, trace=trace)
+        t = time_fn(_repeat(fn, inner), warmup=warmup, iters=iters, sync=sync, trace=trace)
         return t.median * 1e3 / inner, t.spread
-
-    def ms(fn, iters: int, warmup: int, inner: int) -> float:
-        return timed(fn, iters, warmup, inner)[0]
 
     fused = {"all_gather_matmul": tp.all_gather_matmul,
              "matmul_reduce_scatter": tp.matmul_reduce_scatter,
@@ -170,20 +165,30 @@ def _bench_rank(cfg: BenchConfig) -> list[dict] | None:
         slow = names == ["triton"] and interp
         iters, warmup, inner = (cfg.triton_iters, 1, 1) if slow else (cfg.iters, cfg.warmup,
                                                                        cfg.inner)
-        t_comm, t_gemm, t_seq = (ms(f, iters, warmup, inner) for f in (comm, gemm, seq))
+        calls = {"comm": comm, "gemm": gemm, "seq": seq}
+        comms, chosen = {}, {}
         for backend in names:
             # A communicator per row: its chunks="auto" race sees this shape alone.
-            tpc = tp.TPComm(group, backend=backend, chunks="auto")
+            tpc = comms[backend] = tp.TPComm(group, backend=backend, chunks="auto")
             fused[op](x, w, comm=tpc)  # creates contexts, checks ranks
-            chunks = _settle_chunks(lambda: fused[op](x, w, comm=tpc), tpc, op, x, w)
+            chosen[backend] = _settle_chunks(lambda tpc=tpc: fused[op](x, w, comm=tpc), tpc,
+                                             op, x, w)
+            calls[backend] = lambda tpc=tpc: fused[op](x, w, comm=tpc)
+        # Every round times the reference, its parts and each backend in turn: a slow stretch
+        # of a shared machine hits them all alike.
+        times = time_interleaved({name: _repeat(fn, inner) for name, fn in calls.items()},
+                                 warmup=warmup, iters=iters, sync=sync)
+        t_comm, t_gemm, t_seq = (times[k].median * 1e3 / inner for k in ("comm", "gemm", "seq"))
+        for backend in names:
             key = f"r{len(rows):02d}_{op}_{model}_{layer}_{backend}"
-            t, spread = timed(lambda: fused[op](x, w, comm=tpc), iters, warmup, inner,
-                              trace=tracer.row(key))
-            tpc.close()
+            t, spread = times[backend].median * 1e3 / inner, times[backend].spread
+            if tracer.on:  # the trace column from traced samples of their own
+                timed(calls[backend], iters, warmup, inner, trace=tracer.row(key))
+            comms[backend].close()
             eff = (t_comm + t_gemm - t) / min(t_comm, t_gemm) if min(t_comm, t_gemm) > 0 else 0
             rows.append(dict(op=op, shape=f"{model} {layer}: M={m} K={k} N={n}",
-                             backend=backend, chunks=chunks, t_fused_ms=t, t_seq_ms=t_seq,
-                             t_comm_ms=t_comm, t_gemm_ms=t_gemm,
+                             backend=backend, chunks=chosen[backend], t_fused_ms=t,
+                             t_seq_ms=t_seq, t_comm_ms=t_comm, t_gemm_ms=t_gemm,
                              speedup=t_seq / t if t > 0 else 0.0,
                              overlap_eff=eff, spread=spread, **tracer.info(key)))
     tracer.close()
@@ -193,6 +198,13 @@ def _bench_rank(cfg: BenchConfig) -> list[dict] | None:
     if tracer.on:
         dist.barrier(group=group)  # every rank's trace is on disk before rank 0 reads them
     return rows if rank == 0 else None
+
+
+def _repeat(fn, inner: int):
+    def many() -> None:
+        for _ in range(inner):
+            fn()
+    return many
 
 
 def _settle_chunks(call, comm, op: str, x, w) -> str:
@@ -235,8 +247,10 @@ def _notes(cfg: BenchConfig, world: int, cuda: bool) -> list[str]:
              f"dtype {cfg.dtype if cfg.dtype != 'auto' else ('bfloat16' if cuda else 'float32')}"
              f"; shapes: the TP=8 per-rank GEMMs of Llama-3-70B (4096 tokens) and GPT-3-175B "
              f"(2048 tokens), every dim divided by {scale}.",
-             f"Times: rank 0's median over {cfg.iters} samples of {cfg.inner} back-to-back calls "
-             "between barriers, per call; t_seq "
+             f"Times: rank 0's median over {cfg.iters} rounds, per call; a round times "
+             f"{cfg.inner} back-to-back calls between barriers of each of t_seq, t_comm, t_gemm "
+             "and every backend's fused op in turn (interleaved: a slow stretch of the machine "
+             "hits them all alike); t_seq "
              "is collective-then-GEMM (the unfused reference), t_comm and t_gemm are measured "
              "alone. speedup = t_seq / t_fused; overlap_eff = (t_comm + t_gemm - t_fused) / "
              "min(t_comm, t_gemm). spread = (max - min) / median of the fused samples: how "

@@ -88,6 +88,27 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 2, iters: int = 10,
     return Timing(samples)
 
 
+def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 2, iters: int = 10,
+                     sync: Callable[[], Any] | None = None) -> dict[str, Timing]:
+    """``time_fn`` for several callables at once: each of ``iters`` rounds times every one in
+    turn (``sync`` before and after each), so a slow stretch of a noisy machine hits them all
+    alike and their ratios compare like with like."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            if sync is not None:
+                sync()
+            t0 = time.perf_counter()
+            fn()
+            if sync is not None:
+                sync()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: Timing(s) for name, s in samples.items()}
+
+
 def machine_info() -> dict[str, Any]:
     """What ran the benchmark: enough for a reader to know what the numbers can say."""
     import torch

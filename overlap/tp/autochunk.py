@@ -26,7 +26,7 @@ from overlap.tp.collectives import wait
 __all__ = ["AUTO", "ChunkRace", "candidates", "TRIALS", "MAX_RACE"]
 
 AUTO = "auto"
-TRIALS = 3  # timed calls per (shape, piece count), after one settling call
+TRIALS = 5  # timed calls per (shape, piece count), after one settling call
 MAX_RACE = 256  # calls of one op after which it decides with what it has
 
 

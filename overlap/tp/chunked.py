@@ -261,11 +261,12 @@ def _whole_reduce(x: torch.Tensor, w: torch.Tensor, *, group, timeout, agree, op
                   scatter: bool, overlap_with: Callable[[], None] | None = None
                   ) -> torch.Tensor:
     """One GEMM, then one reduce-scatter (or all-reduce) of it; ``overlap_with`` runs while
-    the collective is in flight."""
+    the collective is in flight. The stamps' all-gather (fixed size: it cannot mis-pair) is
+    posted before the GEMM, so its latency hides under it instead of adding to the call."""
+    stamps = _whole_stamps(agree, group)
     with nvtx.range(f"{op}.chunked.gemm[0]"):
         y = x @ w
     with nvtx.range(f"{op}.chunked.comm[0]"):
-        stamps = _whole_stamps(agree, group)
         if scatter:
             out = y.new_empty(y.shape[0] // _topology(group).world, y.shape[1])
             work = reduce_scatter_single(out, y, group=group, async_op=True)
