@@ -178,3 +178,43 @@ def test_ops_match_reference_large_gpu(backend):
     copy stream, compiled Triton kernels). CPU twins: the two tests above."""
     world = max(2, torch.cuda.device_count())
     _check(run_ranks(_run_cases, world, backend, "gpu", backend="nccl", timeout=600))
+
+
+def _all_reduce_bytes(backend):
+    from overlap.tp import TPComm, matmul_all_reduce
+
+    g, r, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (12 * world, 12 * world - 1):
+            for chunks in (1, world, 3, 2 * world):
+                gen = torch.Generator().manual_seed(rows * 10 + chunks + r)
+                x = torch.randn(rows, 72, generator=gen).to(dtype)
+                w = torch.randn(72, 40, generator=gen).to(dtype)
+                with TPComm(g, backend=backend, chunks=chunks) as comm:
+                    y = matmul_all_reduce(x, w, comm=comm)
+                every = [torch.empty_like(y) for _ in range(world)]
+                dist.all_gather(every, y.contiguous(), group=g)
+                ref = sum(a.double() @ b.double() for a, b in _every(x, w, g, world))
+                out.append((str(dtype), rows, chunks,
+                            all(torch.equal(e, every[0]) for e in every), _rel(y, ref)))
+    return out
+
+
+def _every(x, w, g, world):
+    xs, ws = [torch.empty_like(x) for _ in range(world)], [torch.empty_like(w) for _ in range(world)]
+    dist.all_gather(xs, x, group=g)
+    dist.all_gather(ws, w, group=g)
+    return list(zip(xs, ws))
+
+
+@pytest.mark.parametrize("backend", ["chunked", "symmetric", "unfused"])
+@pytest.mark.parametrize("world", (2, 4))
+def test_all_reduce_leaves_the_same_bytes_on_every_rank(world, backend):
+    # chunked at world 2 exchanges whole partial products (each rank adds the peer's block to
+    # its own: a + b, the same operands on both ranks), at world 4 it reduces in a ring.
+    for rank, rows in enumerate(run_ranks(_all_reduce_bytes, world, backend, timeout=120)):
+        for dtype, m, chunks, same, rel in rows:
+            assert same, (rank, dtype, m, chunks)
+            assert rel <= (1e-5 if dtype == "torch.float32" else 2e-2), (rank, dtype, m, chunks,
+                                                                          rel)

@@ -3,7 +3,8 @@
 Two kinds of call exist: **whole** (``chunks=1``: the whole collective, then the whole GEMM) and
 **pieces** (``chunks = world x s``, s = 1, 2, 4: the collective chunk by chunk under the GEMM).
 During the communicator's first calls (its race) each (op, shape, count) is timed; then one
-all-reduce of the medians picks the communicator's kind and each (op, shape)'s piece count.
+all-reduce of each candidate's fastest call (the least disturbed by other work; the slowest
+rank's) picks the communicator's kind and each (op, shape)'s piece count.
 
 Contract: the kind of a call is a function of its call number and of tables every rank holds
 alike, so ranks that disagree on a call still post the same kind of transfer and the call's
@@ -15,7 +16,6 @@ The narrative: docs/design/tp.md.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -23,11 +23,12 @@ import torch.distributed as dist
 
 from overlap.tp.collectives import wait
 
-__all__ = ["AUTO", "ChunkRace", "candidates", "TRIALS", "MAX_RACE"]
+__all__ = ["AUTO", "ChunkRace", "candidates", "TRIALS", "MAX_RACE", "MARGIN"]
 
 AUTO = "auto"
 TRIALS = 5  # timed calls per (shape, piece count), after one settling call
 MAX_RACE = 256  # calls of one op after which it decides with what it has
+MARGIN = 0.05  # pieces are chosen only when at least this much faster than whole
 
 
 def candidates(op: str, rows: int, world: int) -> list[int]:
@@ -71,7 +72,7 @@ class _Timer:
 
 class ChunkRace:
     """One communicator's race and choice (``comm.auto``): ``begin`` before a call,
-    ``finish`` after it; ``report`` holds the decision, its medians and choices."""
+    ``finish`` after it; ``report`` holds the decision, its timings and choices."""
 
     def __init__(self, comm):
         self.comm = comm
@@ -129,16 +130,17 @@ class ChunkRace:
 
     def _decide(self) -> None:
         # Every rank holds the same entries in the same order (they made the same calls), so
-        # the flat vector of medians lines up across ranks; a missing one is +inf.
+        # the flat vector of best times lines up across ranks; a missing one is +inf. The best
+        # (fastest) call of each candidate: the one least disturbed by other work.
         rows = [(key, c) for key, e in self.entries.items() for c in [1] + e["cands"]]
-        medians = torch.tensor(
-            [statistics.median(_Timer.seconds(t) for t in self.entries[k]["times"][c])
+        best = torch.tensor(
+            [min(_Timer.seconds(t) for t in self.entries[k]["times"][c])
              if self.entries[k]["times"].get(c) else float("inf") for k, c in rows],
             dtype=torch.float64)
-        work = dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.comm.group,
+        work = dist.all_reduce(best, op=dist.ReduceOp.MAX, group=self.comm.group,
                                async_op=True)  # a race exists only with more than one rank
         wait(work, op="chunks='auto' decision", group=self.comm.group, timeout=self.comm.timeout)
-        slowest = dict(zip(rows, medians.tolist()))  # the race's one host sync
+        slowest = dict(zip(rows, best.tolist()))  # the race's one host sync
         inf = float("inf")
         whole = pieces = 0.0
         for key, e in self.entries.items():
@@ -148,10 +150,11 @@ class ChunkRace:
             if t_whole != inf and t_pieces != inf:
                 whole += e["calls"] * t_whole
                 pieces += e["calls"] * t_pieces
-        self.kind = "whole" if whole < pieces else "pieces"
+        # Whole is the unfused order plus a stamp: pieces must win by more than the noise.
+        self.kind = "pieces" if pieces < (1.0 - MARGIN) * whole else "whole"
         self.report = {"kind": self.kind, "race_calls": self.calls, "ops": {
             f"{k[0]} x{list(k[1])} w{list(k[2])} {str(k[3]).replace('torch.', '')}": {
                 "chunks": 1 if self.kind == "whole" else self.best[k],
-                "median_ms": {c: round(slowest[(k, c)] * 1e3, 4)
-                              for c in [1] + self.entries[k]["cands"]}}
+                "best_ms": {c: round(slowest[(k, c)] * 1e3, 4)
+                            for c in [1] + self.entries[k]["cands"]}}
             for k in self.entries}}

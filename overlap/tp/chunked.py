@@ -434,7 +434,8 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGr
                       chunks: int, timeout: float, agree: Agreement | None = None
                       ) -> torch.Tensor:
     """y [M, N] = all_reduce(x [M, K] @ w [K, N]) as a reduce-scatter ring (the GEMMs under
-    it) and a ring all-gather of the reduced shards; every rank ends with the same bytes."""
+    it) and a ring all-gather of the reduced shards; every rank ends with the same bytes. Two
+    ranks exchange their partial products instead (the same bytes in one hop, not two)."""
     op = "matmul_all_reduce"
     world = _topology(group).world
     if world == 1:
@@ -443,6 +444,9 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGr
     if chunks == 1:
         return _whole_reduce(x, w, group=group, timeout=timeout, agree=agree, op=op,
                              scatter=False)
+    if world == 2:
+        return _exchange_all_reduce(x, w, group=group, pieces=2 * max(1, chunks // 2),
+                                    timeout=timeout, agree=agree, op=op)
     rows = x.shape[0]
     m = -(-rows // world)
     if rows % world:  # zero rows make M divisible; they reduce to zeros and are dropped
@@ -453,3 +457,40 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGr
     _, y = all_gather_matmul(y_shard, None, group=group, chunks=world, return_gathered=True,
                              timeout=timeout, op=op)
     return y[:rows]
+
+
+def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGroup,
+                         pieces: int, timeout: float, agree: Agreement | None, op: str
+                         ) -> torch.Tensor:
+    """Two ranks: each row block's partial product goes to the peer as soon as its GEMM is done
+    (the next block's GEMM runs while it travels), and each rank adds the peer's blocks to its
+    own. The bytes per rank equal the reduce-scatter + all-gather ring's (M x N), in one hop
+    instead of two, and nothing but the last block's transfer is exposed. Both ranks compute
+    a + b with the same two operands (IEEE addition commutes), so they hold the same bytes.
+    The first block carries the stamps, as a ring's first hop does."""
+    peer = 1 - _topology(group).rank
+    rows, n = x.shape[0], w.shape[1]
+    y = x.new_empty(rows, n)
+    first = None
+    inflight = []  # (works, received block, own partial, rows, the tensor sent: kept alive)
+    for i, (lo, hi) in enumerate(split_bounds(rows, pieces)):
+        with nvtx.range(f"{op}.chunked.gemm[{i}]"):
+            if i == 0 and agree is not None:  # the first partial is computed behind the stamp
+                send, part = _message(x, hi - lo, n)
+                torch.matmul(x[lo:hi], w, out=part)
+                recv, buf = _message(x, hi - lo, n)
+                first = _First(agree, send, recv)
+            else:
+                part = send = torch.matmul(x[lo:hi], w, out=y[lo:hi])
+                buf = recv = x.new_empty(hi - lo, n)
+        with nvtx.range(f"{op}.chunked.comm[{i}]"):
+            works = _exchange(group, send, recv, tag=i, agree=agree if i == 0 else None)
+        inflight.append((works, buf, part, lo, hi, send))
+    for i, (works, buf, part, lo, hi, _sent) in enumerate(inflight):
+        with nvtx.range(f"{op}.chunked.comm[{i}].wait"):
+            _wait_first(works, first if i == 0 else None, op=op, group=group, timeout=timeout,
+                        what=f"exchange of partial product block {i} with rank {peer}")
+        torch.add(part, buf, out=y[lo:hi])
+    if agree is not None:
+        agree.poison(y)
+    return y
