@@ -15,8 +15,11 @@ ahead of the device (host time per op below the op's device time); here it is me
     matmul_all_reduce      x [M, K] @ w [K, N]              x @ w, then all_reduce
 
 Every op runs on an explicit ``TPComm(group, backend=...)`` with its defaults (check_inputs=True:
-ranks compare shapes once per shape signature, not per call); the baseline posts its collective
-async and waits inside the same ``comm_wait`` accounting the runtime uses. A round times
+ranks compare shapes by name on the first call, stamps on every call; local checks run once per
+call signature). Inputs do not require grad, as the baseline has no autograd, so the ops skip
+their autograd Function (a training call pays its ``apply``, about 5 us here, on top). The
+baseline posts its collective async and waits inside the same ``comm_wait`` accounting the
+runtime uses. A round times
 ``inner`` back-to-back calls of each (op, impl) in turn (barrier before and after), so load hits
 all alike; the table shows the median over rounds and both ranks of the per-call times:
 
@@ -223,7 +226,8 @@ def main(cfg: BenchConfig) -> None:
     notes = [
         f"{cfg.world} ranks on {cfg.device} ({backend}), 1 thread per rank; float32; M={cfg.m} "
         f"rows (all_gather_matmul shard: {cfg.m // cfg.world}), K={cfg.k}, N={cfg.n}; every "
-        "op on a TPComm with default settings (check_inputs once per shape signature).",
+        "op on a TPComm with default settings (local checks once per call signature); inputs "
+        "do not require grad (nor does the baseline's), so no autograd Function runs.",
         f"Median over {cfg.rounds} rounds x {cfg.world} ranks of the per-call time of "
         f"{cfg.inner} back-to-back calls ({cfg.triton_inner} for triton on CPU), each (op, "
         f"impl) in turn per round after {cfg.warmup} warm-up calls; {load} (on "
@@ -237,7 +241,7 @@ def main(cfg: BenchConfig) -> None:
         "CPU time per call (time.thread_time: no blocked or descheduled time, spin-waits "
         "included). *_x = this impl / the baseline of the same op.",
         "unfused runs the same collectives as the baseline through the runtime (checks, "
-        "communicator, autograd Function, timeout-bounded waits), so its ratio is the "
+        "communicator, call counting, timeout-bounded waits), so its ratio is the "
         "runtime's own overhead. chunked and symmetric rows run with the default "
         "chunks='auto', raced before the timed rounds (the chunks column: the kind it chose, "
         "whole = the whole collective then the GEMM, stamped); the '(pieces)' rows force "

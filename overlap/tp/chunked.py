@@ -3,7 +3,8 @@
 Works unchanged on gloo (CPU) and NCCL (GPU); every function takes 2-D, already validated
 inputs (overlap.tp.ops validates, reshapes and differentiates). all_gather_matmul and
 matmul_reduce_scatter are rings whose next transfer is in flight while a piece is multiplied;
-matmul_all_reduce is the reduce-scatter ring then a ring all-gather; ``chunks=1`` runs the whole
+matmul_all_reduce is the reduce-scatter ring then a ring all-gather (two ranks: one exchange of
+the partial products); ``chunks=1`` runs the whole
 collective then the whole GEMM. Each call's stamp rides in its first hop (or, for chunks=1, a
 fixed-size all-gather just before the collective) and is compared before received data is used.
 The protocol in full: docs/design/tp.md.

@@ -4,7 +4,7 @@ Each function runs one op on a TPContext (workspace + phase + copier; one op in 
 context) with 2-D inputs validated by overlap.tp.ops. all_gather_matmul pulls peers' shards
 piece by piece while the GEMM consumes them; matmul_reduce_scatter pushes partial blocks into
 their owners' slots and sums the received ones in fp32; matmul_all_reduce is the reduce-scatter
-then an all-gather through a second region. Signals are phase counters (READY, ACK) and the
+then an all-gather through a second region (two ranks: one exchange of the partial products). Signals are phase counters (READY, ACK) and the
 buffers are double-buffered by phase parity, so back-to-back calls never overwrite unread data.
 The protocol in full: docs/design/tp.md.
 
@@ -151,19 +151,64 @@ def matmul_reduce_scatter(context: TPContext, x: torch.Tensor, w: torch.Tensor, 
 
 def matmul_all_reduce(context: TPContext, x: torch.Tensor, w: torch.Tensor, *,
                       chunks: int) -> torch.Tensor:
-    """y [M, N] = all_reduce(x [M, K] @ w [K, N]) as reduce-scatter + all-gather."""
+    """y [M, N] = all_reduce(x [M, K] @ w [K, N]) as reduce-scatter + all-gather; on two ranks
+    as one exchange of the partial products (``_exchange_all_reduce``)."""
     op = "matmul_all_reduce"
     world = context.world
     rows = x.shape[0]
     m = -(-rows // world)
     context.require(op, ar_bytes(rows, w.shape[1], world, x.dtype),
                 f"a {rows} x {w.shape[1]} {x.dtype} product")
+    s = max(1, chunks // world)
+    if world == 2:
+        return _exchange_all_reduce(context, x, w, pieces=2 * s, op=op)
     if rows % world:  # zero rows make M divisible; they reduce to zeros and are dropped
         x = torch.cat([x, x.new_zeros(m * world - rows, x.shape[1])])
-    s = max(1, chunks // world)
     p = context.next_phase()
     y_shard = matmul_reduce_scatter(context, x, w, chunks=s * world, op=op, phase=p)
     _, y = all_gather_matmul(context, y_shard, None, chunks=world, return_gathered=True, op=op,
                              phase=p, offset=rs_bytes(m, w.shape[1], world, x.dtype),
                              base=2 * world)
     return y[:rows]
+
+
+def _exchange_all_reduce(context: TPContext, x: torch.Tensor, w: torch.Tensor, *, pieces: int,
+                         op: str) -> torch.Tensor:
+    """Two ranks: each row block's partial product is pushed into the peer's buffer as soon as
+    its GEMM is done (the next block's GEMM runs meanwhile), then each rank adds the peer's
+    whole partial to its own, in fp32 or wider. The same M x N bytes per rank as the
+    reduce-scatter + all-gather, with one signal round instead of two and one copier handoff
+    per block; the two ranks add the same two operands (IEEE addition commutes), so they hold
+    the same bytes. Slots as in matmul_reduce_scatter: READY = the sender's rank, ACK = world +
+    the reader's rank; the halves alternate by phase parity."""
+    ws, copier = context.ws, context.copier
+    rank, world = ws.rank, ws.world
+    peer = 1 - rank
+    rows, n = x.shape[0], w.shape[1]
+    blk = align(rows * n * x.element_size())
+    context.require(op, 2 * blk, f"a {rows} x {n} {x.dtype} product")
+    p = context.next_phase()
+    at = (p % 2) * blk
+    dst = ws.view(peer, x.dtype, (rows, n), at)
+    y = x.new_empty(rows, n)
+    bounds = split_bounds(rows, pieces)
+    for i, (lo, hi) in enumerate(bounds):
+        with nvtx.range(f"{op}.symmetric.gemm[{i}]"):
+            part = torch.matmul(x[lo:hi], w, out=y[lo:hi])
+
+        def push(i=i, lo=lo, hi=hi, part=part) -> None:
+            with nvtx.range(f"{op}.symmetric.comm[{peer}.{i}]"):
+                if i == 0 and p > 2:  # the peer has added what we pushed at p - 2
+                    ws.wait(world + peer, p - 2, peer=peer)
+                dst[lo:hi].copy_(part)
+                if i == len(bounds) - 1:
+                    ws.signal(peer, rank, p)
+        copier.submit(push, part)
+    # Our pushes first: the peer is waiting for them (on CPU the waiter may run them itself).
+    copier.drain(f"{op} (rank {rank}, pushing partial products)")
+    acc = y.to(torch.promote_types(y.dtype, torch.float32))  # fp32 or wider: fp64 stays
+    with nvtx.range(f"{op}.symmetric.comm[{peer}].reduce"):
+        ws.wait(peer, p, peer=peer)
+        acc += ws.view(rank, x.dtype, (rows, n), at)
+        ws.signal(peer, world + rank, p)  # the peer may refill this half at phase p + 2
+    return acc.to(x.dtype)
