@@ -266,10 +266,20 @@ class _MatmulAllReduce(torch.autograd.Function):
 
 # ---------------------------------------------------------------- the public functions
 
-def _needs_grad(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether autograd records this call; when it does not, the op's forward runs without
-    the autograd.Function around it (the same implementation, a few microseconds less)."""
-    return torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+def _dispatch(op: str, function, forward, x, w, comm, group, backend: str, chunks,
+              check_inputs: bool, seq_dim: int, flags: int):
+    """The public functions' common part: the communicator, ``x`` sequence-first and 2-D,
+    then the op through its autograd Function, or, when autograd does not record the call
+    (no grad mode, no input requiring grad), its forward alone: the same implementation, a
+    few microseconds less. Returns (comm, x sequence-first, the op's outputs)."""
+    c = _comm_for(op, comm, group, backend)
+    xs = _sequence_first(op, c, x, w, seq_dim)
+    n, check = _settings(c, comm is not None, chunks, check_inputs)
+    x2 = xs if xs.dim() == 2 else xs.reshape(-1, xs.shape[-1])
+    args = (x2, w, c, n, check, list(xs.shape), flags)
+    if torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad):
+        return c, xs, function.apply(*args)
+    return c, xs, call_op(op, forward, *args)
 
 
 def _comm_for(op: str, comm, group, backend: str) -> TPComm:
@@ -331,14 +341,9 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, *, comm: TPComm | 
     ``group=`` (with ``backend``, ``check_inputs``) for that group's default communicator.
     Returns y, or (y, gathered) with ``return_gathered``.
     """
-    op = "all_gather_matmul"
-    c = _comm_for(op, comm, group, backend)
-    xs = _sequence_first(op, c, x_shard, w, seq_dim)
-    n, check = _settings(c, comm is not None, chunks, check_inputs)
-    x2 = xs if xs.dim() == 2 else xs.reshape(-1, xs.shape[-1])
-    args = (x2, w, c, n, check, list(xs.shape), int(return_gathered))
-    y2, g2 = (_AllGatherMatmul.apply(*args) if _needs_grad(x2, w)
-              else call_op("all_gather_matmul", _ag_forward, *args))
+    c, xs, (y2, g2) = _dispatch("all_gather_matmul", _AllGatherMatmul, _ag_forward, x_shard, w,
+                                comm, group, backend, chunks, check_inputs, seq_dim,
+                                int(return_gathered))
     if xs.dim() == 2 and not return_gathered:
         return y2
     lead = (c.world * xs.shape[0], *xs.shape[1:-1])
@@ -366,14 +371,8 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, comm: TPComm | No
 
     ``chunks``, ``comm``/``group``: as in all_gather_matmul.
     """
-    op = "matmul_reduce_scatter"
-    c = _comm_for(op, comm, group, backend)
-    xs = _sequence_first(op, c, x, w, seq_dim)
-    n, check = _settings(c, comm is not None, chunks, check_inputs)
-    x2 = xs if xs.dim() == 2 else xs.reshape(-1, xs.shape[-1])
-    args = (x2, w, c, n, check, list(xs.shape), 0)
-    y2 = (_MatmulReduceScatter.apply(*args) if _needs_grad(x2, w)
-          else call_op("matmul_reduce_scatter", _rs_forward, *args))
+    c, xs, y2 = _dispatch("matmul_reduce_scatter", _MatmulReduceScatter, _rs_forward, x, w,
+                          comm, group, backend, chunks, check_inputs, seq_dim, 0)
     if xs.dim() == 2:
         return y2
     y = y2.view(xs.shape[0] // c.world, *xs.shape[1:-1], w.shape[-1])
@@ -393,14 +392,8 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, comm: TPComm | None =
 
     ``chunks``: row blocks of M (default world); any M works. ``comm``/``group``: as above.
     """
-    op = "matmul_all_reduce"
-    c = _comm_for(op, comm, group, backend)
-    xs = _sequence_first(op, c, x, w, 0)
-    n, check = _settings(c, comm is not None, chunks, check_inputs)
-    x2 = xs if xs.dim() == 2 else xs.reshape(-1, xs.shape[-1])
-    args = (x2, w, c, n, check, list(xs.shape), 0)
-    y2 = (_MatmulAllReduce.apply(*args) if _needs_grad(x2, w)
-          else call_op("matmul_all_reduce", _ar_forward, *args))
+    _, xs, y2 = _dispatch("matmul_all_reduce", _MatmulAllReduce, _ar_forward, x, w, comm,
+                          group, backend, chunks, check_inputs, 0, 0)
     if xs.dim() == 2:
         return y2
     return y2.view(*xs.shape[:-1], w.shape[-1])
