@@ -272,6 +272,21 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _listening(port: int) -> bool:
+    """Whether a socket of this machine listens on ``port`` (from /proc/net/tcp*)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    local, state = line.split()[1], line.split()[3]
+                    if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                        return True
+        except OSError:
+            pass
+    return False
+
+
 def test_torchrun_node_frozen_the_survivors_shrink_instead_of_hanging(tmp_path):
     """Two torchrun agents (--nnodes 1:2, 2 workers each) train one 4-rank job; one agent and
     its workers freeze (SIGSTOP: their sockets stay open, so the survivors' collectives would
@@ -294,7 +309,14 @@ def test_torchrun_node_frozen_the_survivors_shrink_instead_of_hanging(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True, env=env)]
-    time.sleep(0.5)
+    # The agent that binds the endpoint hosts the rendezvous store, which every later
+    # rendezvous needs: freezing it would freeze the store too (torchrun's c10d rendezvous
+    # has one host). The second agent starts once the first one listens; a fixed head start
+    # lost that race on a loaded machine.
+    listen_deadline = time.monotonic() + 90
+    while not _listening(port) and agents[0].poll() is None:
+        assert time.monotonic() < listen_deadline, "the first agent never bound the endpoint"
+        time.sleep(0.1)
     agents.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                    start_new_session=True, env=env))
     frozen: list[int] = []
