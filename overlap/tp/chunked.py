@@ -26,7 +26,7 @@ import torch.distributed as dist
 from overlap.dist.stamp import STAMP_WORDS, Agreement, Disagreement
 from overlap.profile import nvtx
 from overlap.profile.timers import comm_wait
-from overlap.tp.collectives import all_gather_single, reduce_scatter_single
+from overlap.tp.collectives import post_all_gather, post_all_reduce, post_reduce_scatter
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "split_bounds"]
 
@@ -93,12 +93,12 @@ def _words(msg: torch.Tensor) -> torch.Tensor:
     return msg[:_header_elems(msg.dtype)].view(torch.int64)
 
 
-def _exchange(group: dist.ProcessGroup, send: torch.Tensor | None, recv: torch.Tensor | None,
+def _exchange(topo: _Topology, send: torch.Tensor | None, recv: torch.Tensor | None,
               tag: int, agree: Agreement | None = None) -> list:
     """Send ``send`` to the right neighbour and receive ``recv`` from the left one as one
     batch; with ``agree`` (the first hop: ``send`` and ``recv`` are a :class:`_First`'s, with
     the neighbours' stamps in front), also this call's stamp to and from every other peer."""
-    topo = _topology(group)
+    group = topo.group
     if agree is not None and len(topo.peers) > 1:
         # A row left from an earlier call must not pass for this one (the left neighbour's
         # row is rewritten from the message, whatever arrived).
@@ -146,13 +146,12 @@ def _stamp_ops(group: dist.ProcessGroup, agree: Agreement) -> list:
     return cached
 
 
-def _wait_first(works: list, first: _First | None, *, op: str, group: dist.ProcessGroup,
+def _wait_first(works: list, first: _First | None, *, op: str, topo: _Topology,
                 timeout: float, what: str) -> None:
     """Wait for a call's first hop, then compare the stamps it carried. A transport error
     (ranks whose sizes differ) is reported as the disagreement when the stamps show one."""
-    topo = _topology(group)
     try:
-        _wait(works, op=op, group=group, timeout=timeout, what=what)
+        _wait(works, op=op, group=topo.group, timeout=timeout, what=what)
     except RuntimeError as exc:
         if first is not None:
             first.land(topo.left)
@@ -222,7 +221,7 @@ def _whole_stamps(agree: Agreement | None, group: dist.ProcessGroup):
     if agree is None:
         return None
     agree.clear_received()
-    return all_gather_single(agree.recv.view(-1), agree.send, group=group, async_op=True)
+    return post_all_gather(agree.recv.view(-1), agree.send, group)
 
 
 def _whole_wait(stamps, work, agree: Agreement | None, *, op: str, group: dist.ProcessGroup,
@@ -245,7 +244,7 @@ def _whole_all_gather(x_shard: torch.Tensor, w: torch.Tensor | None, *, group, r
     gathered = x_shard.new_empty(world * m, k)
     with nvtx.range(f"{op}.chunked.comm[0]"):
         stamps = _whole_stamps(agree, group)
-        work = all_gather_single(gathered, x_shard, group=group, async_op=True)
+        work = post_all_gather(gathered, x_shard, group)
     with nvtx.range(f"{op}.chunked.comm[0].wait"):
         _whole_wait(stamps, work, agree, op=op, group=group, timeout=timeout,
                     what="all-gather of every rank's shard")
@@ -270,10 +269,10 @@ def _whole_reduce(x: torch.Tensor, w: torch.Tensor, *, group, timeout, agree, op
     with nvtx.range(f"{op}.chunked.comm[0]"):
         if scatter:
             out = y.new_empty(y.shape[0] // _topology(group).world, y.shape[1])
-            work = reduce_scatter_single(out, y, group=group, async_op=True)
+            work = post_reduce_scatter(out, y, group)
         else:
             out = y
-            work = dist.all_reduce(out, group=group, async_op=True)
+            work = post_all_reduce(out, group)
     if overlap_with is not None:
         overlap_with()
     with nvtx.range(f"{op}.chunked.comm[0].wait"):
@@ -329,7 +328,7 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
     for t in range(world * s):
         if t in inflight:
             with nvtx.range(f"{op}.chunked.comm[{t}].wait"):
-                _wait_first(inflight.pop(t), first if t == s else None, op=op, group=group,
+                _wait_first(inflight.pop(t), first if t == s else None, op=op, topo=topo,
                             timeout=timeout, what=f"receive of piece {t} from the left "
                                                   f"neighbour (rank {(rank - 1) % world})")
         if t + s < world * s:
@@ -342,7 +341,7 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
                 send, recv = msg, flat[lo * k:hdr + hi * k]
                 first = _First(agree, send, recv)
             with nvtx.range(f"{op}.chunked.comm[{t + s}]"):
-                works = _exchange(group, send, recv, tag=t, agree=agree if t == 0 else None)
+                works = _exchange(topo, send, recv, tag=t, agree=agree if t == 0 else None)
             inflight[t + s] = works
         if w is not None:
             lo, hi = rows(t)
@@ -396,7 +395,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
     def add_received(t: int, part: torch.Tensor) -> None:
         works, buf, _sent = inflight.pop(t)
         with nvtx.range(f"{op}.chunked.comm[{t}].wait"):
-            _wait_first(works, first if t == s else None, op=op, group=group,
+            _wait_first(works, first if t == s else None, op=op, topo=topo,
                         timeout=timeout, what=f"receive of partial sum {t} from the left "
                                               f"neighbour (rank {(rank - 1) % world})")
         part += buf
@@ -415,7 +414,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
                 add_received(t, part)
             buf = recv = x.new_empty(hi - lo, n)
         with nvtx.range(f"{op}.chunked.comm[{t + s}]"):
-            works = _exchange(group, send, recv, tag=t, agree=agree if t == 0 else None)
+            works = _exchange(topo, send, recv, tag=t, agree=agree if t == 0 else None)
         inflight[t + s] = (works, buf, send)
     # Last step: our own block. Its GEMMs need no data from peers, so they and the caller's
     # extra work run while the final hop's partial sums are still travelling.
@@ -438,7 +437,8 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGr
     it) and a ring all-gather of the reduced shards; every rank ends with the same bytes. Two
     ranks exchange their partial products instead (the same bytes in one hop, not two)."""
     op = "matmul_all_reduce"
-    world = _topology(group).world
+    topo = _topology(group)
+    world = topo.world
     if world == 1:
         with nvtx.range(f"{op}.chunked.gemm[0]"):
             return x @ w
@@ -446,7 +446,7 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGr
         return _whole_reduce(x, w, group=group, timeout=timeout, agree=agree, op=op,
                              scatter=False)
     if world == 2:
-        return _exchange_all_reduce(x, w, group=group, pieces=2 * max(1, chunks // 2),
+        return _exchange_all_reduce(x, w, topo=topo, blocks=max(1, chunks // 2),
                                     timeout=timeout, agree=agree, op=op)
     rows = x.shape[0]
     m = -(-rows // world)
@@ -460,38 +460,41 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGr
     return y[:rows]
 
 
-def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGroup,
-                         pieces: int, timeout: float, agree: Agreement | None, op: str
-                         ) -> torch.Tensor:
+def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, topo: _Topology, blocks: int,
+                         timeout: float, agree: Agreement | None, op: str) -> torch.Tensor:
     """Two ranks: each row block's partial product goes to the peer as soon as its GEMM is done
     (the next block's GEMM runs while it travels), and each rank adds the peer's blocks to its
     own. The bytes per rank equal the reduce-scatter + all-gather ring's (M x N), in one hop
-    instead of two, and nothing but the last block's transfer is exposed. Both ranks compute
-    a + b with the same two operands (IEEE addition commutes), so they hold the same bytes.
-    The first block carries the stamps, as a ring's first hop does."""
-    peer = 1 - _topology(group).rank
+    instead of two: a block carries the rows of one ring piece of each rank (``blocks`` = s),
+    and nothing but the last block's transfer is exposed. Both ranks compute a + b with the
+    same two operands (IEEE addition commutes), so they hold the same bytes. The first block
+    carries the stamps, as a ring's first hop does."""
+    peer = topo.peers[0]
     rows, n = x.shape[0], w.shape[1]
     y = x.new_empty(rows, n)
+    rec = nvtx.active()
     first = None
     inflight = []  # (works, received block, own partial, rows, the tensor sent: kept alive)
-    for i, (lo, hi) in enumerate(split_bounds(rows, pieces)):
-        with nvtx.range(f"{op}.chunked.gemm[{i}]"):
+    for i, (lo, hi) in enumerate(split_bounds(rows, blocks)):
+        whole = hi - lo == rows  # one block: no views to cut
+        xi, yi = (x, y) if whole else (x[lo:hi], y[lo:hi])
+        with nvtx.range(f"{op}.chunked.gemm[{i}]") if rec else nvtx.NULL:
             if i == 0 and agree is not None:  # the first partial is computed behind the stamp
                 send, part = _message(x, hi - lo, n)
-                torch.matmul(x[lo:hi], w, out=part)
+                torch.matmul(xi, w, out=part)
                 recv, buf = _message(x, hi - lo, n)
                 first = _First(agree, send, recv)
             else:
-                part = send = torch.matmul(x[lo:hi], w, out=y[lo:hi])
+                part = send = torch.matmul(xi, w, out=yi)
                 buf = recv = x.new_empty(hi - lo, n)
-        with nvtx.range(f"{op}.chunked.comm[{i}]"):
-            works = _exchange(group, send, recv, tag=i, agree=agree if i == 0 else None)
-        inflight.append((works, buf, part, lo, hi, send))
-    for i, (works, buf, part, lo, hi, _sent) in enumerate(inflight):
-        with nvtx.range(f"{op}.chunked.comm[{i}].wait"):
-            _wait_first(works, first if i == 0 else None, op=op, group=group, timeout=timeout,
+        with nvtx.range(f"{op}.chunked.comm[{i}]") if rec else nvtx.NULL:
+            works = _exchange(topo, send, recv, tag=i, agree=agree if i == 0 else None)
+        inflight.append((works, buf, part, yi, send))
+    for i, (works, buf, part, yi, _sent) in enumerate(inflight):
+        with nvtx.range(f"{op}.chunked.comm[{i}].wait") if rec else nvtx.NULL:
+            _wait_first(works, first if i == 0 else None, op=op, topo=topo, timeout=timeout,
                         what=f"exchange of partial product block {i} with rank {peer}")
-        torch.add(part, buf, out=y[lo:hi])
+        torch.add(part, buf, out=yi)
     if agree is not None:
         agree.poison(y)
     return y

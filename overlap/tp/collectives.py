@@ -8,12 +8,15 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import (AllgatherOptions, AllreduceOptions,
+                                               ReduceScatterOptions)
 
 from overlap.defaults import TIMEOUT_S
 from overlap.profile.timers import comm_wait
 
 __all__ = ["TIMEOUT", "wait", "all_reduce_async", "all_reduce", "split_dim", "all_gather_dim",
-           "reduce_scatter_dim", "all_gather_single", "reduce_scatter_single"]
+           "reduce_scatter_dim", "all_gather_single", "reduce_scatter_single",
+           "post_all_reduce", "post_all_gather", "post_reduce_scatter"]
 
 TIMEOUT = TIMEOUT_S  # overlap.defaults
 
@@ -21,6 +24,54 @@ TIMEOUT = TIMEOUT_S  # overlap.defaults
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
                          or dist.reduce_scatter_tensor)
+
+# The hot path posts its collectives on the process group itself: torch.distributed's wrappers
+# re-check what the op's validation already holds (one plain tensor, a group this rank is in,
+# no coalescing) and cost ~15 us of host time per call. Same ops, same order, same backend
+# (nccl_twin overrides these methods). Anything else takes the public API.
+_AG_METHOD = ("all_gather_single" if hasattr(dist.ProcessGroup, "all_gather_single")
+              else "_allgather_base")
+_RS_METHOD = ("reduce_scatter_single" if hasattr(dist.ProcessGroup, "reduce_scatter_single")
+              else "_reduce_scatter_base")
+
+
+def _options(kind, reduce: bool):
+    opts = kind()
+    if reduce:
+        opts.reduceOp = dist.ReduceOp.SUM
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = True
+    return opts
+
+
+_AR_OPTS = _options(AllreduceOptions, True)
+_AG_OPTS = _options(AllgatherOptions, False)
+_RS_OPTS = _options(ReduceScatterOptions, True)
+
+
+def _direct(group, *tensors) -> bool:
+    return group is not None and all(type(t) is torch.Tensor for t in tensors)
+
+
+def post_all_reduce(t: torch.Tensor, group):
+    """Start a sum all-reduce of ``t`` in place on ``group``; returns its work."""
+    if _direct(group, t):
+        return group.allreduce([t], _AR_OPTS)
+    return dist.all_reduce(t, group=group, async_op=True)
+
+
+def post_all_gather(out: torch.Tensor, x: torch.Tensor, group):
+    """Start gathering every rank's ``x`` into ``out`` (dim 0, rank order); returns its work."""
+    if _direct(group, out, x):
+        return getattr(group, _AG_METHOD)(out, x, _AG_OPTS)
+    return all_gather_single(out, x, group=group, async_op=True)
+
+
+def post_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group):
+    """Start summing ``x`` over ranks into this rank's dim-0 piece ``out``; returns its work."""
+    if _direct(group, out, x):
+        return getattr(group, _RS_METHOD)(out, x, _RS_OPTS)
+    return reduce_scatter_single(out, x, group=group, async_op=True)
 
 
 def wait(work, *, op: str, group, timeout: float = TIMEOUT, axis: str = "tp") -> None:
@@ -37,9 +88,9 @@ def wait(work, *, op: str, group, timeout: float = TIMEOUT, axis: str = "tp") ->
 
 def all_reduce_async(t: torch.Tensor, *, group):
     """Start an in-place sum all-reduce of ``t``; returns the work handle (None if tp == 1)."""
-    if dist.get_world_size(group) == 1:
+    if _size(group) == 1:
         return None
-    return dist.all_reduce(t, group=group, async_op=True)
+    return post_all_reduce(t, group)
 
 
 def all_reduce(t: torch.Tensor, *, group, op: str, timeout: float = TIMEOUT) -> torch.Tensor:
@@ -47,6 +98,10 @@ def all_reduce(t: torch.Tensor, *, group, op: str, timeout: float = TIMEOUT) -> 
     if work is not None:
         wait(work, op=op, group=group, timeout=timeout)
     return t
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if group is None else group.size()
 
 
 def split_dim(x: torch.Tensor, dim: int, *, group, sizes: list[int] | None = None
@@ -64,7 +119,7 @@ def split_dim(x: torch.Tensor, dim: int, *, group, sizes: list[int] | None = Non
 def all_gather_dim(x: torch.Tensor, dim: int, *, group, sizes: list[int] | None = None,
                    op: str = "all_gather", timeout: float = TIMEOUT) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``; uneven ``sizes`` are padded for the wire."""
-    tp = dist.get_world_size(group)
+    tp = _size(group)
     if tp == 1:
         return x
     dim = dim % x.dim()
@@ -75,8 +130,7 @@ def all_gather_dim(x: torch.Tensor, dim: int, *, group, sizes: list[int] | None 
         x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
     x = x.contiguous()
     out = x.new_empty((tp * x.shape[0], *x.shape[1:]))
-    wait(all_gather_single(out, x, group=group, async_op=True), op=op, group=group,
-         timeout=timeout)
+    wait(post_all_gather(out, x, group), op=op, group=group, timeout=timeout)
     if sizes is not None:
         rows = out.shape[0] // tp
         out = torch.cat([out[r * rows: r * rows + s] for r, s in enumerate(sizes)])
@@ -86,12 +140,11 @@ def all_gather_dim(x: torch.Tensor, dim: int, *, group, sizes: list[int] | None 
 def reduce_scatter_dim(x: torch.Tensor, dim: int, *, group, op: str = "reduce_scatter",
                        timeout: float = TIMEOUT) -> torch.Tensor:
     """Sum ``x`` over the group and keep this rank's 1/tp piece along ``dim``."""
-    tp = dist.get_world_size(group)
+    tp = _size(group)
     if tp == 1:
         return x
     dim = dim % x.dim()
     x = (x.movedim(dim, 0) if dim else x).contiguous()
     out = x.new_empty((x.shape[0] // tp, *x.shape[1:]))
-    wait(reduce_scatter_single(out, x, group=group, async_op=True), op=op, group=group,
-         timeout=timeout)
+    wait(post_reduce_scatter(out, x, group), op=op, group=group, timeout=timeout)
     return out.movedim(0, dim) if dim else out

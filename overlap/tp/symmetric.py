@@ -163,7 +163,7 @@ def matmul_all_reduce(context: TPContext, x: torch.Tensor, w: torch.Tensor, *,
                 f"a {rows} x {w.shape[1]} {x.dtype} product")
     s = max(1, chunks // world)
     if world == 2:
-        return _exchange_all_reduce(context, x, w, pieces=2 * s, op=op)
+        return _exchange_all_reduce(context, x, w, blocks=s, op=op)
     if rows % world:  # zero rows make M divisible; they reduce to zeros and are dropped
         x = torch.cat([x, x.new_zeros(m * world - rows, x.shape[1])])
     p = context.next_phase()
@@ -174,7 +174,7 @@ def matmul_all_reduce(context: TPContext, x: torch.Tensor, w: torch.Tensor, *,
     return y[:rows]
 
 
-def _exchange_all_reduce(context: TPContext, x: torch.Tensor, w: torch.Tensor, *, pieces: int,
+def _exchange_all_reduce(context: TPContext, x: torch.Tensor, w: torch.Tensor, *, blocks: int,
                          op: str) -> torch.Tensor:
     """Two ranks: each row block's partial product is pushed into the peer's buffer as soon as
     its GEMM is done (the next block's GEMM runs meanwhile), then each rank adds the peer's
@@ -182,7 +182,8 @@ def _exchange_all_reduce(context: TPContext, x: torch.Tensor, w: torch.Tensor, *
     reduce-scatter + all-gather, with one signal round instead of two and one copier handoff
     per block; the two ranks add the same two operands (IEEE addition commutes), so they hold
     the same bytes. Slots as in matmul_reduce_scatter: READY = the sender's rank, ACK = world +
-    the reader's rank; the halves alternate by phase parity."""
+    the reader's rank; the halves alternate by phase parity. A block holds the rows of one
+    ring piece of each rank (``blocks`` = s), so a block is one hop where the ring takes two."""
     ws, copier = context.ws, context.copier
     rank, world = ws.rank, ws.world
     peer = 1 - rank
@@ -192,7 +193,7 @@ def _exchange_all_reduce(context: TPContext, x: torch.Tensor, w: torch.Tensor, *
     at = (p % 2) * blk
     dst = ws.view(peer, x.dtype, (rows, n), at)
     y = x.new_empty(rows, n)
-    bounds = split_bounds(rows, pieces)
+    bounds = split_bounds(rows, blocks)
     for i, (lo, hi) in enumerate(bounds):
         with nvtx.range(f"{op}.symmetric.gemm[{i}]"):
             part = torch.matmul(x[lo:hi], w, out=y[lo:hi])
