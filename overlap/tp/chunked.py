@@ -292,8 +292,9 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
     ``w=None`` only gathers (y is None)."""
     topo = _topology(group)
     rank, world = topo.rank, topo.world
+    rec = nvtx.active()
     if world == 1:
-        with nvtx.range(f"{op}.chunked.gemm[0]"):
+        with nvtx.range(f"{op}.chunked.gemm[0]") if rec else nvtx.NULL:
             return (None if w is None else x_shard @ w), (x_shard if return_gathered else None)
     x_shard = x_shard.contiguous()
     if chunks == 1:
@@ -327,7 +328,7 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
     first = None  # the first hop's messages, with the neighbours' stamps in front
     for t in range(world * s):
         if t in inflight:
-            with nvtx.range(f"{op}.chunked.comm[{t}].wait"):
+            with nvtx.range(f"{op}.chunked.comm[{t}].wait") if rec else nvtx.NULL:
                 _wait_first(inflight.pop(t), first if t == s else None, op=op, topo=topo,
                             timeout=timeout, what=f"receive of piece {t} from the left "
                                                   f"neighbour (rank {(rank - 1) % world})")
@@ -340,12 +341,12 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
                 body.copy_(send)
                 send, recv = msg, flat[lo * k:hdr + hi * k]
                 first = _First(agree, send, recv)
-            with nvtx.range(f"{op}.chunked.comm[{t + s}]"):
+            with nvtx.range(f"{op}.chunked.comm[{t + s}]") if rec else nvtx.NULL:
                 works = _exchange(topo, send, recv, tag=t, agree=agree if t == 0 else None)
             inflight[t + s] = works
         if w is not None:
             lo, hi = rows(t)
-            with nvtx.range(f"{op}.chunked.gemm[{t}]"):
+            with nvtx.range(f"{op}.chunked.gemm[{t}]") if rec else nvtx.NULL:
                 torch.matmul(piece(t), w, out=y[lo:hi])
     if return_gathered or w is None:
         gathered[rank * m:(rank + 1) * m].copy_(x_shard)
@@ -365,8 +366,9 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
     op is done and only the last hop's transfers are in flight, then the op waits for them."""
     topo = _topology(group)
     rank, world = topo.rank, topo.world
+    rec = nvtx.active()
     if world == 1:
-        with nvtx.range(f"{op}.chunked.gemm[0]"):
+        with nvtx.range(f"{op}.chunked.gemm[0]") if rec else nvtx.NULL:
             y = x @ w
         if overlap_with is not None:
             overlap_with()
@@ -389,12 +391,12 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
         j, p = divmod(t, s)
         d = (rank - 1 - j) % world
         lo, hi = d * m + pieces[p][0], d * m + pieces[p][1]
-        with nvtx.range(f"{op}.chunked.gemm[{t}]"):
+        with nvtx.range(f"{op}.chunked.gemm[{t}]") if rec else nvtx.NULL:
             return torch.matmul(x[lo:hi], w, out=out)
 
     def add_received(t: int, part: torch.Tensor) -> None:
         works, buf, _sent = inflight.pop(t)
-        with nvtx.range(f"{op}.chunked.comm[{t}].wait"):
+        with nvtx.range(f"{op}.chunked.comm[{t}].wait") if rec else nvtx.NULL:
             _wait_first(works, first if t == s else None, op=op, topo=topo,
                         timeout=timeout, what=f"receive of partial sum {t} from the left "
                                               f"neighbour (rank {(rank - 1) % world})")
@@ -413,7 +415,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
             if t >= s:
                 add_received(t, part)
             buf = recv = x.new_empty(hi - lo, n)
-        with nvtx.range(f"{op}.chunked.comm[{t + s}]"):
+        with nvtx.range(f"{op}.chunked.comm[{t + s}]") if rec else nvtx.NULL:
             works = _exchange(topo, send, recv, tag=t, agree=agree if t == 0 else None)
         inflight[t + s] = (works, buf, send)
     # Last step: our own block. Its GEMMs need no data from peers, so they and the caller's

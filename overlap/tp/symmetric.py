@@ -4,8 +4,9 @@ Each function runs one op on a TPContext (workspace + phase + copier; one op in 
 context) with 2-D inputs validated by overlap.tp.ops. all_gather_matmul pulls peers' shards
 piece by piece while the GEMM consumes them; matmul_reduce_scatter pushes partial blocks into
 their owners' slots and sums the received ones in fp32; matmul_all_reduce is the reduce-scatter
-then an all-gather through a second region (two ranks: one exchange of the partial products). Signals are phase counters (READY, ACK) and the
-buffers are double-buffered by phase parity, so back-to-back calls never overwrite unread data.
+then an all-gather through a second region (two ranks: one exchange of the partial products).
+Signals are phase counters (READY, ACK) and the buffers are double-buffered by phase parity, so
+back-to-back calls never overwrite unread data.
 The protocol in full: docs/design/tp.md.
 
 Shape legend (per rank; ``world`` ranks, ``r`` = this rank, ``p`` = the call's phase):
@@ -57,6 +58,7 @@ def all_gather_matmul(context: TPContext, x_shard: torch.Tensor, w: torch.Tensor
                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(y [M, N], gathered [M, K] or None); ``w=None`` only gathers."""
     ws, copier = context.ws, context.copier
+    rec = nvtx.active()
     rank, world = ws.rank, ws.world
     x_shard = x_shard.contiguous()
     m, k = x_shard.shape
@@ -66,7 +68,7 @@ def all_gather_matmul(context: TPContext, x_shard: torch.Tensor, w: torch.Tensor
     at = offset + (p % 2) * half
     peers = [(rank + j) % world for j in range(1, world)]
 
-    with nvtx.range(f"{op}.symmetric.comm[publish]"):
+    with nvtx.range(f"{op}.symmetric.comm[publish]") if rec else nvtx.NULL:
         if p > 2:  # every reader of phase p - 2 is done with this half
             for q in peers:
                 ws.wait(base + world + q, p - 2, peer=q)
@@ -83,7 +85,7 @@ def all_gather_matmul(context: TPContext, x_shard: torch.Tensor, w: torch.Tensor
         src = ws.view(q, x_shard.dtype, (m, k), at)
         for i, (lo, hi) in enumerate(pieces):
             def pull(q=q, src=src, lo=lo, hi=hi, i=i) -> None:
-                with nvtx.range(f"{op}.symmetric.comm[{q}.{i}]"):
+                with nvtx.range(f"{op}.symmetric.comm[{q}.{i}]") if rec else nvtx.NULL:
                     if i == 0:
                         ws.wait(base + q, p, peer=q)
                     gathered[q * m + lo:q * m + hi].copy_(src[lo:hi])
@@ -94,14 +96,14 @@ def all_gather_matmul(context: TPContext, x_shard: torch.Tensor, w: torch.Tensor
     y = None
     if w is not None:
         y = x_shard.new_empty(world * m, w.shape[1])
-        with nvtx.range(f"{op}.symmetric.gemm[{rank}]"):
+        with nvtx.range(f"{op}.symmetric.gemm[{rank}]") if rec else nvtx.NULL:
             torch.matmul(x_shard, w, out=y[rank * m:(rank + 1) * m])
     if return_gathered or w is None:
         gathered[rank * m:(rank + 1) * m].copy_(x_shard)
     for q, lo, hi, ticket in tickets:
         copier.wait(ticket, f"{op} (rank {rank}, pulling rank {q}'s shard)")
         if w is not None:
-            with nvtx.range(f"{op}.symmetric.gemm[{q}.{lo}]"):
+            with nvtx.range(f"{op}.symmetric.gemm[{q}.{lo}]") if rec else nvtx.NULL:
                 torch.matmul(gathered[q * m + lo:q * m + hi], w, out=y[q * m + lo:q * m + hi])
     return y, (gathered if return_gathered or w is None else None)
 
@@ -112,6 +114,7 @@ def matmul_reduce_scatter(context: TPContext, x: torch.Tensor, w: torch.Tensor, 
                           offset: int = 0, base: int = 0) -> torch.Tensor:
     """y_shard [m, N]; ``overlap_with`` runs after every GEMM, while peers' pushes land."""
     ws, copier = context.ws, context.copier
+    rec = nvtx.active()
     rank, world = ws.rank, ws.world
     m, n = x.shape[0] // world, w.shape[1]
     blk = align(m * n * x.element_size())
@@ -124,18 +127,18 @@ def matmul_reduce_scatter(context: TPContext, x: torch.Tensor, w: torch.Tensor, 
         d = (rank + j) % world
         dst = ws.view(d, x.dtype, (m, n), at + rank * blk)
         for i, (lo, hi) in enumerate(pieces):
-            with nvtx.range(f"{op}.symmetric.gemm[{d}.{i}]"):
+            with nvtx.range(f"{op}.symmetric.gemm[{d}.{i}]") if rec else nvtx.NULL:
                 part = x[d * m + lo:d * m + hi] @ w
 
             def push(d=d, dst=dst, lo=lo, hi=hi, i=i, part=part) -> None:
-                with nvtx.range(f"{op}.symmetric.comm[{d}.{i}]"):
+                with nvtx.range(f"{op}.symmetric.comm[{d}.{i}]") if rec else nvtx.NULL:
                     if i == 0 and p > 2:  # d has reduced what we pushed at p - 2
                         ws.wait(base + world + d, p - 2, peer=d)
                     dst[lo:hi].copy_(part)
                     if i == len(pieces) - 1:
                         ws.signal(d, base + rank, p)
             copier.submit(push, part)
-    with nvtx.range(f"{op}.symmetric.gemm[{rank}]"):
+    with nvtx.range(f"{op}.symmetric.gemm[{rank}]") if rec else nvtx.NULL:
         acc = x[rank * m:(rank + 1) * m] @ w
     if overlap_with is not None:
         overlap_with()
@@ -144,7 +147,7 @@ def matmul_reduce_scatter(context: TPContext, x: torch.Tensor, w: torch.Tensor, 
     acc = acc.to(torch.promote_types(acc.dtype, torch.float32))  # fp32 or wider: fp64 stays
     for j in range(1, world):
         q = (rank - j) % world
-        with nvtx.range(f"{op}.symmetric.comm[{q}].reduce"):
+        with nvtx.range(f"{op}.symmetric.comm[{q}].reduce") if rec else nvtx.NULL:
             ws.wait(base + q, p, peer=q)
             acc += ws.view(rank, x.dtype, (m, n), at + q * blk)
             ws.signal(q, base + world + rank, p)  # q may refill this slot at phase p + 2
@@ -185,6 +188,7 @@ def _exchange_all_reduce(context: TPContext, x: torch.Tensor, w: torch.Tensor, *
     the reader's rank; the halves alternate by phase parity. A block holds the rows of one
     ring piece of each rank (``blocks`` = s), so a block is one hop where the ring takes two."""
     ws, copier = context.ws, context.copier
+    rec = nvtx.active()
     rank, world = ws.rank, ws.world
     peer = 1 - rank
     rows, n = x.shape[0], w.shape[1]
@@ -195,11 +199,11 @@ def _exchange_all_reduce(context: TPContext, x: torch.Tensor, w: torch.Tensor, *
     y = x.new_empty(rows, n)
     bounds = split_bounds(rows, blocks)
     for i, (lo, hi) in enumerate(bounds):
-        with nvtx.range(f"{op}.symmetric.gemm[{i}]"):
+        with nvtx.range(f"{op}.symmetric.gemm[{i}]") if rec else nvtx.NULL:
             part = torch.matmul(x[lo:hi], w, out=y[lo:hi])
 
         def push(i=i, lo=lo, hi=hi, part=part) -> None:
-            with nvtx.range(f"{op}.symmetric.comm[{peer}.{i}]"):
+            with nvtx.range(f"{op}.symmetric.comm[{peer}.{i}]") if rec else nvtx.NULL:
                 if i == 0 and p > 2:  # the peer has added what we pushed at p - 2
                     ws.wait(world + peer, p - 2, peer=peer)
                 dst[lo:hi].copy_(part)
@@ -209,7 +213,7 @@ def _exchange_all_reduce(context: TPContext, x: torch.Tensor, w: torch.Tensor, *
     # Our pushes first: the peer is waiting for them (on CPU the waiter may run them itself).
     copier.drain(f"{op} (rank {rank}, pushing partial products)")
     acc = y.to(torch.promote_types(y.dtype, torch.float32))  # fp32 or wider: fp64 stays
-    with nvtx.range(f"{op}.symmetric.comm[{peer}].reduce"):
+    with nvtx.range(f"{op}.symmetric.comm[{peer}].reduce") if rec else nvtx.NULL:
         ws.wait(peer, p, peer=peer)
         acc += ws.view(rank, x.dtype, (rows, n), at)
         ws.signal(peer, world + rank, p)  # the peer may refill this half at phase p + 2
