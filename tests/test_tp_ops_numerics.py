@@ -218,3 +218,30 @@ def test_all_reduce_leaves_the_same_bytes_on_every_rank(world, backend):
             assert same, (rank, dtype, m, chunks)
             assert rel <= (1e-5 if dtype == "torch.float32" else 2e-2), (rank, dtype, m, chunks,
                                                                           rel)
+
+
+def _exchange_big(backend):
+    from overlap.tp import TPComm, matmul_all_reduce
+
+    g, r = dist.group.WORLD, dist.get_rank()
+    out = []
+    for chunks in (2, 4):  # one block, then two (the copier's path on symmetric)
+        with TPComm(g, backend=backend, chunks=chunks) as comm:
+            for call in range(4):  # phases 1-4: both halves of the buffer, each refilled once
+                gen = torch.Generator().manual_seed(100 * call + chunks + r)
+                x = torch.randn(512, 64, generator=gen)
+                w = torch.randn(64, 2048, generator=gen)
+                y = matmul_all_reduce(x, w, comm=comm)
+                ref = sum(a.double() @ b.double() for a, b in _every(x, w, g, 2))
+                out.append((chunks, call, _rel(y, ref)))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["chunked", "symmetric"])
+def test_two_rank_exchange_adds_only_finished_blocks(backend):
+    # A 4 MiB partial per rank: its copy takes long enough that a peer reading a block before
+    # it is complete (a READY signalled before the copy, an ACK not waited for) reads stale or
+    # zero rows, far outside the fp32 bound (K = 64 products and one addition per element).
+    for rank, rows in enumerate(run_ranks(_exchange_big, 2, backend, timeout=120)):
+        for chunks, call, rel in rows:
+            assert rel <= 1e-5, (rank, chunks, call, rel)

@@ -28,7 +28,7 @@ __all__ = ["AUTO", "ChunkRace", "candidates", "TRIALS", "MAX_RACE", "MARGIN"]
 AUTO = "auto"
 TRIALS = 5  # timed calls per (shape, piece count), after one settling call
 MAX_RACE = 256  # calls of one op after which it decides with what it has
-MARGIN = 0.05  # pieces are chosen only when at least this much faster than whole
+MARGIN = 0.05  # pieces beat whole, and more pieces fewer, only when this much faster
 
 
 def candidates(op: str, rows: int, world: int) -> list[int]:
@@ -43,6 +43,18 @@ def _whole_turn(n: int) -> bool:
     """Whether the op's n-th race call runs whole: a fixed pseudo-random bit of n (so shapes
     that alternate do not always land on the same kind), the same on every rank."""
     return ((n * 0x9E3779B1) >> 11) & 1 == 1
+
+
+def _fewest(times: dict, key: tuple, cands: list[int]) -> tuple[float, int]:
+    """(time, count) of the piece count to use: a larger count (more messages, more host work
+    per call) replaces a smaller one only when at least MARGIN faster, as pieces must beat
+    whole; ``cands`` ascending."""
+    best_t, best_c = times[(key, cands[0])], cands[0]
+    for c in cands[1:]:
+        t = times[(key, c)]
+        if t < (1.0 - MARGIN) * best_t:
+            best_t, best_c = t, c
+    return best_t, best_c
 
 
 class _Timer:
@@ -145,7 +157,7 @@ class ChunkRace:
         whole = pieces = 0.0
         for key, e in self.entries.items():
             t_whole = slowest[(key, 1)]
-            t_pieces, c = min((slowest[(key, c)], c) for c in e["cands"])
+            t_pieces, c = _fewest(slowest, key, e["cands"])
             self.best[key] = c if t_pieces != inf else self.comm.world
             if t_whole != inf and t_pieces != inf:
                 whole += e["calls"] * t_whole

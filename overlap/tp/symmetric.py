@@ -183,7 +183,7 @@ def _exchange_all_reduce(context: TPContext, x: torch.Tensor, w: torch.Tensor, *
     its GEMM is done (the next block's GEMM runs meanwhile), then each rank adds the peer's
     whole partial to its own, in fp32 or wider. The same M x N bytes per rank as the
     reduce-scatter + all-gather, with one signal round instead of two and one copier handoff
-    per block; the two ranks add the same two operands (IEEE addition commutes), so they hold
+    per block (one block: pushed in stream order, no handoff); the two ranks add the same two operands (IEEE addition commutes), so they hold
     the same bytes. Slots as in matmul_reduce_scatter: READY = the sender's rank, ACK = world +
     the reader's rank; the halves alternate by phase parity. A block holds the rows of one
     ring piece of each rank (``blocks`` = s), so a block is one hop where the ring takes two."""
@@ -198,20 +198,27 @@ def _exchange_all_reduce(context: TPContext, x: torch.Tensor, w: torch.Tensor, *
     dst = ws.view(peer, x.dtype, (rows, n), at)
     y = x.new_empty(rows, n)
     bounds = split_bounds(rows, blocks)
-    for i, (lo, hi) in enumerate(bounds):
-        with nvtx.range(f"{op}.symmetric.gemm[{i}]") if rec else nvtx.NULL:
-            part = torch.matmul(x[lo:hi], w, out=y[lo:hi])
+    last = len(bounds) - 1
 
-        def push(i=i, lo=lo, hi=hi, part=part) -> None:
-            with nvtx.range(f"{op}.symmetric.comm[{peer}.{i}]") if rec else nvtx.NULL:
-                if i == 0 and p > 2:  # the peer has added what we pushed at p - 2
-                    ws.wait(world + peer, p - 2, peer=peer)
-                dst[lo:hi].copy_(part)
-                if i == len(bounds) - 1:
-                    ws.signal(peer, rank, p)
-        copier.submit(push, part)
-    # Our pushes first: the peer is waiting for them (on CPU the waiter may run them itself).
-    copier.drain(f"{op} (rank {rank}, pushing partial products)")
+    def push(i: int, lo: int, hi: int, part: torch.Tensor) -> None:
+        with nvtx.range(f"{op}.symmetric.comm[{peer}.{i}]") if rec else nvtx.NULL:
+            if i == 0 and p > 2:  # the peer has added what we pushed at p - 2
+                ws.wait(world + peer, p - 2, peer=peer)
+            (dst if last == 0 else dst[lo:hi]).copy_(part)
+            if i == last:
+                ws.signal(peer, rank, p)
+
+    if last == 0:  # one block: no GEMM left to hide the push under, so it runs in stream order
+        with nvtx.range(f"{op}.symmetric.gemm[0]") if rec else nvtx.NULL:
+            torch.matmul(x, w, out=y)
+        push(0, 0, rows, y)
+    else:
+        for i, (lo, hi) in enumerate(bounds):
+            with nvtx.range(f"{op}.symmetric.gemm[{i}]") if rec else nvtx.NULL:
+                part = torch.matmul(x[lo:hi], w, out=y[lo:hi])
+            copier.submit(lambda i=i, lo=lo, hi=hi, part=part: push(i, lo, hi, part), part)
+        # Our pushes first: the peer is waiting for them (on CPU the waiter may run them).
+        copier.drain(f"{op} (rank {rank}, pushing partial products)")
     acc = y.to(torch.promote_types(y.dtype, torch.float32))  # fp32 or wider: fp64 stays
     with nvtx.range(f"{op}.symmetric.comm[{peer}].reduce") if rec else nvtx.NULL:
         ws.wait(peer, p, peer=peer)
