@@ -165,13 +165,19 @@ def _wait_first(works: list, first: _First | None, *, op: str, topo: _Topology,
         first.agree.verify(op, topo.peers)
 
 
+_deltas: dict[float, timedelta] = {}  # a communicator's timeout, converted once
+
+
 def _wait(works: list, *, op: str, group: dist.ProcessGroup, timeout: float, what: str) -> None:
     """Wait for ``works`` (each exactly once) within ``timeout`` seconds; a timeout or a peer
     that died surfaces naming the op, the group, this rank and the step."""
     try:
+        delta = _deltas.get(timeout)
+        if delta is None:
+            delta = _deltas[timeout] = timedelta(seconds=timeout)
         with comm_wait("tp.chunked"):
             for work in works:
-                work.wait(timeout=timedelta(seconds=timeout))
+                work.wait(timeout=delta)
     except RuntimeError as exc:
         ranks = dist.get_process_group_ranks(group)
         text = str(exc)
@@ -317,30 +323,40 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
         src = (rank - j) % world
         return src * m + pieces[p][0], src * m + pieces[p][1]
 
+    views: dict[int, torch.Tensor] = {}  # piece t's rows, cut once (it is sent and multiplied)
+
     def piece(t: int) -> torch.Tensor:
-        if t < s:  # our own shard: send straight from the input
-            return x_shard[pieces[t][0]:pieces[t][1]]
-        lo, hi = rows(t)
-        return gathered[lo:hi]
+        v = views.get(t)
+        if v is None:
+            if t < s:  # our own shard: send straight from the input
+                v = x_shard if s == 1 else x_shard[pieces[t][0]:pieces[t][1]]
+            else:
+                lo, hi = rows(t)
+                v = gathered[lo:hi]
+            views[t] = v
+        return v
 
     # Every work is waited exactly once (a gloo send work waited twice waits for a second send).
     inflight: dict[int, list] = {}
     first = None  # the first hop's messages, with the neighbours' stamps in front
+    left = (rank - 1) % world
     for t in range(world * s):
         if t in inflight:
             with nvtx.range(f"{op}.chunked.comm[{t}].wait") if rec else nvtx.NULL:
                 _wait_first(inflight.pop(t), first if t == s else None, op=op, topo=topo,
-                            timeout=timeout, what=f"receive of piece {t} from the left "
-                                                  f"neighbour (rank {(rank - 1) % world})")
+                            timeout=timeout,
+                            what=f"receive of piece {t} from the left neighbour (rank {left})")
         if t + s < world * s:
             # Forward this piece and receive the one we multiply s steps from now.
-            lo, hi = rows(t + s)
-            send, recv = piece(t), gathered[lo:hi]
             if t == 0 and agree is not None:  # our first piece goes behind our stamp
+                lo, hi = rows(s)
+                send = piece(0)
                 msg, body = _message(x_shard, send.shape[0], k)
                 body.copy_(send)
                 send, recv = msg, flat[lo * k:hdr + hi * k]
                 first = _First(agree, send, recv)
+            else:
+                send, recv = piece(t), piece(t + s)
             with nvtx.range(f"{op}.chunked.comm[{t + s}]") if rec else nvtx.NULL:
                 works = _exchange(topo, send, recv, tag=t, agree=agree if t == 0 else None)
             inflight[t + s] = works
