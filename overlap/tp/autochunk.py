@@ -3,8 +3,9 @@
 Two kinds of call exist: **whole** (``chunks=1``: the whole collective, then the whole GEMM) and
 **pieces** (``chunks = world x s``, s = 1, 2, 4: the collective chunk by chunk under the GEMM).
 During the communicator's first calls (its race) each (op, shape, count) is timed; then one
-all-reduce of each candidate's fastest call (the least disturbed by other work; the slowest
-rank's) picks the communicator's kind and each (op, shape)'s piece count.
+all-reduce of each candidate's second-fastest call (little disturbed by other work, and not a
+lone lucky call; the slowest rank's) picks the communicator's kind and each (op, shape)'s
+piece count.
 
 Contract: the kind of a call is a function of its call number and of tables every rank holds
 alike, so ranks that disagree on a call still post the same kind of transfer and the call's
@@ -43,6 +44,14 @@ def _whole_turn(n: int) -> bool:
     """Whether the op's n-th race call runs whole: a fixed pseudo-random bit of n (so shapes
     that alternate do not always land on the same kind), the same on every rank."""
     return ((n * 0x9E3779B1) >> 11) & 1 == 1
+
+
+def _score(times: list[float]) -> float:
+    """A candidate's time: its second-fastest call. Noise on a shared machine only adds time,
+    so the fast end is the op's own cost; but a transfer pattern that is fast only now and then
+    (one lucky call) must not win, so the very fastest is not trusted alone."""
+    times = sorted(times)
+    return times[min(1, len(times) - 1)]
 
 
 def _fewest(times: dict, key: tuple, cands: list[int]) -> tuple[float, int]:
@@ -142,11 +151,10 @@ class ChunkRace:
 
     def _decide(self) -> None:
         # Every rank holds the same entries in the same order (they made the same calls), so
-        # the flat vector of best times lines up across ranks; a missing one is +inf. The best
-        # (fastest) call of each candidate: the one least disturbed by other work.
+        # the flat vector of scores lines up across ranks; a missing one is +inf.
         rows = [(key, c) for key, e in self.entries.items() for c in [1] + e["cands"]]
         best = torch.tensor(
-            [min(_Timer.seconds(t) for t in self.entries[k]["times"][c])
+            [_score([_Timer.seconds(t) for t in self.entries[k]["times"][c]])
              if self.entries[k]["times"].get(c) else float("inf") for k, c in rows],
             dtype=torch.float64)
         work = dist.all_reduce(best, op=dist.ReduceOp.MAX, group=self.comm.group,
