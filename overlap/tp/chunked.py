@@ -489,7 +489,8 @@ def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, topo: _Topology, b
     carries the stamps, as a ring's first hop does."""
     peer = topo.peers[0]
     rows, n = x.shape[0], w.shape[1]
-    y = x.new_empty(rows, n)
+    stamped_whole = blocks == 1 and agree is not None  # the sum lands in the sent message
+    y = None if stamped_whole else x.new_empty(rows, n)
     rec = nvtx.active()
     first = None
     inflight = []  # (works, received block, own partial, rows, the tensor sent: kept alive)
@@ -512,7 +513,10 @@ def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, topo: _Topology, b
         with nvtx.range(f"{op}.chunked.comm[{i}].wait") if rec else nvtx.NULL:
             _wait_first(works, first if i == 0 else None, op=op, topo=topo, timeout=timeout,
                         what=f"exchange of partial product block {i} with rank {peer}")
-        torch.add(part, buf, out=yi)
+        if stamped_whole:  # the send is complete: its body may take the sum
+            y = part.add_(buf)
+        else:
+            torch.add(part, buf, out=yi)
     if agree is not None:
         agree.poison(y)
     return y
