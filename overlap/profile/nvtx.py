@@ -21,7 +21,7 @@ import torch.autograd.profiler as _autograd_profiler
 
 from overlap.profile import names
 
-__all__ = ["range", "step", "enabled", "recording", "active", "NULL"]
+__all__ = ["range", "step", "enabled", "recording"]
 
 _ENABLED = os.environ.get("OVERLAP_NVTX", "1") != "0"
 _CUDA: bool | None = None
@@ -43,13 +43,7 @@ def _cuda() -> bool:
     return _CUDA
 
 
-_NULL = NULL = contextlib.nullcontext()
-
-
-def active() -> bool:
-    """Whether a (not required) range records now. A loop that opens many ranges asks once and
-    uses ``NULL`` instead of ``range(...)`` when not: no call, no name built per range."""
-    return _ENABLED and recording()
+_NULL = contextlib.nullcontext()
 
 
 def range(name: str, *, required: bool = False  # noqa: A001

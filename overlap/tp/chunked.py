@@ -165,19 +165,13 @@ def _wait_first(works: list, first: _First | None, *, op: str, topo: _Topology,
         first.agree.verify(op, topo.peers)
 
 
-_deltas: dict[float, timedelta] = {}  # a communicator's timeout, converted once
-
-
 def _wait(works: list, *, op: str, group: dist.ProcessGroup, timeout: float, what: str) -> None:
     """Wait for ``works`` (each exactly once) within ``timeout`` seconds; a timeout or a peer
     that died surfaces naming the op, the group, this rank and the step."""
     try:
-        delta = _deltas.get(timeout)
-        if delta is None:
-            delta = _deltas[timeout] = timedelta(seconds=timeout)
         with comm_wait("tp.chunked"):
             for work in works:
-                work.wait(timeout=delta)
+                work.wait(timeout=timedelta(seconds=timeout))
     except RuntimeError as exc:
         ranks = dist.get_process_group_ranks(group)
         text = str(exc)
@@ -298,9 +292,8 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
     ``w=None`` only gathers (y is None)."""
     topo = _topology(group)
     rank, world = topo.rank, topo.world
-    rec = nvtx.active()
     if world == 1:
-        with nvtx.range(f"{op}.chunked.gemm[0]") if rec else nvtx.NULL:
+        with nvtx.range(f"{op}.chunked.gemm[0]"):
             return (None if w is None else x_shard @ w), (x_shard if return_gathered else None)
     x_shard = x_shard.contiguous()
     if chunks == 1:
@@ -323,18 +316,11 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
         src = (rank - j) % world
         return src * m + pieces[p][0], src * m + pieces[p][1]
 
-    views: dict[int, torch.Tensor] = {}  # piece t's rows, cut once (it is sent and multiplied)
-
     def piece(t: int) -> torch.Tensor:
-        v = views.get(t)
-        if v is None:
-            if t < s:  # our own shard: send straight from the input
-                v = x_shard if s == 1 else x_shard[pieces[t][0]:pieces[t][1]]
-            else:
-                lo, hi = rows(t)
-                v = gathered[lo:hi]
-            views[t] = v
-        return v
+        if t < s:  # our own shard: send straight from the input
+            return x_shard[pieces[t][0]:pieces[t][1]]
+        lo, hi = rows(t)
+        return gathered[lo:hi]
 
     # Every work is waited exactly once (a gloo send work waited twice waits for a second send).
     inflight: dict[int, list] = {}
@@ -342,7 +328,7 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
     left = (rank - 1) % world
     for t in range(world * s):
         if t in inflight:
-            with nvtx.range(f"{op}.chunked.comm[{t}].wait") if rec else nvtx.NULL:
+            with nvtx.range(f"{op}.chunked.comm[{t}].wait"):
                 _wait_first(inflight.pop(t), first if t == s else None, op=op, topo=topo,
                             timeout=timeout,
                             what=f"receive of piece {t} from the left neighbour (rank {left})")
@@ -357,12 +343,12 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
                 first = _First(agree, send, recv)
             else:
                 send, recv = piece(t), piece(t + s)
-            with nvtx.range(f"{op}.chunked.comm[{t + s}]") if rec else nvtx.NULL:
+            with nvtx.range(f"{op}.chunked.comm[{t + s}]"):
                 works = _exchange(topo, send, recv, tag=t, agree=agree if t == 0 else None)
             inflight[t + s] = works
         if w is not None:
             lo, hi = rows(t)
-            with nvtx.range(f"{op}.chunked.gemm[{t}]") if rec else nvtx.NULL:
+            with nvtx.range(f"{op}.chunked.gemm[{t}]"):
                 torch.matmul(piece(t), w, out=y[lo:hi])
     if return_gathered or w is None:
         gathered[rank * m:(rank + 1) * m].copy_(x_shard)
@@ -382,9 +368,8 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
     op is done and only the last hop's transfers are in flight, then the op waits for them."""
     topo = _topology(group)
     rank, world = topo.rank, topo.world
-    rec = nvtx.active()
     if world == 1:
-        with nvtx.range(f"{op}.chunked.gemm[0]") if rec else nvtx.NULL:
+        with nvtx.range(f"{op}.chunked.gemm[0]"):
             y = x @ w
         if overlap_with is not None:
             overlap_with()
@@ -407,12 +392,12 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
         j, p = divmod(t, s)
         d = (rank - 1 - j) % world
         lo, hi = d * m + pieces[p][0], d * m + pieces[p][1]
-        with nvtx.range(f"{op}.chunked.gemm[{t}]") if rec else nvtx.NULL:
+        with nvtx.range(f"{op}.chunked.gemm[{t}]"):
             return torch.matmul(x[lo:hi], w, out=out)
 
     def add_received(t: int, part: torch.Tensor) -> None:
         works, buf, _sent = inflight.pop(t)
-        with nvtx.range(f"{op}.chunked.comm[{t}].wait") if rec else nvtx.NULL:
+        with nvtx.range(f"{op}.chunked.comm[{t}].wait"):
             _wait_first(works, first if t == s else None, op=op, topo=topo,
                         timeout=timeout, what=f"receive of partial sum {t} from the left "
                                               f"neighbour (rank {(rank - 1) % world})")
@@ -431,7 +416,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
             if t >= s:
                 add_received(t, part)
             buf = recv = x.new_empty(hi - lo, n)
-        with nvtx.range(f"{op}.chunked.comm[{t + s}]") if rec else nvtx.NULL:
+        with nvtx.range(f"{op}.chunked.comm[{t + s}]"):
             works = _exchange(topo, send, recv, tag=t, agree=agree if t == 0 else None)
         inflight[t + s] = (works, buf, send)
     # Last step: our own block. Its GEMMs need no data from peers, so they and the caller's
@@ -489,15 +474,12 @@ def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, topo: _Topology, b
     carries the stamps, as a ring's first hop does."""
     peer = topo.peers[0]
     rows, n = x.shape[0], w.shape[1]
-    stamped_whole = blocks == 1 and agree is not None  # the sum lands in the sent message
-    y = None if stamped_whole else x.new_empty(rows, n)
-    rec = nvtx.active()
+    y = x.new_empty(rows, n)
     first = None
     inflight = []  # (works, received block, own partial, rows, the tensor sent: kept alive)
     for i, (lo, hi) in enumerate(split_bounds(rows, blocks)):
-        whole = hi - lo == rows  # one block: no views to cut
-        xi, yi = (x, y) if whole else (x[lo:hi], y[lo:hi])
-        with nvtx.range(f"{op}.chunked.gemm[{i}]") if rec else nvtx.NULL:
+        xi, yi = x[lo:hi], y[lo:hi]
+        with nvtx.range(f"{op}.chunked.gemm[{i}]"):
             if i == 0 and agree is not None:  # the first partial is computed behind the stamp
                 send, part = _message(x, hi - lo, n)
                 torch.matmul(xi, w, out=part)
@@ -506,17 +488,14 @@ def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, topo: _Topology, b
             else:
                 part = send = torch.matmul(xi, w, out=yi)
                 buf = recv = x.new_empty(hi - lo, n)
-        with nvtx.range(f"{op}.chunked.comm[{i}]") if rec else nvtx.NULL:
+        with nvtx.range(f"{op}.chunked.comm[{i}]"):
             works = _exchange(topo, send, recv, tag=i, agree=agree if i == 0 else None)
         inflight.append((works, buf, part, yi, send))
     for i, (works, buf, part, yi, _sent) in enumerate(inflight):
-        with nvtx.range(f"{op}.chunked.comm[{i}].wait") if rec else nvtx.NULL:
+        with nvtx.range(f"{op}.chunked.comm[{i}].wait"):
             _wait_first(works, first if i == 0 else None, op=op, topo=topo, timeout=timeout,
                         what=f"exchange of partial product block {i} with rank {peer}")
-        if stamped_whole:  # the send is complete: its body may take the sum
-            y = part.add_(buf)
-        else:
-            torch.add(part, buf, out=yi)
+        torch.add(part, buf, out=yi)
     if agree is not None:
         agree.poison(y)
     return y
