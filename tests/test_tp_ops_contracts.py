@@ -137,6 +137,34 @@ def test_missing_peer_times_out_instead_of_hanging(op):
     assert "of rank 0 in group [0, 1] did not reach 1 within 0.5s" in msg
 
 
+def _chunked_missing_peer(op_name):
+    from overlap.tp import TPComm, all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+
+    # A group of its own: the timed-out transfer fails its communicator (as NCCL's would).
+    g, r = dist.new_group([0, 1]), dist.get_rank()
+    op = {"ag": all_gather_matmul, "rs": matmul_reduce_scatter, "ar": matmul_all_reduce}[op_name]
+    x, w = torch.randn(8, 16), torch.randn(16, 8)
+    comm = TPComm(g, backend="chunked", chunks=2, timeout=0.5, check_inputs=False)
+    out = None
+    if r == 0:  # rank 1 never joins this op: rank 0's receive from it must give up, named
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as info:
+            op(x, w, comm=comm)
+        out = (time.monotonic() - t0, str(info.value), comm.failed is not None)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("op,what", [
+    ("ag", "receive of piece 1 from the left neighbour (rank 1)"),
+    ("rs", "receive of partial sum 1 from the left neighbour (rank 1)"),
+    ("ar", "exchange of partial product block 0 with rank 1")])
+def test_chunked_missing_peer_names_the_transfer_and_times_out(op, what):
+    took, msg, failed = run_ranks(_chunked_missing_peer, 2, op)[0]
+    assert 0.4 <= took < 10 and failed
+    assert f"(chunked): {what} timed out after at most 0.5s on rank 0 of group [0, 1]" in msg, msg
+
+
 def _mapped_segments() -> int:
     with open("/proc/self/maps") as f:
         return sum("/dev/shm/overlap_" in line for line in f)

@@ -147,11 +147,12 @@ def _stamp_ops(group: dist.ProcessGroup, agree: Agreement) -> list:
 
 
 def _wait_first(works: list, first: _First | None, *, op: str, topo: _Topology,
-                timeout: float, what: str) -> None:
+                timeout: float, what: str, args: tuple = ()) -> None:
     """Wait for a call's first hop, then compare the stamps it carried. A transport error
-    (ranks whose sizes differ) is reported as the disagreement when the stamps show one."""
+    (ranks whose sizes differ) is reported as the disagreement when the stamps show one.
+    ``what % args`` names the transfer in an error (formatted only then)."""
     try:
-        _wait(works, op=op, group=topo.group, timeout=timeout, what=what)
+        _wait(works, op=op, group=topo.group, timeout=timeout, what=what, args=args)
     except RuntimeError as exc:
         if first is not None:
             first.land(topo.left)
@@ -165,20 +166,23 @@ def _wait_first(works: list, first: _First | None, *, op: str, topo: _Topology,
         first.agree.verify(op, topo.peers)
 
 
-def _wait(works: list, *, op: str, group: dist.ProcessGroup, timeout: float, what: str) -> None:
+def _wait(works: list, *, op: str, group: dist.ProcessGroup, timeout: float, what: str,
+          args: tuple = ()) -> None:
     """Wait for ``works`` (each exactly once) within ``timeout`` seconds; a timeout or a peer
-    that died surfaces naming the op, the group, this rank and the step."""
+    that died surfaces naming the op, the group, this rank and the step (``what % args``)."""
     try:
         with comm_wait("tp.chunked"):
+            limit = timedelta(seconds=timeout)
             for work in works:
-                work.wait(timeout=timedelta(seconds=timeout))
+                work.wait(limit)
     except RuntimeError as exc:
         ranks = dist.get_process_group_ranks(group)
         text = str(exc)
         timed_out = any(k in text for k in ("imeout", "imed out", "did not complete within"))
         kind = "timed out" if timed_out else "failed (a peer died or closed its connection)"
-        raise RuntimeError(f"tp {op} (chunked): {what} {kind} after at most {timeout:g}s on "
-                           f"rank {dist.get_rank(group)} of group {ranks}: {text}") from exc
+        raise RuntimeError(f"tp {op} (chunked): {what % args if args else what} {kind} after "
+                           f"at most {timeout:g}s on rank {dist.get_rank(group)} of group "
+                           f"{ranks}: {text}") from exc
 
 
 class _Topology(NamedTuple):
@@ -302,6 +306,7 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
     m, k = x_shard.shape
     pieces = split_bounds(m, chunks // world)
     s = len(pieces)
+    steps = world * s
     # With stamps, the first piece from the left lands in place behind its stamp: ``flat``
     # has room for one stamp in front of ``gathered``, and the stamp of the piece at rows
     # [lo, hi) overwrites the elements just before lo, which belong to sources received at
@@ -310,46 +315,40 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
     flat = x_shard.new_empty(hdr + world * m * k)
     gathered = flat.as_strided((world * m, k), (k, 1), flat.storage_offset() + hdr)
     y = None if w is None else x_shard.new_empty(world * m, w.shape[1])
-
-    def rows(t: int) -> tuple[int, int]:
-        j, p = divmod(t, s)
-        src = (rank - j) % world
-        return src * m + pieces[p][0], src * m + pieces[p][1]
-
-    def piece(t: int) -> torch.Tensor:
-        if t < s:  # our own shard: send straight from the input
-            return x_shard[pieces[t][0]:pieces[t][1]]
-        lo, hi = rows(t)
-        return gathered[lo:hi]
-
+    # Step t multiplies piece t % s of rank (rank - t // s)'s shard, at these rows of
+    # ``gathered``: our own pieces first (straight from the input), then each piece that
+    # arrived from the left, which is forwarded to the right s steps before its turn.
+    rows = [((rank - t // s) % world * m + pieces[t % s][0],
+             (rank - t // s) % world * m + pieces[t % s][1]) for t in range(steps)]
+    views = [x_shard] if s == 1 else [x_shard[lo:hi] for lo, hi in pieces]
+    views += [None] * (steps - s)  # a received piece's view, made when its receive is posted
     # Every work is waited exactly once (a gloo send work waited twice waits for a second send).
     inflight: dict[int, list] = {}
     first = None  # the first hop's messages, with the neighbours' stamps in front
     left = (rank - 1) % world
-    for t in range(world * s):
+    for t in range(steps):
         if t in inflight:
             with nvtx.range(f"{op}.chunked.comm[{t}].wait"):
                 _wait_first(inflight.pop(t), first if t == s else None, op=op, topo=topo,
-                            timeout=timeout,
-                            what=f"receive of piece {t} from the left neighbour (rank {left})")
-        if t + s < world * s:
+                            timeout=timeout, what="receive of piece %d from the left "
+                            "neighbour (rank %d)", args=(t, left))
+        if t + s < steps:
             # Forward this piece and receive the one we multiply s steps from now.
+            lo, hi = rows[t + s]
+            send = views[t]
+            recv = views[t + s] = gathered[lo:hi]
             if t == 0 and agree is not None:  # our first piece goes behind our stamp
-                lo, hi = rows(s)
-                send = piece(0)
                 msg, body = _message(x_shard, send.shape[0], k)
                 body.copy_(send)
                 send, recv = msg, flat[lo * k:hdr + hi * k]
                 first = _First(agree, send, recv)
-            else:
-                send, recv = piece(t), piece(t + s)
             with nvtx.range(f"{op}.chunked.comm[{t + s}]"):
-                works = _exchange(topo, send, recv, tag=t, agree=agree if t == 0 else None)
-            inflight[t + s] = works
+                inflight[t + s] = _exchange(topo, send, recv, tag=t,
+                                            agree=agree if t == 0 else None)
         if w is not None:
-            lo, hi = rows(t)
+            lo, hi = rows[t]
             with nvtx.range(f"{op}.chunked.gemm[{t}]"):
-                torch.matmul(piece(t), w, out=y[lo:hi])
+                torch.matmul(views[t], w, out=y[lo:hi])
     if return_gathered or w is None:
         gathered[rank * m:(rank + 1) * m].copy_(x_shard)
     if agree is not None:
@@ -399,8 +398,8 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
         works, buf, _sent = inflight.pop(t)
         with nvtx.range(f"{op}.chunked.comm[{t}].wait"):
             _wait_first(works, first if t == s else None, op=op, topo=topo,
-                        timeout=timeout, what=f"receive of partial sum {t} from the left "
-                                              f"neighbour (rank {(rank - 1) % world})")
+                        timeout=timeout, what="receive of partial sum %d from the left "
+                        "neighbour (rank %d)", args=(t, (rank - 1) % world))
         part += buf
 
     for t in range((world - 1) * s):
@@ -494,7 +493,7 @@ def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, topo: _Topology, b
     for i, (works, buf, part, yi, _sent) in enumerate(inflight):
         with nvtx.range(f"{op}.chunked.comm[{i}].wait"):
             _wait_first(works, first if i == 0 else None, op=op, topo=topo, timeout=timeout,
-                        what=f"exchange of partial product block {i} with rank {peer}")
+                        what="exchange of partial product block %d with rank %d", args=(i, peer))
         torch.add(part, buf, out=yi)
     if agree is not None:
         agree.poison(y)
