@@ -186,15 +186,16 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
         for h in headers:
             if h is not None:
                 h.close(wait_for_peers=True)
-    def ran(impl: str) -> str:
+    def ran(op: str, impl: str) -> str:
         comm = comms.get(impl)
         if comm is not None and comm.auto is not None:
-            return f"auto: {comm.auto.kind}"
+            picked = comm.auto.choice(op, x_shard if op == "all_gather_matmul" else x_full, w)
+            return f"auto: {comm.auto.kind}" + ("" if picked in (None, 1) else f" ({picked})")
         if comm is None or comm.backend not in ("chunked", "symmetric") or comm.world == 1:
             return "-"
         return str(comm.chunks)
 
-    return [dict(op=op, impl=impl, chunks=ran(impl), wall=s[0], cpu=s[1], waited=s[2],
+    return [dict(op=op, impl=impl, chunks=ran(op, impl), wall=s[0], cpu=s[1], waited=s[2],
                  **tracer.info(f"{op}_{impl}")) for (op, impl), s in samples.items()]
 
 
@@ -243,8 +244,9 @@ def main(cfg: BenchConfig) -> None:
         "unfused runs the same collectives as the baseline through the runtime (checks, "
         "communicator, call counting, timeout-bounded waits), so its ratio is the "
         "runtime's own overhead. chunked and symmetric rows run with the default "
-        "chunks='auto', raced before the timed rounds (the chunks column: the kind it chose, "
-        "whole = the whole collective then the GEMM, stamped); the '(pieces)' rows force "
+        "chunks='auto', raced before the timed rounds (the chunks column: the kind it chose "
+        "and, for pieces, the piece count of the op's shape; whole = the whole collective "
+        "then the GEMM, stamped); the '(pieces)' rows force "
         "chunks=world: chunked splits each op into world pieces with one exchange each, "
         "symmetric copies through shared memory on a copy thread and waits on signals; "
         "triton rows are the interpreter (TRITON_INTERPRET=1), seconds of Python per "

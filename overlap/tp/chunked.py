@@ -473,11 +473,13 @@ def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, topo: _Topology, b
     carries the stamps, as a ring's first hop does."""
     peer = topo.peers[0]
     rows, n = x.shape[0], w.shape[1]
-    y = x.new_empty(rows, n)
+    bounds = split_bounds(rows, blocks)
+    one = len(bounds) == 1  # one block: y is the sum itself, no block views
+    y = None if one else x.new_empty(rows, n)
     first = None
     inflight = []  # (works, received block, own partial, rows, the tensor sent: kept alive)
-    for i, (lo, hi) in enumerate(split_bounds(rows, blocks)):
-        xi, yi = x[lo:hi], y[lo:hi]
+    for i, (lo, hi) in enumerate(bounds):
+        xi, yi = (x, None) if one else (x[lo:hi], y[lo:hi])
         with nvtx.range(f"{op}.chunked.gemm[{i}]"):
             if i == 0 and agree is not None:  # the first partial is computed behind the stamp
                 send, part = _message(x, hi - lo, n)
@@ -485,7 +487,7 @@ def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, topo: _Topology, b
                 recv, buf = _message(x, hi - lo, n)
                 first = _First(agree, send, recv)
             else:
-                part = send = torch.matmul(xi, w, out=yi)
+                part = send = torch.matmul(xi, w) if one else torch.matmul(xi, w, out=yi)
                 buf = recv = x.new_empty(hi - lo, n)
         with nvtx.range(f"{op}.chunked.comm[{i}]"):
             works = _exchange(topo, send, recv, tag=i, agree=agree if i == 0 else None)
@@ -494,7 +496,10 @@ def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, topo: _Topology, b
         with nvtx.range(f"{op}.chunked.comm[{i}].wait"):
             _wait_first(works, first if i == 0 else None, op=op, topo=topo, timeout=timeout,
                         what="exchange of partial product block %d with rank %d", args=(i, peer))
-        torch.add(part, buf, out=yi)
+        if one:  # the send is complete (waited above), so its buffer may take the sum
+            y = part.add_(buf) if first is None else torch.add(part, buf)
+        else:
+            torch.add(part, buf, out=yi)
     if agree is not None:
         agree.poison(y)
     return y
