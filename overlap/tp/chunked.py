@@ -147,12 +147,11 @@ def _stamp_ops(group: dist.ProcessGroup, agree: Agreement) -> list:
 
 
 def _wait_first(works: list, first: _First | None, *, op: str, topo: _Topology,
-                timeout: float, what: str, args: tuple = ()) -> None:
+                timeout: float, what: str) -> None:
     """Wait for a call's first hop, then compare the stamps it carried. A transport error
-    (ranks whose sizes differ) is reported as the disagreement when the stamps show one.
-    ``what % args`` names the transfer in an error (formatted only then)."""
+    (ranks whose sizes differ) is reported as the disagreement when the stamps show one."""
     try:
-        _wait(works, op=op, group=topo.group, timeout=timeout, what=what, args=args)
+        _wait(works, op=op, group=topo.group, timeout=timeout, what=what)
     except RuntimeError as exc:
         if first is not None:
             first.land(topo.left)
@@ -166,10 +165,9 @@ def _wait_first(works: list, first: _First | None, *, op: str, topo: _Topology,
         first.agree.verify(op, topo.peers)
 
 
-def _wait(works: list, *, op: str, group: dist.ProcessGroup, timeout: float, what: str,
-          args: tuple = ()) -> None:
+def _wait(works: list, *, op: str, group: dist.ProcessGroup, timeout: float, what: str) -> None:
     """Wait for ``works`` (each exactly once) within ``timeout`` seconds; a timeout or a peer
-    that died surfaces naming the op, the group, this rank and the step (``what % args``)."""
+    that died surfaces naming the op, the group, this rank and the step."""
     try:
         with comm_wait("tp.chunked"):
             limit = timedelta(seconds=timeout)
@@ -180,9 +178,8 @@ def _wait(works: list, *, op: str, group: dist.ProcessGroup, timeout: float, wha
         text = str(exc)
         timed_out = any(k in text for k in ("imeout", "imed out", "did not complete within"))
         kind = "timed out" if timed_out else "failed (a peer died or closed its connection)"
-        raise RuntimeError(f"tp {op} (chunked): {what % args if args else what} {kind} after "
-                           f"at most {timeout:g}s on rank {dist.get_rank(group)} of group "
-                           f"{ranks}: {text}") from exc
+        raise RuntimeError(f"tp {op} (chunked): {what} {kind} after at most {timeout:g}s on "
+                           f"rank {dist.get_rank(group)} of group {ranks}: {text}") from exc
 
 
 class _Topology(NamedTuple):
@@ -318,8 +315,8 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
     # Step t multiplies piece t % s of rank (rank - t // s)'s shard, at these rows of
     # ``gathered``: our own pieces first (straight from the input), then each piece that
     # arrived from the left, which is forwarded to the right s steps before its turn.
-    rows = [((rank - t // s) % world * m + pieces[t % s][0],
-             (rank - t // s) % world * m + pieces[t % s][1]) for t in range(steps)]
+    rows = [(src + lo, src + hi) for src in ((rank - j) % world * m for j in range(world))
+            for lo, hi in pieces]
     views = [x_shard] if s == 1 else [x_shard[lo:hi] for lo, hi in pieces]
     views += [None] * (steps - s)  # a received piece's view, made when its receive is posted
     # Every work is waited exactly once (a gloo send work waited twice waits for a second send).
@@ -330,8 +327,8 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
         if t in inflight:
             with nvtx.range(f"{op}.chunked.comm[{t}].wait"):
                 _wait_first(inflight.pop(t), first if t == s else None, op=op, topo=topo,
-                            timeout=timeout, what="receive of piece %d from the left "
-                            "neighbour (rank %d)", args=(t, left))
+                            timeout=timeout,
+                            what=f"receive of piece {t} from the left neighbour (rank {left})")
         if t + s < steps:
             # Forward this piece and receive the one we multiply s steps from now.
             lo, hi = rows[t + s]
@@ -398,8 +395,8 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
         works, buf, _sent = inflight.pop(t)
         with nvtx.range(f"{op}.chunked.comm[{t}].wait"):
             _wait_first(works, first if t == s else None, op=op, topo=topo,
-                        timeout=timeout, what="receive of partial sum %d from the left "
-                        "neighbour (rank %d)", args=(t, (rank - 1) % world))
+                        timeout=timeout, what=f"receive of partial sum {t} from the left "
+                                              f"neighbour (rank {(rank - 1) % world})")
         part += buf
 
     for t in range((world - 1) * s):
@@ -473,13 +470,11 @@ def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, topo: _Topology, b
     carries the stamps, as a ring's first hop does."""
     peer = topo.peers[0]
     rows, n = x.shape[0], w.shape[1]
-    bounds = split_bounds(rows, blocks)
-    one = len(bounds) == 1  # one block: y is the sum itself, no block views
-    y = None if one else x.new_empty(rows, n)
+    y = x.new_empty(rows, n)
     first = None
     inflight = []  # (works, received block, own partial, rows, the tensor sent: kept alive)
-    for i, (lo, hi) in enumerate(bounds):
-        xi, yi = (x, None) if one else (x[lo:hi], y[lo:hi])
+    for i, (lo, hi) in enumerate(split_bounds(rows, blocks)):
+        xi, yi = x[lo:hi], y[lo:hi]
         with nvtx.range(f"{op}.chunked.gemm[{i}]"):
             if i == 0 and agree is not None:  # the first partial is computed behind the stamp
                 send, part = _message(x, hi - lo, n)
@@ -487,7 +482,7 @@ def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, topo: _Topology, b
                 recv, buf = _message(x, hi - lo, n)
                 first = _First(agree, send, recv)
             else:
-                part = send = torch.matmul(xi, w) if one else torch.matmul(xi, w, out=yi)
+                part = send = torch.matmul(xi, w, out=yi)
                 buf = recv = x.new_empty(hi - lo, n)
         with nvtx.range(f"{op}.chunked.comm[{i}]"):
             works = _exchange(topo, send, recv, tag=i, agree=agree if i == 0 else None)
@@ -495,11 +490,8 @@ def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, topo: _Topology, b
     for i, (works, buf, part, yi, _sent) in enumerate(inflight):
         with nvtx.range(f"{op}.chunked.comm[{i}].wait"):
             _wait_first(works, first if i == 0 else None, op=op, topo=topo, timeout=timeout,
-                        what="exchange of partial product block %d with rank %d", args=(i, peer))
-        if one:  # the send is complete (waited above), so its buffer may take the sum
-            y = part.add_(buf) if first is None else torch.add(part, buf)
-        else:
-            torch.add(part, buf, out=yi)
+                        what=f"exchange of partial product block {i} with rank {peer}")
+        torch.add(part, buf, out=yi)
     if agree is not None:
         agree.poison(y)
     return y
