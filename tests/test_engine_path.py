@@ -6,6 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

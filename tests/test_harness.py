@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 from harness import WORLD_SIZES, LaunchError, run_ranks, run_ranks_outcomes
 
+pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+
 
 def _sum_of_ranks(scale):
     t = torch.full((3,), float(dist.get_rank()) * scale)

@@ -7,6 +7,8 @@ from overlap.profile.kineto import spans_from_events
 from overlap.profile.metrics import analyze_rank, exposed_intervals, lane_of, summary
 from overlap.profile.spans import RankTrace, intersect, merge, subtract
 
+pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+
 US = 1e-6
 
 

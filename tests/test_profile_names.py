@@ -13,6 +13,8 @@ from overlap.profile import names, nvtx, timers
 from overlap.profile.names import COMM, COMPUTE, FUSED, STEP, Kind
 from overlap.profile.trace import classify
 
+pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

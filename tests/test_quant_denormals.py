@@ -20,6 +20,8 @@ import torch  # noqa: E402
 
 from overlap.comm.quant import kernels as qk  # noqa: E402
 
+pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+
 IMPLS = ("torch", "cpp", "triton")
 F32 = torch.float32
 TINY = 2.0**-125  # the contract's cut (csrc/quant.cuh kTiny)

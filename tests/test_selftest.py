@@ -13,6 +13,8 @@ from overlap.selftest.checks import TIMEOUT_SLACK
 from overlap.selftest.env import detect, nvlink_from_topo
 from overlap.selftest.report import JSON_FIELDS, merge
 
+pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+
 TP = [f"tp.{op}.{be}" for op in ("all_gather_matmul", "matmul_reduce_scatter",
                                   "matmul_all_reduce") for be in ("chunked", "symmetric", "triton")]
 QUANT = [f"quant.{op}.{dt}.{mode}" for op in ("all_reduce", "reduce_scatter", "all_gather")

@@ -16,6 +16,8 @@ import pytest
 
 from train_cli import check_diffs, run_train, step_losses
 
+pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+
 TINY = ["--steps", "3", "--n-layer", "2", "--d-model", "32", "--n-head", "4", "--seq-len", "16",
         "--micro-batch-size", "2", "--micro-batches", "2", "--timeout", "240"]
 

@@ -8,10 +8,13 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from overlap.dist.launch import leaked_shm_segments
 from test_train_checkpoint import _read
+
+pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
 
 ARGS = ["--steps", "6", "--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
         "--micro-batch-size", "2", "--micro-batches", "2", "--timeout", "120",

@@ -23,6 +23,8 @@ from overlap.train.config import ConfigError, parse_args
 from overlap.train.shrink import choose_layout, layout_dict, mark_node_down, nodes_down
 from train_cli import run_train
 
+pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+
 TINY = ["--n-layer", "3", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
         "--micro-batch-size", "2", "--micro-batches", "2", "--timeout", "120",
         "--clip-grad", "0.5", "--save-every", "2"]

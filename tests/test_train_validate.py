@@ -8,6 +8,8 @@ import pytest
 
 from overlap.train.config import parse_args
 
+pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+
 
 def _one_line_error(argv, capsys) -> str:
     with pytest.raises(SystemExit) as exc:
