@@ -25,7 +25,10 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.detach().cpu().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def _case_ag(backend, dtype, shape3, chunks, with_gathered, k, n, seq_dim=0, m=12, dev="cpu"):
+def _case_ag(backend, dtype, shape3, chunks, with_gathered, k, n, seq_dim=0, m=12, dev="cpu",
+             frozen_w=False, gathered_only=False):
+    """``frozen_w``: w needs no gradient (dw is not computed, the gathered input is not saved
+    for it); ``gathered_only``: only the gathered output reaches the loss (dy is None)."""
     from overlap.tp import all_gather_matmul
 
     g, r, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
@@ -41,7 +44,7 @@ def _case_ag(backend, dtype, shape3, chunks, with_gathered, k, n, seq_dim=0, m=1
     if seq_dim == 1:
         x_in = x_in.transpose(0, 1).contiguous()
     x_in.requires_grad_(True)
-    w = ws[r].to(dev, dtype).requires_grad_(True)
+    w = ws[r].to(dev, dtype).requires_grad_(not frozen_w)
     out = all_gather_matmul(x_in, w, group=g, backend=backend, chunks=chunks,
                             return_gathered=with_gathered, seq_dim=seq_dim)
     y, gathered = out if with_gathered else (out, None)
@@ -49,16 +52,21 @@ def _case_ag(backend, dtype, shape3, chunks, with_gathered, k, n, seq_dim=0, m=1
     dy = back(to3(gs[r], world * m).to(dev, dtype))
     if with_gathered:
         dgath = back(to3(hs[r], world * m).to(dev, dtype))
-        torch.autograd.backward([y, gathered], [dy, dgath])
+        if gathered_only:
+            gathered.backward(dgath)
+        else:
+            torch.autograd.backward([y, gathered], [dy, dgath])
     else:
         y.backward(dy)
     flat = lambda t: back(t).reshape(-1, t.shape[-1])  # noqa: E731
-    dx_full = sum(gs[p] @ ws[p].T for p in range(world))
-    if with_gathered:
-        dx_full = dx_full + hs.sum(0)
+    dx_full = (hs.sum(0) if gathered_only else
+               sum(gs[p] @ ws[p].T for p in range(world)) + (hs.sum(0) if with_gathered else 0))
     errs = {"y": _rel(flat(y), xf @ ws[r]),
-            "dx": _rel(flat(x_in.grad), dx_full[r * m:(r + 1) * m]),
-            "dw": _rel(w.grad, xf.T @ gs[r])}
+            "dx": _rel(flat(x_in.grad), dx_full[r * m:(r + 1) * m])}
+    if frozen_w:
+        assert w.grad is None
+    else:
+        errs["dw"] = _rel(w.grad, xf.T @ gs[r])
     if with_gathered:
         errs["gathered"] = _rel(flat(gathered), xf)
     return errs
@@ -124,6 +132,11 @@ def _cases(world, mode):
                 out.append(("ag", dtype, shape3, chunks, dict(with_gathered=shape3, **kw)))
                 out.append(("rs", dtype, shape3, chunks, kw))
                 out.append(("ar", dtype, shape3, 3 if chunks else None, kw))
+    # frozen weight: the gathered input is kept only when returned
+    out.append(("ag", f32, False, None, dict(with_gathered=False, frozen_w=True, **kw)))
+    out.append(("ag", f32, True, None, dict(with_gathered=True, frozen_w=True, **kw)))
+    out.append(("ag", f32, False, None, dict(with_gathered=True, frozen_w=True,
+                                             gathered_only=True, **kw)))
     # batch-first 3-D through seq_dim=1
     out.append(("ag", f32, True, None, dict(with_gathered=True, seq_dim=1, **kw)))
     out.append(("rs", f32, True, None, dict(seq_dim=1, **kw)))

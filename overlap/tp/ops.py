@@ -101,11 +101,15 @@ def _empty(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- the implementations
 
 def _ag_forward(x2: torch.Tensor, w: torch.Tensor, comm: TPComm, chunks: int, check: bool,
-                x_shape: list[int], flags: int) -> tuple[torch.Tensor, torch.Tensor]:
+                x_shape: list[int], flags: int, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``keep``: the gathered input is returned or saved for dw; otherwise the second output is
+    empty and the backend skips assembling it (a copy of the own shard, per call)."""
     op = "all_gather_matmul"
     y, gathered = _run(op, comm, lambda backend, context, n: backend.all_gather_matmul(
-        comm, context, x2, w, chunks=n, return_gathered=True), x2, w, chunks, 1,
+        comm, context, x2, w, chunks=n, return_gathered=keep), x2, w, chunks, 1,
         start=(check, x_shape, flags))
+    if not keep:
+        return y, _empty(x2)
     return y, (gathered.clone() if gathered is x2 else gathered)  # no output aliases an input
 
 
@@ -178,9 +182,10 @@ def define_op(name: str, fn, fake) -> None:
     op.register_fake(fake)
 
 
-define_op("all_gather_matmul", _ag_forward, lambda x2, w, comm, chunks, check, x_shape, flags: (
-    x2.new_empty(_grown(x2.shape[0], comm), w.shape[1]),
-    x2.new_empty(_grown(x2.shape[0], comm), x2.shape[1])))
+define_op("all_gather_matmul", _ag_forward,
+          lambda x2, w, comm, chunks, check, x_shape, flags, keep: (
+              x2.new_empty(_grown(x2.shape[0], comm), w.shape[1]),
+              x2.new_empty(_grown(x2.shape[0], comm), x2.shape[1]) if keep else _empty(x2)))
 define_op("all_gather_matmul_backward", _ag_backward,
           lambda dy, g, w, dg, comm, chunks, need_dx, need_dw: (
               dy.new_empty(dy.shape[0] // comm.world, w.shape[0]) if need_dx else dy.new_empty(0),
@@ -212,7 +217,7 @@ class _AllGatherMatmul(torch.autograd.Function):
     def forward(ctx, x2, w, comm, chunks, check, x_shape, flags):
         ctx.set_materialize_grads(False)
         y, gathered = call_op("all_gather_matmul", _ag_forward, x2, w, comm, chunks, check,
-                              x_shape, flags)
+                              x_shape, flags, bool(flags) or ctx.needs_input_grad[1])
         ctx.comm, ctx.chunks, ctx.used_gathered = comm, chunks, bool(flags)
         ctx.save_for_backward(gathered if ctx.needs_input_grad[1] else None, w)
         return y, gathered
@@ -222,7 +227,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         gathered, w = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if dy is None:  # only the gathered output was used
-            dy = torch.zeros(gathered.shape[0], w.shape[1], dtype=w.dtype, device=w.device)
+            dy = torch.zeros(dgathered.shape[0], w.shape[1], dtype=w.dtype, device=w.device)
         dx, dw = call_op("all_gather_matmul_backward", _ag_backward, dy.contiguous(), gathered, w,
                        dgathered if ctx.used_gathered else None, ctx.comm, ctx.chunks,
                        need_dx, need_dw)
@@ -267,10 +272,11 @@ class _MatmulAllReduce(torch.autograd.Function):
 # ---------------------------------------------------------------- the public functions
 
 def _dispatch(op: str, function, forward, x, w, comm, group, backend: str, chunks,
-              check_inputs: bool, seq_dim: int, flags: int):
+              check_inputs: bool, seq_dim: int, flags: int, *extra):
     """The public functions' common part: the communicator, ``x`` sequence-first and 2-D,
     then the op through its autograd Function, or, when autograd does not record the call
-    (no grad mode, no input requiring grad), its forward alone: the same implementation, a
+    (no grad mode, no input requiring grad), its forward alone (with ``extra``, the
+    arguments the Function derives from what autograd needs): the same implementation, a
     few microseconds less. Returns (comm, x sequence-first, the op's outputs)."""
     c = _comm_for(op, comm, group, backend)
     xs = _sequence_first(op, c, x, w, seq_dim)
@@ -279,7 +285,7 @@ def _dispatch(op: str, function, forward, x, w, comm, group, backend: str, chunk
     args = (x2, w, c, n, check, list(xs.shape), flags)
     if torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad):
         return c, xs, function.apply(*args)
-    return c, xs, call_op(op, forward, *args)
+    return c, xs, call_op(op, forward, *args, *extra)
 
 
 def _comm_for(op: str, comm, group, backend: str) -> TPComm:
@@ -343,7 +349,7 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, *, comm: TPComm | 
     """
     c, xs, (y2, g2) = _dispatch("all_gather_matmul", _AllGatherMatmul, _ag_forward, x_shard, w,
                                 comm, group, backend, chunks, check_inputs, seq_dim,
-                                int(return_gathered))
+                                int(return_gathered), bool(return_gathered))
     if xs.dim() == 2 and not return_gathered:
         return y2
     lead = (c.world * xs.shape[0], *xs.shape[1:-1])
