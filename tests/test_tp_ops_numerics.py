@@ -123,7 +123,8 @@ def _cases(world, mode):
         return [("ag", f32, False, None, dict(with_gathered=False, **kw)),
                 ("ag", bf16, True, None, dict(with_gathered=True, **kw)),
                 ("rs", f32, True, None, kw), ("rs", bf16, False, None, kw),
-                ("ar", f32, False, None, kw)]
+                ("ar", f32, False, None, kw),
+                ("ag", f32, False, None, dict(with_gathered=False, frozen_w=True, **kw))]
     kw = dict(k=72, n=40) if mode == "cpu" else dict(k=72 * 16, n=40 * 16, m=12 * 16)
     out = []
     for dtype in (f32, bf16):
