@@ -181,3 +181,36 @@ def test_chunked_first_message_carries_the_stamp(device_path, dtype):
     chunked._words(recv).copy_(theirs)
     first.land(1)
     assert torch.equal(agree.recv[1], theirs) and agree.recv.shape[1] == STAMP_WORDS
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64))
+def test_chunked_stamped_message_and_byte_compare(dtype):
+    """The one-piece ring's first message is built in one op (the stamp's bytes, then the
+    shard), and its receive is compared where it landed: equal words pass, a word that
+    differs (another call number, another shape) does not, and zeroed bytes never do."""
+    from overlap.dist.stamp import Agreement
+    from overlap.tp import chunked, stamps
+
+    agree = Agreement(stamps.SCHEMA, rank=0, world=2, device=torch.device("cpu"), where="")
+    agree.next("all_gather_matmul", stamps.stamp_values(torch.zeros(3, K), torch.zeros(K, N),
+                                                        2, 0, 1))
+    x = torch.randn(3, 5).to(dtype)
+    send = chunked._stamped(agree, x)
+    hdr = chunked._header_elems(dtype)
+    assert send.shape == (hdr + 15,) and send.dtype == dtype
+    assert torch.equal(chunked._words(send), agree.send)
+    assert torch.equal(send[hdr:].view(3, 5), x)
+    recv, _ = chunked._message(x, 3, 5)
+    recv.view(torch.uint8).fill_(0xAB)  # stale bytes
+    first = chunked._First(agree, send, recv, stamped=True)
+    assert torch.equal(chunked._words(send), agree.send)  # untouched: already stamped
+    assert not first.matches()  # zeroed front: never equal to a written stamp
+    for word, delta in ((None, 0), (1, 1), (3, 2)):
+        theirs = agree.send.clone()
+        if word is not None:
+            theirs[word] += delta
+        chunked._words(recv).copy_(theirs)
+        assert first.matches() == (word is None)
+    agree.next("all_gather_matmul", stamps.stamp_values(torch.zeros(3, K), torch.zeros(K, N),
+                                                        2, 0, 1))
+    assert torch.equal(chunked._words(chunked._stamped(agree, x)), agree.send)  # next call's

@@ -16,6 +16,7 @@ Shape legend (per rank; ``world`` ranks in ``group``, ``r`` = this rank):
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from datetime import timedelta
 from typing import Callable, NamedTuple
@@ -43,6 +44,7 @@ def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
+_NULL = contextlib.nullcontext()  # a range that records nothing (no profiler, no CUDA)
 _STAMP_TAG = 1 << 20  # apart from the pieces' tags (the step numbers)
 _STAMP_BYTES = STAMP_WORDS * 8
 
@@ -68,25 +70,46 @@ class _First:
     nccl_twin does the same), so the stamps name a disagreement the transport reports only as
     a byte count. On CPU the stamp bytes move with ``ctypes.memmove`` between buffers whose
     size is known (a tensor op per move costs more than the whole stamp); on a GPU they are
-    device copies in stream order."""
+    device copies in stream order. ``stamped``: ``send`` already holds the stamp
+    (:func:`_stamped`)."""
 
-    __slots__ = ("agree", "recv", "cpu")
+    __slots__ = ("agree", "recv", "cpu", "recv_ptr")
 
-    def __init__(self, agree: Agreement, send: torch.Tensor, recv: torch.Tensor):
+    def __init__(self, agree: Agreement, send: torch.Tensor, recv: torch.Tensor, *,
+                 stamped: bool = False):
         self.agree, self.recv, self.cpu = agree, recv, not agree.device_path
         if self.cpu:
-            ctypes.memmove(send.data_ptr(), agree.send_address, _STAMP_BYTES)
-            ctypes.memset(recv.data_ptr(), 0, _STAMP_BYTES)  # no stale stamp passes for this one
+            if not stamped:
+                ctypes.memmove(send.data_ptr(), agree.send_address, _STAMP_BYTES)
+            self.recv_ptr = recv.data_ptr()
+            ctypes.memset(self.recv_ptr, 0, _STAMP_BYTES)  # no stale stamp passes for this one
         else:
-            _words(send).copy_(agree.send)
+            if not stamped:
+                _words(send).copy_(agree.send)
             _words(recv).zero_()
+
+    def matches(self) -> bool:
+        """CPU: whether the stamp in front of the received message equals this call's (a
+        byte compare where it landed; the caller lands and verifies otherwise)."""
+        return (ctypes.string_at(self.recv_ptr, _STAMP_BYTES)
+                == ctypes.string_at(self.agree.send_address, _STAMP_BYTES))
 
     def land(self, left: int) -> None:
         """Copy the left neighbour's stamp to where ``Agreement.verify`` reads it."""
         if self.cpu:
-            ctypes.memmove(self.agree.recv_address(left), self.recv.data_ptr(), _STAMP_BYTES)
+            ctypes.memmove(self.agree.recv_address(left), self.recv_ptr, _STAMP_BYTES)
         else:
             self.agree.recv[left].copy_(_words(self.recv))
+
+
+def _stamped(agree: Agreement, x: torch.Tensor) -> torch.Tensor:
+    """A new flat message: this call's stamp, then ``x`` (contiguous), in one op (a device
+    copy in stream order on a GPU). The stamp's view in ``x``'s dtype is made once."""
+    key = ("send as", x.dtype)
+    head = agree.transport.get(key)
+    if head is None:
+        head = agree.transport[key] = agree.send.view(x.dtype)
+    return torch.cat((head, x.view(-1)))
 
 
 def _words(msg: torch.Tensor) -> torch.Tensor:
@@ -161,6 +184,8 @@ def _wait_first(works: list, first: _First | None, *, op: str, topo: _Topology,
                 raise named from exc
         raise
     if first is not None:
+        if first.cpu and len(topo.peers) == 1 and first.matches():
+            return  # the one peer's stamp equals ours: nothing to land or name
         first.land(topo.left)
         first.agree.verify(op, topo.peers)
 
@@ -301,9 +326,13 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
         return _whole_all_gather(x_shard, w, group=group, return_gathered=return_gathered,
                                  timeout=timeout, agree=agree, op=op)
     m, k = x_shard.shape
+    if chunks // world <= 1 or m <= 1:
+        return _ring_of_shards(x_shard, w, topo=topo, keep=return_gathered or w is None,
+                               timeout=timeout, agree=agree, op=op)
     pieces = split_bounds(m, chunks // world)
     s = len(pieces)
     steps = world * s
+    trace = nvtx.recording()  # ranges only when something records them
     # With stamps, the first piece from the left lands in place behind its stamp: ``flat``
     # has room for one stamp in front of ``gathered``, and the stamp of the piece at rows
     # [lo, hi) overwrites the elements just before lo, which belong to sources received at
@@ -325,7 +354,7 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
     left = (rank - 1) % world
     for t in range(steps):
         if t in inflight:
-            with nvtx.range(f"{op}.chunked.comm[{t}].wait"):
+            with nvtx.range(f"{op}.chunked.comm[{t}].wait") if trace else _NULL:
                 _wait_first(inflight.pop(t), first if t == s else None, op=op, topo=topo,
                             timeout=timeout,
                             what=f"receive of piece {t} from the left neighbour (rank {left})")
@@ -339,18 +368,69 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
                 body.copy_(send)
                 send, recv = msg, flat[lo * k:hdr + hi * k]
                 first = _First(agree, send, recv)
-            with nvtx.range(f"{op}.chunked.comm[{t + s}]"):
+            with nvtx.range(f"{op}.chunked.comm[{t + s}]") if trace else _NULL:
                 inflight[t + s] = _exchange(topo, send, recv, tag=t,
                                             agree=agree if t == 0 else None)
         if w is not None:
             lo, hi = rows[t]
-            with nvtx.range(f"{op}.chunked.gemm[{t}]"):
+            with nvtx.range(f"{op}.chunked.gemm[{t}]") if trace else _NULL:
                 torch.matmul(views[t], w, out=y[lo:hi])
     if return_gathered or w is None:
         gathered[rank * m:(rank + 1) * m].copy_(x_shard)
     if agree is not None:
         agree.poison(y, gathered)
     return y, (gathered if return_gathered or w is None else None)
+
+
+def _ring_of_shards(x_shard: torch.Tensor, w: torch.Tensor | None, *, topo: _Topology,
+                    keep: bool, timeout: float, agree: Agreement | None, op: str
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """all_gather_matmul with one piece per shard (``chunks == world``, the default): hop j
+    forwards to the right the shard received at hop j - 1 (hop 0: our own, behind our stamp)
+    and receives the next one from the left while the shard at hand is multiplied. The
+    general loop's schedule for s = 1, without its per-piece tables: this is the op's common
+    case, and on small shapes its host time is the op's cost. ``keep``: return ``gathered``."""
+    rank, world = topo.rank, topo.world
+    m, k = x_shard.shape
+    size = m * k
+    trace = nvtx.recording()  # ranges only when something records them (names built lazily)
+    # As in the general loop, the first shard from the left lands behind its stamp, which
+    # overwrites the tail of the rows received last (or of our own, copied at the end).
+    hdr = 0 if agree is None else _header_elems(x_shard.dtype)
+    flat = x_shard.new_empty(hdr + world * size)
+    gathered = flat.as_strided((world * m, k), (k, 1), hdr)
+    y = None if w is None else x_shard.new_empty(world * m, w.shape[1])
+    src = topo.left  # the owner of the shard received at hop j - 1, multiplied at step j
+    first = None
+    if agree is None:
+        send, recv = x_shard, gathered[src * m:(src + 1) * m]
+    else:
+        send, recv = _stamped(agree, x_shard), flat[src * size:hdr + (src + 1) * size]
+        first = _First(agree, send, recv, stamped=True)
+    with nvtx.range(f"{op}.chunked.comm[1]") if trace else _NULL:
+        works = _exchange(topo, send, recv, tag=0, agree=agree)
+    if w is not None:
+        with nvtx.range(f"{op}.chunked.gemm[0]") if trace else _NULL:
+            torch.matmul(x_shard, w, out=y[rank * m:(rank + 1) * m])
+    for j in range(1, world):
+        with nvtx.range(f"{op}.chunked.comm[{j}].wait") if trace else _NULL:
+            _wait_first(works, first, op=op, topo=topo, timeout=timeout,
+                        what=f"receive of piece {j} from the left neighbour (rank {topo.left})")
+        first = None
+        piece = gathered[src * m:(src + 1) * m]
+        if j + 1 < world:
+            nxt = (src - 1) % world
+            with nvtx.range(f"{op}.chunked.comm[{j + 1}]") if trace else _NULL:
+                works = _exchange(topo, piece, gathered[nxt * m:(nxt + 1) * m], tag=j)
+        if w is not None:
+            with nvtx.range(f"{op}.chunked.gemm[{j}]") if trace else _NULL:
+                torch.matmul(piece, w, out=y[src * m:(src + 1) * m])
+        src = (src - 1) % world
+    if keep:
+        gathered[rank * m:(rank + 1) * m].copy_(x_shard)
+    if agree is not None:
+        agree.poison(y, gathered)
+    return y, (gathered if keep else None)
 
 
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGroup,
@@ -373,6 +453,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
     if chunks == 1:
         return _whole_reduce(x, w, group=group, timeout=timeout, agree=agree, op=op,
                              scatter=True, overlap_with=overlap_with)
+    trace = nvtx.recording()  # ranges only when something records them
     m = x.shape[0] // world
     pieces = split_bounds(m, chunks // world)
     s = len(pieces)
@@ -388,12 +469,12 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
         j, p = divmod(t, s)
         d = (rank - 1 - j) % world
         lo, hi = d * m + pieces[p][0], d * m + pieces[p][1]
-        with nvtx.range(f"{op}.chunked.gemm[{t}]"):
+        with nvtx.range(f"{op}.chunked.gemm[{t}]") if trace else _NULL:
             return torch.matmul(x[lo:hi], w, out=out)
 
     def add_received(t: int, part: torch.Tensor) -> None:
         works, buf, _sent = inflight.pop(t)
-        with nvtx.range(f"{op}.chunked.comm[{t}].wait"):
+        with nvtx.range(f"{op}.chunked.comm[{t}].wait") if trace else _NULL:
             _wait_first(works, first if t == s else None, op=op, topo=topo,
                         timeout=timeout, what=f"receive of partial sum {t} from the left "
                                               f"neighbour (rank {(rank - 1) % world})")
@@ -412,7 +493,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
             if t >= s:
                 add_received(t, part)
             buf = recv = x.new_empty(hi - lo, n)
-        with nvtx.range(f"{op}.chunked.comm[{t + s}]"):
+        with nvtx.range(f"{op}.chunked.comm[{t + s}]") if trace else _NULL:
             works = _exchange(topo, send, recv, tag=t, agree=agree if t == 0 else None)
         inflight[t + s] = (works, buf, send)
     # Last step: our own block. Its GEMMs need no data from peers, so they and the caller's
@@ -470,12 +551,15 @@ def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, topo: _Topology, b
     carries the stamps, as a ring's first hop does."""
     peer = topo.peers[0]
     rows, n = x.shape[0], w.shape[1]
+    trace = nvtx.recording()  # ranges only when something records them
+    bounds = split_bounds(rows, blocks)
+    whole = len(bounds) == 1  # one block: no row views (the default chunks=2 at this size)
     y = x.new_empty(rows, n)
     first = None
     inflight = []  # (works, received block, own partial, rows, the tensor sent: kept alive)
-    for i, (lo, hi) in enumerate(split_bounds(rows, blocks)):
-        xi, yi = x[lo:hi], y[lo:hi]
-        with nvtx.range(f"{op}.chunked.gemm[{i}]"):
+    for i, (lo, hi) in enumerate(bounds):
+        xi, yi = (x, y) if whole else (x[lo:hi], y[lo:hi])
+        with nvtx.range(f"{op}.chunked.gemm[{i}]") if trace else _NULL:
             if i == 0 and agree is not None:  # the first partial is computed behind the stamp
                 send, part = _message(x, hi - lo, n)
                 torch.matmul(xi, w, out=part)
@@ -484,11 +568,11 @@ def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, topo: _Topology, b
             else:
                 part = send = torch.matmul(xi, w, out=yi)
                 buf = recv = x.new_empty(hi - lo, n)
-        with nvtx.range(f"{op}.chunked.comm[{i}]"):
+        with nvtx.range(f"{op}.chunked.comm[{i}]") if trace else _NULL:
             works = _exchange(topo, send, recv, tag=i, agree=agree if i == 0 else None)
         inflight.append((works, buf, part, yi, send))
     for i, (works, buf, part, yi, _sent) in enumerate(inflight):
-        with nvtx.range(f"{op}.chunked.comm[{i}].wait"):
+        with nvtx.range(f"{op}.chunked.comm[{i}].wait") if trace else _NULL:
             _wait_first(works, first if i == 0 else None, op=op, topo=topo, timeout=timeout,
                         what=f"exchange of partial product block {i} with rank {peer}")
         torch.add(part, buf, out=yi)
