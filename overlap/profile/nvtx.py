@@ -21,7 +21,7 @@ import torch.autograd.profiler as _autograd_profiler
 
 from overlap.profile import names
 
-__all__ = ["range", "step", "enabled", "recording"]
+__all__ = ["range", "step", "enabled", "recording", "NO_RANGE"]
 
 _ENABLED = os.environ.get("OVERLAP_NVTX", "1") != "0"
 _CUDA: bool | None = None
@@ -44,6 +44,9 @@ def _cuda() -> bool:
 
 
 _NULL = contextlib.nullcontext()
+# What a hot path enters instead of ``range(...)`` when ``recording()`` is False, so that it does
+# not even build the range's name: ``with nvtx.range(name) if trace else nvtx.NO_RANGE:``.
+NO_RANGE = _NULL
 
 
 def range(name: str, *, required: bool = False  # noqa: A001

@@ -16,7 +16,6 @@ Shape legend (per rank; ``world`` ranks in ``group``, ``r`` = this rank):
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 from datetime import timedelta
 from typing import Callable, NamedTuple
@@ -44,7 +43,6 @@ def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-_NULL = contextlib.nullcontext()  # a range that records nothing (no profiler, no CUDA)
 _STAMP_TAG = 1 << 20  # apart from the pieces' tags (the step numbers)
 _STAMP_BYTES = STAMP_WORDS * 8
 
@@ -354,7 +352,7 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
     left = (rank - 1) % world
     for t in range(steps):
         if t in inflight:
-            with nvtx.range(f"{op}.chunked.comm[{t}].wait") if trace else _NULL:
+            with nvtx.range(f"{op}.chunked.comm[{t}].wait") if trace else nvtx.NO_RANGE:
                 _wait_first(inflight.pop(t), first if t == s else None, op=op, topo=topo,
                             timeout=timeout,
                             what=f"receive of piece {t} from the left neighbour (rank {left})")
@@ -368,12 +366,12 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
                 body.copy_(send)
                 send, recv = msg, flat[lo * k:hdr + hi * k]
                 first = _First(agree, send, recv)
-            with nvtx.range(f"{op}.chunked.comm[{t + s}]") if trace else _NULL:
+            with nvtx.range(f"{op}.chunked.comm[{t + s}]") if trace else nvtx.NO_RANGE:
                 inflight[t + s] = _exchange(topo, send, recv, tag=t,
                                             agree=agree if t == 0 else None)
         if w is not None:
             lo, hi = rows[t]
-            with nvtx.range(f"{op}.chunked.gemm[{t}]") if trace else _NULL:
+            with nvtx.range(f"{op}.chunked.gemm[{t}]") if trace else nvtx.NO_RANGE:
                 torch.matmul(views[t], w, out=y[lo:hi])
     if return_gathered or w is None:
         gathered[rank * m:(rank + 1) * m].copy_(x_shard)
@@ -407,23 +405,23 @@ def _ring_of_shards(x_shard: torch.Tensor, w: torch.Tensor | None, *, topo: _Top
     else:
         send, recv = _stamped(agree, x_shard), flat[src * size:hdr + (src + 1) * size]
         first = _First(agree, send, recv, stamped=True)
-    with nvtx.range(f"{op}.chunked.comm[1]") if trace else _NULL:
+    with nvtx.range(f"{op}.chunked.comm[1]") if trace else nvtx.NO_RANGE:
         works = _exchange(topo, send, recv, tag=0, agree=agree)
     if w is not None:
-        with nvtx.range(f"{op}.chunked.gemm[0]") if trace else _NULL:
+        with nvtx.range(f"{op}.chunked.gemm[0]") if trace else nvtx.NO_RANGE:
             torch.matmul(x_shard, w, out=y[rank * m:(rank + 1) * m])
     for j in range(1, world):
-        with nvtx.range(f"{op}.chunked.comm[{j}].wait") if trace else _NULL:
+        with nvtx.range(f"{op}.chunked.comm[{j}].wait") if trace else nvtx.NO_RANGE:
             _wait_first(works, first, op=op, topo=topo, timeout=timeout,
                         what=f"receive of piece {j} from the left neighbour (rank {topo.left})")
         first = None
         piece = gathered[src * m:(src + 1) * m]
         if j + 1 < world:
             nxt = (src - 1) % world
-            with nvtx.range(f"{op}.chunked.comm[{j + 1}]") if trace else _NULL:
+            with nvtx.range(f"{op}.chunked.comm[{j + 1}]") if trace else nvtx.NO_RANGE:
                 works = _exchange(topo, piece, gathered[nxt * m:(nxt + 1) * m], tag=j)
         if w is not None:
-            with nvtx.range(f"{op}.chunked.gemm[{j}]") if trace else _NULL:
+            with nvtx.range(f"{op}.chunked.gemm[{j}]") if trace else nvtx.NO_RANGE:
                 torch.matmul(piece, w, out=y[src * m:(src + 1) * m])
         src = (src - 1) % world
     if keep:
@@ -469,12 +467,12 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
         j, p = divmod(t, s)
         d = (rank - 1 - j) % world
         lo, hi = d * m + pieces[p][0], d * m + pieces[p][1]
-        with nvtx.range(f"{op}.chunked.gemm[{t}]") if trace else _NULL:
+        with nvtx.range(f"{op}.chunked.gemm[{t}]") if trace else nvtx.NO_RANGE:
             return torch.matmul(x[lo:hi], w, out=out)
 
     def add_received(t: int, part: torch.Tensor) -> None:
         works, buf, _sent = inflight.pop(t)
-        with nvtx.range(f"{op}.chunked.comm[{t}].wait") if trace else _NULL:
+        with nvtx.range(f"{op}.chunked.comm[{t}].wait") if trace else nvtx.NO_RANGE:
             _wait_first(works, first if t == s else None, op=op, topo=topo,
                         timeout=timeout, what=f"receive of partial sum {t} from the left "
                                               f"neighbour (rank {(rank - 1) % world})")
@@ -493,7 +491,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
             if t >= s:
                 add_received(t, part)
             buf = recv = x.new_empty(hi - lo, n)
-        with nvtx.range(f"{op}.chunked.comm[{t + s}]") if trace else _NULL:
+        with nvtx.range(f"{op}.chunked.comm[{t + s}]") if trace else nvtx.NO_RANGE:
             works = _exchange(topo, send, recv, tag=t, agree=agree if t == 0 else None)
         inflight[t + s] = (works, buf, send)
     # Last step: our own block. Its GEMMs need no data from peers, so they and the caller's
@@ -553,13 +551,13 @@ def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, topo: _Topology, b
     rows, n = x.shape[0], w.shape[1]
     trace = nvtx.recording()  # ranges only when something records them
     bounds = split_bounds(rows, blocks)
-    whole = len(bounds) == 1  # one block: no row views (the default chunks=2 at this size)
-    y = x.new_empty(rows, n)
+    whole = len(bounds) == 1  # one block: no row views, and the sum allocates y
+    y = None if whole else x.new_empty(rows, n)
     first = None
     inflight = []  # (works, received block, own partial, rows, the tensor sent: kept alive)
     for i, (lo, hi) in enumerate(bounds):
-        xi, yi = (x, y) if whole else (x[lo:hi], y[lo:hi])
-        with nvtx.range(f"{op}.chunked.gemm[{i}]") if trace else _NULL:
+        xi, yi = (x, None) if whole else (x[lo:hi], y[lo:hi])
+        with nvtx.range(f"{op}.chunked.gemm[{i}]") if trace else nvtx.NO_RANGE:
             if i == 0 and agree is not None:  # the first partial is computed behind the stamp
                 send, part = _message(x, hi - lo, n)
                 torch.matmul(xi, w, out=part)
@@ -568,14 +566,16 @@ def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, topo: _Topology, b
             else:
                 part = send = torch.matmul(xi, w, out=yi)
                 buf = recv = x.new_empty(hi - lo, n)
-        with nvtx.range(f"{op}.chunked.comm[{i}]") if trace else _NULL:
+        with nvtx.range(f"{op}.chunked.comm[{i}]") if trace else nvtx.NO_RANGE:
             works = _exchange(topo, send, recv, tag=i, agree=agree if i == 0 else None)
         inflight.append((works, buf, part, yi, send))
     for i, (works, buf, part, yi, _sent) in enumerate(inflight):
-        with nvtx.range(f"{op}.chunked.comm[{i}].wait") if trace else _NULL:
+        with nvtx.range(f"{op}.chunked.comm[{i}].wait") if trace else nvtx.NO_RANGE:
             _wait_first(works, first if i == 0 else None, op=op, topo=topo, timeout=timeout,
                         what=f"exchange of partial product block {i} with rank {peer}")
-        torch.add(part, buf, out=yi)
+        total = torch.add(part, buf, out=yi)
+    if whole:
+        y = total
     if agree is not None:
         agree.poison(y)
     return y

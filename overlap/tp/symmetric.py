@@ -59,6 +59,7 @@ def all_gather_matmul(context: TPContext, x_shard: torch.Tensor, w: torch.Tensor
     """(y [M, N], gathered [M, K] or None); ``w=None`` only gathers."""
     ws, copier = context.ws, context.copier
     rank, world = ws.rank, ws.world
+    trace = nvtx.recording()  # ranges only when something records them
     x_shard = x_shard.contiguous()
     m, k = x_shard.shape
     half = align(m * k * x_shard.element_size())
@@ -67,7 +68,7 @@ def all_gather_matmul(context: TPContext, x_shard: torch.Tensor, w: torch.Tensor
     at = offset + (p % 2) * half
     peers = [(rank + j) % world for j in range(1, world)]
 
-    with nvtx.range(f"{op}.symmetric.comm[publish]"):
+    with nvtx.range(f"{op}.symmetric.comm[publish]") if trace else nvtx.NO_RANGE:
         if p > 2:  # every reader of phase p - 2 is done with this half
             for q in peers:
                 ws.wait(base + world + q, p - 2, peer=q)
@@ -84,7 +85,7 @@ def all_gather_matmul(context: TPContext, x_shard: torch.Tensor, w: torch.Tensor
         src = ws.view(q, x_shard.dtype, (m, k), at)
         for i, (lo, hi) in enumerate(pieces):
             def pull(q=q, src=src, lo=lo, hi=hi, i=i) -> None:
-                with nvtx.range(f"{op}.symmetric.comm[{q}.{i}]"):
+                with nvtx.range(f"{op}.symmetric.comm[{q}.{i}]") if trace else nvtx.NO_RANGE:
                     if i == 0:
                         ws.wait(base + q, p, peer=q)
                     gathered[q * m + lo:q * m + hi].copy_(src[lo:hi])
@@ -95,14 +96,14 @@ def all_gather_matmul(context: TPContext, x_shard: torch.Tensor, w: torch.Tensor
     y = None
     if w is not None:
         y = x_shard.new_empty(world * m, w.shape[1])
-        with nvtx.range(f"{op}.symmetric.gemm[{rank}]"):
+        with nvtx.range(f"{op}.symmetric.gemm[{rank}]") if trace else nvtx.NO_RANGE:
             torch.matmul(x_shard, w, out=y[rank * m:(rank + 1) * m])
     if return_gathered or w is None:
         gathered[rank * m:(rank + 1) * m].copy_(x_shard)
     for q, lo, hi, ticket in tickets:
         copier.wait(ticket, f"{op} (rank {rank}, pulling rank {q}'s shard)")
         if w is not None:
-            with nvtx.range(f"{op}.symmetric.gemm[{q}.{lo}]"):
+            with nvtx.range(f"{op}.symmetric.gemm[{q}.{lo}]") if trace else nvtx.NO_RANGE:
                 torch.matmul(gathered[q * m + lo:q * m + hi], w, out=y[q * m + lo:q * m + hi])
     return y, (gathered if return_gathered or w is None else None)
 
@@ -114,6 +115,7 @@ def matmul_reduce_scatter(context: TPContext, x: torch.Tensor, w: torch.Tensor, 
     """y_shard [m, N]; ``overlap_with`` runs after every GEMM, while peers' pushes land."""
     ws, copier = context.ws, context.copier
     rank, world = ws.rank, ws.world
+    trace = nvtx.recording()  # ranges only when something records them
     m, n = x.shape[0] // world, w.shape[1]
     blk = align(m * n * x.element_size())
     context.require(op, offset + 2 * world * blk, f"a {x.shape[0]} x {n} {x.dtype} product")
@@ -125,18 +127,18 @@ def matmul_reduce_scatter(context: TPContext, x: torch.Tensor, w: torch.Tensor, 
         d = (rank + j) % world
         dst = ws.view(d, x.dtype, (m, n), at + rank * blk)
         for i, (lo, hi) in enumerate(pieces):
-            with nvtx.range(f"{op}.symmetric.gemm[{d}.{i}]"):
+            with nvtx.range(f"{op}.symmetric.gemm[{d}.{i}]") if trace else nvtx.NO_RANGE:
                 part = x[d * m + lo:d * m + hi] @ w
 
             def push(d=d, dst=dst, lo=lo, hi=hi, i=i, part=part) -> None:
-                with nvtx.range(f"{op}.symmetric.comm[{d}.{i}]"):
+                with nvtx.range(f"{op}.symmetric.comm[{d}.{i}]") if trace else nvtx.NO_RANGE:
                     if i == 0 and p > 2:  # d has reduced what we pushed at p - 2
                         ws.wait(base + world + d, p - 2, peer=d)
                     dst[lo:hi].copy_(part)
                     if i == len(pieces) - 1:
                         ws.signal(d, base + rank, p)
             copier.submit(push, part)
-    with nvtx.range(f"{op}.symmetric.gemm[{rank}]"):
+    with nvtx.range(f"{op}.symmetric.gemm[{rank}]") if trace else nvtx.NO_RANGE:
         acc = x[rank * m:(rank + 1) * m] @ w
     if overlap_with is not None:
         overlap_with()
@@ -145,7 +147,7 @@ def matmul_reduce_scatter(context: TPContext, x: torch.Tensor, w: torch.Tensor, 
     acc = acc.to(torch.promote_types(acc.dtype, torch.float32))  # fp32 or wider: fp64 stays
     for j in range(1, world):
         q = (rank - j) % world
-        with nvtx.range(f"{op}.symmetric.comm[{q}].reduce"):
+        with nvtx.range(f"{op}.symmetric.comm[{q}].reduce") if trace else nvtx.NO_RANGE:
             ws.wait(base + q, p, peer=q)
             acc += ws.view(rank, x.dtype, (m, n), at + q * blk)
             ws.signal(q, base + world + rank, p)  # q may refill this slot at phase p + 2
@@ -189,6 +191,7 @@ def _exchange_all_reduce(context: TPContext, x: torch.Tensor, w: torch.Tensor, *
     ws, copier = context.ws, context.copier
     rank, world = ws.rank, ws.world
     peer = 1 - rank
+    trace = nvtx.recording()  # ranges only when something records them
     rows, n = x.shape[0], w.shape[1]
     blk = align(rows * n * x.element_size())  # the caller required ar_bytes = 2 * blk
     p = context.next_phase()
@@ -199,7 +202,7 @@ def _exchange_all_reduce(context: TPContext, x: torch.Tensor, w: torch.Tensor, *
     last = len(bounds) - 1
 
     def push(i: int, lo: int, hi: int, part: torch.Tensor) -> None:
-        with nvtx.range(f"{op}.symmetric.comm[{peer}.{i}]"):
+        with nvtx.range(f"{op}.symmetric.comm[{peer}.{i}]") if trace else nvtx.NO_RANGE:
             if i == 0 and p > 2:  # the peer has added what we pushed at p - 2
                 ws.wait(world + peer, p - 2, peer=peer)
             dst[lo:hi].copy_(part)
@@ -207,18 +210,18 @@ def _exchange_all_reduce(context: TPContext, x: torch.Tensor, w: torch.Tensor, *
                 ws.signal(peer, rank, p)
 
     if last == 0:  # one block: no GEMM left to hide the push under, so it runs in stream order
-        with nvtx.range(f"{op}.symmetric.gemm[0]"):
+        with nvtx.range(f"{op}.symmetric.gemm[0]") if trace else nvtx.NO_RANGE:
             torch.matmul(x, w, out=y)
         push(0, 0, rows, y)
     else:
         for i, (lo, hi) in enumerate(bounds):
-            with nvtx.range(f"{op}.symmetric.gemm[{i}]"):
+            with nvtx.range(f"{op}.symmetric.gemm[{i}]") if trace else nvtx.NO_RANGE:
                 part = torch.matmul(x[lo:hi], w, out=y[lo:hi])
             copier.submit(lambda i=i, lo=lo, hi=hi, part=part: push(i, lo, hi, part), part)
         # Our pushes first: the peer is waiting for them (on CPU the waiter may run them).
         copier.drain(f"{op} (rank {rank}, pushing partial products)")
     acc = y.to(torch.promote_types(y.dtype, torch.float32))  # fp32 or wider: fp64 stays
-    with nvtx.range(f"{op}.symmetric.comm[{peer}].reduce"):
+    with nvtx.range(f"{op}.symmetric.comm[{peer}].reduce") if trace else nvtx.NO_RANGE:
         ws.wait(peer, p, peer=peer)
         acc += ws.view(rank, x.dtype, (rows, n), at)
         ws.signal(peer, world + rank, p)  # the peer may refill this half at phase p + 2
