@@ -49,27 +49,26 @@ _AG_OPTS = _options(AllgatherOptions, False)
 _RS_OPTS = _options(ReduceScatterOptions, True)
 
 
-def _direct(group, *tensors) -> bool:
-    return group is not None and all(type(t) is torch.Tensor for t in tensors)
+_Tensor = torch.Tensor  # a plain tensor (not a subclass such as DTensor or a fake tensor)
 
 
 def post_all_reduce(t: torch.Tensor, group):
     """Start a sum all-reduce of ``t`` in place on ``group``; returns its work."""
-    if _direct(group, t):
+    if group is not None and type(t) is _Tensor:
         return group.allreduce([t], _AR_OPTS)
     return dist.all_reduce(t, group=group, async_op=True)
 
 
 def post_all_gather(out: torch.Tensor, x: torch.Tensor, group):
     """Start gathering every rank's ``x`` into ``out`` (dim 0, rank order); returns its work."""
-    if _direct(group, out, x):
+    if group is not None and type(out) is _Tensor and type(x) is _Tensor:
         return getattr(group, _AG_METHOD)(out, x, _AG_OPTS)
     return all_gather_single(out, x, group=group, async_op=True)
 
 
 def post_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group):
     """Start summing ``x`` over ranks into this rank's dim-0 piece ``out``; returns its work."""
-    if _direct(group, out, x):
+    if group is not None and type(out) is _Tensor and type(x) is _Tensor:
         return getattr(group, _RS_METHOD)(out, x, _RS_OPTS)
     return reduce_scatter_single(out, x, group=group, async_op=True)
 
