@@ -80,14 +80,14 @@ def test_race_decides_alike_on_every_rank_and_keeps_the_numbers(world, backend):
 
 def _fewest_within_margin(best_ms: dict) -> int:
     """The piece count the rule picks: ascending, a larger count replaces the current one
-    only when more than MARGIN faster (best_ms is rounded to 0.1 us, far finer than the gaps
-    between counts here)."""
-    from overlap.tp.autochunk import MARGIN
+    only when more than PIECES_MARGIN faster (best_ms is rounded to 0.1 us, far finer than the
+    gaps between counts here)."""
+    from overlap.tp.autochunk import PIECES_MARGIN
 
     counts = sorted(c for c in best_ms if c != 1)
     pick = counts[0]
     for c in counts[1:]:
-        if best_ms[c] < (1.0 - MARGIN) * best_ms[pick]:
+        if best_ms[c] < (1.0 - PIECES_MARGIN) * best_ms[pick]:
             pick = c
     return pick
 
@@ -198,15 +198,17 @@ def test_chunks_must_be_auto_or_a_positive_int():
         assert default == (2, False), default  # CPU default: world pieces, no race
 
 
-def test_a_count_is_scored_by_its_second_fastest_call_and_more_pieces_must_win_by_the_margin():
-    from overlap.tp.autochunk import MARGIN, _fewest, _score
+def test_a_count_is_scored_by_its_lower_quartile_and_more_pieces_must_win_by_the_margin():
+    from overlap.tp.autochunk import MARGIN, PIECES_MARGIN, TRIALS, _fewest, _score
 
     assert _score([5.0, 1.0, 3.0, 2.0, 4.0]) == 2.0  # one lucky call does not decide
+    assert _score([9.0, 0.1, 8.0, 0.2, 7.0, 6.0, 5.0, 4.0, 3.0]) == 3.0  # nor do two
     assert _score([7.0]) == 7.0
+    assert TRIALS >= 8 and PIECES_MARGIN > MARGIN
     key = ("op",)
-    times = {(key, 2): 1.0, (key, 4): 1.0 - MARGIN / 2, (key, 8): 0.5}
+    times = {(key, 2): 1.0, (key, 4): 1.0 - PIECES_MARGIN / 2, (key, 8): 0.5}
     assert _fewest(times, key, [2, 4, 8]) == (0.5, 8)
-    times[(key, 8)] = (1.0 - MARGIN / 2) * 0.999  # beats 2, but not by the margin
+    times[(key, 8)] = (1.0 - PIECES_MARGIN / 2) * 0.999  # beats 2, but not by the margin
     assert _fewest(times, key, [2, 4, 8]) == (1.0, 2)
     times[(key, 2)] = float("inf")  # a count never timed loses to any timed one
-    assert _fewest(times, key, [2, 4, 8]) == (1.0 - MARGIN / 2, 4)
+    assert _fewest(times, key, [2, 4, 8]) == (1.0 - PIECES_MARGIN / 2, 4)
