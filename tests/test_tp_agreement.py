@@ -185,7 +185,7 @@ def test_chunked_first_message_carries_the_stamp(device_path, dtype):
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64))
 def test_chunked_stamped_message_and_byte_compare(dtype):
-    """The one-piece ring's first message is built in one op (the stamp's bytes, then the
+    """The chunked ring's first message is built in one op (the stamp's bytes, then the
     shard), and its receive is compared where it landed: equal words pass, a word that
     differs (another call number, another shape) does not, and zeroed bytes never do."""
     from overlap.dist.stamp import Agreement

@@ -324,9 +324,6 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
         return _whole_all_gather(x_shard, w, group=group, return_gathered=return_gathered,
                                  timeout=timeout, agree=agree, op=op)
     m, k = x_shard.shape
-    if chunks // world <= 1 or m <= 1:
-        return _ring_of_shards(x_shard, w, topo=topo, keep=return_gathered or w is None,
-                               timeout=timeout, agree=agree, op=op)
     pieces = split_bounds(m, chunks // world)
     s = len(pieces)
     steps = world * s
@@ -362,10 +359,8 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
             send = views[t]
             recv = views[t + s] = gathered[lo:hi]
             if t == 0 and agree is not None:  # our first piece goes behind our stamp
-                msg, body = _message(x_shard, send.shape[0], k)
-                body.copy_(send)
-                send, recv = msg, flat[lo * k:hdr + hi * k]
-                first = _First(agree, send, recv)
+                send, recv = _stamped(agree, send), flat[lo * k:hdr + hi * k]
+                first = _First(agree, send, recv, stamped=True)
             with nvtx.range(f"{op}.chunked.comm[{t + s}]") if trace else nvtx.NO_RANGE:
                 inflight[t + s] = _exchange(topo, send, recv, tag=t,
                                             agree=agree if t == 0 else None)
@@ -378,57 +373,6 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
     if agree is not None:
         agree.poison(y, gathered)
     return y, (gathered if return_gathered or w is None else None)
-
-
-def _ring_of_shards(x_shard: torch.Tensor, w: torch.Tensor | None, *, topo: _Topology,
-                    keep: bool, timeout: float, agree: Agreement | None, op: str
-                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """all_gather_matmul with one piece per shard (``chunks == world``, the default): hop j
-    forwards to the right the shard received at hop j - 1 (hop 0: our own, behind our stamp)
-    and receives the next one from the left while the shard at hand is multiplied. The
-    general loop's schedule for s = 1, without its per-piece tables: this is the op's common
-    case, and on small shapes its host time is the op's cost. ``keep``: return ``gathered``."""
-    rank, world = topo.rank, topo.world
-    m, k = x_shard.shape
-    size = m * k
-    trace = nvtx.recording()  # ranges only when something records them (names built lazily)
-    # As in the general loop, the first shard from the left lands behind its stamp, which
-    # overwrites the tail of the rows received last (or of our own, copied at the end).
-    hdr = 0 if agree is None else _header_elems(x_shard.dtype)
-    flat = x_shard.new_empty(hdr + world * size)
-    gathered = flat.as_strided((world * m, k), (k, 1), hdr)
-    y = None if w is None else x_shard.new_empty(world * m, w.shape[1])
-    src = topo.left  # the owner of the shard received at hop j - 1, multiplied at step j
-    first = None
-    if agree is None:
-        send, recv = x_shard, gathered[src * m:(src + 1) * m]
-    else:
-        send, recv = _stamped(agree, x_shard), flat[src * size:hdr + (src + 1) * size]
-        first = _First(agree, send, recv, stamped=True)
-    with nvtx.range(f"{op}.chunked.comm[1]") if trace else nvtx.NO_RANGE:
-        works = _exchange(topo, send, recv, tag=0, agree=agree)
-    if w is not None:
-        with nvtx.range(f"{op}.chunked.gemm[0]") if trace else nvtx.NO_RANGE:
-            torch.matmul(x_shard, w, out=y[rank * m:(rank + 1) * m])
-    for j in range(1, world):
-        with nvtx.range(f"{op}.chunked.comm[{j}].wait") if trace else nvtx.NO_RANGE:
-            _wait_first(works, first, op=op, topo=topo, timeout=timeout,
-                        what=f"receive of piece {j} from the left neighbour (rank {topo.left})")
-        first = None
-        piece = gathered[src * m:(src + 1) * m]
-        if j + 1 < world:
-            nxt = (src - 1) % world
-            with nvtx.range(f"{op}.chunked.comm[{j + 1}]") if trace else nvtx.NO_RANGE:
-                works = _exchange(topo, piece, gathered[nxt * m:(nxt + 1) * m], tag=j)
-        if w is not None:
-            with nvtx.range(f"{op}.chunked.gemm[{j}]") if trace else nvtx.NO_RANGE:
-                torch.matmul(piece, w, out=y[src * m:(src + 1) * m])
-        src = (src - 1) % world
-    if keep:
-        gathered[rank * m:(rank + 1) * m].copy_(x_shard)
-    if agree is not None:
-        agree.poison(y, gathered)
-    return y, (gathered if keep else None)
 
 
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGroup,
