@@ -16,17 +16,18 @@ PATTERNS = ("both", "x_only", "w_only", "gathered_used")
 K, N = 16, 12
 
 
-def _loss(opname, comm, pattern):
+def _loss(opname, pattern, **where):
+    """``where``: comm=, or group= and backend= (the group's default communicator)."""
     from overlap import tp
 
     fn = getattr(tp, opname)
 
     def loss(x, w):
         if pattern == "gathered_used":
-            y, gathered = fn(x, w, comm=comm, return_gathered=True)
+            y, gathered = fn(x, w, **where, return_gathered=True)
             # The gathered input feeds another product: its gradient must reach x.
             return (y.relu() ** 2).sum() + (gathered.sin() * 0.5).sum()
-        return (fn(x, w, comm=comm).relu() ** 2).sum()
+        return (fn(x, w, **where).relu() ** 2).sum()
     return loss
 
 
@@ -38,7 +39,7 @@ def _grads(loss, x, w):
     return out.detach(), x.grad, w.grad
 
 
-def _compare(comm, opname, pattern):
+def _compare(opname, pattern, *, compiled_first=False, **where):
     torch._dynamo.reset()
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(100 + rank)
@@ -47,9 +48,14 @@ def _compare(comm, opname, pattern):
     w = torch.randn(K, N, generator=g) / K ** 0.5
     x.requires_grad_(pattern != "w_only")
     w.requires_grad_(pattern != "x_only")
-    loss = _loss(opname, comm, pattern)
-    eager = _grads(loss, x, w)
-    compiled = _grads(torch.compile(loss, fullgraph=True, backend="aot_eager"), x, w)
+    loss = _loss(opname, pattern, **where)
+    compiled_loss = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    if compiled_first:
+        compiled = _grads(compiled_loss, x, w)
+        eager = _grads(loss, x, w)
+    else:
+        eager = _grads(loss, x, w)
+        compiled = _grads(compiled_loss, x, w)
     worst = 0.0
     for a, b in zip(eager, compiled):
         assert (a is None) == (b is None)
@@ -63,7 +69,7 @@ def _every_case(backend):
     from overlap import tp
 
     comm = tp.TPComm(dist.group.WORLD, backend=backend, timeout=60)
-    out = {(op, p): _compare(comm, op, p) for op in OPS for p in PATTERNS
+    out = {(op, p): _compare(op, p, comm=comm) for op in OPS for p in PATTERNS
            if p != "gathered_used" or op == "all_gather_matmul"}  # return_gathered is AG's
     comm.close()
     return out
@@ -77,3 +83,47 @@ def test_compiled_functional_ops_equal_eager(world, backend):
         for (opname, pattern), (worst, has) in per_case.items():
             assert worst <= 1e-6, (opname, pattern, worst)
             assert has == [pattern != "w_only", pattern != "x_only"], (opname, pattern)
+
+
+def _group_form(backend):
+    """The ``group=`` form, compiled before any eager call: the default communicator is made
+    while torch.compile traces, and eager then finds the same one."""
+    from overlap import tp
+
+    g = dist.group.WORLD
+    out = {}
+    for op in OPS:
+        for p in ("both", "gathered_used") if op == "all_gather_matmul" else ("both",):
+            out[(op, p)] = _compare(op, p, compiled_first=True, group=g, backend=backend)
+    from overlap.tp.comm import default_comm
+
+    comm = default_comm(g, backend=backend)
+    calls = comm.agree.calls if comm.agree is not None else None
+    tp.close_default_comms()
+    # A compiled function keeps the communicator it traced: once closed, it says so.
+    x = torch.randn(2 * dist.get_world_size(), K)
+    f = torch.compile(lambda x, w: tp.matmul_all_reduce(x, w, group=g, backend=backend),
+                      fullgraph=True, backend="aot_eager")
+    f(x, torch.randn(K, N))  # traced (a new default communicator) and run
+    tp.close_default_comms()
+    try:
+        f(x, torch.randn(K, N))
+        closed = None
+    except tp.TPCommFailed as exc:
+        closed = str(exc)
+    return out, calls, closed
+
+
+@pytest.mark.parametrize("backend", ("chunked", "symmetric", "unfused"))
+@pytest.mark.parametrize("world", (2, 4))
+def test_group_form_compiles_and_shares_the_default_comm(world, backend):
+    for per_case, calls, closed in run_ranks(_group_form, world, backend, timeout=600):
+        for (opname, pattern), (worst, has) in per_case.items():
+            assert worst <= 1e-6, (opname, pattern, worst)
+            assert has == [True, True], (opname, pattern)
+        # Calls on the one default communicator, each case compiled and eager: AG 2 (forward,
+        # dgrad's reduce-scatter), AG with the gathered output used 3 (+ its reduce-scatter),
+        # RS 2 (+ dgrad's all-gather), AR 1 (no backward communication): 2 x 8. Had compiled
+        # and eager each made their own communicator, this one would count 8.
+        assert calls == 16, calls
+        assert closed is not None and "closed" in closed and "torch._dynamo.reset" in closed

@@ -83,6 +83,7 @@ class TPComm(OpaqueBase):
         self.auto = (ChunkRace(self) if chunks == AUTO and self.world > 1
                      and self.backend in ("chunked", "symmetric") else None)
         self.closed = False
+        self.default = False  # made by default_comm (the group= form)
         self._failed: BaseException | None = None
         self._contexts: collections.OrderedDict[tuple, object] = collections.OrderedDict()
         # Signatures (op, shapes, dtypes, devices, chunks) whose local checks passed: they are
@@ -139,8 +140,11 @@ class TPComm(OpaqueBase):
 
     def ensure_usable(self, op: str) -> None:
         if self.closed:
-            raise TPCommFailed(f"{op}: the TP communicator was closed{self.where()}; build a "
-                               "new TPComm")
+            hint = ("; build a new TPComm" if not self.default else
+                    " (close_default_comms); the group= form makes a new one on its next eager "
+                    "call, while a torch.compile'd function keeps the one it traced until "
+                    "torch._dynamo.reset()")
+            raise TPCommFailed(f"{op}: the TP communicator was closed{self.where()}{hint}")
         if self._failed is not None:
             raise TPCommFailed(f"{op}: communicator failed earlier{self.where()}: "
                                f"{self._failed}") from self._failed
@@ -247,6 +251,11 @@ class TPComm(OpaqueBase):
         if self.header is not None:
             self.header.close(wait_for_peers=self._failed is None)
 
+    def __deepcopy__(self, memo) -> "TPComm":
+        # A handle to live transport state, not a value: a compiled graph that holds the
+        # group= form's communicator as a constant is deep-copied by torch.compile's backward.
+        return self
+
     def __enter__(self) -> "TPComm":
         return self
 
@@ -290,6 +299,7 @@ def default_comm(group, *, backend: str = "auto", op: str = "tp") -> TPComm:
     comm = per_group.get(backend)
     if comm is None or comm.closed:
         comm = per_group[backend] = TPComm(group, backend=backend)
+        comm.default = True
     return comm
 
 

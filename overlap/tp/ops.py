@@ -296,7 +296,22 @@ def _comm_for(op: str, comm, group, backend: str) -> TPComm:
             raise ValueError(f"{op}: pass comm= or group=, not both (comm is on group "
                              f"{group_name(comm.group)}, group= is {group_name(group)})")
         return comm
+    if isinstance(group, dist.ProcessGroup) and torch.compiler.is_compiling():
+        # torch.compile cannot make a communicator (an opaque object) while it traces: the
+        # lookup runs once, outside the graph, and the graph keeps its result as a constant.
+        return _default_comm_traced(group.group_name, backend, op)
     return default_comm(group, backend=backend, op=op)
+
+
+def _default_comm_traced(group_name: str, backend: str, op: str) -> TPComm:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return default_comm(_resolve_process_group(group_name), backend=backend, op=op)
+
+
+# What torch.compiler.assume_constant_result sets (calling it would import torch._dynamo,
+# 1.5 s, on every ``import overlap``); tests/test_tp_compile.py fails if it stops working.
+_default_comm_traced._dynamo_marked_constant = True
 
 
 def _sequence_first(op: str, comm: TPComm, x, w, seq_dim: int) -> torch.Tensor:
