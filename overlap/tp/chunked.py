@@ -400,7 +400,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
     pieces = split_bounds(m, chunks // world)
     s = len(pieces)
     n = w.shape[1]
-    out = x.new_empty(m, n)
+    out = None if s == 1 else x.new_empty(m, n)  # one piece: its sum is the output
     # piece -> (works of the hop that delivers it, its receive buffer, the tensor that hop
     # sent, kept alive until the works are waited; each work is waited exactly once)
     inflight: dict[int, tuple[list, torch.Tensor, torch.Tensor]] = {}
@@ -445,8 +445,11 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
         overlap_with()
     for t, part in last:
         add_received(t, part)
-        lo, hi = pieces[t % s]
-        out[lo:hi] = part
+        if out is None:
+            out = part
+        else:
+            lo, hi = pieces[t % s]
+            out[lo:hi] = part
     if agree is not None:
         agree.poison(out)
     return out
