@@ -243,8 +243,8 @@ def main(cfg: BenchConfig) -> None:
         "included). *_x = this impl / the baseline of the same op.",
         "unfused runs the same collectives as the baseline through the runtime (checks, "
         "communicator, call counting, timeout-bounded waits), so its ratio is the "
-        "runtime's own overhead. chunked and symmetric rows run with the default "
-        "chunks='auto', raced before the timed rounds (the chunks column: the kind it chose "
+        "runtime's own overhead. chunked and symmetric rows run with "
+        "chunks='auto' (the CUDA default), raced before the timed rounds (the chunks column: the kind it chose "
         "and, for pieces, the piece count of the op's shape; whole = the whole collective "
         "then the GEMM, stamped); the '(pieces)' rows force "
         "chunks=world: chunked splits each op into world pieces with one exchange each, "

@@ -259,8 +259,9 @@ def _notes(cfg: BenchConfig, world: int, cuda: bool) -> list[str]:
              "chunks='auto' (the CUDA default): before the timed samples each op's "
              "communicator races 1 piece (the whole collective then the whole GEMM, stamped) "
              "against world x 1, 2, 4 pieces on "
-             "that shape and keeps the fastest by the slowest rank's median "
-             "(overlap/tp/autochunk.py), as a training run's first steps would.",
+             "that shape and keeps the fastest by the slowest rank's lower-quartile call (pieces "
+             "must beat whole by 5%, a larger piece count a smaller one by 15%; "
+             "overlap/tp/autochunk.py), as a training run's first steps would.",
              "t_comm is the plain torch.distributed collective. The fused backends move data "
              "their own way (chunked: ring send/recv; symmetric: shared-memory copies), so "
              "overlap_eff > 1 means that way was faster than the collective (gloo's "
