@@ -3,7 +3,9 @@ backend x gradient pattern (both inputs trainable, only x (frozen weight), only 
 without grad), and all_gather_matmul's gathered output used downstream), world 2 and 4.
 Outputs and gradients within 1e-6 relative: the compiled graph calls the same implementation
 (through its custom op), so the only difference allowed is none at all in fp32; 1e-6 leaves
-room for a compiled elementwise epilogue that fuses differently."""
+room for a compiled elementwise epilogue that fuses differently. The group= form compiles too
+(its default communicator shared with eager), and a later call whose ranks disagree still
+raises on every rank when compiled: the stamps run inside the op."""
 
 import pytest
 import torch
@@ -127,3 +129,37 @@ def test_group_form_compiles_and_shares_the_default_comm(world, backend):
         # and eager each made their own communicator, this one would count 8.
         assert calls == 16, calls
         assert closed is not None and "closed" in closed and "torch._dynamo.reset" in closed
+
+
+def _group_form_later_disagreement():
+    """Call 1 agrees; on call 2 rank 1 passes more rows. Both calls run compiled in the
+    group= form (rank 1 recompiles for its new shape, its peer does not)."""
+    from overlap import tp
+    from overlap.dist.stamp import Disagreement
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = dist.group.WORLD
+    f = torch.compile(lambda x, w: tp.matmul_all_reduce(x, w, group=g, backend="chunked"),
+                      fullgraph=True, backend="aot_eager")
+    w = torch.randn(K, N, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2 * world, K, generator=torch.Generator().manual_seed(2 + rank))
+    every = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(every, x)
+    first_err = (f(x, w) - sum(every) @ w).abs().max().item()
+    x2 = torch.randn((3 if rank == 1 else 2) * world, K)
+    try:
+        f(x2, w)
+        msg = None
+    except Disagreement as exc:
+        msg = str(exc)
+    tp.close_default_comms()
+    return first_err, msg
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_group_form_compiled_later_disagreement_raises_on_every_rank(world):
+    for rank, (first_err, msg) in enumerate(run_ranks(_group_form_later_disagreement, world,
+                                                      timeout=300)):
+        assert first_err <= 1e-5 * K, (rank, first_err)  # fp32 sums of K products, |x|,|w|~1
+        assert msg is not None, f"rank {rank} returned from a call its peers disagreed on"
+        assert "matmul_all_reduce" in msg and "call 2" in msg and "x shape" in msg, msg
