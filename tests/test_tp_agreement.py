@@ -35,12 +35,13 @@ def _inputs(rows, dtype, world, seed):
     return xs, ws
 
 
-def _disagree(backend, opname, kind, check_inputs):
+def _disagree(backend, opname, kind, check_inputs, chunks=None):
     from overlap import tp
     from overlap.dist.stamp import Disagreement
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    comm = tp.TPComm(dist.group.WORLD, backend=backend, timeout=60, check_inputs=check_inputs)
+    comm = tp.TPComm(dist.group.WORLD, backend=backend, timeout=60, check_inputs=check_inputs,
+                     chunks=chunks)
     fn = getattr(tp, opname)
     rows = 4 * world
     xs, ws = _inputs(rows, torch.float32, world, 0)
@@ -136,17 +137,27 @@ def test_ranks_that_pick_different_backends_are_refused_at_construction():
         assert msg is not None and "disagree on backend" in msg
 
 
+@pytest.mark.parametrize("kind, chunks", (("dtype", None), ("rows", None), ("rows", 1)))
 @pytest.mark.parametrize("opname", OPS)
 @pytest.mark.parametrize("world", (2, 4))
-def test_chunked_on_plain_gloo(world, opname):
+def test_chunked_on_plain_gloo(world, opname, kind, chunks):
     """The chunked backend on a plain gloo group (what bench_host runs, and a CPU user without
-    the twin) posts its transfers on the group directly: the products match the reference and
-    a same-size disagreement (only the stamps can tell) still raises on every rank."""
-    res = run_ranks(_disagree, world, "chunked", opname, "dtype", False, timeout=90,
+    the twin) posts its transfers on the group directly: the products match the reference, and
+    a later call where rank 1 disagrees raises on every rank, in pieces and in one piece. A
+    size disagreement must not reach the data: gloo aborts the process when a message outgrows
+    the receive it meets (run before the fix, rank 0 died with SIGABRT), so the stamps travel
+    and are compared first; a same-size one (dtype) only the stamps can tell."""
+    res = run_ranks(_disagree, world, "chunked", opname, kind, False, chunks, timeout=90,
                     backend="gloo")
     for rank, (first_err, msg, elapsed, later) in enumerate(res):
         assert first_err <= 1e-5 * K, (rank, first_err)
-        assert msg is not None and "dtype" in msg and "bfloat16" in msg and "float16" in msg
+        assert msg is not None, f"rank {rank} returned from a call its peers disagreed on"
+        assert opname in msg and "call 2" in msg and "rank 1" in msg, msg
+        if kind == "rows":
+            assert "x shape" in msg and (f"({4 * world}, {K})" in msg
+                                         or f"({6 * world}, {K})" in msg), msg
+        else:
+            assert "dtype" in msg and "bfloat16" in msg and "float16" in msg, msg
         assert elapsed < 2.0 and later is not None and "failed earlier" in later
 
 

@@ -4,9 +4,10 @@ Works unchanged on gloo (CPU) and NCCL (GPU); every function takes 2-D, already 
 inputs (overlap.tp.ops validates, reshapes and differentiates). all_gather_matmul and
 matmul_reduce_scatter are rings whose next transfer is in flight while a piece is multiplied;
 matmul_all_reduce is the reduce-scatter ring then a ring all-gather (two ranks: one exchange of
-the partial products); ``chunks=1`` runs the whole
-collective then the whole GEMM. Each call's stamp rides in its first hop (or, for chunks=1, a
-fixed-size all-gather just before the collective) and is compared before received data is used.
+the partial products); ``chunks=1`` runs the whole collective then the whole GEMM. Each call's
+stamp rides in its first hop (chunks=1: a fixed-size all-gather beside the collective) and is
+compared before received data is used; on plain gloo, which kills the process when a message
+outgrows its receive, stamps go first on their own and are compared before any data is posted.
 The protocol in full: docs/design/tp.md.
 
 Shape legend (per rank; ``world`` ranks in ``group``, ``r`` = this rank):
@@ -167,6 +168,40 @@ def _stamp_ops(group: dist.ProcessGroup, agree: Agreement) -> list:
     return cached
 
 
+def _post_stamps(topo: _Topology, agree: Agreement) -> list:
+    """Plain gloo: this call's stamp to every peer and every peer's into ``agree.recv``, as
+    messages of their own (fixed size: they cannot mis-pair), posted before any data."""
+    agree.clear_received()
+    group, works = topo.group, []
+    for q in topo.peers:
+        works.append(group.send([agree.send], q, _STAMP_TAG))
+        works.append(group.recv([agree.recv[q]], q, _STAMP_TAG))
+    return works
+
+
+def _agree_before_data(works: list, agree: Agreement, *, op: str, topo: _Topology,
+                       timeout: float) -> None:
+    """Wait for :func:`_post_stamps`' messages and compare the stamps (raise on a
+    disagreement) before the call posts its data. gloo kills the process when a message is
+    larger than the receive it meets (its transport thread throws; nothing reaches Python),
+    so on plain gloo ranks whose sizes differ must never post their data. NCCL and
+    ``nccl_twin`` keep a message's prefix instead: there the stamps ride in front of the
+    first piece (no message of their own, no round trip before the data)."""
+    _wait(works, op=op, group=topo.group, timeout=timeout,
+          what="exchange of the stamps" + topo.with_peers)
+    agree.verify(op, topo.peers)
+
+
+def _settled_first(topo: _Topology, agree: Agreement | None, *, op: str,
+                   timeout: float) -> Agreement | None:
+    """The stamps the data messages carry: on plain gloo none, once they have been exchanged
+    and compared on their own (:func:`_agree_before_data`); elsewhere ``agree``."""
+    if agree is None or not topo.direct:
+        return agree
+    _agree_before_data(_post_stamps(topo, agree), agree, op=op, topo=topo, timeout=timeout)
+    return None
+
+
 def _wait_first(works: list, first: _First | None, *, op: str, topo: _Topology,
                 timeout: float, what: str) -> None:
     """Wait for a call's first hop, then compare the stamps it carried. A transport error
@@ -239,38 +274,62 @@ def _topology(group: dist.ProcessGroup) -> _Topology:
 
 # ---------------------------------------------------------------- one piece (chunks=1)
 
-def _whole_stamps(agree: Agreement | None, group: dist.ProcessGroup):
-    """Start the all-gather of every rank's stamp (a fixed 128 bytes each, whatever the
-    call's sizes) on the group, ahead of the one-piece call's collective."""
+def _whole_stamps(agree: Agreement | None, topo: _Topology):
+    """Start the exchange of every rank's stamp (a fixed 128 bytes each, whatever the call's
+    sizes) ahead of the one-piece call's collective: an all-gather on the group, or on plain
+    gloo the pieces' own stamp messages (:func:`_post_stamps`), which the call waits for
+    before it posts its data."""
     if agree is None:
         return None
+    if topo.direct:
+        return _post_stamps(topo, agree)
     agree.clear_received()
-    return post_all_gather(agree.recv.view(-1), agree.send, group)
+    return post_all_gather(agree.recv.view(-1), agree.send, topo.group)
 
 
-def _whole_wait(stamps, work, agree: Agreement | None, *, op: str, group: dist.ProcessGroup,
+def _whole_agree(stamps, agree: Agreement | None, *, op: str, topo: _Topology,
+                 timeout: float) -> None:
+    """Wait for the stamps of :func:`_whole_stamps` and compare them (raise on mismatch)."""
+    if stamps is None:
+        return
+    if topo.direct:
+        _agree_before_data(stamps, agree, op=op, topo=topo, timeout=timeout)
+        return
+    _wait([stamps], op=op, group=topo.group, timeout=timeout,
+          what="all-gather of the stamps" + topo.with_peers)
+    agree.verify(op, topo.peers)
+
+
+def _whole_data(stamps, agree: Agreement | None, post: Callable[[], object], *, op: str,
+                topo: _Topology, timeout: float):
+    """Post the one-piece call's collective (``post()``; returns its work) and the stamps that
+    must come first: on plain gloo they are compared before it is posted, elsewhere they are
+    in flight with it and :func:`_whole_wait` compares them before the data is waited for.
+    Returns the stamps still to compare (None once compared) and the collective's work."""
+    if topo.direct:
+        _whole_agree(stamps, agree, op=op, topo=topo, timeout=timeout)
+        stamps = None
+    return stamps, post()
+
+
+def _whole_wait(stamps, work, agree: Agreement | None, *, op: str, topo: _Topology,
                 timeout: float, what: str) -> None:
-    """Wait for the stamps, compare them (ranks that disagree raise here, before the data
-    collective is waited on: its sizes may differ), then wait for the data."""
-    topo = _topology(group)
-    peers, with_peers = topo.peers, topo.with_peers
-    if stamps is not None:
-        _wait([stamps], op=op, group=group, timeout=timeout,
-              what="all-gather of the stamps" + with_peers)
-        agree.verify(op, peers)
-    _wait([work], op=op, group=group, timeout=timeout, what=what + with_peers)
+    """Compare the stamps (ranks that disagree raise here, before the data collective is
+    waited on: its sizes may differ), then wait for the data."""
+    _whole_agree(stamps, agree, op=op, topo=topo, timeout=timeout)
+    _wait([work], op=op, group=topo.group, timeout=timeout, what=what + topo.with_peers)
 
 
-def _whole_all_gather(x_shard: torch.Tensor, w: torch.Tensor | None, *, group, return_gathered,
+def _whole_all_gather(x_shard: torch.Tensor, w: torch.Tensor | None, *, topo, return_gathered,
                       timeout, agree, op):
-    world = _topology(group).world
     m, k = x_shard.shape
-    gathered = x_shard.new_empty(world * m, k)
+    gathered = x_shard.new_empty(topo.world * m, k)
     with nvtx.range(f"{op}.chunked.comm[0]"):
-        stamps = _whole_stamps(agree, group)
-        work = post_all_gather(gathered, x_shard, group)
+        stamps, work = _whole_data(_whole_stamps(agree, topo), agree,
+                                   lambda: post_all_gather(gathered, x_shard, topo.group),
+                                   op=op, topo=topo, timeout=timeout)
     with nvtx.range(f"{op}.chunked.comm[0].wait"):
-        _whole_wait(stamps, work, agree, op=op, group=group, timeout=timeout,
+        _whole_wait(stamps, work, agree, op=op, topo=topo, timeout=timeout,
                     what="all-gather of every rank's shard")
     y = None
     if w is not None:
@@ -281,26 +340,27 @@ def _whole_all_gather(x_shard: torch.Tensor, w: torch.Tensor | None, *, group, r
     return y, (gathered if return_gathered or w is None else None)
 
 
-def _whole_reduce(x: torch.Tensor, w: torch.Tensor, *, group, timeout, agree, op,
+def _whole_reduce(x: torch.Tensor, w: torch.Tensor, *, topo, timeout, agree, op,
                   scatter: bool, overlap_with: Callable[[], None] | None = None
                   ) -> torch.Tensor:
     """One GEMM, then one reduce-scatter (or all-reduce) of it; ``overlap_with`` runs while
-    the collective is in flight. The stamps' all-gather (fixed size: it cannot mis-pair) is
+    the collective is in flight. The stamps' exchange (fixed size: it cannot mis-pair) is
     posted before the GEMM, so its latency hides under it instead of adding to the call."""
-    stamps = _whole_stamps(agree, group)
+    stamps = _whole_stamps(agree, topo)
     with nvtx.range(f"{op}.chunked.gemm[0]"):
         y = x @ w
+    if scatter:
+        out = y.new_empty(y.shape[0] // topo.world, y.shape[1])
+        post = lambda: post_reduce_scatter(out, y, topo.group)  # noqa: E731
+    else:
+        out = y
+        post = lambda: post_all_reduce(out, topo.group)  # noqa: E731
     with nvtx.range(f"{op}.chunked.comm[0]"):
-        if scatter:
-            out = y.new_empty(y.shape[0] // _topology(group).world, y.shape[1])
-            work = post_reduce_scatter(out, y, group)
-        else:
-            out = y
-            work = post_all_reduce(out, group)
+        stamps, work = _whole_data(stamps, agree, post, op=op, topo=topo, timeout=timeout)
     if overlap_with is not None:
         overlap_with()
     with nvtx.range(f"{op}.chunked.comm[0].wait"):
-        _whole_wait(stamps, work, agree, op=op, group=group, timeout=timeout,
+        _whole_wait(stamps, work, agree, op=op, topo=topo, timeout=timeout,
                     what="reduce-scatter" if scatter else "all-reduce")
     if agree is not None:
         agree.poison(out)
@@ -321,18 +381,19 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
             return (None if w is None else x_shard @ w), (x_shard if return_gathered else None)
     x_shard = x_shard.contiguous()
     if chunks == 1:
-        return _whole_all_gather(x_shard, w, group=group, return_gathered=return_gathered,
+        return _whole_all_gather(x_shard, w, topo=topo, return_gathered=return_gathered,
                                  timeout=timeout, agree=agree, op=op)
     m, k = x_shard.shape
     pieces = split_bounds(m, chunks // world)
     s = len(pieces)
     steps = world * s
     trace = nvtx.recording()  # ranges only when something records them
+    carry = _settled_first(topo, agree, op=op, timeout=timeout)  # the stamps the data carries
     # With stamps, the first piece from the left lands in place behind its stamp: ``flat``
     # has room for one stamp in front of ``gathered``, and the stamp of the piece at rows
     # [lo, hi) overwrites the elements just before lo, which belong to sources received at
     # later hops (or to our own shard, copied last): nothing there is read or sent before.
-    hdr = 0 if agree is None else _header_elems(x_shard.dtype)
+    hdr = 0 if carry is None else _header_elems(x_shard.dtype)
     flat = x_shard.new_empty(hdr + world * m * k)
     gathered = flat.as_strided((world * m, k), (k, 1), flat.storage_offset() + hdr)
     y = None if w is None else x_shard.new_empty(world * m, w.shape[1])
@@ -358,12 +419,12 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
             lo, hi = rows[t + s]
             send = views[t]
             recv = views[t + s] = gathered[lo:hi]
-            if t == 0 and agree is not None:  # our first piece goes behind our stamp
-                send, recv = _stamped(agree, send), flat[lo * k:hdr + hi * k]
-                first = _First(agree, send, recv, stamped=True)
+            if t == 0 and carry is not None:  # our first piece goes behind our stamp
+                send, recv = _stamped(carry, send), flat[lo * k:hdr + hi * k]
+                first = _First(carry, send, recv, stamped=True)
             with nvtx.range(f"{op}.chunked.comm[{t + s}]") if trace else nvtx.NO_RANGE:
                 inflight[t + s] = _exchange(topo, send, recv, tag=t,
-                                            agree=agree if t == 0 else None)
+                                            agree=carry if t == 0 else None)
         if w is not None:
             lo, hi = rows[t]
             with nvtx.range(f"{op}.chunked.gemm[{t}]") if trace else nvtx.NO_RANGE:
@@ -393,7 +454,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
             overlap_with()
         return y
     if chunks == 1:
-        return _whole_reduce(x, w, group=group, timeout=timeout, agree=agree, op=op,
+        return _whole_reduce(x, w, topo=topo, timeout=timeout, agree=agree, op=op,
                              scatter=True, overlap_with=overlap_with)
     trace = nvtx.recording()  # ranges only when something records them
     m = x.shape[0] // world
@@ -401,6 +462,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
     s = len(pieces)
     n = w.shape[1]
     out = None if s == 1 else x.new_empty(m, n)  # one piece: its sum is the output
+    carry = _settled_first(topo, agree, op=op, timeout=timeout)  # the stamps the data carries
     # piece -> (works of the hop that delivers it, its receive buffer, the tensor that hop
     # sent, kept alive until the works are waited; each work is waited exactly once)
     inflight: dict[int, tuple[list, torch.Tensor, torch.Tensor]] = {}
@@ -424,11 +486,11 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
 
     for t in range((world - 1) * s):
         lo, hi = pieces[t % s]  # piece t + s has the same rows within its block
-        if t == 0 and agree is not None:  # the partial sum is computed behind the stamp
+        if t == 0 and carry is not None:  # the partial sum is computed behind the stamp
             msg_out, part = _message(x, hi - lo, n)
             gemm(t, out=part)
             msg_in, buf = _message(x, hi - lo, n)
-            first = _First(agree, msg_out, msg_in)
+            first = _First(carry, msg_out, msg_in)
             send, recv = msg_out, msg_in
         else:
             part = send = gemm(t)
@@ -436,7 +498,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
                 add_received(t, part)
             buf = recv = x.new_empty(hi - lo, n)
         with nvtx.range(f"{op}.chunked.comm[{t + s}]") if trace else nvtx.NO_RANGE:
-            works = _exchange(topo, send, recv, tag=t, agree=agree if t == 0 else None)
+            works = _exchange(topo, send, recv, tag=t, agree=carry if t == 0 else None)
         inflight[t + s] = (works, buf, send)
     # Last step: our own block. Its GEMMs need no data from peers, so they and the caller's
     # extra work run while the final hop's partial sums are still travelling.
@@ -468,7 +530,7 @@ def matmul_all_reduce(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGr
         with nvtx.range(f"{op}.chunked.gemm[0]"):
             return x @ w
     if chunks == 1:
-        return _whole_reduce(x, w, group=group, timeout=timeout, agree=agree, op=op,
+        return _whole_reduce(x, w, topo=topo, timeout=timeout, agree=agree, op=op,
                              scatter=False)
     if world == 2:
         return _exchange_all_reduce(x, w, topo=topo, blocks=max(1, chunks // 2),
@@ -500,21 +562,22 @@ def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, topo: _Topology, b
     bounds = split_bounds(rows, blocks)
     whole = len(bounds) == 1  # one block: no row views, and the sum allocates y
     y = None if whole else x.new_empty(rows, n)
+    carry = _settled_first(topo, agree, op=op, timeout=timeout)  # the stamps the data carries
     first = None
     inflight = []  # (works, received block, own partial, rows, the tensor sent: kept alive)
     for i, (lo, hi) in enumerate(bounds):
         xi, yi = (x, None) if whole else (x[lo:hi], y[lo:hi])
         with nvtx.range(f"{op}.chunked.gemm[{i}]") if trace else nvtx.NO_RANGE:
-            if i == 0 and agree is not None:  # the first partial is computed behind the stamp
+            if i == 0 and carry is not None:  # the first partial is computed behind the stamp
                 send, part = _message(x, hi - lo, n)
                 torch.matmul(xi, w, out=part)
                 recv, buf = _message(x, hi - lo, n)
-                first = _First(agree, send, recv)
+                first = _First(carry, send, recv)
             else:
                 part = send = torch.matmul(xi, w, out=yi)
                 buf = recv = x.new_empty(hi - lo, n)
         with nvtx.range(f"{op}.chunked.comm[{i}]") if trace else nvtx.NO_RANGE:
-            works = _exchange(topo, send, recv, tag=i, agree=agree if i == 0 else None)
+            works = _exchange(topo, send, recv, tag=i, agree=carry if i == 0 else None)
         inflight.append((works, buf, part, yi, send))
     for i, (works, buf, part, yi, _sent) in enumerate(inflight):
         with nvtx.range(f"{op}.chunked.comm[{i}].wait") if trace else nvtx.NO_RANGE:
