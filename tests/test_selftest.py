@@ -137,7 +137,8 @@ def test_under_torchrun_rank_0_reports(tmp_path):
     only = "tp.all_gather_matmul.symmetric,quant.all_reduce.int8.sync,pp.1f1b_step"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                            "2", "-m", "overlap.selftest", "--only", only, "--json", str(path)],
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, TMPDIR=str(tmp_path)))  # torchrun's log dir
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(path.read_text())
     assert (doc["mode"], doc["world_size"], doc["passed"]) == ("torchrun", 2, True)

@@ -249,7 +249,8 @@ def test_torchrun_with_fewer_ranks_continues_on_a_planner_layout(tmp_path):
                       str(tmp_path / "a.jsonl")])
     assert full.returncode == 0, full.stderr[-3000:]
     res = _torchrun([*base, "--save", str(tmp_path / "b"), "--resume", str(tmp_path / "a" /
-                     "step_2"), "--min-nodes", "1", "--log-json", str(tmp_path / "b.jsonl")])
+                     "step_2"), "--min-nodes", "1", "--log-json", str(tmp_path / "b.jsonl")],
+                    tmp_path)
     msg = res.stdout[-3000:] + res.stderr[-3000:]
     assert res.returncode == 0, msg
     want = choose_layout(parse_args(base), 2, ranks_per_node=2).cfg
@@ -296,7 +297,7 @@ def test_torchrun_node_frozen_the_survivors_shrink_instead_of_hanging(tmp_path):
     every survivor exits, torchrun re-forms the job on the one node left, and the job shrinks
     to the planner's 2-rank layout and finishes; its losses equal a fresh run of that layout
     from the same checkpoint."""
-    from test_train_torchrun import _free_port
+    from test_train_torchrun import _free_port, torchrun_env
 
     steps = 14
     base = [*TINY, "--tp", "2", "--pp", "1", "--dp", "2", "--steps", str(steps)]
@@ -308,7 +309,7 @@ def test_torchrun_node_frozen_the_survivors_shrink_instead_of_hanging(tmp_path):
            "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
            f"127.0.0.1:{port}", "--rdzv-id", "shrink", "--max-restarts", "2",
            "--rdzv-conf", "last_call_timeout=5,join_timeout=60", "-m", "overlap.train", *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = torchrun_env(tmp_path)
     agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True, env=env)]
     # The agent that binds the endpoint hosts the rendezvous store, which every later

@@ -29,12 +29,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(args, timeout=240) -> subprocess.CompletedProcess:
+def torchrun_env(tmp_path) -> dict:
+    """The environment for a torchrun under test: its log directory (torchrun makes a
+    ``torchelastic_*`` directory in the temp dir and leaves it) goes under ``tmp_path``."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
+
+
+def _torchrun(args, tmp_path, timeout=240) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port",
            str(_free_port()), "-m", "overlap.train", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            start_new_session=True, env=torchrun_env(tmp_path))
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -51,7 +57,7 @@ def test_killed_rank_restarts_and_resumes_to_the_same_final_loss(tmp_path):
     plain = run_train([*TINY, "--save", str(tmp_path / "plain")])
     assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
     res = _torchrun([*TINY, "--save", str(tmp_path / "run"), "--kill-rank", "1",
-                     "--kill-at-step", "3"])
+                     "--kill-at-step", "3"], tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "training resumed" in res.stdout and "(attempt 1)" in res.stdout, res.stdout
     # rank 1 died at step 3 (index), after the step-2 checkpoint: steps 3..6 ran again
