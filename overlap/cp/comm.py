@@ -74,6 +74,7 @@ class CPComm(OpaqueBase):
         self._failed: str | None = None
         self.closed = False
         self._to_next = self._from_prev = None
+        self.stamps_first = False
         self._coll = None  # the group's collective communicator, built on first use
         # cp_attention(method="auto"): the method chosen per call shape, and its timings (s)
         self.cp_choices: dict[tuple, str] = {}
@@ -96,6 +97,9 @@ class CPComm(OpaqueBase):
                             0 if src == me else 1, timedelta(seconds=self.timeout),
                             self.device)
             setattr(self, "_" + wanted[(src, dst)], chan)
+        # Plain gloo aborts the process when a message outgrows the receive it meets, so there
+        # the ring compares each call's stamps before it posts a block (overlap.cp.ring).
+        self.stamps_first = type(self._to_next.backend) is dist.ProcessGroupGloo
 
     def __repr__(self) -> str:
         return f"CPComm(cp rank {self.rank}/{self.world}, timeout={self.timeout:g}s)"

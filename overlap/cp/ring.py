@@ -65,11 +65,16 @@ def _validate(q, k, v, comm: CPComm, causal: bool, scale: float, block: str, op:
 def _post_hop(comm: CPComm, send_t: torch.Tensor, recv_t: torch.Tensor, op: str,
               step: int) -> list:
     """Post one hop: ``send_t`` to the next rank, ``recv_t`` from the previous; the first hop
-    of a call carries the stamp in front (same channel, so it lands first)."""
+    of a call carries the stamp in front (same channel, so it lands first). On plain gloo,
+    which aborts the process when a block outgrows its receive, the stamps are waited for and
+    compared before the first block is posted."""
     hop, what = [], f"a kv block (hop {step + 1} of {comm.world - 1})"
     if step == 0:
         hop += [(comm.post_stamp(send=False, op=op), "the stamp", False),
                 (comm.post_stamp(send=True, op=op), "the stamp", True)]
+        if comm.stamps_first:
+            _wait_hop(comm, hop, op, step)
+            hop = []
     return hop + [(comm.post(recv_t, send=False, op=op, what=what), what, False),
                   (comm.post(send_t, send=True, op=op, what=what), what, True)]
 
