@@ -121,25 +121,20 @@ def _exchange(topo: _Topology, send: torch.Tensor | None, recv: torch.Tensor | N
     batch; with ``agree`` (the first hop: ``send`` and ``recv`` are a :class:`_First`'s, with
     the neighbours' stamps in front), also this call's stamp to and from every other peer."""
     group = topo.group
-    if agree is not None and len(topo.peers) > 1:
-        # A row left from an earlier call must not pass for this one (the left neighbour's
-        # row is rewritten from the message, whatever arrived).
-        agree.clear_received()
     if topo.direct:
         # gloo: torch's batch_isend_irecv only loops over isend/irecv there, each paying
-        # c10d's argument handling; the group's own send/recv do the same transfers.
+        # c10d's argument handling; the group's own send/recv do the same transfers. No
+        # stamps: plain gloo compares them before any data is posted (_settled_first).
         works = []
         if send is not None:
             works.append(group.send([send], topo.right, tag))
         if recv is not None:
             works.append(group.recv([recv], topo.left, tag))
-        if agree is not None:
-            for q in topo.peers:
-                if q != topo.right:
-                    works.append(group.send([agree.send], q, _STAMP_TAG))
-                if q != topo.left:
-                    works.append(group.recv([agree.recv[q]], q, _STAMP_TAG))
         return works
+    if agree is not None and len(topo.peers) > 1:
+        # A row left from an earlier call must not pass for this one (the left neighbour's
+        # row is rewritten from the message, whatever arrived).
+        agree.clear_received()
     # One batch so NCCL posts the send and the receive together: every rank sends first, and
     # unbatched blocking sends would wait on receives queued behind them.
     ops = []
@@ -168,37 +163,33 @@ def _stamp_ops(group: dist.ProcessGroup, agree: Agreement) -> list:
     return cached
 
 
-def _post_stamps(topo: _Topology, agree: Agreement) -> list:
-    """Plain gloo: this call's stamp to every peer and every peer's into ``agree.recv``, as
-    messages of their own (fixed size: they cannot mis-pair), posted before any data."""
+def _post_stamps(topo: _Topology, agree: Agreement):
+    """Start the all-gather of every rank's stamp into ``agree.recv`` (a fixed 128 bytes per
+    rank, whatever the call's sizes, so it cannot mis-pair); returns its work. The one-piece
+    path issues it beside its collective; on plain gloo every call waits for it first
+    (:func:`_settled_first`)."""
     agree.clear_received()
-    group, works = topo.group, []
-    for q in topo.peers:
-        works.append(group.send([agree.send], q, _STAMP_TAG))
-        works.append(group.recv([agree.recv[q]], q, _STAMP_TAG))
-    return works
+    return post_all_gather(agree.recv.view(-1), agree.send, topo.group)
 
 
-def _agree_before_data(works: list, agree: Agreement, *, op: str, topo: _Topology,
-                       timeout: float) -> None:
-    """Wait for :func:`_post_stamps`' messages and compare the stamps (raise on a
-    disagreement) before the call posts its data. gloo kills the process when a message is
-    larger than the receive it meets (its transport thread throws; nothing reaches Python),
-    so on plain gloo ranks whose sizes differ must never post their data. NCCL and
-    ``nccl_twin`` keep a message's prefix instead: there the stamps ride in front of the
-    first piece (no message of their own, no round trip before the data)."""
-    _wait(works, op=op, group=topo.group, timeout=timeout,
-          what="exchange of the stamps" + topo.with_peers)
+def _agree(stamps, agree: Agreement, *, op: str, topo: _Topology, timeout: float) -> None:
+    """Wait for :func:`_post_stamps`' work and compare the stamps (raise on mismatch)."""
+    _wait([stamps], op=op, group=topo.group, timeout=timeout,
+          what="all-gather of the stamps" + topo.with_peers)
     agree.verify(op, topo.peers)
 
 
 def _settled_first(topo: _Topology, agree: Agreement | None, *, op: str,
                    timeout: float) -> Agreement | None:
-    """The stamps the data messages carry: on plain gloo none, once they have been exchanged
-    and compared on their own (:func:`_agree_before_data`); elsewhere ``agree``."""
+    """The stamps the data messages carry: ``agree``, or on plain gloo none, once they have
+    been exchanged and compared on their own. gloo kills the process when a message is larger
+    than the receive it meets (its transport thread throws; nothing reaches Python), so there
+    ranks whose sizes differ must never post their data. NCCL and ``nccl_twin`` keep a
+    message's prefix instead: there the stamps ride in front of the first piece (no
+    collective of their own, no round trip before the data)."""
     if agree is None or not topo.direct:
         return agree
-    _agree_before_data(_post_stamps(topo, agree), agree, op=op, topo=topo, timeout=timeout)
+    _agree(_post_stamps(topo, agree), agree, op=op, topo=topo, timeout=timeout)
     return None
 
 
@@ -274,40 +265,17 @@ def _topology(group: dist.ProcessGroup) -> _Topology:
 
 # ---------------------------------------------------------------- one piece (chunks=1)
 
-def _whole_stamps(agree: Agreement | None, topo: _Topology):
-    """Start the exchange of every rank's stamp (a fixed 128 bytes each, whatever the call's
-    sizes) ahead of the one-piece call's collective: an all-gather on the group, or on plain
-    gloo the pieces' own stamp messages (:func:`_post_stamps`), which the call waits for
-    before it posts its data."""
-    if agree is None:
-        return None
-    if topo.direct:
-        return _post_stamps(topo, agree)
-    agree.clear_received()
-    return post_all_gather(agree.recv.view(-1), agree.send, topo.group)
-
-
-def _whole_agree(stamps, agree: Agreement | None, *, op: str, topo: _Topology,
-                 timeout: float) -> None:
-    """Wait for the stamps of :func:`_whole_stamps` and compare them (raise on mismatch)."""
-    if stamps is None:
-        return
-    if topo.direct:
-        _agree_before_data(stamps, agree, op=op, topo=topo, timeout=timeout)
-        return
-    _wait([stamps], op=op, group=topo.group, timeout=timeout,
-          what="all-gather of the stamps" + topo.with_peers)
-    agree.verify(op, topo.peers)
-
-
-def _whole_data(stamps, agree: Agreement | None, post: Callable[[], object], *, op: str,
-                topo: _Topology, timeout: float):
-    """Post the one-piece call's collective (``post()``; returns its work) and the stamps that
-    must come first: on plain gloo they are compared before it is posted, elsewhere they are
-    in flight with it and :func:`_whole_wait` compares them before the data is waited for.
-    Returns the stamps still to compare (None once compared) and the collective's work."""
-    if topo.direct:
-        _whole_agree(stamps, agree, op=op, topo=topo, timeout=timeout)
+def _whole_data(agree: Agreement | None, post: Callable[[], object], *, op: str,
+                topo: _Topology, timeout: float, stamps=None):
+    """Post the one-piece call's collective (``post()`` returns its work) after this call's
+    stamps (:func:`_post_stamps`, unless ``stamps`` were posted already): on plain gloo they
+    are compared before it is posted, elsewhere they are in flight beside it and
+    :func:`_whole_wait` compares them before the data is waited for. Returns the stamps
+    still to compare (None once compared or without stamps) and the collective's work."""
+    if agree is not None and stamps is None:
+        stamps = _post_stamps(topo, agree)
+    if stamps is not None and topo.direct:
+        _agree(stamps, agree, op=op, topo=topo, timeout=timeout)
         stamps = None
     return stamps, post()
 
@@ -316,7 +284,8 @@ def _whole_wait(stamps, work, agree: Agreement | None, *, op: str, topo: _Topolo
                 timeout: float, what: str) -> None:
     """Compare the stamps (ranks that disagree raise here, before the data collective is
     waited on: its sizes may differ), then wait for the data."""
-    _whole_agree(stamps, agree, op=op, topo=topo, timeout=timeout)
+    if stamps is not None:
+        _agree(stamps, agree, op=op, topo=topo, timeout=timeout)
     _wait([work], op=op, group=topo.group, timeout=timeout, what=what + topo.with_peers)
 
 
@@ -325,8 +294,8 @@ def _whole_all_gather(x_shard: torch.Tensor, w: torch.Tensor | None, *, topo, re
     m, k = x_shard.shape
     gathered = x_shard.new_empty(topo.world * m, k)
     with nvtx.range(f"{op}.chunked.comm[0]"):
-        stamps, work = _whole_data(_whole_stamps(agree, topo), agree,
-                                   lambda: post_all_gather(gathered, x_shard, topo.group),
+        stamps, work = _whole_data(agree, lambda: post_all_gather(gathered, x_shard,
+                                                                  topo.group),
                                    op=op, topo=topo, timeout=timeout)
     with nvtx.range(f"{op}.chunked.comm[0].wait"):
         _whole_wait(stamps, work, agree, op=op, topo=topo, timeout=timeout,
@@ -346,7 +315,7 @@ def _whole_reduce(x: torch.Tensor, w: torch.Tensor, *, topo, timeout, agree, op,
     """One GEMM, then one reduce-scatter (or all-reduce) of it; ``overlap_with`` runs while
     the collective is in flight. The stamps' exchange (fixed size: it cannot mis-pair) is
     posted before the GEMM, so its latency hides under it instead of adding to the call."""
-    stamps = _whole_stamps(agree, topo)
+    stamps = None if agree is None else _post_stamps(topo, agree)
     with nvtx.range(f"{op}.chunked.gemm[0]"):
         y = x @ w
     if scatter:
@@ -356,7 +325,8 @@ def _whole_reduce(x: torch.Tensor, w: torch.Tensor, *, topo, timeout, agree, op,
         out = y
         post = lambda: post_all_reduce(out, topo.group)  # noqa: E731
     with nvtx.range(f"{op}.chunked.comm[0]"):
-        stamps, work = _whole_data(stamps, agree, post, op=op, topo=topo, timeout=timeout)
+        stamps, work = _whole_data(agree, post, op=op, topo=topo, timeout=timeout,
+                                   stamps=stamps)
     if overlap_with is not None:
         overlap_with()
     with nvtx.range(f"{op}.chunked.comm[0].wait"):
