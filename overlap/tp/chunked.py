@@ -163,19 +163,25 @@ def _stamp_ops(group: dist.ProcessGroup, agree: Agreement) -> list:
     return cached
 
 
-def _post_stamps(topo: _Topology, agree: Agreement):
-    """Start the all-gather of every rank's stamp into ``agree.recv`` (a fixed 128 bytes per
-    rank, whatever the call's sizes, so it cannot mis-pair); returns its work. The one-piece
-    path issues it beside its collective; on plain gloo every call waits for it first
-    (:func:`_settled_first`)."""
+def _post_stamps(topo: _Topology, agree: Agreement) -> list:
+    """Start the exchange of every rank's stamp into ``agree.recv`` (a fixed 128 bytes per
+    rank, whatever the call's sizes, so it cannot mis-pair); returns its works. An all-gather,
+    or on a plain gloo pair one send and one receive (gloo's two-rank all-gather took twice
+    their latency). The one-piece path issues it beside its collective; on plain gloo every
+    call waits for it first (:func:`_settled_first`)."""
     agree.clear_received()
-    return post_all_gather(agree.recv.view(-1), agree.send, topo.group)
+    if topo.direct and topo.world == 2:
+        q = topo.peers[0]
+        return [topo.group.send([agree.send], q, _STAMP_TAG),
+                topo.group.recv([agree.recv[q]], q, _STAMP_TAG)]
+    return [post_all_gather(agree.recv.view(-1), agree.send, topo.group)]
 
 
-def _agree(stamps, agree: Agreement, *, op: str, topo: _Topology, timeout: float) -> None:
-    """Wait for :func:`_post_stamps`' work and compare the stamps (raise on mismatch)."""
-    _wait([stamps], op=op, group=topo.group, timeout=timeout,
-          what="all-gather of the stamps" + topo.with_peers)
+def _agree(stamps: list, agree: Agreement, *, op: str, topo: _Topology,
+           timeout: float) -> None:
+    """Wait for :func:`_post_stamps`' works and compare the stamps (raise on mismatch)."""
+    _wait(stamps, op=op, group=topo.group, timeout=timeout,
+          what="exchange of the stamps" + topo.with_peers)
     agree.verify(op, topo.peers)
 
 
