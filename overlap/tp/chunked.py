@@ -7,7 +7,7 @@ matmul_all_reduce is the reduce-scatter ring then a ring all-gather (two ranks: 
 the partial products); ``chunks=1`` runs the whole collective then the whole GEMM. Each call's
 stamp rides in its first hop (chunks=1: a fixed-size all-gather beside the collective) and is
 compared before received data is used; on plain gloo, which kills the process when a message
-outgrows its receive, stamps go first on their own and are compared before any data is posted.
+outgrows its receive, only a call of the last call's sizes does so (else the stamps go first).
 The protocol in full: docs/design/tp.md.
 
 Shape legend (per rank; ``world`` ranks in ``group``, ``r`` = this rank):
@@ -121,20 +121,25 @@ def _exchange(topo: _Topology, send: torch.Tensor | None, recv: torch.Tensor | N
     batch; with ``agree`` (the first hop: ``send`` and ``recv`` are a :class:`_First`'s, with
     the neighbours' stamps in front), also this call's stamp to and from every other peer."""
     group = topo.group
+    if agree is not None and len(topo.peers) > 1:
+        # A row left from an earlier call must not pass for this one (the left neighbour's
+        # row is rewritten from the message, whatever arrived).
+        agree.clear_received()
     if topo.direct:
         # gloo: torch's batch_isend_irecv only loops over isend/irecv there, each paying
-        # c10d's argument handling; the group's own send/recv do the same transfers. No
-        # stamps: plain gloo compares them before any data is posted (_settled_first).
+        # c10d's argument handling; the group's own send/recv do the same transfers.
         works = []
         if send is not None:
             works.append(group.send([send], topo.right, tag))
         if recv is not None:
             works.append(group.recv([recv], topo.left, tag))
+        if agree is not None:
+            for q in topo.peers:
+                if q != topo.right:
+                    works.append(group.send([agree.send], q, _STAMP_TAG))
+                if q != topo.left:
+                    works.append(group.recv([agree.recv[q]], q, _STAMP_TAG))
         return works
-    if agree is not None and len(topo.peers) > 1:
-        # A row left from an earlier call must not pass for this one (the left neighbour's
-        # row is rewritten from the message, whatever arrived).
-        agree.clear_received()
     # One batch so NCCL posts the send and the receive together: every rank sends first, and
     # unbatched blocking sends would wait on receives queued behind them.
     ops = []
@@ -163,39 +168,55 @@ def _stamp_ops(group: dist.ProcessGroup, agree: Agreement) -> list:
     return cached
 
 
-def _post_stamps(topo: _Topology, agree: Agreement) -> list:
-    """Start the exchange of every rank's stamp into ``agree.recv`` (a fixed 128 bytes per
-    rank, whatever the call's sizes, so it cannot mis-pair); returns its works. An all-gather,
-    or on a plain gloo pair one send and one receive (gloo's two-rank all-gather took twice
-    their latency). The one-piece path issues it beside its collective; on plain gloo every
-    call waits for it first (:func:`_settled_first`)."""
+# Plain gloo aborts the process when a message is larger than the receive it meets (its
+# transport thread throws; nothing reaches Python), so there no rank may send a data message
+# its neighbour has not sized for. The first hop of a call whose message is the same size as
+# the last agreed call's (every rank holds the same record, and equal stamps mean equal sizes)
+# carries the stamp in front of the piece, as on NCCL; any other call first exchanges its
+# stamp alone, on the same channel and tag, into a receive as large as the record, compares,
+# and only then posts its data. A steady rank and a changed one always disagree, and each
+# message fits the receive it meets. docs/design/tp.md, "Plain gloo".
+_GLOO_FIRST = "gloo first message"  # Agreement.transport key: bytes of the last call's, or None
+
+
+def _post_stamps(topo: _Topology, agree: Agreement) -> tuple[list, torch.Tensor | None]:
+    """Start the exchange of this call's stamp alone (a fixed 128 bytes): on plain gloo as the
+    first hop (see above; returns its works and the receive), elsewhere as an all-gather into
+    ``agree.recv``, which the one-piece path issues beside its collective."""
+    if topo.direct:
+        landing = torch.empty(max(_STAMP_BYTES, agree.transport.get(_GLOO_FIRST) or 0),
+                              dtype=torch.uint8)
+        return _exchange(topo, agree.send, landing, tag=0, agree=agree), landing
     agree.clear_received()
-    if topo.direct and topo.world == 2:
-        q = topo.peers[0]
-        return [topo.group.send([agree.send], q, _STAMP_TAG),
-                topo.group.recv([agree.recv[q]], q, _STAMP_TAG)]
-    return [post_all_gather(agree.recv.view(-1), agree.send, topo.group)]
+    return [post_all_gather(agree.recv.view(-1), agree.send, topo.group)], None
 
 
-def _agree(stamps: list, agree: Agreement, *, op: str, topo: _Topology,
-           timeout: float) -> None:
-    """Wait for :func:`_post_stamps`' works and compare the stamps (raise on mismatch)."""
-    _wait(stamps, op=op, group=topo.group, timeout=timeout,
+def _agree(stamps: tuple[list, torch.Tensor | None], agree: Agreement, *, op: str,
+           topo: _Topology, timeout: float, first_bytes: int | None = None) -> None:
+    """Wait for :func:`_post_stamps`' works and compare the stamps (raise on mismatch). On
+    plain gloo, record ``first_bytes``: the size of this call's stamped first message (None:
+    a call whose first hop never carries its stamp in front)."""
+    works, landing = stamps
+    _wait(works, op=op, group=topo.group, timeout=timeout,
           what="exchange of the stamps" + topo.with_peers)
+    if landing is not None:
+        agree.recv[topo.left].copy_(landing[:_STAMP_BYTES].view(torch.int64))
     agree.verify(op, topo.peers)
+    if landing is not None:
+        agree.transport[_GLOO_FIRST] = first_bytes
 
 
-def _settled_first(topo: _Topology, agree: Agreement | None, *, op: str,
-                   timeout: float) -> Agreement | None:
-    """The stamps the data messages carry: ``agree``, or on plain gloo none, once they have
-    been exchanged and compared on their own. gloo kills the process when a message is larger
-    than the receive it meets (its transport thread throws; nothing reaches Python), so there
-    ranks whose sizes differ must never post their data. NCCL and ``nccl_twin`` keep a
-    message's prefix instead: there the stamps ride in front of the first piece (no
-    collective of their own, no round trip before the data)."""
-    if agree is None or not topo.direct:
+def _settled_first(topo: _Topology, agree: Agreement | None, first_bytes: int | None, *,
+                   op: str, timeout: float) -> Agreement | None:
+    """The stamps the first data message carries: ``agree``, or on plain gloo, for a call
+    whose stamped first message (``first_bytes``; None: not a one-message first hop) is not
+    the size of the last agreed call's, none, once the stamps have been exchanged alone and
+    compared."""
+    if agree is None or not topo.direct or (
+            first_bytes is not None and first_bytes == agree.transport.get(_GLOO_FIRST)):
         return agree
-    _agree(_post_stamps(topo, agree), agree, op=op, topo=topo, timeout=timeout)
+    _agree(_post_stamps(topo, agree), agree, op=op, topo=topo, timeout=timeout,
+           first_bytes=first_bytes)
     return None
 
 
@@ -364,7 +385,9 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
     s = len(pieces)
     steps = world * s
     trace = nvtx.recording()  # ranges only when something records them
-    carry = _settled_first(topo, agree, op=op, timeout=timeout)  # the stamps the data carries
+    carry = _settled_first(  # the stamps the first piece carries (None: compared already)
+        topo, agree, _STAMP_BYTES + m * k * x_shard.element_size() if s == 1 else None,
+        op=op, timeout=timeout)
     # With stamps, the first piece from the left lands in place behind its stamp: ``flat``
     # has room for one stamp in front of ``gathered``, and the stamp of the piece at rows
     # [lo, hi) overwrites the elements just before lo, which belong to sources received at
@@ -438,7 +461,9 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
     s = len(pieces)
     n = w.shape[1]
     out = None if s == 1 else x.new_empty(m, n)  # one piece: its sum is the output
-    carry = _settled_first(topo, agree, op=op, timeout=timeout)  # the stamps the data carries
+    carry = _settled_first(  # the stamps the first partial sum carries (None: compared)
+        topo, agree, _STAMP_BYTES + m * n * x.element_size() if s == 1 else None,
+        op=op, timeout=timeout)
     # piece -> (works of the hop that delivers it, its receive buffer, the tensor that hop
     # sent, kept alive until the works are waited; each work is waited exactly once)
     inflight: dict[int, tuple[list, torch.Tensor, torch.Tensor]] = {}
@@ -538,7 +563,9 @@ def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, topo: _Topology, b
     bounds = split_bounds(rows, blocks)
     whole = len(bounds) == 1  # one block: no row views, and the sum allocates y
     y = None if whole else x.new_empty(rows, n)
-    carry = _settled_first(topo, agree, op=op, timeout=timeout)  # the stamps the data carries
+    carry = _settled_first(  # the stamps the first block carries (None: compared already)
+        topo, agree, _STAMP_BYTES + rows * n * x.element_size() if whole else None,
+        op=op, timeout=timeout)
     first = None
     inflight = []  # (works, received block, own partial, rows, the tensor sent: kept alive)
     for i, (lo, hi) in enumerate(bounds):
