@@ -161,12 +161,12 @@ def test_chunked_on_plain_gloo(world, opname, kind, chunks):
         assert elapsed < 2.0 and later is not None and "failed earlier" in later
 
 
-def _gloo_sequence(chunks):
+def _gloo_sequence(chunks, odd_chunks):
     """One communicator on plain gloo through calls of changing shapes and ops (every rank
     alike): the first of a size exchanges its stamps alone, a repeat carries them in its first
-    message; each result against the unfused product. Then rank 1 alone passes ``chunks=1``
-    (the one-piece path, whose stamps go alone) where its peers repeat the last call (their
-    stamps in front of the first piece): every rank must raise, naming chunks."""
+    message (or posts its one-piece collective beside them); each result against the unfused
+    product. Then rank 1 alone passes ``odd_chunks`` where its peers repeat the last call
+    (steady): every rank must raise, naming chunks."""
     from overlap import tp
     from overlap.dist.stamp import Disagreement
     from overlap.tp.chunked import _GLOO_FIRST
@@ -185,31 +185,38 @@ def _gloo_sequence(chunks):
     xs, ws = _inputs(6 * world, torch.float32, world, len(plan) - 1)
     msg = None
     try:
-        tp.matmul_all_reduce(xs[rank], ws[rank], comm=comm, chunks=1 if rank == 1 else None)
+        tp.matmul_all_reduce(xs[rank], ws[rank], comm=comm,
+                             chunks=odd_chunks if rank == 1 else None)
     except Disagreement as exc:
         msg = str(exc)
     return errs, records, msg
 
 
-@pytest.mark.parametrize("per_shard", (1, 2))
+@pytest.mark.parametrize("per_shard", (0, 1, 2))
 @pytest.mark.parametrize("world", (2, 4))
 def test_chunked_on_plain_gloo_through_changing_shapes(world, per_shard):
-    """``per_shard`` pieces per shard: with 2, no call is one message per neighbour, so every
-    call exchanges its stamps alone and nothing is recorded."""
-    res = run_ranks(_gloo_sequence, world, None if per_shard == 1 else 2 * world, timeout=90,
+    """``per_shard`` pieces per shard (0: chunks=1, one piece in all); with 2 no call is one
+    message per neighbour, so every call exchanges its stamps alone and records nothing."""
+    chunks = {0: 1, 1: world, 2: 2 * world}[per_shard]
+    res = run_ranks(_gloo_sequence, world, chunks, world if per_shard == 0 else 1, timeout=90,
                     backend="gloo")
     hdr, f32 = 128, 4
     for rank, (errs, records, msg) in enumerate(res):
         assert max(errs) <= 1e-5 * K, (rank, errs)
         assert msg is not None and "chunks" in msg and "call 9" in msg, (rank, msg)
+        assert records == res[0][1], (rank, records)
         if per_shard == 2:
             assert records == [None] * len(records), (rank, records)
+            continue
+        if per_shard == 0:  # the collective and its bytes (all-gather: the shard's)
+            assert records[0] == records[1] == ("all-gather", 4 * world * K * f32)
+            assert records[3] == records[4] == ("reduce-scatter", 6 * world * N * f32)
+            assert records[6] == records[7] == ("all-reduce", 6 * world * N * f32)
             continue
         # the record after each call: the size of its stamped first message, the same on
         # every rank (the all-gather's shard of rows*world x K, the reduce-scatter's partial
         # of rows x N, the two-rank all-reduce's whole rows*world x N product; the all-reduce
         # ring at world 4 keeps its reduce-scatter's)
-        assert records == res[0][1], (rank, records)
         assert records[0] == records[1] == hdr + 4 * world * K * f32
         assert records[3] == records[4] == hdr + 6 * N * f32
         assert records[5] == hdr + 2 * world * K * f32

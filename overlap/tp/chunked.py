@@ -169,14 +169,16 @@ def _stamp_ops(group: dist.ProcessGroup, agree: Agreement) -> list:
 
 
 # Plain gloo aborts the process when a message is larger than the receive it meets (its
-# transport thread throws; nothing reaches Python), so there no rank may send a data message
-# its neighbour has not sized for. The first hop of a call whose message is the same size as
-# the last agreed call's (every rank holds the same record, and equal stamps mean equal sizes)
-# carries the stamp in front of the piece, as on NCCL; any other call first exchanges its
-# stamp alone, on the same channel and tag, into a receive as large as the record, compares,
-# and only then posts its data. A steady rank and a changed one always disagree, and each
-# message fits the receive it meets. docs/design/tp.md, "Plain gloo".
-_GLOO_FIRST = "gloo first message"  # Agreement.transport key: bytes of the last call's, or None
+# transport thread throws; nothing reaches Python), so there no rank may send data its peer has
+# not sized for. Every rank records the last agreed call's first message (its bytes; for a
+# one-piece call its collective and bytes), the same record on every rank. A *steady* call
+# (the same record) carries its stamp in front of its first piece, as on NCCL, or posts its
+# one-piece collective beside its stamps; any other call first exchanges its stamp alone, on
+# the first hop's channel and tag, into a receive as large as a steady first message, and
+# posts its data only once the stamps agree. Equal stamps mean equal sizes, so a steady rank
+# and a changed one always disagree, and every message fits the receive it meets.
+# docs/design/tp.md, "Plain gloo".
+_GLOO_FIRST = "gloo first message"  # Agreement.transport key of that record
 
 
 def _post_stamps(topo: _Topology, agree: Agreement) -> tuple[list, torch.Tensor | None]:
@@ -184,7 +186,8 @@ def _post_stamps(topo: _Topology, agree: Agreement) -> tuple[list, torch.Tensor 
     first hop (see above; returns its works and the receive), elsewhere as an all-gather into
     ``agree.recv``, which the one-piece path issues beside its collective."""
     if topo.direct:
-        landing = torch.empty(max(_STAMP_BYTES, agree.transport.get(_GLOO_FIRST) or 0),
+        record = agree.transport.get(_GLOO_FIRST)  # a steady neighbour's first message
+        landing = torch.empty(max(_STAMP_BYTES, record if isinstance(record, int) else 0),
                               dtype=torch.uint8)
         return _exchange(topo, agree.send, landing, tag=0, agree=agree), landing
     agree.clear_received()
@@ -192,10 +195,10 @@ def _post_stamps(topo: _Topology, agree: Agreement) -> tuple[list, torch.Tensor 
 
 
 def _agree(stamps: tuple[list, torch.Tensor | None], agree: Agreement, *, op: str,
-           topo: _Topology, timeout: float, first_bytes: int | None = None) -> None:
+           topo: _Topology, timeout: float, first: int | tuple | None) -> None:
     """Wait for :func:`_post_stamps`' works and compare the stamps (raise on mismatch). On
-    plain gloo, record ``first_bytes``: the size of this call's stamped first message (None:
-    a call whose first hop never carries its stamp in front)."""
+    plain gloo, record ``first``: the size of this call's stamped first message, or for a
+    one-piece call its collective and bytes (None: several messages per neighbour)."""
     works, landing = stamps
     _wait(works, op=op, group=topo.group, timeout=timeout,
           what="exchange of the stamps" + topo.with_peers)
@@ -203,7 +206,7 @@ def _agree(stamps: tuple[list, torch.Tensor | None], agree: Agreement, *, op: st
         agree.recv[topo.left].copy_(landing[:_STAMP_BYTES].view(torch.int64))
     agree.verify(op, topo.peers)
     if landing is not None:
-        agree.transport[_GLOO_FIRST] = first_bytes
+        agree.transport[_GLOO_FIRST] = first
 
 
 def _settled_first(topo: _Topology, agree: Agreement | None, first_bytes: int | None, *,
@@ -216,7 +219,7 @@ def _settled_first(topo: _Topology, agree: Agreement | None, first_bytes: int | 
             first_bytes is not None and first_bytes == agree.transport.get(_GLOO_FIRST)):
         return agree
     _agree(_post_stamps(topo, agree), agree, op=op, topo=topo, timeout=timeout,
-           first_bytes=first_bytes)
+           first=first_bytes)
     return None
 
 
@@ -292,27 +295,29 @@ def _topology(group: dist.ProcessGroup) -> _Topology:
 
 # ---------------------------------------------------------------- one piece (chunks=1)
 
-def _whole_data(agree: Agreement | None, post: Callable[[], object], *, op: str,
-                topo: _Topology, timeout: float, stamps=None):
-    """Post the one-piece call's collective (``post()`` returns its work) after this call's
-    stamps (:func:`_post_stamps`, unless ``stamps`` were posted already): on plain gloo they
-    are compared before it is posted, elsewhere they are in flight beside it and
-    :func:`_whole_wait` compares them before the data is waited for. Returns the stamps
-    still to compare (None once compared or without stamps) and the collective's work."""
+def _whole_data(agree: Agreement | None, post: Callable[[], object], record: tuple, *,
+                op: str, topo: _Topology, timeout: float, stamps=None):
+    """Post the one-piece call's collective (``post()`` returns its work) and this call's
+    stamps (:func:`_post_stamps`, unless ``stamps`` were posted already). The stamps are in
+    flight beside the collective and :func:`_whole_wait` compares them before the data is
+    waited for; on plain gloo that holds only for a call of the last agreed call's sizes
+    (``record``: the collective and its bytes), and any other call compares them before the
+    collective is posted. Returns the stamps still to compare (None once compared or without
+    stamps) and the collective's work."""
     if agree is not None and stamps is None:
         stamps = _post_stamps(topo, agree)
-    if stamps is not None and topo.direct:
-        _agree(stamps, agree, op=op, topo=topo, timeout=timeout)
+    if stamps is not None and topo.direct and agree.transport.get(_GLOO_FIRST) != record:
+        _agree(stamps, agree, op=op, topo=topo, timeout=timeout, first=record)
         stamps = None
     return stamps, post()
 
 
-def _whole_wait(stamps, work, agree: Agreement | None, *, op: str, topo: _Topology,
-                timeout: float, what: str) -> None:
+def _whole_wait(stamps, work, agree: Agreement | None, record: tuple, *, op: str,
+                topo: _Topology, timeout: float, what: str) -> None:
     """Compare the stamps (ranks that disagree raise here, before the data collective is
     waited on: its sizes may differ), then wait for the data."""
     if stamps is not None:
-        _agree(stamps, agree, op=op, topo=topo, timeout=timeout)
+        _agree(stamps, agree, op=op, topo=topo, timeout=timeout, first=record)
     _wait([work], op=op, group=topo.group, timeout=timeout, what=what + topo.with_peers)
 
 
@@ -321,11 +326,12 @@ def _whole_all_gather(x_shard: torch.Tensor, w: torch.Tensor | None, *, topo, re
     m, k = x_shard.shape
     gathered = x_shard.new_empty(topo.world * m, k)
     with nvtx.range(f"{op}.chunked.comm[0]"):
+        record = ("all-gather", m * k * x_shard.element_size())
         stamps, work = _whole_data(agree, lambda: post_all_gather(gathered, x_shard,
-                                                                  topo.group),
+                                                                  topo.group), record,
                                    op=op, topo=topo, timeout=timeout)
     with nvtx.range(f"{op}.chunked.comm[0].wait"):
-        _whole_wait(stamps, work, agree, op=op, topo=topo, timeout=timeout,
+        _whole_wait(stamps, work, agree, record, op=op, topo=topo, timeout=timeout,
                     what="all-gather of every rank's shard")
     y = None
     if w is not None:
@@ -352,12 +358,13 @@ def _whole_reduce(x: torch.Tensor, w: torch.Tensor, *, topo, timeout, agree, op,
         out = y
         post = lambda: post_all_reduce(out, topo.group)  # noqa: E731
     with nvtx.range(f"{op}.chunked.comm[0]"):
-        stamps, work = _whole_data(agree, post, op=op, topo=topo, timeout=timeout,
+        record = ("reduce-scatter" if scatter else "all-reduce", y.numel() * y.element_size())
+        stamps, work = _whole_data(agree, post, record, op=op, topo=topo, timeout=timeout,
                                    stamps=stamps)
     if overlap_with is not None:
         overlap_with()
     with nvtx.range(f"{op}.chunked.comm[0].wait"):
-        _whole_wait(stamps, work, agree, op=op, topo=topo, timeout=timeout,
+        _whole_wait(stamps, work, agree, record, op=op, topo=topo, timeout=timeout,
                     what="reduce-scatter" if scatter else "all-reduce")
     if agree is not None:
         agree.poison(out)
