@@ -34,6 +34,10 @@ MARGIN = 0.05  # pieces beat whole only when this much faster
 # message and a GEMM launch of host work that the race's timing does not see once the host
 # runs ahead, and on a shared CPU a count won by 15-18% on noise alone in 3 of 30 choices.
 PIECES_MARGIN = 0.15
+# Agreement.transport key: seconds of a call spent exchanging its stamps alone before its data
+# (plain gloo, a call whose sizes changed: docs/design/tp.md, "Plain gloo"). A race alternates
+# kinds, so every race call there pays it, which steady calls do not: the race leaves it out.
+EXCLUDED = "race: excluded s"
 
 
 def candidates(op: str, rows: int, world: int) -> list[int]:
@@ -138,14 +142,22 @@ class ChunkRace:
         times = entry["times"].get(chunks)
         if times is None:  # the first call of a (op, shape, count) settles, untimed
             entry["times"][chunks] = []
+        self._excluded()
         return chunks, key, (None if times is None else _Timer(x.device))
+
+    def _excluded(self) -> float:
+        """The seconds the call since the last ``begin`` left out of its timing (EXCLUDED)."""
+        agree = getattr(self.comm, "agree", None)
+        return 0.0 if agree is None else agree.transport.pop(EXCLUDED, 0.0)
 
     def finish(self, key, chunks: int, timer) -> None:
         """After a call that succeeded on every rank (its stamps agreed), so every rank's
         tables are still the same and the decision falls on the same call everywhere."""
         entry = self.entries[key]
+        excluded = self._excluded()
         if timer is not None:
-            entry["times"][chunks].append(timer.stop())
+            t = timer.stop()
+            entry["times"][chunks].append(t - excluded if isinstance(t, float) else t)
         entry["calls"] += 1
         self.calls += 1
         full = all(len(e["times"].get(c, ())) >= TRIALS

@@ -18,6 +18,7 @@ Shape legend (per rank; ``world`` ranks in ``group``, ``r`` = this rank):
 from __future__ import annotations
 
 import ctypes
+import time
 from datetime import timedelta
 from typing import Callable, NamedTuple
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from overlap.dist.stamp import STAMP_WORDS, Agreement, Disagreement
 from overlap.profile import nvtx
 from overlap.profile.timers import comm_wait
+from overlap.tp.autochunk import EXCLUDED
 from overlap.tp.collectives import post_all_gather, post_all_reduce, post_reduce_scatter
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "split_bounds"]
@@ -218,9 +220,17 @@ def _settled_first(topo: _Topology, agree: Agreement | None, first_bytes: int | 
     if agree is None or not topo.direct or (
             first_bytes is not None and first_bytes == agree.transport.get(_GLOO_FIRST)):
         return agree
+    t0 = time.perf_counter()
     _agree(_post_stamps(topo, agree), agree, op=op, topo=topo, timeout=timeout,
            first=first_bytes)
+    _exclude(agree, t0)
     return None
+
+
+def _exclude(agree: Agreement, t0: float) -> None:
+    """Count the time since ``t0`` (a stamp exchange a steady call does not make) as left out
+    of a ``chunks="auto"`` race's timing of this call."""
+    agree.transport[EXCLUDED] = agree.transport.get(EXCLUDED, 0.0) + time.perf_counter() - t0
 
 
 def _wait_first(works: list, first: _First | None, *, op: str, topo: _Topology,
@@ -307,7 +317,9 @@ def _whole_data(agree: Agreement | None, post: Callable[[], object], record: tup
     if agree is not None and stamps is None:
         stamps = _post_stamps(topo, agree)
     if stamps is not None and topo.direct and agree.transport.get(_GLOO_FIRST) != record:
+        t0 = time.perf_counter()
         _agree(stamps, agree, op=op, topo=topo, timeout=timeout, first=record)
+        _exclude(agree, t0)
         stamps = None
     return stamps, post()
 
