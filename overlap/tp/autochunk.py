@@ -36,7 +36,8 @@ MARGIN = 0.05  # pieces beat whole only when this much faster
 PIECES_MARGIN = 0.15
 # Agreement.transport key: seconds of a call spent exchanging its stamps alone before its data
 # (plain gloo, a call whose sizes changed: docs/design/tp.md, "Plain gloo"). A race alternates
-# kinds, so every race call there pays it, which steady calls do not: the race leaves it out.
+# kinds, so every race call there pays it, which steady calls of the kinds that can be steady
+# (one piece, or one piece per shard) do not: the race leaves it out of those.
 EXCLUDED = "race: excluded s"
 
 

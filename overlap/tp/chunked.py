@@ -223,7 +223,8 @@ def _settled_first(topo: _Topology, agree: Agreement | None, first_bytes: int | 
     t0 = time.perf_counter()
     _agree(_post_stamps(topo, agree), agree, op=op, topo=topo, timeout=timeout,
            first=first_bytes)
-    _exclude(agree, t0)
+    if first_bytes is not None:  # a steady call of this kind would not pay it (others do)
+        _exclude(agree, t0)
     return None
 
 
