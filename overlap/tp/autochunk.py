@@ -148,7 +148,7 @@ class ChunkRace:
 
     def _excluded(self) -> float:
         """The seconds the call since the last ``begin`` left out of its timing (EXCLUDED)."""
-        agree = getattr(self.comm, "agree", None)
+        agree = self.comm.agree
         return 0.0 if agree is None else agree.transport.pop(EXCLUDED, 0.0)
 
     def finish(self, key, chunks: int, timer) -> None:

@@ -220,18 +220,22 @@ def _settled_first(topo: _Topology, agree: Agreement | None, first_bytes: int | 
     if agree is None or not topo.direct or (
             first_bytes is not None and first_bytes == agree.transport.get(_GLOO_FIRST)):
         return agree
-    t0 = time.perf_counter()
-    _agree(_post_stamps(topo, agree), agree, op=op, topo=topo, timeout=timeout,
-           first=first_bytes)
-    if first_bytes is not None:  # a steady call of this kind would not pay it (others do)
-        _exclude(agree, t0)
+    _agree_first(_post_stamps(topo, agree), agree, op=op, topo=topo, timeout=timeout,
+                 first=first_bytes)
     return None
 
 
-def _exclude(agree: Agreement, t0: float) -> None:
-    """Count the time since ``t0`` (a stamp exchange a steady call does not make) as left out
-    of a ``chunks="auto"`` race's timing of this call."""
-    agree.transport[EXCLUDED] = agree.transport.get(EXCLUDED, 0.0) + time.perf_counter() - t0
+def _agree_first(stamps: tuple[list, torch.Tensor | None], agree: Agreement, *, op: str,
+                 topo: _Topology, timeout: float, first: int | tuple | None) -> None:
+    """:func:`_agree` before any data is posted (plain gloo, a changed call). A kind of call
+    that can be steady (``first`` not None) does not pay this exchange once steady, so a
+    ``chunks="auto"`` race leaves its time out of the call's timing; the others pay it on
+    every call."""
+    t0 = time.perf_counter()
+    _agree(stamps, agree, op=op, topo=topo, timeout=timeout, first=first)
+    if first is not None:
+        agree.transport[EXCLUDED] = (agree.transport.get(EXCLUDED, 0.0)
+                                     + time.perf_counter() - t0)
 
 
 def _wait_first(works: list, first: _First | None, *, op: str, topo: _Topology,
@@ -318,9 +322,7 @@ def _whole_data(agree: Agreement | None, post: Callable[[], object], record: tup
     if agree is not None and stamps is None:
         stamps = _post_stamps(topo, agree)
     if stamps is not None and topo.direct and agree.transport.get(_GLOO_FIRST) != record:
-        t0 = time.perf_counter()
-        _agree(stamps, agree, op=op, topo=topo, timeout=timeout, first=record)
-        _exclude(agree, t0)
+        _agree_first(stamps, agree, op=op, topo=topo, timeout=timeout, first=record)
         stamps = None
     return stamps, post()
 
