@@ -35,6 +35,7 @@ CPU_BACKEND = os.environ.get("OVERLAP_TEST_BACKEND", "nccl_twin")
 WORLD_SIZES = (1, 2, 4)
 # Imported once by the fork server instead of by every rank of every test.
 _PRELOAD = ("pytest", "numpy", "harness", "overlap.dist.nccl_twin", "overlap.kernels.triton.tp_gemm", "overlap.tp",
+            "overlap.nn", "overlap.models", "overlap.moe", "overlap.cp", "overlap.pp", "overlap.dp",
             "torch._dynamo", "torch.distributed.tensor.parallel", "transformers.models.gpt2.modeling_gpt2",
             "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2")
 DEFAULT_TIMEOUT = 60.0

@@ -34,6 +34,8 @@ import torch.distributed as dist
 
 from harness import run_ranks
 
+pytestmark = pytest.mark.no_delay_pass  # models; test_moe runs the exchange delayed
+
 VOCAB = 64
 GRAD_TOL = 1e-5
 WEIGHT_TOL = 2e-5

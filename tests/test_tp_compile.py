@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from harness import run_ranks
 
+pytestmark = pytest.mark.no_delay_pass  # compiled runs of the ops test_tp_ops_numerics runs delayed
+
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 PATTERNS = ("both", "x_only", "w_only", "gathered_used")
 K, N = 16, 12

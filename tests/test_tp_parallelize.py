@@ -18,6 +18,8 @@ import torch.distributed as dist
 from harness import run_ranks
 from overlap.tp.comm import default_comm
 
+pytestmark = pytest.mark.no_delay_pass  # models; the op and layer files run delayed
+
 VOCAB = 61  # not divisible by 2 or 4: uneven vocabulary shards
 TOL = {"logits": 1e-5, "grads": 1e-4, "state": 0.0, "losses": 1e-5, "dtensor": 1e-5}
 

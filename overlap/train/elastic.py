@@ -27,8 +27,12 @@ from overlap.train.config import ConfigError, TrainConfig
 
 __all__ = ["run", "root_cause", "log_event"]
 
-_PRELOAD = ("overlap.train.loop", "overlap.tp", "overlap.pp", "overlap.dp",
-            "torch.distributed.checkpoint")
+# Imported once by the fork server, not by every rank (local launches are CPU processes):
+# torch's optimizers import torch._dynamo on their first construction, 1.5-2 s of CPU per rank
+# and most of a small job's start-up.
+_PRELOAD = ("overlap.train.loop", "overlap.train.checkpoint", "overlap.tp", "overlap.pp",
+            "overlap.dp", "overlap.nn", "overlap.moe", "overlap.cp",
+            "torch.distributed.checkpoint", "torch._dynamo")
 
 
 def root_cause(exc: LaunchError) -> str:
