@@ -34,8 +34,6 @@ import torch.distributed as dist
 
 from harness import run_ranks
 
-pytestmark = pytest.mark.no_delay_pass  # models; test_moe runs the exchange delayed
-
 VOCAB = 64
 GRAD_TOL = 1e-5
 WEIGHT_TOL = 2e-5
@@ -185,8 +183,16 @@ def _job(family, tp, ep, steps, inside=False):
 LAYOUTS = [(1, 2, False), (2, 2, False), (1, 4, False), (2, 2, True)]
 
 
+# CI's delay pass runs this block's own async paths (local and split tokens, the shared experts
+# under the dispatch) with one family that has shared experts; the other families differ in
+# their routing and expert math, not in what runs asynchronously.
+_DELAYED_FAMILY = "deepseek_v3"
+
+
 @pytest.mark.parametrize("tp,ep,inside", LAYOUTS, ids=["ep2", "tp2xep2", "ep4", "tp2_is_ep2"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f if f == _DELAYED_FAMILY else
+                                    pytest.param(f, marks=pytest.mark.no_delay_pass)
+                                    for f in FAMILIES])
 def test_moe_plan_equals_the_unsharded_model(family, tp, ep, inside):
     """Forward, every gradient, 3 AdamW steps, generate with the KV cache, the auxiliary loss
     and the gathered state dict equal the unsharded model's."""
