@@ -259,9 +259,10 @@ def test_chunked_first_message_carries_the_stamp(device_path, dtype):
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64))
 def test_chunked_stamped_message_and_byte_compare(dtype):
-    """The chunked ring's first message is built in one op (the stamp's bytes, then the
-    shard), and its receive is compared where it landed: equal words pass, a word that
-    differs (another call number, another shape) does not, and zeroed bytes never do."""
+    """The chunked ring's first message: the stamp's bytes, then the piece, written into a
+    message that later calls of the same size reuse (overwritten with each call's stamp), and
+    its receive compared where it landed: equal words pass, a word that differs (another call
+    number, another shape) does not, and zeroed bytes never do."""
     from overlap.dist.stamp import Agreement
     from overlap.tp import chunked, stamps
 
@@ -269,15 +270,15 @@ def test_chunked_stamped_message_and_byte_compare(dtype):
     agree.next("all_gather_matmul", stamps.stamp_values(torch.zeros(3, K), torch.zeros(K, N),
                                                         2, 0, 1))
     x = torch.randn(3, 5).to(dtype)
-    send = chunked._stamped(agree, x)
+    send, body = chunked._message(x, 3, 5)
     hdr = chunked._header_elems(dtype)
-    assert send.shape == (hdr + 15,) and send.dtype == dtype
-    assert torch.equal(chunked._words(send), agree.send)
-    assert torch.equal(send[hdr:].view(3, 5), x)
+    assert send.shape == (hdr + 15,) and send.dtype == dtype and body.shape == (3, 5)
+    body.copy_(x)
     recv, _ = chunked._message(x, 3, 5)
     recv.view(torch.uint8).fill_(0xAB)  # stale bytes
-    first = chunked._First(agree, send, recv, stamped=True)
-    assert torch.equal(chunked._words(send), agree.send)  # untouched: already stamped
+    first = chunked._First(agree, send, recv)
+    assert torch.equal(chunked._words(send), agree.send)  # this call's stamp in front
+    assert torch.equal(send[hdr:].view(3, 5), x)  # the piece behind it, untouched
     assert not first.matches()  # zeroed front: never equal to a written stamp
     for word, delta in ((None, 0), (1, 1), (3, 2)):
         theirs = agree.send.clone()
@@ -287,4 +288,23 @@ def test_chunked_stamped_message_and_byte_compare(dtype):
         assert first.matches() == (word is None)
     agree.next("all_gather_matmul", stamps.stamp_values(torch.zeros(3, K), torch.zeros(K, N),
                                                         2, 0, 1))
-    assert torch.equal(chunked._words(chunked._stamped(agree, x)), agree.send)  # next call's
+    chunked._First(agree, send, recv)  # the next call reuses the message
+    assert torch.equal(chunked._words(send), agree.send) and int(agree.send[1]) == 2
+    assert torch.equal(send[hdr:].view(3, 5), x)
+
+
+def test_chunked_scratch_is_kept_only_when_small():
+    """Scratch buffers (a first message, a gather that is not returned) are kept per
+    communicator and key up to SCRATCH_BYTES and made anew above it or without stamps."""
+    from overlap.dist.stamp import Agreement
+    from overlap.tp import chunked, stamps
+
+    agree = Agreement(stamps.SCHEMA, rank=0, world=2, device=torch.device("cpu"), where="")
+    small = lambda: (torch.empty(16),)  # noqa: E731
+    big = lambda: (torch.empty(chunked.SCRATCH_BYTES // 4 + 1),)  # noqa: E731
+    a = chunked._scratch(agree, ("s",), small)
+    assert chunked._scratch(agree, ("s",), small) is a
+    assert chunked._scratch(agree, ("t",), small) is not a
+    b = chunked._scratch(agree, ("b",), big)
+    assert chunked._scratch(agree, ("b",), big) is not b
+    assert chunked._scratch(None, ("s",), small) is not a

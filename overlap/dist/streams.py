@@ -89,26 +89,29 @@ class InjectedDelay:
 
 
 class Event:
-    """A point in a stream (see the module docstring)."""
+    """A point in a stream (see the module docstring). On CPU an event is the count of items
+    its stream had been given when it was recorded: it is reached once the stream has run that
+    many (items run in order), so recording one queues nothing."""
+
+    __slots__ = ("device", "_cuda", "_stream", "_seq")
 
     def __init__(self, device: torch.device | str = "cpu"):
-        self.device = torch.device(device)
+        self.device = device if isinstance(device, torch.device) else torch.device(device)
         self._cuda = torch.cuda.Event() if self.device.type == "cuda" else None
-        self._done = threading.Event()
-        self._done.set()  # an event never recorded is complete, as in CUDA
-        self._stream: Stream | None = None
+        self._stream: Stream | None = None  # never recorded: complete, as in CUDA
+        self._seq = 0
 
     def record(self, stream: "Stream") -> "Event":
         if self._cuda is not None:
             self._cuda.record(stream.cuda)
             return self
-        self._done = threading.Event()
-        self._stream = stream
-        stream._put(("record", self._done))
+        self._stream, self._seq = stream, stream._issued_count()
         return self
 
     def query(self) -> bool:
-        return self._cuda.query() if self._cuda is not None else self._done.is_set()
+        if self._cuda is not None:
+            return self._cuda.query()
+        return self._stream is None or self._stream._finished >= self._seq
 
     def wait(self, timeout: float | None = None, what: str = "") -> None:
         """The caller's stream waits for this event (see the module docstring): a device-side
@@ -117,27 +120,29 @@ class Event:
         if self._cuda is not None:
             torch.cuda.current_stream(self.device).wait_event(self._cuda)
             return
-        stream = self._stream
+        stream, seq = self._stream, self._seq
+        if stream is None:
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._done.is_set():
-            if stream is not None and stream._help():
+        while stream._finished < seq:
+            if stream._help():
                 continue
-            self._done.wait(0.001)
+            stream._await(seq, 0.001)
             if deadline is not None and time.monotonic() > deadline:
                 raise StreamTimeout(f"{what or 'streams'}: stream {stream.name!r} did not reach "
-                                   f"the event within {timeout:g}s")
-        if stream is not None:
-            stream._raise_error()
+                                    f"the event within {timeout:g}s")
+        stream._raise_error()
 
     def synchronize(self, timeout: float | None = None) -> None:
         syncs.record("Event.synchronize")
         if self._cuda is not None:
             self._cuda.synchronize()
             return
-        if not self._done.wait(timeout):
+        if self._stream is None:
+            return
+        if not self._stream._await(self._seq, timeout):
             raise TimeoutError(f"streams: event not reached within {timeout:g}s")
-        if self._stream is not None:
-            self._stream._raise_error()
+        self._stream._raise_error()
 
 
 class Stream:
@@ -152,6 +157,9 @@ class Stream:
         self._after_caller = False
         if self.cuda is None:
             self._delay = InjectedDelay(name)
+            self._issued = 0  # items queued (under the worker's lock), in queue order
+            self._finished = 0  # items run to their end (written under _progress)
+            self._progress = threading.Condition(threading.Lock())
             self._worker = FifoWorker(f"overlap-stream-{name}", lambda item: self._execute(*item),
                                       self._closed_error)
 
@@ -222,7 +230,8 @@ class Stream:
             if event._cuda is not None:
                 self.cuda.wait_event(event._cuda)
             return
-        self._put(("wait", event._done))
+        if event._stream is not None:
+            self._put(("wait", (event._stream, event._seq)))
 
     def record_event(self) -> Event:
         return Event(self.device).record(self)
@@ -246,7 +255,25 @@ class Stream:
 
     # -- twin internals
     def _put(self, item: tuple) -> None:
-        self._worker.put(item)
+        with self._worker.cv:  # reentrant: put takes it again
+            self._worker.put(item)
+            self._issued += 1
+
+    def _issued_count(self) -> int:
+        with self._worker.cv:
+            return self._issued
+
+    def _await(self, seq: int, timeout: float | None) -> bool:
+        """Block until ``seq`` items have run or ``timeout`` seconds passed (None: no limit);
+        True if they have."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._progress:
+            while self._finished < seq:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._progress.wait(left)
+            return True
 
     def _closed_error(self, item) -> RuntimeError:
         return RuntimeError(f"streams: stream {self.name!r} is closed")
@@ -256,17 +283,21 @@ class Stream:
             raise self._error
 
     def _execute(self, kind: str, arg) -> None:
-        if kind == "record":
-            arg.set()
-        elif kind == "wait":
-            arg.wait()
-        else:
-            self._delay()
-            if self._error is None:  # after an error the stream's later work is void
-                try:
-                    arg()
-                except BaseException as exc:  # noqa: BLE001 - surfaces at the next sync
-                    self._error = exc
+        try:
+            if kind == "wait":
+                stream, seq = arg
+                stream._await(seq, None)
+            else:
+                self._delay()
+                if self._error is None:  # after an error the stream's later work is void
+                    try:
+                        arg()
+                    except BaseException as exc:  # noqa: BLE001 - surfaces at the next sync
+                        self._error = exc
+        finally:
+            with self._progress:
+                self._finished += 1
+                self._progress.notify_all()
 
     def _help(self) -> bool:
         """Run the head of the queue on the calling (host) thread if no one is running an

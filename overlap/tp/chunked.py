@@ -18,6 +18,7 @@ Shape legend (per rank; ``world`` ranks in ``group``, ``r`` = this rank):
 from __future__ import annotations
 
 import ctypes
+import functools
 import time
 from datetime import timedelta
 from typing import Callable, NamedTuple
@@ -34,8 +35,10 @@ from overlap.tp.collectives import post_all_gather, post_all_reduce, post_reduce
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "split_bounds"]
 
 
-def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` contiguous [lo, hi) ranges covering 0..n, sizes differing by at most one."""
+@functools.lru_cache(maxsize=1024)
+def split_bounds(n: int, parts: int) -> tuple[tuple[int, int], ...]:
+    """``parts`` contiguous [lo, hi) ranges covering 0..n, sizes differing by at most one
+    (memoised: every call of a shape asks again)."""
     parts = max(1, min(parts, n))
     base, extra = divmod(n, parts)
     out, lo = [], 0
@@ -43,7 +46,16 @@ def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
         hi = lo + base + (1 if i < extra else 0)
         out.append((lo, hi))
         lo = hi
-    return out
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ring_rows(rank: int, world: int, m: int, pieces: tuple[tuple[int, int], ...]
+               ) -> tuple[tuple[int, int], ...]:
+    """all_gather_matmul's rows of ``gathered`` per ring step: step t holds piece t % s of rank
+    (rank - t // s)'s shard (our own pieces first)."""
+    return tuple((src + lo, src + hi) for src in ((rank - j) % world * m for j in range(world))
+                 for lo, hi in pieces)
 
 
 _STAMP_TAG = 1 << 20  # apart from the pieces' tags (the step numbers)
@@ -63,6 +75,50 @@ def _message(like: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, to
     return msg, msg.as_strided((rows, cols), (cols, 1), msg.storage_offset() + hdr)
 
 
+# Scratch buffers (a first message, the receives of a gather that is not returned) of at most
+# this many bytes are kept per communicator and shape instead of allocated per call: for small
+# messages the allocations and views cost more host time than the transfer. Larger ones are
+# allocated per call (the allocator reuses their memory for everything else). A buffer is
+# reused only by a later call of the same communicator, which every transport orders after
+# the earlier call's transfers and reads (on the CPU the call waited for them; NCCL's stream
+# waits for the caller's stream before it posts).
+SCRATCH_BYTES = 1 << 20
+_SCRATCH = "scratch"  # Agreement.transport key: {key: buffers}
+_SCRATCH_ENTRIES = 32
+
+
+def _scratch(agree: Agreement | None, key: tuple, make: Callable[[], tuple]) -> tuple:
+    """``make()``'s buffers, kept in ``agree`` under ``key`` when they fit ``SCRATCH_BYTES``
+    (made anew every call otherwise, or without stamps)."""
+    if agree is None:
+        return make()
+    cache = agree.transport.get(_SCRATCH)
+    if cache is None:
+        cache = agree.transport[_SCRATCH] = {}
+    found = cache.get(key)
+    if found is not None:
+        return found
+    made = make()
+    if made[0].numel() * made[0].element_size() <= SCRATCH_BYTES:
+        if len(cache) >= _SCRATCH_ENTRIES:
+            cache.clear()
+        cache[key] = made
+    return made
+
+
+def _gather_views(like: torch.Tensor, hdr: int, world: int, m: int, k: int, lo: int, hi: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                             torch.Tensor | None]:
+    """(flat, gathered, landing, received): ``hdr`` elements of room for a stamp, then
+    ``gathered`` [world * m, k]; with a stamp (``hdr`` > 0) also the first hop's landing (the
+    piece at rows [lo, hi) behind the stamp) and that piece's rows."""
+    flat = like.new_empty(hdr + world * m * k)
+    gathered = flat.as_strided((world * m, k), (k, 1), flat.storage_offset() + hdr)
+    if not hdr:
+        return flat, gathered, None, None
+    return flat, gathered, flat[lo * k:hdr + hi * k], gathered[lo:hi]
+
+
 class _First:
     """The first hop of a call with stamps: the message to the right neighbour carries this
     rank's stamp in front of the piece, the one from the left carries the left neighbour's;
@@ -71,22 +127,18 @@ class _First:
     nccl_twin does the same), so the stamps name a disagreement the transport reports only as
     a byte count. On CPU the stamp bytes move with ``ctypes.memmove`` between buffers whose
     size is known (a tensor op per move costs more than the whole stamp); on a GPU they are
-    device copies in stream order. ``stamped``: ``send`` already holds the stamp
-    (:func:`_stamped`)."""
+    device copies in stream order. ``send``'s front is where this rank's stamp is written."""
 
-    __slots__ = ("agree", "recv", "cpu", "recv_ptr")
+    __slots__ = ("agree", "send", "recv", "cpu", "recv_ptr")
 
-    def __init__(self, agree: Agreement, send: torch.Tensor, recv: torch.Tensor, *,
-                 stamped: bool = False):
-        self.agree, self.recv, self.cpu = agree, recv, not agree.device_path
+    def __init__(self, agree: Agreement, send: torch.Tensor, recv: torch.Tensor):
+        self.agree, self.send, self.recv, self.cpu = agree, send, recv, not agree.device_path
         if self.cpu:
-            if not stamped:
-                ctypes.memmove(send.data_ptr(), agree.send_address, _STAMP_BYTES)
+            ctypes.memmove(send.data_ptr(), agree.send_address, _STAMP_BYTES)
             self.recv_ptr = recv.data_ptr()
             ctypes.memset(self.recv_ptr, 0, _STAMP_BYTES)  # no stale stamp passes for this one
         else:
-            if not stamped:
-                _words(send).copy_(agree.send)
+            _words(send).copy_(agree.send)
             _words(recv).zero_()
 
     def matches(self) -> bool:
@@ -101,16 +153,6 @@ class _First:
             ctypes.memmove(self.agree.recv_address(left), self.recv_ptr, _STAMP_BYTES)
         else:
             self.agree.recv[left].copy_(_words(self.recv))
-
-
-def _stamped(agree: Agreement, x: torch.Tensor) -> torch.Tensor:
-    """A new flat message: this call's stamp, then ``x`` (contiguous), in one op (a device
-    copy in stream order on a GPU). The stamp's view in ``x``'s dtype is made once."""
-    key = ("send as", x.dtype)
-    head = agree.transport.get(key)
-    if head is None:
-        head = agree.transport[key] = agree.send.view(x.dtype)
-    return torch.cat((head, x.view(-1)))
 
 
 def _words(msg: torch.Tensor) -> torch.Tensor:
@@ -259,12 +301,17 @@ def _wait_first(works: list, first: _First | None, *, op: str, topo: _Topology,
         first.agree.verify(op, topo.peers)
 
 
+@functools.lru_cache(maxsize=64)
+def _limit(timeout: float) -> timedelta:
+    return timedelta(seconds=timeout)
+
+
 def _wait(works: list, *, op: str, group: dist.ProcessGroup, timeout: float, what: str) -> None:
     """Wait for ``works`` (each exactly once) within ``timeout`` seconds; a timeout or a peer
     that died surfaces naming the op, the group, this rank and the step."""
     try:
         with comm_wait("tp.chunked"):
-            limit = timedelta(seconds=timeout)
+            limit = _limit(timeout)
             for work in works:
                 work.wait(limit)
     except RuntimeError as exc:
@@ -410,39 +457,53 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
     carry = _settled_first(  # the stamps the first piece carries (None: compared already)
         topo, agree, _STAMP_BYTES + m * k * x_shard.element_size() if s == 1 else None,
         op=op, timeout=timeout)
+    keep = return_gathered or w is None  # ``gathered`` is an output: new every call
+    # Step t multiplies piece t % s of rank (rank - t // s)'s shard, at these rows of
+    # ``gathered``: our own pieces first (straight from the input), then each piece that
+    # arrived from the left, which is forwarded to the right s steps before its turn.
+    rows = _ring_rows(rank, world, m, pieces)
     # With stamps, the first piece from the left lands in place behind its stamp: ``flat``
     # has room for one stamp in front of ``gathered``, and the stamp of the piece at rows
     # [lo, hi) overwrites the elements just before lo, which belong to sources received at
     # later hops (or to our own shard, copied last): nothing there is read or sent before.
+    # Our first piece travels behind our stamp in a message of its own. Neither is an output
+    # unless ``keep``: small ones are kept per communicator (:func:`_scratch`).
     hdr = 0 if carry is None else _header_elems(x_shard.dtype)
-    flat = x_shard.new_empty(hdr + world * m * k)
-    gathered = flat.as_strided((world * m, k), (k, 1), flat.storage_offset() + hdr)
+    lo, hi = rows[s]
+    make = lambda: _gather_views(x_shard, hdr, world, m, k, lo, hi)  # noqa: E731
+    flat, gathered, landing, received = make() if keep else _scratch(
+        carry, ("all_gather_matmul", x_shard.dtype, x_shard.device, hdr, world, m, k, s, rank),
+        make)
+    first = None  # the first hop's messages, with the neighbours' stamps in front
+    if carry is not None:
+        plo, phi = pieces[0]
+        message, body = _scratch(carry, ("all_gather_matmul send", x_shard.dtype,
+                                         x_shard.device, phi - plo, k),
+                                 lambda: _message(x_shard, phi - plo, k))
+        body.copy_(x_shard if s == 1 else x_shard[plo:phi])
+        first = _First(carry, message, landing)
     y = None if w is None else x_shard.new_empty(world * m, w.shape[1])
-    # Step t multiplies piece t % s of rank (rank - t // s)'s shard, at these rows of
-    # ``gathered``: our own pieces first (straight from the input), then each piece that
-    # arrived from the left, which is forwarded to the right s steps before its turn.
-    rows = [(src + lo, src + hi) for src in ((rank - j) % world * m for j in range(world))
-            for lo, hi in pieces]
-    views = [x_shard] if s == 1 else [x_shard[lo:hi] for lo, hi in pieces]
+    views = [x_shard] if s == 1 else [x_shard[a:b] for a, b in pieces]
     views += [None] * (steps - s)  # a received piece's view, made when its receive is posted
     # Every work is waited exactly once (a gloo send work waited twice waits for a second send).
-    inflight: dict[int, list] = {}
-    first = None  # the first hop's messages, with the neighbours' stamps in front
+    inflight: list = [None] * steps
     left = (rank - 1) % world
     for t in range(steps):
-        if t in inflight:
+        works = inflight[t]
+        if works is not None:
             with nvtx.range(f"{op}.chunked.comm[{t}].wait") if trace else nvtx.NO_RANGE:
-                _wait_first(inflight.pop(t), first if t == s else None, op=op, topo=topo,
+                _wait_first(works, first if t == s else None, op=op, topo=topo,
                             timeout=timeout,
                             what=f"receive of piece {t} from the left neighbour (rank {left})")
         if t + s < steps:
             # Forward this piece and receive the one we multiply s steps from now.
-            lo, hi = rows[t + s]
-            send = views[t]
-            recv = views[t + s] = gathered[lo:hi]
-            if t == 0 and carry is not None:  # our first piece goes behind our stamp
-                send, recv = _stamped(carry, send), flat[lo * k:hdr + hi * k]
-                first = _First(carry, send, recv, stamped=True)
+            if t == 0 and first is not None:  # our first piece goes behind our stamp
+                send, recv = first.send, landing
+                views[s] = received
+            else:
+                lo, hi = rows[t + s]
+                send = views[t]
+                recv = views[t + s] = gathered[lo:hi]
             with nvtx.range(f"{op}.chunked.comm[{t + s}]") if trace else nvtx.NO_RANGE:
                 inflight[t + s] = _exchange(topo, send, recv, tag=t,
                                             agree=carry if t == 0 else None)
@@ -450,11 +511,11 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor | None, *,
             lo, hi = rows[t]
             with nvtx.range(f"{op}.chunked.gemm[{t}]") if trace else nvtx.NO_RANGE:
                 torch.matmul(views[t], w, out=y[lo:hi])
-    if return_gathered or w is None:
+    if keep:
         gathered[rank * m:(rank + 1) * m].copy_(x_shard)
     if agree is not None:
-        agree.poison(y, gathered)
-    return y, (gathered if return_gathered or w is None else None)
+        agree.poison(y, gathered if keep else None)
+    return y, (gathered if keep else None)
 
 
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.ProcessGroup,
@@ -510,16 +571,18 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, group: dist.Proce
     for t in range((world - 1) * s):
         lo, hi = pieces[t % s]  # piece t + s has the same rows within its block
         if t == 0 and carry is not None:  # the partial sum is computed behind the stamp
-            msg_out, part = _message(x, hi - lo, n)
+            msg_out, part, msg_in, buf = _scratch(carry, (op, "first", x.dtype, x.device,
+                                                          hi - lo, n), lambda: (
+                *_message(x, hi - lo, n), *_message(x, hi - lo, n)))
             gemm(t, out=part)
-            msg_in, buf = _message(x, hi - lo, n)
             first = _First(carry, msg_out, msg_in)
             send, recv = msg_out, msg_in
         else:
             part = send = gemm(t)
             if t >= s:
                 add_received(t, part)
-            buf = recv = x.new_empty(hi - lo, n)
+            buf = recv = _scratch(carry, (op, t, x.dtype, x.device, hi - lo, n),
+                                  lambda: (x.new_empty(hi - lo, n),))[0]
         with nvtx.range(f"{op}.chunked.comm[{t + s}]") if trace else nvtx.NO_RANGE:
             works = _exchange(topo, send, recv, tag=t, agree=carry if t == 0 else None)
         inflight[t + s] = (works, buf, send)
@@ -594,13 +657,15 @@ def _exchange_all_reduce(x: torch.Tensor, w: torch.Tensor, *, topo: _Topology, b
         xi, yi = (x, None) if whole else (x[lo:hi], y[lo:hi])
         with nvtx.range(f"{op}.chunked.gemm[{i}]") if trace else nvtx.NO_RANGE:
             if i == 0 and carry is not None:  # the first partial is computed behind the stamp
-                send, part = _message(x, hi - lo, n)
+                send, part, recv, buf = _scratch(carry, (op, "first", x.dtype, x.device,
+                                                         hi - lo, n), lambda: (
+                    *_message(x, hi - lo, n), *_message(x, hi - lo, n)))
                 torch.matmul(xi, w, out=part)
-                recv, buf = _message(x, hi - lo, n)
                 first = _First(carry, send, recv)
             else:
                 part = send = torch.matmul(xi, w, out=yi)
-                buf = recv = x.new_empty(hi - lo, n)
+                buf = recv = _scratch(carry, (op, i, x.dtype, x.device, hi - lo, n),
+                                      lambda: (x.new_empty(hi - lo, n),))[0]
         with nvtx.range(f"{op}.chunked.comm[{i}]") if trace else nvtx.NO_RANGE:
             works = _exchange(topo, send, recv, tag=i, agree=carry if i == 0 else None)
         inflight.append((works, buf, part, yi, send))
