@@ -296,12 +296,13 @@ def test_chunked_stamped_message_and_byte_compare(dtype):
 def test_chunked_scratch_is_kept_only_when_small():
     """Scratch buffers (a first message, a gather that is not returned) are kept per
     communicator and key up to SCRATCH_BYTES and made anew above it or without stamps."""
+    from overlap.defaults import SCRATCH_BYTES
     from overlap.dist.stamp import Agreement
     from overlap.tp import chunked, stamps
 
     agree = Agreement(stamps.SCHEMA, rank=0, world=2, device=torch.device("cpu"), where="")
     small = lambda: (torch.empty(16),)  # noqa: E731
-    big = lambda: (torch.empty(chunked.SCRATCH_BYTES // 4 + 1),)  # noqa: E731
+    big = lambda: (torch.empty(SCRATCH_BYTES // 4 + 1),)  # noqa: E731
     a = chunked._scratch(agree, ("s",), small)
     assert chunked._scratch(agree, ("s",), small) is a
     assert chunked._scratch(agree, ("t",), small) is not a

@@ -20,17 +20,18 @@ from __future__ import annotations
 import ctypes
 import functools
 import time
-from datetime import timedelta
 from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from overlap.defaults import kept
 from overlap.dist.stamp import STAMP_WORDS, Agreement, Disagreement
 from overlap.profile import nvtx
 from overlap.profile.timers import comm_wait
 from overlap.tp.autochunk import EXCLUDED
-from overlap.tp.collectives import post_all_gather, post_all_reduce, post_reduce_scatter
+from overlap.tp.collectives import (post_all_gather, post_all_reduce, post_reduce_scatter,
+                                    wait_limit)
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "split_bounds"]
 
@@ -75,35 +76,18 @@ def _message(like: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, to
     return msg, msg.as_strided((rows, cols), (cols, 1), msg.storage_offset() + hdr)
 
 
-# Scratch buffers (a first message, the receives of a gather that is not returned) of at most
-# this many bytes are kept per communicator and shape instead of allocated per call: for small
-# messages the allocations and views cost more host time than the transfer. Larger ones are
-# allocated per call (the allocator reuses their memory for everything else). A buffer is
-# reused only by a later call of the same communicator, which every transport orders after
-# the earlier call's transfers and reads (on the CPU the call waited for them; NCCL's stream
-# waits for the caller's stream before it posts).
-SCRATCH_BYTES = 1 << 20
-_SCRATCH = "scratch"  # Agreement.transport key: {key: buffers}
-_SCRATCH_ENTRIES = 32
+_SCRATCH = "scratch"  # Agreement.transport key of the kept scratch (overlap.defaults.kept)
 
 
 def _scratch(agree: Agreement | None, key: tuple, make: Callable[[], tuple]) -> tuple:
-    """``make()``'s buffers, kept in ``agree`` under ``key`` when they fit ``SCRATCH_BYTES``
-    (made anew every call otherwise, or without stamps)."""
+    """``make()``'s buffers, kept per communicator when small (``defaults.kept``); made anew
+    every call without stamps."""
     if agree is None:
         return make()
-    cache = agree.transport.get(_SCRATCH)
-    if cache is None:
-        cache = agree.transport[_SCRATCH] = {}
-    found = cache.get(key)
-    if found is not None:
-        return found
-    made = make()
-    if made[0].numel() * made[0].element_size() <= SCRATCH_BYTES:
-        if len(cache) >= _SCRATCH_ENTRIES:
-            cache.clear()
-        cache[key] = made
-    return made
+    store = agree.transport.get(_SCRATCH)
+    if store is None:
+        store = agree.transport[_SCRATCH] = {}
+    return kept(store, key, make)
 
 
 def _gather_views(like: torch.Tensor, hdr: int, world: int, m: int, k: int, lo: int, hi: int
@@ -301,17 +285,12 @@ def _wait_first(works: list, first: _First | None, *, op: str, topo: _Topology,
         first.agree.verify(op, topo.peers)
 
 
-@functools.lru_cache(maxsize=64)
-def _limit(timeout: float) -> timedelta:
-    return timedelta(seconds=timeout)
-
-
 def _wait(works: list, *, op: str, group: dist.ProcessGroup, timeout: float, what: str) -> None:
     """Wait for ``works`` (each exactly once) within ``timeout`` seconds; a timeout or a peer
     that died surfaces naming the op, the group, this rank and the step."""
     try:
         with comm_wait("tp.chunked"):
-            limit = _limit(timeout)
+            limit = wait_limit(timeout)
             for work in works:
                 work.wait(limit)
     except RuntimeError as exc:

@@ -4,6 +4,7 @@ RuntimeError naming the op and the group instead of a hang. A group of size 1 is
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 
 import torch
@@ -16,7 +17,7 @@ from overlap.profile.timers import comm_wait
 
 __all__ = ["TIMEOUT", "wait", "all_reduce_async", "all_reduce", "split_dim", "all_gather_dim",
            "reduce_scatter_dim", "all_gather_single", "reduce_scatter_single",
-           "post_all_reduce", "post_all_gather", "post_reduce_scatter"]
+           "post_all_reduce", "post_all_gather", "post_reduce_scatter", "wait_limit"]
 
 TIMEOUT = TIMEOUT_S  # overlap.defaults
 
@@ -73,12 +74,18 @@ def post_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group):
     return reduce_scatter_single(out, x, group=group, async_op=True)
 
 
+@functools.lru_cache(maxsize=64)
+def wait_limit(timeout: float) -> timedelta:
+    """``timeout`` seconds as the timedelta a work's ``wait`` takes (made once per value)."""
+    return timedelta(seconds=timeout)
+
+
 def wait(work, *, op: str, group, timeout: float = TIMEOUT, axis: str = "tp") -> None:
     """Wait for an async collective, at most ``timeout`` s; name the op and group on failure.
     ``axis`` prefixes the op's name ("tp", "ep")."""
     try:
         with comm_wait(f"{axis}.{op}"):
-            work.wait(timeout=timedelta(seconds=timeout))
+            work.wait(timeout=wait_limit(timeout))
     except Exception as exc:  # gloo raises RuntimeError, NCCL DistBackendError
         ranks = dist.get_process_group_ranks(group)
         raise RuntimeError(f"{axis} {op}: collective on group {ranks} failed or timed out after "

@@ -50,6 +50,7 @@ class TPContext:
         self.closed = False
         # slot -> value every peer must reach before our buffers may be released (AG readers).
         self.quiesce: dict[int, int] = {}
+        self.scratch: dict = {}  # an op's small buffers kept between calls (defaults.kept)
         self.ws = create_workspace(group, nbytes, num_signals=num_signals, device=device,
                                    timeout=timeout)
         self.copier = None
@@ -101,6 +102,7 @@ class TPContext:
         if self.closed:
             return
         self.closed = True
+        self.scratch.clear()
         free = True
         try:
             if self.copier is not None:

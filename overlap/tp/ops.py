@@ -104,12 +104,20 @@ def _ag_forward(x2: torch.Tensor, w: torch.Tensor, comm: TPComm, chunks: int, ch
                 x_shape: list[int], flags: int, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``keep``: the gathered input is returned or saved for dw; otherwise the second output is
     empty and the backend skips assembling it (a copy of the own shard, per call)."""
+    y, gathered = _ag_run(x2, w, comm, chunks, check, x_shape, flags, keep)
+    return y, (gathered if keep else _empty(x2))
+
+
+def _ag_run(x2: torch.Tensor, w: torch.Tensor, comm: TPComm, chunks: int, check: bool,
+            x_shape: list[int], flags: int, keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """_ag_forward, with None for a gathered input not kept: what the public function calls
+    when autograd does not record the call and nothing reads that output."""
     op = "all_gather_matmul"
     y, gathered = _run(op, comm, lambda backend, context, n: backend.all_gather_matmul(
         comm, context, x2, w, chunks=n, return_gathered=keep), x2, w, chunks, 1,
         start=(check, x_shape, flags))
     if not keep:
-        return y, _empty(x2)
+        return y, None
     return y, (gathered.clone() if gathered is x2 else gathered)  # no output aliases an input
 
 
@@ -362,7 +370,7 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, *, comm: TPComm | 
     ``group=`` (with ``backend``, ``check_inputs``) for that group's default communicator.
     Returns y, or (y, gathered) with ``return_gathered``.
     """
-    c, xs, (y2, g2) = _dispatch("all_gather_matmul", _AllGatherMatmul, _ag_forward, x_shard, w,
+    c, xs, (y2, g2) = _dispatch("all_gather_matmul", _AllGatherMatmul, _ag_run, x_shard, w,
                                 comm, group, backend, chunks, check_inputs, seq_dim,
                                 int(return_gathered), bool(return_gathered))
     if xs.dim() == 2 and not return_gathered:

@@ -22,7 +22,7 @@ import torch
 
 from overlap.profile import nvtx
 from overlap.tp.chunked import split_bounds
-from overlap.defaults import align
+from overlap.defaults import align, kept
 from overlap.tp.context import TPContext
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "ag_bytes",
@@ -78,34 +78,56 @@ def all_gather_matmul(context: TPContext, x_shard: torch.Tensor, w: torch.Tensor
     for q in peers:
         context.quiesce[base + world + q] = p
 
-    gathered = x_shard.new_empty(world * m, k)
     pieces = split_bounds(m, chunks // world)
+    # ``gathered`` is an output when kept: new every call; otherwise small ones are kept with
+    # the context, with their pieces' moves per buffer half (overlap.defaults.kept).
+    keep = return_gathered or w is None
+    if keep:
+        gathered = x_shard.new_empty(world * m, k)
+        moves = _moves(gathered, ws, m, pieces, peers, at)
+    else:
+        gathered, by_half = kept(context.scratch, ("all_gather_matmul", x_shard.dtype, m, k,
+                                                   pieces), lambda: (
+            x_shard.new_empty(world * m, k), {}))
+        moves = by_half.get(at)
+        if moves is None:
+            moves = by_half[at] = _moves(gathered, ws, m, pieces, peers, at)
     tickets = []
-    for q in peers:
-        src = ws.view(q, x_shard.dtype, (m, k), at)
-        for i, (lo, hi) in enumerate(pieces):
-            def pull(q=q, src=src, lo=lo, hi=hi, i=i) -> None:
-                with nvtx.range(f"{op}.symmetric.comm[{q}.{i}]") if trace else nvtx.NO_RANGE:
-                    if i == 0:
-                        ws.wait(base + q, p, peer=q)
-                    gathered[q * m + lo:q * m + hi].copy_(src[lo:hi])
-                    if i == len(pieces) - 1:
-                        ws.signal(q, base + world + rank, p)
-            tickets.append((q, lo, hi, copier.submit(pull, gathered)))
+    for q, i, lo, hi, dst, src in moves:
+        def pull(q=q, i=i, dst=dst, src=src) -> None:
+            with nvtx.range(f"{op}.symmetric.comm[{q}.{i}]") if trace else nvtx.NO_RANGE:
+                if i == 0:
+                    ws.wait(base + q, p, peer=q)
+                dst.copy_(src)
+                if i == len(pieces) - 1:
+                    ws.signal(q, base + world + rank, p)
+        tickets.append((q, lo, dst, copier.submit(pull, gathered)))
 
     y = None
     if w is not None:
         y = x_shard.new_empty(world * m, w.shape[1])
         with nvtx.range(f"{op}.symmetric.gemm[{rank}]") if trace else nvtx.NO_RANGE:
             torch.matmul(x_shard, w, out=y[rank * m:(rank + 1) * m])
-    if return_gathered or w is None:
+    if keep:
         gathered[rank * m:(rank + 1) * m].copy_(x_shard)
-    for q, lo, hi, ticket in tickets:
+    for q, lo, dst, ticket in tickets:
         copier.wait(ticket, f"{op} (rank {rank}, pulling rank {q}'s shard)")
         if w is not None:
             with nvtx.range(f"{op}.symmetric.gemm[{q}.{lo}]") if trace else nvtx.NO_RANGE:
-                torch.matmul(gathered[q * m + lo:q * m + hi], w, out=y[q * m + lo:q * m + hi])
-    return y, (gathered if return_gathered or w is None else None)
+                torch.matmul(dst, w, out=y[q * m + lo:q * m + lo + dst.shape[0]])
+    return y, (gathered if keep else None)
+
+
+def _moves(gathered: torch.Tensor, ws, m: int, pieces, peers, at: int) -> list[tuple]:
+    """Per peer q and piece i at rows [lo, hi) of q's shard: (q, i, lo, hi, the rows of
+    ``gathered`` it lands in, the rows of q's buffer half at byte ``at`` it comes from)."""
+    moves = []
+    for q in peers:
+        src = ws.view(q, gathered.dtype, (m, gathered.shape[1]), at)
+        for i, (lo, hi) in enumerate(pieces):
+            moves.append((q, i, lo, hi, gathered[q * m + lo:q * m + hi],
+                          src if (lo, hi) == (0, m) else src[lo:hi]))
+    return moves
 
 
 def matmul_reduce_scatter(context: TPContext, x: torch.Tensor, w: torch.Tensor, *, chunks: int,
