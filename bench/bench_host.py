@@ -21,7 +21,8 @@ their autograd Function (a training call pays its ``apply``, about 5 us here, on
 baseline posts its collective async and waits inside the same ``comm_wait`` accounting the
 runtime uses. A round times
 ``inner`` back-to-back calls of each (op, impl) in turn (barrier before and after), so load hits
-all alike; the table shows the median over rounds and both ranks of the per-call times:
+all alike, each op's impls in an order rotated every round (so no impl always follows the same
+one); the table shows the median over rounds and both ranks of the per-call times:
 
 - ``wall_us``: wall time per call. On CPU the device is the host, so this includes the
   collective's transfer and the op's blocking waits; on GPU (no sync inside the timed calls)
@@ -73,7 +74,7 @@ class BenchConfig(TraceOptions):
     k: int = 16
     n: int = 16
     backends: tuple[str, ...] = ("chunked", "symmetric", "triton", "unfused")
-    rounds: int = 15
+    rounds: int = 20
     inner: int = 50
     triton_inner: int = 1
     warmup: int = 3
@@ -108,6 +109,19 @@ def _baseline(op: str, x: torch.Tensor, w: torch.Tensor, group):
             wait(dist.all_reduce(y, group=group, async_op=True))
             return y
     return call
+
+
+def _rotated(calls: list[tuple], r: int) -> list[tuple]:
+    """Round ``r``'s order: the ops in turn, and each op's impls (baseline included) rotated by
+    ``r``, so every impl takes every place in its op's sequence. A fixed order measured the
+    same configuration (``chunks='auto'`` picking pieces, and the forced '(pieces)' row) at
+    141 and 185 us per call, by its place alone."""
+    out = []
+    for op in dict.fromkeys(c[0] for c in calls):
+        group = [c for c in calls if c[0] == op]
+        k = r % len(group)
+        out += group[k:] + group[:k]
+    return out
 
 
 def _bench_rank(cfg: BenchConfig) -> list[dict]:
@@ -166,8 +180,8 @@ def _bench_rank(cfg: BenchConfig) -> list[dict]:
                         fn()
         sync()
         with tracer.region("rounds"):
-            for _ in range(cfg.rounds):
-                for op, impl, fn, inner in calls:
+            for r in range(cfg.rounds):
+                for op, impl, fn, inner in _rotated(calls, r):
                     sync()
                     with tracer.sample(f"{op}_{impl}"):
                         e0, c0, t0 = exposed_seconds(), time.thread_time(), time.perf_counter()
@@ -231,7 +245,8 @@ def main(cfg: BenchConfig) -> None:
         "do not require grad (nor does the baseline's), so no autograd Function runs.",
         f"Median over {cfg.rounds} rounds x {cfg.world} ranks of the per-call time of "
         f"{cfg.inner} back-to-back calls ({cfg.triton_inner} for triton on CPU), each (op, "
-        f"impl) in turn per round after {cfg.warmup} warm-up calls; {load} (on "
+        f"impl) in turn per round (each op's impls rotated by one place every round, so every "
+        f"impl, the baseline too, takes every place) after {cfg.warmup} warm-up calls; {load} (on "
         f"{os.cpu_count()} cores: other jobs shared the machine when above ~0.5); the run took "
         f"{elapsed:.0f} s.",
         "wall_us: wall time per call; on CPU the device is the host, so it includes the "

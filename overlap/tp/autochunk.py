@@ -36,8 +36,9 @@ MARGIN = 0.05  # pieces beat whole only when this much faster
 PIECES_MARGIN = 0.15
 # Agreement.transport key: seconds of a call spent exchanging its stamps alone before its data
 # (plain gloo, a call whose sizes changed: docs/design/tp.md, "Plain gloo"). A race alternates
-# kinds, so every race call there pays it, which steady calls of the kinds that can be steady
-# (one piece, or one piece per shard) do not: the race leaves it out of those.
+# kinds, so every race call there pays it, which steady calls of one piece per shard do not
+# (their stamps ride in the first piece): the race leaves it out of those. A one-piece call
+# exchanges its stamps beside its collective even when steady, so its time keeps them.
 EXCLUDED = "race: excluded s"
 
 

@@ -21,7 +21,8 @@ import torch
 
 from overlap.tp import chunked, symmetric
 from overlap.tp.context import TPContext
-from overlap.tp.collectives import all_gather_dim, all_reduce, reduce_scatter_dim
+from overlap.tp.collectives import (all_gather_dim, all_reduce, post_all_gather,
+                                    post_reduce_scatter, reduce_scatter_dim, wait)
 
 __all__ = ["Backend", "ChunkedBackend", "SymmetricBackend", "TritonBackend", "UnfusedBackend",
            "backend_for",
@@ -207,14 +208,22 @@ class UnfusedBackend(Backend):
     name = "unfused"
 
     def all_gather_matmul(self, comm, context, x_shard, w, *, chunks, return_gathered):
-        gathered = all_gather_dim(x_shard, 0, group=comm.group, op="all_gather_matmul (unfused)",
-                                  timeout=comm.timeout)
+        gathered = x_shard  # 2-D and validated: the collective without all_gather_dim's logic
+        if comm.world > 1:
+            x_shard = x_shard.contiguous()
+            gathered = x_shard.new_empty(comm.world * x_shard.shape[0], x_shard.shape[1])
+            wait(post_all_gather(gathered, x_shard, comm.group),
+                 op="all_gather_matmul (unfused)", group=comm.group, timeout=comm.timeout)
         y = None if w is None else gathered @ w
         return y, (gathered if return_gathered or w is None else None)
 
     def matmul_reduce_scatter(self, comm, context, x, w, *, chunks, overlap_with):
-        y = reduce_scatter_dim(x @ w, 0, group=comm.group, op="matmul_reduce_scatter (unfused)",
-                               timeout=comm.timeout)
+        y = x @ w
+        if comm.world > 1:
+            out = y.new_empty(y.shape[0] // comm.world, y.shape[1])
+            wait(post_reduce_scatter(out, y, comm.group), op="matmul_reduce_scatter (unfused)",
+                 group=comm.group, timeout=comm.timeout)
+            y = out
         if overlap_with is not None:  # after the collective: nothing runs under it
             overlap_with()
         return y

@@ -215,8 +215,10 @@ def _post_stamps(topo: _Topology, agree: Agreement) -> tuple[list, torch.Tensor 
     ``agree.recv``, which the one-piece path issues beside its collective."""
     if topo.direct:
         record = agree.transport.get(_GLOO_FIRST)  # a steady neighbour's first message
-        landing = torch.empty(max(_STAMP_BYTES, record if isinstance(record, int) else 0),
-                              dtype=torch.uint8)
+        size = max(_STAMP_BYTES, record if isinstance(record, int) else 0)
+        landing = _scratch(agree, ("stamps landing", size), lambda: (
+            torch.empty(size, dtype=torch.uint8),))[0]
+        ctypes.memset(landing.data_ptr(), 0, _STAMP_BYTES)  # no stale stamp passes (host memory)
         return _exchange(topo, agree.send, landing, tag=0, agree=agree), landing
     agree.clear_received()
     return [post_all_gather(agree.recv.view(-1), agree.send, topo.group)], None
@@ -230,8 +232,10 @@ def _agree(stamps: tuple[list, torch.Tensor | None], agree: Agreement, *, op: st
     works, landing = stamps
     _wait(works, op=op, group=topo.group, timeout=timeout,
           what="exchange of the stamps" + topo.with_peers)
-    if landing is not None:
+    if landing is not None and agree.device_path:
         agree.recv[topo.left].copy_(landing[:_STAMP_BYTES].view(torch.int64))
+    elif landing is not None:  # host memory on both sides
+        ctypes.memmove(agree.recv_address(topo.left), landing.data_ptr(), _STAMP_BYTES)
     agree.verify(op, topo.peers)
     if landing is not None:
         agree.transport[_GLOO_FIRST] = first
@@ -253,10 +257,10 @@ def _settled_first(topo: _Topology, agree: Agreement | None, first_bytes: int | 
 
 def _agree_first(stamps: tuple[list, torch.Tensor | None], agree: Agreement, *, op: str,
                  topo: _Topology, timeout: float, first: int | tuple | None) -> None:
-    """:func:`_agree` before any data is posted (plain gloo, a changed call). A kind of call
-    that can be steady (``first`` not None) does not pay this exchange once steady, so a
-    ``chunks="auto"`` race leaves its time out of the call's timing; the others pay it on
-    every call."""
+    """:func:`_agree` before a pieces call's data is posted (plain gloo, a changed call). One
+    piece per shard (``first`` not None) does not pay this exchange once steady (its stamps
+    ride in the first piece), so a ``chunks="auto"`` race leaves its time out of the call's
+    timing; more pieces per shard pay it on every call."""
     t0 = time.perf_counter()
     _agree(stamps, agree, op=op, topo=topo, timeout=timeout, first=first)
     if first is not None:
@@ -348,7 +352,9 @@ def _whole_data(agree: Agreement | None, post: Callable[[], object], record: tup
     if agree is not None and stamps is None:
         stamps = _post_stamps(topo, agree)
     if stamps is not None and topo.direct and agree.transport.get(_GLOO_FIRST) != record:
-        _agree_first(stamps, agree, op=op, topo=topo, timeout=timeout, first=record)
+        # Not left out of a race's timing (:func:`_agree_first`): a steady one-piece call
+        # exchanges its stamps too, beside its collective.
+        _agree(stamps, agree, op=op, topo=topo, timeout=timeout, first=record)
         stamps = None
     return stamps, post()
 

@@ -286,8 +286,14 @@ def _dispatch(op: str, function, forward, x, w, comm, group, backend: str, chunk
     (no grad mode, no input requiring grad), its forward alone (with ``extra``, the
     arguments the Function derives from what autograd needs): the same implementation, a
     few microseconds less. Returns (comm, x sequence-first, the op's outputs)."""
-    c = _comm_for(op, comm, group, backend)
-    xs = _sequence_first(op, c, x, w, seq_dim)
+    if type(comm) is TPComm and group is None:  # the common case, checks and all
+        c = comm
+    else:
+        c = _comm_for(op, comm, group, backend)
+    if seq_dim == 0 and isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dim():
+        xs = x  # what _sequence_first passes unchanged
+    else:
+        xs = _sequence_first(op, c, x, w, seq_dim)
     n, check = _settings(c, comm is not None, chunks, check_inputs)
     x2 = xs if xs.dim() == 2 else xs.reshape(-1, xs.shape[-1])
     args = (x2, w, c, n, check, list(xs.shape), flags)
