@@ -212,3 +212,34 @@ def test_a_count_is_scored_by_its_lower_quartile_and_more_pieces_must_win_by_the
     assert _fewest(times, key, [2, 4, 8]) == (1.0, 2)
     times[(key, 2)] = float("inf")  # a count never timed loses to any timed one
     assert _fewest(times, key, [2, 4, 8]) == (1.0 - PIECES_MARGIN / 2, 4)
+
+
+def _excluded_by_kind():
+    """On plain gloo, a changed call of each kind: what it leaves out of a race's timing."""
+    from overlap import tp
+    from overlap.tp.autochunk import EXCLUDED
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for chunks in (1, world):
+        comm = tp.TPComm(dist.group.WORLD, backend="chunked", timeout=60, chunks=chunks)
+        got = []
+        for rows in (4, 6):  # each a changed call: its stamps go alone first
+            xs, ws = _inputs(rows * world, world, seed=rows)
+            y = tp.all_gather_matmul(xs[rank][:rows], ws[rank], comm=comm)
+            assert y.shape == (rows * world, N)
+            got.append(comm.agree.transport.pop(EXCLUDED, 0.0))
+        out[chunks] = got
+        comm.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_race_leaves_out_only_the_exchange_a_steady_call_skips(world):
+    """A race call on plain gloo exchanges its stamps alone first (its sizes changed). A steady
+    call of one piece per shard carries them in its first piece, so the race leaves that
+    exchange out of its time; a steady one-piece call still exchanges them beside its
+    collective, so its time keeps it (leaving it out made whole win races it then lost)."""
+    for got in run_ranks(_excluded_by_kind, world, timeout=90, backend="gloo"):
+        assert all(t == 0.0 for t in got[1]), got  # one piece: nothing left out
+        assert all(t > 0.0 for t in got[world]), got  # one piece per shard: left out
