@@ -87,6 +87,12 @@ def _lone_p2p_beside_pending_collective():
     # Lone send/recv run on a per-pair communicator, so a collective still pending on the
     # group's communicator does not block them (as ProcessGroupNCCL's p2p communicators).
     r = dist.get_rank()
+    # Both communicators exist first, made in one order on both ranks: NCCL creates one when
+    # every rank of it issues its first op on it, so the crossed order below would deadlock
+    # at creation (test_crossed_first_touch_of_two_communicators_is_reported).
+    dist.all_reduce(torch.zeros(1))
+    warm = torch.zeros(1)
+    dist.send(warm, 1) if r == 0 else dist.recv(warm, 0)
     x = torch.ones(3)
     if r == 0:
         ar = dist.all_reduce(x, async_op=True)

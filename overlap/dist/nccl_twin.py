@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from overlap.dist import streams
+from overlap.dist import host_tensors, streams
 from overlap.dist.fifo import FifoWorker
 
 __all__ = ["BACKEND", "register", "NcclOrderTimeout", "CommunicatorFailed", "NcclTwinGroup",
@@ -142,11 +142,20 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class _Comm:
-    """One emulated NCCL communicator: a FIFO of ops run one at a time by a worker thread."""
+    """One emulated NCCL communicator: a FIFO of ops run one at a time by a worker thread.
 
-    def __init__(self, group: "NcclTwinGroup", name: str, tag_base: int):
+    It comes into being as NCCL's does, lazily: the first op a rank issues on it blocks the
+    issuing thread until every rank of it (``members``, group ranks) has issued its first op
+    on it. Two ranks that first touch two communicators in crossed order wait for each other
+    until the timeout, as on NCCL (where they wait forever)."""
+
+    def __init__(self, group: "NcclTwinGroup", name: str, tag_base: int, key: str,
+                 members: list[int]):
         self.group, self.name, self.tag_base = group, name, tag_base
         self.timeout = group.timeout
+        self._key, self._members = key, members
+        self._created = False
+        self._creating = threading.Lock()
         self._failed: BaseException | None = None
         self._current: _Op | None = None
         self._issued = 0
@@ -154,7 +163,36 @@ class _Comm:
         self._worker = FifoWorker(f"nccl_twin {name}", self._run_op, self._destroyed_error)
 
     # -- host side
+    def _create(self, op: _Op) -> None:
+        """NCCL's lazy communicator creation, on the thread that issues the first op."""
+        with self._creating:
+            if self._created or not LAZY_CREATION:
+                self._created = True
+                return
+            store, me = self.group.store, self.group.rank()
+            store.set(f"{self._key}/{me}", "1")
+            others = [f"{self._key}/{r}" for r in self._members if r != me]
+            try:
+                if others:
+                    store.wait(others, timedelta(seconds=self.timeout))
+            except Exception as exc:  # noqa: BLE001 - the store's timeout error
+                missing = [r for r in self._members
+                           if r != me and not store.check([f"{self._key}/{r}"])]
+                err = NcclOrderTimeout(
+                    f"nccl_twin: {op.desc} (rank {me}): creating {self.name} timed out after "
+                    f"{self.timeout:g}s: group rank(s) {missing} never issued their first op "
+                    "on it. NCCL creates a communicator when every rank of it issues its first "
+                    "op on it, and blocks the issuing thread until then: ranks whose first ops "
+                    "on two communicators come in crossed order wait for each other forever. "
+                    "Create communicators eagerly, in one order on every rank")
+                self.fail(err)
+                raise err from exc
+            self._created = True
+
     def submit(self, op: _Op) -> None:
+        if not self._created:
+            self._create(op)
+
         def admit() -> bool:  # under the queue's lock: numbering and failure check are atomic
             self._issued += 1
             op.seq = self._issued
@@ -371,6 +409,7 @@ class NcclTwinGroup(dist.ProcessGroup):
                  global_ranks: list[int] | None):
         super().__init__(rank, size)
         self.timeout = timeout.total_seconds()
+        self.store = store
         self._name = name
         self.global_ranks = list(global_ranks or range(size))
         self.inner = dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -381,7 +420,8 @@ class NcclTwinGroup(dist.ProcessGroup):
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
                                self._direct)
         where = f"group {name!r} (global ranks {self.global_ranks})"
-        self.comm = _Comm(self, f"the communicator of {where}", 0)
+        self.comm = _Comm(self, f"the communicator of {where}", 0, "overlap_twin_init/group",
+                          list(range(size)))
         self._pairs: dict[tuple[int, int], _Comm] = {}
         self._pairs_lock = threading.Lock()
         self._where = where
@@ -402,9 +442,26 @@ class NcclTwinGroup(dist.ProcessGroup):
             comm = self._pairs.get(key)
             if comm is None:
                 comm = _Comm(self, f"the point-to-point communicator of group ranks {key} in "
-                                   f"{self._where}", 1)
+                                   f"{self._where}", 1,
+                             f"overlap_twin_init/pair/{key[0]}-{key[1]}", list(key))
                 self._pairs[key] = comm
         return comm
+
+    def refuse_host(self, what: str, tensors) -> None:
+        """NCCL's rule: every tensor of a collective or P2P is device memory (torch raises
+        ``No backend type associated with device type cpu`` at the call)."""
+        if not host_tensors.STRICT:
+            return
+        for t in tensors:
+            if host_tensors.is_host(t) and not getattr(t, "_is_param", False):
+                site = host_tensors.made_at(t)
+                made = (f"made on the host at {site}" if site else
+                        "computed from a tensor made on the host")
+                raise RuntimeError(
+                    f"No backend type associated with device type cpu: nccl_twin {what} on "
+                    f"{self._where} (rank {self.rank()}) got a host tensor "
+                    f"{tuple(t.shape)} {t.dtype}, {made}; NCCL refuses CPU tensors, and this "
+                    "group stands for NCCL. Create it on the rank's device (device=...)")
 
     def _submit(self, comm: _Comm, desc: str, **kw) -> _Op:
         op = _Op(comm, desc, **kw)
@@ -427,6 +484,7 @@ class NcclTwinGroup(dist.ProcessGroup):
 
     def send(self, tensors, dstRank: int, tag: int = 0) -> _Work:  # noqa: N803 - torch's name
         self._check_peer("send", dstRank)
+        self.refuse_host("send", tensors)
         comm = self._pair(dstRank)
         op = self._submit(comm, f"send{tuple(tensors[0].shape)} to group rank {dstRank}",
                           items=[(True, tensors[0], dstRank, tag)])
@@ -434,6 +492,7 @@ class NcclTwinGroup(dist.ProcessGroup):
 
     def recv(self, tensors, srcRank: int, tag: int = 0) -> _Work:  # noqa: N803
         self._check_peer("recv", srcRank)
+        self.refuse_host("recv", tensors)
         comm = self._pair(srcRank)
         op = self._submit(comm, f"recv{tuple(tensors[0].shape)} from group rank {srcRank}",
                           items=[(False, tensors[0], srcRank, tag)])
@@ -449,6 +508,7 @@ class NcclTwinGroup(dist.ProcessGroup):
             is_send = o.op in (dist.isend, dist.send)
             peer = o.group_peer
             self._check_peer("batch_isend_irecv", peer)
+            self.refuse_host("batch_isend_irecv", [o.tensor])
             items.append((is_send, o.tensor, peer, o.tag))
             parts.append(f"{'send to' if is_send else 'recv from'} {peer}")
         op = self._submit(self.comm, f"batch_isend_irecv[{', '.join(parts)}]", items=items)
@@ -517,6 +577,7 @@ def _add_collective(name: str, result_of: Callable[[tuple], list], inner: str | 
     the ordered communicator."""
     def method(self, *args, **kwargs):
         fn = getattr(self.inner, inner or name)
+        self.refuse_host(name, _tensors(args))
         return self._collective(name, result_of(args), lambda: fn(*args, **kwargs),
                                 _size_vector(inner or name, args, self.size()))
 
@@ -547,6 +608,7 @@ def _add_sequenced(name: str, base: str) -> None:
     impl = _sequenced(base)
 
     def method(self, outputs, inputs, *opts):
+        self.refuse_host(name, _tensors((outputs, inputs)))
         return self._collective(name, list(outputs),
                                 lambda: impl(self.inner, outputs, inputs, *opts),
                                 _size_vector(name, (outputs, inputs), self.size()))
@@ -585,6 +647,9 @@ def _create(opts, backend_options) -> NcclTwinGroup:
                          opts.group_id, list(opts.global_ranks_in_group or []))
 
 
+# A communicator comes into being when every rank of it has issued its first op on it (NCCL's
+# lazy creation); tests switch this off to show the rule is what catches a crossed first touch.
+LAZY_CREATION = True
 _registered = False
 _batch_isend_irecv = dist.batch_isend_irecv
 
@@ -610,6 +675,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    host_tensors.install()
     dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
     dist.batch_isend_irecv = _batch_isend_irecv_twin
     dist.distributed_c10d.batch_isend_irecv = _batch_isend_irecv_twin
