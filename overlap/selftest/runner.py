@@ -95,6 +95,15 @@ def run_rank(cfg: SelftestConfig, device_type: str,
     return [dataclasses.asdict(r) for r in results]
 
 
+def preload_for(device_type: str) -> tuple[str, ...]:
+    """What the launcher's fork server imports for the selftest's ranks, beyond its own list:
+    the ops, which saves each CPU rank their import; on GPUs launch's minimum, so that no
+    import initialises CUDA before the ranks fork."""
+    if device_type == "cuda":
+        return ()
+    return ("overlap.selftest.runner", "overlap.tp", "overlap.pp", "overlap.comm.quant")
+
+
 def run_local(cfg: SelftestConfig, device_type: str, world: int) -> list[CheckResult]:
     """Start ``world`` local ranks (nccl_twin on CPU, NCCL on GPUs) and merge their results."""
     from overlap.dist.launch import LaunchError, launch
@@ -108,10 +117,7 @@ def run_local(cfg: SelftestConfig, device_type: str, world: int) -> list[CheckRe
     else:
         # CPU twins on a machine that has a GPU: Triton must interpret, and it decides at import.
         os.environ["TRITON_INTERPRET"] = "1"
-    # Preloading the ops saves each CPU rank their import; on GPUs the fork server keeps to
-    # launch's minimum, so that no import initialises CUDA before the ranks fork.
-    preload = () if device_type == "cuda" else ("overlap.selftest.runner", "overlap.tp",
-                                                 "overlap.pp", "overlap.comm.quant")
+    preload = preload_for(device_type)
     teardown: list[CheckResult] = []
     try:
         outcomes = launch(run_rank, world, args=(cfg, device_type), timeout=cfg.timeout,
