@@ -16,17 +16,18 @@ import os
 from typing import Any, Callable
 
 import pytest
-import torch
 
+from overlap.dist.device import gpu_present
 from overlap.dist.launch import LaunchError, RankOutcome, launch
 
 __all__ = ["run_ranks", "run_ranks_outcomes", "requires_gpu", "LaunchError", "RankOutcome",
            "WORLD_SIZES"]
 
 # GPU-only tests carry this mark. Each has a CPU twin that runs the same logic on gloo / shared
-# memory / the Triton interpreter, so nothing is untested here.
-requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
-                                  reason="needs a CUDA GPU; its CPU twin runs here")
+# memory / the Triton interpreter, so nothing is untested here. Asked without initialising CUDA:
+# the launcher's fork server imports this module before it forks the ranks.
+requires_gpu = pytest.mark.skipif(not gpu_present(), reason="needs a CUDA GPU; its CPU twin runs "
+                                                            "here")
 
 # The transport of every CPU test: gloo with NCCL's ordering rules (overlap.dist.nccl_twin), so
 # an order that would deadlock on NCCL fails here too. OVERLAP_TEST_BACKEND=gloo opts out.

@@ -68,6 +68,9 @@ def test_hanging_ranks_are_killed_and_named_with_their_stacks():
 
 def _die_after_making_segment():
     rank = dist.get_rank()
+    # The communicator exists before the death: NCCL creates it at the first op, and a rank
+    # that died before joining its creation is seen only at the timeout (tests/test_twin_rules).
+    dist.barrier()
     if rank == 1:
         # A segment named like a workspace's, never unlinked: the launcher must remove it.
         with open(f"/dev/shm/overlap_{os.getpid()}_leak", "wb") as f:

@@ -7,7 +7,20 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["rank_device"]
+__all__ = ["rank_device", "comm_device", "gpu_present"]
+
+
+def gpu_present() -> bool:
+    """Whether torch can use a CUDA GPU here, asked without initialising CUDA in this process
+    (NVML, as ``PYTORCH_NVML_BASED_CUDA_CHECK`` does): ``torch.cuda.is_available()`` starts the
+    driver, and a process forked after that cannot use CUDA, so code that runs at import (the
+    launcher's fork server imports overlap before forking the ranks) asks this instead."""
+    if not torch.cuda._is_compiled():
+        return False
+    count = torch.cuda._device_count_nvml()  # honours CUDA_VISIBLE_DEVICES; -1 without NVML
+    if count >= 0:
+        return count > 0
+    return os.path.exists("/dev/nvidiactl")  # no NVML: the driver's device node
 
 
 def rank_device() -> torch.device:
@@ -19,4 +32,12 @@ def rank_device() -> torch.device:
         dev = torch.device("cuda", index)
         torch.cuda.set_device(dev)
         return dev
+    return torch.device("cpu")
+
+
+def comm_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a communicator over ``group`` keeps the tensors its collectives carry: the current
+    CUDA device when the group is NCCL (which refuses host tensors), else the CPU."""
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

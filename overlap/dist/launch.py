@@ -127,6 +127,13 @@ def _rank_main(
     torch.set_num_threads(num_threads)
     t0 = time.monotonic()
     try:
+        if backend == "nccl" and torch.cuda._is_in_bad_fork():
+            raise RuntimeError(
+                "launch: this rank cannot use CUDA: CUDA was initialised in the launcher's fork "
+                "server before the rank was forked ('Cannot re-initialize CUDA in forked "
+                "subprocess'); a module of the fork server's preload list touches CUDA at import "
+                "(ask overlap.dist.device.gpu_present() there; tests/test_forkserver_cuda.py "
+                "names the module)")
         if backend == "nccl_twin":
             from overlap.dist import nccl_twin
 
@@ -157,7 +164,9 @@ def _rank_main(
 
 
 def _context(preload: Sequence[str]) -> mp.context.BaseContext:
-    # The fork server starts once per launcher process; what it preloads is fixed then.
+    # The fork server starts once per launcher process; what it preloads is fixed then. No
+    # preload module may initialise CUDA (a rank forked after that cannot use it): they ask
+    # overlap.dist.device.gpu_present(), and tests/test_forkserver_cuda.py checks every list.
     global _preload_set
     ctx = mp.get_context("forkserver")
     if not _preload_set:

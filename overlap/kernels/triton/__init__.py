@@ -11,10 +11,11 @@ module checks that Triton was not imported in the other mode first.
 import os
 import warnings
 
-import torch
+from overlap.dist.device import gpu_present
 
-INTERPRET = os.environ.setdefault(
-    "TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1") == "1"
+if "TRITON_INTERPRET" not in os.environ:  # asked without initialising CUDA (gpu_present)
+    os.environ["TRITON_INTERPRET"] = "0" if gpu_present() else "1"
+INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 
 
 def _check_triton_mode() -> None:
