@@ -2,9 +2,11 @@
 offload bit for bit (fp32: the same kernels on the same values, only where the saved tensors
 wait differs), with several micro-batches in flight, recomputation, a split backward and
 injected stream delays; 0 host syncs; the host pool reused; the device-resident bytes measured
-against the kept fraction; and the two rules, each broken on purpose: a device tensor released
-before its copy to host ran, and a reload used before its event, both give wrong numbers on
-the twin (as on a GPU), so the tests with the rules pass only because the rules hold.
+against the kept fraction; and the three rules, each broken on purpose: a device tensor
+released before its copy to host ran, and a reload used before its event, both give wrong
+numbers on the twin (as on a GPU); a reload written into its buffer before the compute stream's
+earlier work ran (the caching allocator may have given that work's memory to it) is refused by
+the twin. The tests with the rules pass only because the rules hold.
 """
 
 from __future__ import annotations
@@ -159,6 +161,31 @@ def test_each_rule_broken_gives_wrong_numbers(monkeypatch, rule, delay):
         off.close()
     assert not _same(got, ref)
     assert any(g.isnan().any() for g in got)
+
+
+@pytest.mark.parametrize("order_reload", [True, False])
+def test_a_reload_writes_its_buffer_only_after_the_compute_stream_let_it_go(monkeypatch,
+                                                                            order_reload):
+    """The reload buffer comes from the caching allocator on the compute stream, which may
+    hand it memory freed there while the backward's kernels queued before still read it (on
+    the H200: an illegal memory access). So the h2d stream must be ordered after the compute
+    stream since that allocation, not only after the copy to host. On CPU the numbers would
+    come out right without that order (the host is the compute stream); the stream twin
+    checks the order and refuses the copy, naming the stream and the allocator's rule."""
+    monkeypatch.setenv("OVERLAP_STREAM_DELAY_MS", "2")
+    ref = _reference()
+    model, off = _offloaded(keep_last=0, order_reload=order_reload)
+    try:
+        if order_reload:
+            assert _same(_grads(model), ref)
+            assert off.stats.reloaded == off.stats.offloaded > 0
+        else:
+            with pytest.raises(RuntimeError, match=r"stream 'offload-h2d' touches a buffer "
+                               r"allocated on the caller's stream \(device_empty.*the caching "
+                               r"allocator reuses memory freed on the caller's stream at once"):
+                _grads(model)
+    finally:
+        off.close()
 
 
 def test_bad_arguments_are_refused():

@@ -1,6 +1,8 @@
 """The stream twin (overlap.dist.streams): work runs later than the host call and in order,
 events order streams, errors surface at the next sync, injected delays shake out orders that
-hold only by luck; the quantized collectives' async path stays exact under those delays."""
+hold only by luck; the quantized collectives' async path stays exact under those delays; work
+on caller tensors, and on buffers the caller's stream allocated, is refused unless ordered
+after the caller (since the allocation: the caching allocator's rule)."""
 
 import threading
 import time
@@ -10,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from harness import run_ranks
-from overlap.dist.streams import Stream
+from overlap.dist.streams import Stream, device_empty
 from overlap.profile.syncs import count_host_syncs
 
 
@@ -128,6 +130,51 @@ def test_work_on_caller_tensors_must_be_ordered_after_the_caller():
     s.synchronize()
     assert t.tolist() == [2.0] * 4
     s.close()
+
+
+def test_an_event_orders_after_the_caller_only_if_its_stream_was():
+    # wait_event on an event of a stream that never waited for the caller orders nothing
+    # after the caller (the GPU rule); the twin used to count any event.
+    a, b = Stream(name="never-after-caller"), Stream(name="after-a")
+    t = torch.ones(4)
+    b.wait_event(a.record_event())
+    with pytest.raises(RuntimeError, match="stream 'after-a' touches caller tensors but the "
+                                           "stream was not ordered after the caller"):
+        b.enqueue(lambda: t.mul_(2), (t,))
+    a.wait_current()
+    b.wait_event(a.record_event())  # now the chain reaches the caller
+    b.enqueue(lambda: t.mul_(3), (t,))
+    b.synchronize()
+    assert t.tolist() == [3.0] * 4
+    a.close(), b.close()
+
+
+def test_a_caller_allocation_is_touched_only_once_ordered_after_it():
+    """The CUDA caching allocator: device_empty on the caller's stream may return memory the
+    caller freed while kernels it queued before still read it; they are ordered only on the
+    caller's stream. Another stream must therefore be ordered after the caller since the
+    allocation before it writes the buffer. An event recorded before the allocation (the
+    offloader's old reload order) is not enough; one recorded after it is, through any chain."""
+    side, other = Stream(name="alloc-side"), Stream(name="alloc-other")
+    side.wait_current()
+    before = side.record_event()  # carries the caller point before the allocation
+    buf = device_empty((4,), dtype=torch.float32, device=torch.device("cpu"))
+    allocator = (r"stream '{}' touches a buffer allocated on the caller's stream \(device_empty, "
+                 r"at caller point \d+\) but the stream is ordered after the caller only up to "
+                 r"point \d+: the caching allocator reuses memory freed on the caller's stream "
+                 r"at once")
+    with pytest.raises(RuntimeError, match=allocator.format("alloc-side")):
+        side.enqueue(lambda: buf.fill_(1.0), (buf,))
+    other.wait_event(before)
+    with pytest.raises(RuntimeError, match=allocator.format("alloc-other")):
+        other.enqueue(lambda: buf[1:].fill_(1.0), (buf[1:],))  # a view is the same memory
+    other.wait_current()  # after the allocation: the caller's earlier kernels come first
+    other.enqueue(lambda: buf.fill_(3.0), (buf,))
+    side.wait_event(other.record_event())  # the chain carries that order
+    side.enqueue(lambda: buf.mul_(2.0), (buf,))
+    side.synchronize()
+    assert buf.tolist() == [6.0] * 4
+    side.close(), other.close()
 
 
 def test_the_copier_orders_each_copy_after_the_caller(monkeypatch):

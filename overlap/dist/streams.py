@@ -11,11 +11,17 @@ once); on CUDA ``enqueue(fn)`` runs ``fn`` at once with the stream current, and 
 ``OVERLAP_STREAM_SEED``). Errors raised by twin work are re-raised by the next host
 ``synchronize``/event wait.
 
+Work on a stream that touches a buffer ``device_empty`` allocated must be ordered after the
+caller's stream since that allocation (the CUDA caching allocator hands memory freed on the
+caller's stream out again at once, while kernels the caller queued earlier may still use it);
+the rule is checked on every device and breaking it raises (``Stream.enqueue``).
+
 The narrative: docs/design/dist.md.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import threading
@@ -23,6 +29,7 @@ import time
 from typing import Callable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from overlap.dist.fifo import FifoWorker
 from overlap.profile import syncs
@@ -46,10 +53,52 @@ def fill_poison(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(float("nan") if t.is_floating_point() or t.is_complex() else -1)
 
 
+# The caller's stream as the streams see it: a point is taken at every allocation of
+# device_empty and at every wait_current, so "this stream is ordered after the caller up to
+# point q" compares with "this buffer was allocated at point p". One clock per process: on a
+# GPU every thread's current stream is the device's default one (this code picks no other).
+_caller_points = itertools.count(1)
+
+
+class _Allocations:
+    """The caller point at which ``device_empty`` allocated each live buffer, by storage (a
+    view finds its base's; a storage that died and whose address was reused is not found)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._points: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._limit = 1024
+
+    def stamp(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        if st.nbytes() == 0:
+            return
+        with self._lock:
+            self._points[st.data_ptr()] = (StorageWeakRef(st), next(_caller_points))
+            if len(self._points) > self._limit:  # forget dead storages, keep the dict small
+                self._points = {k: v for k, v in self._points.items() if not v[0].expired()}
+                self._limit = max(1024, 2 * len(self._points))
+
+    def point(self, t: torch.Tensor) -> int:
+        """The caller point of ``t``'s allocation; 0 if ``device_empty`` did not make it."""
+        st = t.untyped_storage()
+        with self._lock:
+            entry = self._points.get(st.data_ptr())
+        if entry is None or entry[0].expired() or entry[0].cdata != st._cdata:
+            return 0
+        return entry[1]
+
+
+_allocations = _Allocations()
+
+
 def device_empty(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialized device buffer: ``torch.empty`` on CUDA; poisoned on the CPU twin, so
-    reading it before the copy that fills it has run gives wrong numbers, as on a GPU."""
+    """An uninitialized device buffer, allocated on the caller's stream: ``torch.empty`` on
+    CUDA; poisoned on the CPU twin, so reading it before the copy that fills it has run gives
+    wrong numbers, as on a GPU. Its caller point is kept: work on another stream that touches
+    it must be ordered after the caller since then (``Stream.enqueue``)."""
     out = torch.empty(shape, dtype=dtype, device=device)
+    _allocations.stamp(out)
     return out if out.is_cuda else fill_poison(out)
 
 
@@ -91,17 +140,20 @@ class InjectedDelay:
 class Event:
     """A point in a stream (see the module docstring). On CPU an event is the count of items
     its stream had been given when it was recorded: it is reached once the stream has run that
-    many (items run in order), so recording one queues nothing."""
+    many (items run in order), so recording one queues nothing. On every device an event also
+    carries the caller point its stream had been ordered after (``Stream.enqueue``)."""
 
-    __slots__ = ("device", "_cuda", "_stream", "_seq")
+    __slots__ = ("device", "_cuda", "_stream", "_seq", "_caller_point")
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = device if isinstance(device, torch.device) else torch.device(device)
         self._cuda = torch.cuda.Event() if self.device.type == "cuda" else None
         self._stream: Stream | None = None  # never recorded: complete, as in CUDA
         self._seq = 0
+        self._caller_point = 0  # the caller point its stream had been ordered after
 
     def record(self, stream: "Stream") -> "Event":
+        self._caller_point = stream._caller_point
         if self._cuda is not None:
             self._cuda.record(stream.cuda)
             return self
@@ -153,8 +205,10 @@ class Stream:
         self.name = name
         self.cuda = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._error: BaseException | None = None
-        # Ordered after the caller since the last enqueue of caller tensors (see enqueue).
-        self._after_caller = False
+        # The caller point this stream is ordered after, and that point when it last ran work
+        # on caller tensors (see enqueue).
+        self._caller_point = 0
+        self._caller_used = 0
         if self.cuda is None:
             self._delay = InjectedDelay(name)
             self._issued = 0  # items queued (under the worker's lock), in queue order
@@ -170,16 +224,17 @@ class Stream:
         the caching allocator does not hand their memory out again while ``fn``'s kernels
         may still use it; the twin keeps them alive through the closure).
 
-        Work that touches caller tensors must be ordered after the caller's stream first
-        (``wait_current`` or ``wait_event``), or it may read them before they are written. On
-        CPU the caller's work is always done by then, so a missing wait could never show as
-        wrong numbers; the rule is checked on every device instead, and breaking it raises."""
+        Two rules, checked on every device (on CPU the caller's work is always done by then,
+        so breaking them could never show as wrong numbers; it raises instead):
+
+        - work that touches caller tensors is ordered after the caller's stream anew since
+          this stream's last such work (``wait_current``, or ``wait_event`` on an event of a
+          stream that did so later), or it may read them before they are written;
+        - a buffer ``device_empty`` allocated is touched only once this stream is ordered after
+          the caller since that allocation: the caching allocator may have handed it memory
+          freed on the caller's stream whose earlier kernels, queued there, still use it."""
         if tensors:
-            if not self._after_caller:
-                raise RuntimeError(f"streams: work on stream {self.name!r} touches caller "
-                                   "tensors but the stream was not ordered after the caller "
-                                   "(call wait_current() or wait_event() first)")
-            self._after_caller = False
+            self._check_caller_order(tensors)
         if self.cuda is not None:
             with torch.cuda.stream(self.cuda):
                 fn()
@@ -219,13 +274,14 @@ class Stream:
     def wait_current(self) -> None:
         """Later work on this stream waits for everything the caller's stream has issued (on
         CPU the caller is the host, whose work is done when it calls)."""
-        self._after_caller = True
+        self._caller_point = next(_caller_points)
         if self.cuda is not None:
             self.cuda.wait_stream(torch.cuda.current_stream(self.device))
 
     def wait_event(self, event: Event) -> None:
-        """Later work on this stream waits until ``event``'s point has run."""
-        self._after_caller = True
+        """Later work on this stream waits until ``event``'s point has run (and so for what
+        the event's stream had been ordered after on the caller's stream)."""
+        self._caller_point = max(self._caller_point, event._caller_point)
         if self.cuda is not None:
             if event._cuda is not None:
                 self.cuda.wait_event(event._cuda)
@@ -252,6 +308,24 @@ class Stream:
                     f"streams: stream {self.name!r}: its worker is still inside a work "
                     f"item {timeout:g} s after close(); buffers that work may touch must "
                     "not be freed")
+
+    def _check_caller_order(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        if self._caller_point <= self._caller_used:
+            raise RuntimeError(f"streams: work on stream {self.name!r} touches caller tensors "
+                               "but the stream was not ordered after the caller since its last "
+                               "such work (call wait_current(), or wait_event() on an event "
+                               "recorded after one)")
+        for t in tensors:
+            born = _allocations.point(t)
+            if born > self._caller_point:
+                raise RuntimeError(
+                    f"streams: work on stream {self.name!r} touches a buffer allocated on the "
+                    f"caller's stream (device_empty, at caller point {born}) but the stream is "
+                    f"ordered after the caller only up to point {self._caller_point}: the "
+                    "caching allocator reuses memory freed on the caller's stream at once, while "
+                    "kernels queued there before the allocation may still use it (call "
+                    "wait_current() after allocating)")
+        self._caller_used = self._caller_point
 
     # -- twin internals
     def _put(self, item: tuple) -> None:
