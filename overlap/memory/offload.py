@@ -5,8 +5,10 @@ come back on another one ahead of their use.
 group; what autograd saves inside it is copied to a reused (pinned on CUDA) host buffer on the
 ``d2h`` stream right after it is saved, and the device tensor is released once that copy ran
 (``enqueue_copy`` keeps it: ``record_stream``). When a group's backward starts (the gradient of
-its output arrives), the reload of the previous layer's group starts on the ``h2d`` stream;
-a saved tensor is used only after its reload's event (a device-side wait, never the host). The
+its output arrives), the reload of the previous layer's group starts on the ``h2d`` stream,
+ordered after the compute stream's work so far (its buffer is allocated there, and the caching
+allocator may reuse memory that work still reads); a saved tensor is used only after its
+reload's event (a device-side wait, never the host). The
 last ``keep_last`` layers keep their tensors on the device. Works per thread and per call, so
 several micro-batches in flight, recomputation (checkpoint inputs are offloaded, the
 recomputed tensors are not) and split backward passes hold. Rules and twin: docs/memory.md.
@@ -101,6 +103,10 @@ class _Copy:
         o = self.owner
         self.loaded = device_empty((self.nbytes,), dtype=torch.uint8, device=self.device)
         o.h2d.wait_event(self.offloaded)  # never before its copy to host has run
+        if o._order_reload:
+            # The allocator may have given `loaded` memory the compute stream freed while its
+            # queued kernels (the backward so far) still read it: write it only after them.
+            o.h2d.wait_current()
         o.h2d.enqueue_copy(self.loaded, self.host[:self.nbytes], name="offload.h2d.comm")
         self.reload = o.h2d.record_event()
         o.stats.reloaded += 1
@@ -196,6 +202,7 @@ class ActivationOffloader:
         # The two rules; only tests switch them off, to show the twins catch the breach.
         self._keep_source = True   # the device tensor outlives its copy to host
         self._wait_reload = True   # a reloaded tensor is used after its copy's event
+        self._order_reload = True  # a reload is written after the compute stream's earlier work
 
     # -- wrapping
     def wrap(self, layers: Iterable[nn.Module], *, keep_last: int = 0) -> int:
