@@ -8,10 +8,10 @@ group; what autograd saves inside it is copied to a reused (pinned on CUDA) host
 its output arrives), the reload of the previous layer's group starts on the ``h2d`` stream,
 ordered after the compute stream's work so far (its buffer is allocated there, and the caching
 allocator may reuse memory that work still reads); a saved tensor is used only after its
-reload's event (a device-side wait, never the host). The
-last ``keep_last`` layers keep their tensors on the device. Works per thread and per call, so
-several micro-batches in flight, recomputation (checkpoint inputs are offloaded, the
-recomputed tensors are not) and split backward passes hold. Rules and twin: docs/memory.md.
+reload's event (a device-side wait, never the host). The last ``keep_last`` layers keep their
+tensors on the device. Works per thread and per call, so several micro-batches in flight,
+recomputation (checkpoint inputs are offloaded, the recomputed tensors are not) and split
+backward passes hold. Rules and twin: docs/memory.md.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ class ActivationOffloader:
         # resident_saved_bytes() measures what is still allocated (tests and the benchmark)
         self._census: dict[int, tuple[object, int]] | None = {} if census else None
         self._census_limit = 4096
-        # The two rules; only tests switch them off, to show the twins catch the breach.
+        # The three rules; only tests switch them off, to show the twins catch the breach.
         self._keep_source = True   # the device tensor outlives its copy to host
         self._wait_reload = True   # a reloaded tensor is used after its copy's event
         self._order_reload = True  # a reload is written after the compute stream's earlier work
