@@ -23,6 +23,7 @@ from torch._library.opaque_object import MemberType, register_opaque_type
 from torch._opaque_base import OpaqueBase
 
 from overlap.defaults import TIMEOUT_S, positive_seconds
+from overlap.dist.device import comm_device
 from overlap.dist.stamp import STAMP_WORDS, Agreement, Schema
 from overlap.profile.timers import comm_wait
 
@@ -45,12 +46,6 @@ class CPCommFailed(RuntimeError):
     """A call on a CP communicator that failed earlier; the message carries the first error."""
 
 
-def _default_device(group: dist.ProcessGroup) -> torch.device:
-    if torch.cuda.is_available() and "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 class CPComm(OpaqueBase):
     """The ring over ``group``: CP rank ``r`` sends to ``(r + 1) % cp`` and receives from
     ``(r - 1) % cp``. Custom ops take it as an opaque object (no registry of communicators)."""
@@ -67,7 +62,7 @@ class CPComm(OpaqueBase):
         self.where = f" (rank {self.global_rank}, cp rank {self.rank} of group " \
                      f"{self.global_ranks})"
         self.timeout = positive_seconds(timeout, "CPComm: timeout", where=self.where)
-        self.device = torch.device(device) if device is not None else _default_device(group)
+        self.device = torch.device(device) if device is not None else comm_device(group)
         self.next, self.prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
         self.agree = Agreement(SCHEMA, rank=self.rank, world=self.world, device=self.device,
                                where=self.where)
@@ -86,17 +81,26 @@ class CPComm(OpaqueBase):
             self._build_channels(self._token)
 
     def _build_channels(self, token: str) -> None:
-        from overlap.pp.p2p import _Channel
+        from overlap.pp.p2p import _Channel, connect_all
 
         me, nxt, prv = (self.global_ranks[x] for x in (self.rank, self.next, self.prev))
         wanted = {(me, nxt): "to_next", (prv, me): "from_prev"}
-        # Creation pairs the two ends; every rank makes its channels in one global order
-        # (sorted by (src, dst)), so no two ranks wait on each other's second channel.
+        # Creation pairs the two ends (gloo's construction blocks until both come, NCCL's
+        # first transfer does): every rank makes its channels in one global order, sorted by
+        # (src, dst), so no two ranks wait on each other's second channel.
         for src, dst in sorted(wanted):
             chan = _Channel(self.group, f"overlap_cp/{token}/{src}->{dst}", [src, dst],
                             0 if src == me else 1, timedelta(seconds=self.timeout),
                             self.device)
             setattr(self, "_" + wanted[(src, dst)], chan)
+        # NCCL would create each channel at its first transfer, and the ring's first transfers
+        # touch them crossed (each rank's first is on its own to_next channel): create both
+        # now, in the same order.
+        try:
+            connect_all([self._to_next, self._from_prev], self.timeout)
+        except RuntimeError as exc:
+            self.close()
+            raise RuntimeError(f"CPComm: {exc}{self.where}") from exc
         # Plain gloo aborts the process when a message outgrows the receive it meets, so there
         # the ring compares each call's stamps before it posts a block (overlap.cp.ring).
         self.stamps_first = type(self._to_next.backend) is dist.ProcessGroupGloo

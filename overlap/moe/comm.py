@@ -9,7 +9,8 @@ for the forward dispatch only; the combine and every gradient travel in the acti
 ``all_to_all(x, out_splits, in_splits)`` (or ``post`` then ``finish``) exchanges rows of
 ``x`` (split sizes in rows, None for equal splits), posted async and waited at most ``timeout`` s: a dead or stalled peer becomes a
 RuntimeError naming the op, the group and the rank. ``check_same(op, **values)`` raises the
-same ValueError on every rank when ranks disagree on a setting (one small all-gather).
+same ValueError on every rank when ranks disagree on a setting (one small all-gather on
+``device``: the current CUDA device on NCCL, which takes no host tensors; else the CPU).
 The narrative: docs/moe.md.
 """
 
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.defaults import TIMEOUT_S, positive_int, positive_seconds
+from overlap.dist.device import comm_device
 from overlap.profile.timers import comm_wait
 from overlap.symm.workspace import PeerDied, SignalTimeout, create_workspace
 from overlap.tp.collectives import wait
@@ -51,7 +53,8 @@ class EPComm:
     def __init__(self, group: dist.ProcessGroup, *, chunks: int = 2, dispatch: str = "same",
                  quant_block: int = 128, timeout: float = TIMEOUT_S,
                  backend: str = "chunked", max_tokens: int | None = None,
-                 kernel: str = "auto", lanes: int = 1):
+                 kernel: str = "auto", lanes: int = 1,
+                 device: torch.device | str | None = None):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"EPComm: group must be a torch.distributed ProcessGroup, got "
                             f"{type(group).__name__}")
@@ -83,6 +86,8 @@ class EPComm:
         self.dispatch, self.quant_block = dispatch, int(quant_block)
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.global_rank = dist.get_rank()
+        # Where the small tensors of the settings check travel (NCCL takes device tensors only).
+        self.device = torch.device(device) if device is not None else comm_device(group)
         self.interleaver = None
 
     @property
@@ -232,7 +237,8 @@ class EPComm:
         names each differing argument and what every rank passed."""
         if self.world == 1:
             return
-        mine = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
+        mine = torch.tensor([float(v) for v in values.values()], dtype=torch.float64,
+                            device=self.device)
         table = self._gather(mine, f"{op} settings")
         differ = [name for i, name in enumerate(values) if (table[:, i] != table[0, i]).any()]
         if differ:

@@ -454,8 +454,9 @@ def _local_view(want: torch.Tensor, got: torch.Tensor, rank: int, tp: int):
     return cut(want), cut
 
 
-def all_max(values: list[float], group, *, timeout: float, device=None) -> list[float]:
-    """Element-wise max over ``group`` (every rank decides on the same numbers)."""
+def all_max(values: list[float], group, *, timeout: float, device: torch.device) -> list[float]:
+    """Element-wise max over ``group`` (every rank decides on the same numbers), carried on
+    ``device`` (the group's: NCCL takes no host tensors)."""
     if not values or dist.get_world_size(group) == 1:
         return values
     t = torch.tensor([min(v, 1e300) for v in values], dtype=torch.float64, device=device)

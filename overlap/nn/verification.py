@@ -178,7 +178,7 @@ class Verifier:
                 for name in ["<output>", *self.grads.grads]:
                     labels.append(("grad", name))
                     errors.append(grads.get(name, 0.0))
-        device = self.comm.device if self.comm.device.type != "cpu" else None
+        device = self.comm.device  # NCCL takes device tensors only
         errors = all_max(errors, self.comm.group, timeout=self.comm.timeout, device=device)
         if self.ep_comm is not None:  # the EP group spans TP groups: all decide alike
             errors = all_max(errors, self.ep_comm.group, timeout=self.ep_comm.timeout,

@@ -14,6 +14,7 @@ The narrative: docs/design/pp.md.
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from datetime import timedelta
@@ -81,14 +82,20 @@ class _Channel:
     Built directly as a backend of the pp group's kind (NCCL, the NCCL-ordering twin, or gloo)
     under a store prefix the pp ranks agreed on, so no world-collective ``new_group`` is
     needed. Transfers are lone send/recv on it: with one sender and one receiver its FIFO on
-    both ends holds the same messages in the same order."""
+    both ends holds the same messages in the same order.
+
+    NCCL creates the communicator lazily, at the first transfer, once both ends have issued
+    one, and blocks the issuing thread until then: a rank whose first transfers touch two
+    channels in the opposite order from a peer's waits forever. ``connect_all`` creates them
+    at construction instead, in one global order."""
 
     def __init__(self, pp_group, store_prefix: str, global_ranks: list[int], me: int,
                  timeout: timedelta, device: torch.device):
         from overlap.dist import nccl_twin
 
         store = dist.PrefixStore(store_prefix, dist.distributed_c10d._get_default_store())
-        self.me = me
+        self.me, self.device, self.name = me, device, store_prefix
+        self.global_ranks = global_ranks
         if nccl_twin.is_twin(pp_group):
             self.backend = nccl_twin.NcclTwinGroup(store, me, 2, timeout, store_prefix,
                                                    global_ranks)
@@ -103,9 +110,42 @@ class _Channel:
         peer = 1 - self.me
         return (self.backend.send if is_send else self.backend.recv)([t], peer, 0)
 
+    def connect(self, timeout: float) -> None:
+        """Create the communicator now: one one-element transfer from src to dst, waited on a
+        helper thread (NCCL's creation has no timeout of its own) for at most ``timeout`` s."""
+        t = torch.zeros(1, device=self.device)
+        outcome: list[BaseException | None] = []
+
+        def run() -> None:
+            try:
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)  # a new thread starts on device 0
+                self.transfer(t, self.me == 0).wait(timedelta(seconds=timeout))
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+                outcome.append(exc)
+
+        helper = threading.Thread(target=run, daemon=True, name="overlap-channel-connect")
+        helper.start()
+        helper.join(timeout + 1.0)
+        if outcome and outcome[0] is None:
+            return
+        peer = self.global_ranks[1 - self.me]
+        how = f"failed: {outcome[0]}" if outcome else f"timed out after {timeout:g}s"
+        raise RuntimeError(f"creating channel {self.name} (global ranks {self.global_ranks[0]} "
+                           f"-> {self.global_ranks[1]}) with global rank {peer} {how}; both "
+                           "ends create their channels at construction, in one order")
+
     def close(self) -> None:
         if hasattr(self.backend, "shutdown"):
             self.backend.shutdown()
+
+
+def connect_all(channels: list[_Channel], timeout: float) -> None:
+    """Create ``channels``' communicators in one global order (by their global (src, dst)):
+    every channel joins two ranks that both create it, so no two ranks wait on each other."""
+    for chan in sorted(channels, key=lambda c: tuple(c.global_ranks)):
+        chan.connect(timeout)
 
 
 class P2P:
@@ -136,6 +176,11 @@ class P2P:
             self.channels[tuple(c)] = _Channel(
                 pp_group, f"overlap_pp/{token}/{src}->{dst}", [src, dst],
                 0 if c[0] == self.pp_rank else 1, self.timeout, device)
+        try:
+            connect_all(list(self.channels.values()), timeout)
+        except RuntimeError as exc:
+            self.close()
+            raise P2PError(f"pp P2P on pp rank {self.pp_rank}: {exc}") from exc
 
     def close(self) -> None:
         """Release the channel communicators (local: each end releases its own). A P2P worker

@@ -174,7 +174,7 @@ class ChunkRace:
         best = torch.tensor(
             [_score([_Timer.seconds(t) for t in self.entries[k]["times"][c]])
              if self.entries[k]["times"].get(c) else float("inf") for k, c in rows],
-            dtype=torch.float64)
+            dtype=torch.float64, device=self.comm.device)  # NCCL takes device tensors only
         work = dist.all_reduce(best, op=dist.ReduceOp.MAX, group=self.comm.group,
                                async_op=True)  # a race exists only with more than one rank
         wait(work, op="chunks='auto' decision", group=self.comm.group, timeout=self.comm.timeout)

@@ -24,6 +24,7 @@ from torch._library.opaque_object import MemberType, register_opaque_type
 from torch._opaque_base import OpaqueBase
 
 from overlap.defaults import TIMEOUT_S, positive_int, positive_seconds
+from overlap.dist.device import comm_device
 from overlap.dist.host import host_id
 from overlap.dist.stamp import Agreement
 from overlap.symm.workspace import group_name
@@ -41,12 +42,6 @@ MAX_SIGNATURES = 1024  # validated call signatures remembered (then forgotten an
 
 class TPCommFailed(RuntimeError):
     """A call on a TP communicator that failed earlier; the message carries the first error."""
-
-
-def _default_device(group: dist.ProcessGroup) -> torch.device:
-    if torch.cuda.is_available() and "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class TPComm(OpaqueBase):
@@ -68,7 +63,7 @@ class TPComm(OpaqueBase):
         if chunks is not None and chunks != AUTO:
             positive_int(chunks, "TPComm: chunks", extra=" or 'auto'", where=at)
         positive_seconds(timeout, "TPComm: timeout", where=at)
-        self.device = torch.device(device) if device is not None else _default_device(group)
+        self.device = torch.device(device) if device is not None else comm_device(group)
         if chunks is None:
             # The default: race on a GPU (CUDA events time the device alone); world pieces on
             # the CPU twins, where a race times the OS scheduler of shared cores and measured
