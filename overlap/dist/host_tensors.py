@@ -1,25 +1,15 @@
-"""Host tensors on the CPU twin: which CPU tensors stand for host memory, so that ``nccl_twin``
-can refuse them in collectives as NCCL refuses CPU tensors.
+"""Host tensors on the CPU twin, so that ``nccl_twin`` refuses them as NCCL refuses CPU tensors
+(``No backend type associated with device type cpu``); on the twin every tensor is a CPU tensor.
 
-On a GPU a tensor that overlap builds from host data (``torch.tensor([...])``,
-``torch.as_tensor``, ``torch.from_numpy``, ``torch.frombuffer``), or asks for on the host
-(``device="cpu"``, ``pin_memory=True``, ``.cpu()``), is a CPU tensor, and NCCL refuses it:
-``No backend type associated with device type cpu``. On the twin every tensor is a CPU tensor,
-so that rule could never fail. Here such tensors become :class:`HostTensor`:
-
-- made by overlap's own code (the caller's module is ``overlap.*``) without an explicit device,
-  or with ``device="cpu"``, ``pin_memory=True``, or by ``.cpu()``. Tensors made by user and test
-  code, and every other factory (``torch.zeros(n)`` follows the default device, as a module's
-  parameters do), stay plain: they stand for device memory, as the rank's tensors do;
-- an op whose tensor arguments are all host tensors gives a host tensor (torch's subclass
-  propagation); an op that also takes a device tensor gives a plain one (on a GPU it gives a
-  device tensor, or fails); ``.to(<a device>)``, ``.to(<a tensor>)`` and ``.cuda()`` give plain
-  tensors (the copy to the device);
-- pickled (``torch.save``, object collectives) as a plain tensor.
-
-``install()`` patches the factories in this process (``nccl_twin.register`` calls it: rank
-processes of the twin only); ``STRICT`` switches the twin's refusal off (tests show that the
-rule, not luck, catches a host tensor). Nothing changes on a GPU or on plain gloo.
+A ``HostTensor`` is what overlap's own code (the caller's module is ``overlap.*``) makes from
+host data without an explicit device (``torch.tensor``, ``as_tensor`` of non-tensors,
+``from_numpy``, ``frombuffer``), with ``device="cpu"`` or ``pin_memory=True``, or by ``.cpu()``.
+User and test code, and other factories (``torch.zeros(n)`` follows the default device, as a
+module's parameters do), make plain tensors: they stand for device memory. An op on host tensors
+only gives a host tensor; with a device tensor, or ``.to(<device or tensor>)``, a plain one.
+Pickled as a plain tensor. ``install()`` (called by ``nccl_twin.register``: twin ranks only)
+patches the factories; ``STRICT = False`` switches the twin's refusal off (tests).
+The narrative: docs/design/dist.md.
 """
 
 from __future__ import annotations
@@ -126,9 +116,13 @@ def made_at(t) -> str | None:
     return _sites.get(id(t))
 
 
+# The twin's own machinery: its gloo traffic is not a collective of the group it stands for.
+_NOT_MARKED = (__name__, "overlap.dist.nccl_twin")
+
+
 def _caller_is_overlap(frame) -> bool:
     name = frame.f_globals.get("__name__", "")
-    return name.startswith("overlap.") and name != __name__
+    return name.startswith("overlap.") and name not in _NOT_MARKED
 
 
 def _remember(t: torch.Tensor, frame) -> torch.Tensor:

@@ -2,20 +2,14 @@
 
 A buffer is safe to reuse only once the work that reads it is ordered before the write on the
 device (``Event.record(stream)``, ``stream.wait_event(event)``), not once the host issued it.
-On CPU each ``Stream`` is a worker thread running enqueued work in order (``enqueue`` returns at
-once); on CUDA ``enqueue(fn)`` runs ``fn`` at once with the stream current, and events are
-``torch.cuda.Event``. ``event.query()`` says whether the event's point has run;
-``event.synchronize()`` blocks the host (counted by ``overlap.profile.syncs``);
-``event.wait(timeout)`` makes the caller's stream wait (on CPU the host blocks; on CUDA not).
-``OVERLAP_STREAM_DELAY_MS=D`` delays every twin work item by a random 0..D ms (seeded by
-``OVERLAP_STREAM_SEED``). Errors raised by twin work are re-raised by the next host
-``synchronize``/event wait.
-
-Work on a stream that touches a buffer ``device_empty`` allocated must be ordered after the
-caller's stream since that allocation (the CUDA caching allocator hands memory freed on the
-caller's stream out again at once, while kernels the caller queued earlier may still use it);
-the rule is checked on every device and breaking it raises (``Stream.enqueue``).
-
+On CPU each ``Stream`` is a worker thread running enqueued work in order; on CUDA
+``enqueue(fn)`` runs ``fn`` at once with the stream current. ``event.query()`` says whether the
+event's point has run; ``event.synchronize()`` blocks the host (a counted sync);
+``event.wait(timeout)`` makes the caller's stream wait. ``OVERLAP_STREAM_DELAY_MS=D`` delays
+every twin work item by a random 0..D ms. Errors raised by twin work are re-raised by the next
+host ``synchronize``/event wait. Work that touches a buffer ``device_empty`` allocated must be
+ordered after the caller's stream since that allocation (the caching allocator reuses memory
+freed on the caller's stream at once); ``Stream.enqueue`` checks it on every device and raises.
 The narrative: docs/design/dist.md.
 """
 
