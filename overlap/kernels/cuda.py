@@ -6,8 +6,10 @@ cached per (file, device). cupy picks the architecture: it appends its own ``-ar
 current device, so ``nvrtc_options`` passes none (NVRTC rejects a second ``-arch`` with
 NVRTC_ERROR_INVALID_OPTION). cupy also appends ``-ftz=true``; the quantization arithmetic
 (csrc/quant.cuh) writes the same bytes with or without flush-to-zero. Nothing here runs at
-install time, so ``pip install`` needs no CUDA toolkit. CI compile-checks the same files with
-``nvcc -arch=sm_90a`` and ``-arch=sm_80``.
+install time, so ``pip install`` needs no CUDA toolkit. CI compiles the same files as this
+loader does, through cupy's NVRTC call with these options, for sm_80 and sm_90, no GPU needed
+(``python -m overlap.kernels.compile_check --nvrtc``; NVRTC has no C++ standard headers), and
+with ``nvcc -arch=sm_90a`` and ``-arch=sm_80``, warnings as errors.
 
 Kernels are launched on torch's *current* CUDA stream, so they are ordered with the torch work
 around them without any host synchronisation.

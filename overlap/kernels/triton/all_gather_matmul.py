@@ -20,13 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-from overlap.kernels.triton.tp_sync import (INTERPRET, Watchdog, align, arrive_last, begin_call,
-                                            check_dtypes, check_operands, check_workspace, finish_call,
-                                            gemm_blocks, half_buffer, new_status, publish,
-                                            spin_wait, to_out_dtype, wait_budget)
+from overlap.kernels.triton.spec import CUDA, GEMM_DTYPES, CompileSpec, ints, ptr
+from overlap.kernels.triton.tp_sync import (INTERPRET, GemmBlocks, Watchdog, align, arrive_last,
+                                            begin_call, check_dtypes, check_operands,
+                                            check_workspace, finish_call, gemm_blocks,
+                                            half_buffer, new_status, publish, spin_wait,
+                                            to_out_dtype, wait_budget)
 
 __all__ = ["all_gather_matmul", "all_gather_matmul_workspace_bytes",
-           "all_gather_matmul_num_signals"]
+           "all_gather_matmul_num_signals", "compile_specs"]
 
 _OP = "all_gather_matmul"
 _SYNC_ARGS = ["rank", "phase", "ack_phase", "max_spins", "timeout_ns"]
@@ -107,6 +109,41 @@ def _all_gather_matmul_kernel(w_ptr, y_ptr, g_ptr, data_table, flag_table, count
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
+def _publish_meta(blocks: GemmBlocks, on_gpu: bool) -> dict:
+    """The publish launch's constexprs and options (shared with compile_specs)."""
+    return dict(BLOCK=blocks.copy_block, USE_CLOCK=on_gpu, num_warps=4)
+
+
+def _gemm_meta(blocks: GemmBlocks, dtype: torch.dtype, return_gathered: bool,
+               on_gpu: bool) -> dict:
+    """The GEMM launch's constexprs and options (shared with compile_specs)."""
+    return dict(BM=blocks.bm, BN=blocks.bn, BK=blocks.bk, RETURN_GATHERED=return_gathered,
+                CAST_F32=INTERPRET and dtype != torch.float32,
+                SOFT_BF16=INTERPRET and dtype == torch.bfloat16, USE_CLOCK=on_gpu,
+                num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+
+
+def compile_specs() -> list[CompileSpec]:
+    """The GPU launches of both kernels: every dtype, with and without the gathered x, at the
+    largest tiles gemm_blocks picks (overlap.kernels.compile_check compiles them)."""
+    tables = {"data_table": "*i64", "flag_table": "*i64", "counter_ptr": "*i32",
+              "status_ptr": "*i64", "timeout_ns": "i64"}
+    specs = []
+    for dtype in GEMM_DTYPES:
+        blocks = gemm_blocks(1 << 14, 1 << 14, 1 << 14, dtype, CUDA)
+        specs.append(CompileSpec(_ag_publish_kernel, {
+            "x_ptr": ptr(dtype), **tables,
+            **ints("rank world numel buf_off phase ack_phase max_spins")},
+            _publish_meta(blocks, True), str(dtype)))
+        for gathered in (False, True):
+            specs.append(CompileSpec(_all_gather_matmul_kernel, {
+                "w_ptr": ptr(dtype), "y_ptr": ptr(dtype), "g_ptr": ptr(dtype), **tables,
+                **ints("rank world m N K stride_wk stride_wn buf_off phase max_spins")},
+                _gemm_meta(blocks, dtype, gathered, True),
+                f"{dtype}, return_gathered={gathered}"))
+    return specs
+
+
 def all_gather_matmul_workspace_bytes(m: int, k: int, world: int, dtype: torch.dtype) -> int:
     """Bytes per rank all_gather_matmul needs for shards of [m, k] ``dtype``: two buffers
     (phase parity).
@@ -161,8 +198,7 @@ def all_gather_matmul(ws, x_shard: torch.Tensor, w: torch.Tensor, *, phase: int,
     with Watchdog(ws, status, timeout) as dog:
         _ag_publish_kernel[(triton.cdiv(m * k, blocks.copy_block),)](
             x, state.data_table, state.flag_table, counters, status, rank, world, m * k, buf_off,
-            phase, ack_phase, max_spins, timeout_ns, BLOCK=blocks.copy_block, USE_CLOCK=on_gpu,
-            num_warps=4)
+            phase, ack_phase, max_spins, timeout_ns, **_publish_meta(blocks, on_gpu))
 
         y = torch.empty(world * m, n, dtype=dtype, device=device)
         gathered = (torch.empty(world * m, k, dtype=dtype, device=device) if return_gathered
@@ -171,10 +207,7 @@ def all_gather_matmul(ws, x_shard: torch.Tensor, w: torch.Tensor, *, phase: int,
         _all_gather_matmul_kernel[grid](
             w, y, gathered if return_gathered else y, state.data_table, state.flag_table,
             counters[1:], status, rank, world, m, n, k, w.stride(0), w.stride(1), buf_off, phase,
-            max_spins, timeout_ns, BM=blocks.bm, BN=blocks.bn, BK=blocks.bk,
-            RETURN_GATHERED=return_gathered, CAST_F32=INTERPRET and dtype != torch.float32,
-            SOFT_BF16=INTERPRET and dtype == torch.bfloat16, USE_CLOCK=on_gpu,
-            num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+            max_spins, timeout_ns, **_gemm_meta(blocks, dtype, return_gathered, on_gpu))
 
     def describe(slot: int) -> str:
         if slot < world:

@@ -21,9 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+from overlap.kernels.triton.spec import GEMM_DTYPES, CompileSpec, ints, ptr
 from overlap.kernels.triton.tp_sync import arrive_last, publish
 
-__all__ = ["dispatch_rows"]
+__all__ = ["dispatch_rows", "compile_specs"]
 
 
 @triton.jit(do_not_specialize=["phase"])
@@ -76,4 +77,18 @@ def dispatch_rows(ws, src: torch.Tensor, index: torch.Tensor, owner: torch.Tenso
         src.contiguous(), index.contiguous(), owner.contiguous(), place.contiguous(),
         counts.contiguous(), ws.ptr_table(), ws.signal_ptr_table(), counter, n, w, ws.rank,
         ws.world, counts.shape[1], receive_off // itemsize, rows + 1, row_bytes // itemsize,
-        phase, BLOCK_R=block_rows, BLOCK_W=min(128, triton.next_power_of_2(max(w, 1))))
+        phase, **_meta(block_rows, w))
+
+
+def _meta(block_rows: int, w: int) -> dict:
+    """The launch's constexprs (shared with compile_specs)."""
+    return dict(BLOCK_R=block_rows, BLOCK_W=min(128, triton.next_power_of_2(max(w, 1))))
+
+
+def compile_specs() -> list[CompileSpec]:
+    """The GPU launches: rows of the activations' dtypes or of the INT8 wire form."""
+    return [CompileSpec(_ep_dispatch_kernel, {
+        "src_ptr": ptr(dtype), "index_ptr": "*i64", "owner_ptr": "*i64", "place_ptr": "*i64",
+        "counts_ptr": "*i64", "data_table": "*i64", "flag_table": "*i64", "counter_ptr": "*i32",
+        **ints("n w rank world num_local receive_off region_rows row_elems phase")},
+        _meta(16, 4096), str(dtype)) for dtype in GEMM_DTYPES + (torch.int8,)]

@@ -20,13 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-from overlap.kernels.triton.tp_sync import (INTERPRET, Watchdog, align, arrive_last, begin_call, check_dtypes,
-                                            check_operands, check_workspace, finish_call,
-                                            gemm_blocks, half_buffer, new_status, publish,
-                                            spin_wait, to_out_dtype, wait_budget)
+from overlap.kernels.triton.spec import CUDA, GEMM_DTYPES, CompileSpec, ints, ptr
+from overlap.kernels.triton.tp_sync import (INTERPRET, GemmBlocks, Watchdog, align, arrive_last,
+                                            begin_call, check_dtypes, check_operands,
+                                            check_workspace, finish_call, gemm_blocks,
+                                            half_buffer, new_status, publish, spin_wait,
+                                            to_out_dtype, wait_budget)
 
 __all__ = ["matmul_reduce_scatter", "matmul_reduce_scatter_workspace_bytes",
-           "matmul_reduce_scatter_num_signals"]
+           "matmul_reduce_scatter_num_signals", "compile_specs"]
 
 _OP = "matmul_reduce_scatter"
 _SYNC_ARGS = ["rank", "phase", "ack_phase", "max_spins", "timeout_ns"]
@@ -105,6 +107,38 @@ def _reduce_kernel(y_ptr, data_table, flag_table, counter_ptr, status_ptr, rank,
         tl.store(y_ptr + offs, to_out_dtype(acc, y_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
 
 
+def _gemm_meta(blocks: GemmBlocks, dtype: torch.dtype, on_gpu: bool) -> dict:
+    """The GEMM launch's constexprs and options (shared with compile_specs)."""
+    return dict(BM=blocks.bm, BN=blocks.bn, BK=blocks.bk,
+                CAST_F32=INTERPRET and dtype != torch.float32,
+                SOFT_BF16=INTERPRET and dtype == torch.bfloat16, USE_CLOCK=on_gpu,
+                num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+
+
+def _reduce_meta(blocks: GemmBlocks, dtype: torch.dtype, on_gpu: bool) -> dict:
+    """The reduce launch's constexprs and options (shared with compile_specs)."""
+    return dict(BLOCK=blocks.copy_block, SOFT_BF16=INTERPRET and dtype == torch.bfloat16,
+                USE_CLOCK=on_gpu, num_warps=4)
+
+
+def compile_specs() -> list[CompileSpec]:
+    """The GPU launches of both kernels for every dtype, at the largest tiles gemm_blocks
+    picks (overlap.kernels.compile_check compiles them)."""
+    tables = {"data_table": "*i64", "flag_table": "*i64", "counter_ptr": "*i32",
+              "status_ptr": "*i64", "timeout_ns": "i64"}
+    specs = []
+    for dtype in GEMM_DTYPES:
+        blocks = gemm_blocks(1 << 14, 1 << 14, 1 << 14, dtype, CUDA)
+        specs.append(CompileSpec(_matmul_reduce_scatter_kernel, {
+            "x_ptr": ptr(dtype), "w_ptr": ptr(dtype), **tables,
+            **ints("rank world m N K stride_xm stride_xk stride_wk stride_wn buf_off phase "
+                   "ack_phase max_spins")}, _gemm_meta(blocks, dtype, True), str(dtype)))
+        specs.append(CompileSpec(_reduce_kernel, {
+            "y_ptr": ptr(dtype), **tables, **ints("rank world numel buf_off phase max_spins")},
+            _reduce_meta(blocks, dtype, True), str(dtype)))
+    return specs
+
+
 def matmul_reduce_scatter_workspace_bytes(m: int, n: int, world: int, dtype: torch.dtype) -> int:
     """Bytes per rank matmul_reduce_scatter needs for an output shard of [m, n] ``dtype``
     (m = M / world):
@@ -163,16 +197,12 @@ def matmul_reduce_scatter(ws, x: torch.Tensor, w: torch.Tensor, *, phase: int,
         _matmul_reduce_scatter_kernel[grid](
             x, w, state.data_table, state.flag_table, counters, status, rank, world, m, n, k,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), buf_off, phase, ack_phase,
-            max_spins, timeout_ns, BM=blocks.bm, BN=blocks.bn, BK=blocks.bk,
-            CAST_F32=INTERPRET and dtype != torch.float32,
-            SOFT_BF16=INTERPRET and dtype == torch.bfloat16, USE_CLOCK=on_gpu,
-            num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+            max_spins, timeout_ns, **_gemm_meta(blocks, dtype, on_gpu))
 
         y_shard = torch.empty(m, n, dtype=dtype, device=device)
         _reduce_kernel[(triton.cdiv(m * n, blocks.copy_block),)](
             y_shard, state.data_table, state.flag_table, counters[world:], status, rank, world,
-            m * n, buf_off, phase, max_spins, timeout_ns, BLOCK=blocks.copy_block,
-            SOFT_BF16=INTERPRET and dtype == torch.bfloat16, USE_CLOCK=on_gpu, num_warps=4)
+            m * n, buf_off, phase, max_spins, timeout_ns, **_reduce_meta(blocks, dtype, on_gpu))
 
     def describe(slot: int) -> str:
         if slot < world:

@@ -18,8 +18,9 @@ import triton
 import triton.language as tl
 
 from overlap.kernels.triton import INTERPRET
+from overlap.kernels.triton.spec import CompileSpec, ints, ptr
 
-__all__ = ["quantize_into", "dequantize_into", "dequant_reduce_into"]
+__all__ = ["quantize_into", "dequantize_into", "dequant_reduce_into", "compile_specs"]
 
 # constexpr: compiled kernels may read module globals only when they are tl.constexpr.
 _FLOAT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -158,6 +159,42 @@ def _group(block: int) -> int:
     return max(1, _TILE // block)
 
 
+def _meta(block: int, **constexprs) -> dict:
+    """A launch's constexprs and options (shared with compile_specs). No FMA contraction:
+    the bytes must match csrc/quant.cuh's."""
+    return dict(BLOCK=block, GROUP=_group(block), **constexprs, enable_fp_fusion=False)
+
+
+def _quantize_meta(block: int, stochastic: bool, bf16: bool) -> dict:
+    return _meta(block, STOCHASTIC=stochastic, BF16_BITS=bf16)
+
+
+def compile_specs(block: int = 128) -> list[CompileSpec]:
+    """The GPU launches at the default block size: each input dtype (bf16 as its int16
+    bits), rounding to nearest or stochastic, each reduce variant."""
+    codes = {"q_ptr": "*i8", "s_ptr": "*fp32", **ints("q_stride s_stride")}
+    specs = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        bf16 = dtype == torch.bfloat16
+        for stochastic in (False, True):
+            specs.append(CompileSpec(_quantize_kernel, {
+                "x_ptr": ptr(torch.int16 if bf16 else dtype), **codes,
+                **ints("numel flat_row total_blocks blocks_per_row key index_base")},
+                _quantize_meta(block, stochastic, bf16), f"{dtype}, stochastic={stochastic}"))
+    specs.append(CompileSpec(_dequantize_kernel, {
+        **codes, "out_ptr": "*fp32", **ints("total_blocks blocks_per_row numel flat_row")},
+        _meta(block)))
+    for has_div in (False, True):
+        for requant, stochastic in ((False, False), (True, False), (True, True)):
+            both = "*i8" if requant else "*fp32"  # the pointer in use, passed for both
+            specs.append(CompileSpec(_dequant_reduce_kernel, {
+                **codes, "out_ptr": both, "q_out_ptr": both, "s_out_ptr": "*fp32",
+                "divisor": "fp32", **ints("num_src num_blocks key index_base")},
+                _meta(block, HAS_DIV=has_div, REQUANT=requant, STOCHASTIC=stochastic),
+                f"divisor={has_div}, requant={requant}, stochastic={stochastic}"))
+    return specs
+
+
 def _row_stride(t: torch.Tensor, name: str) -> int:
     if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
         raise ValueError(f"triton quant: {name} must be a 2-D view with unit inner stride, "
@@ -178,8 +215,7 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, block: i
     bf16 = x.dtype == torch.bfloat16
     _quantize_kernel[grid](x.view(torch.int16) if bf16 else x, x.numel(), flat_row, total,
                            row_len // block, q, _row_stride(q, "q"), s, _row_stride(s, "s"), key,
-                           index_base, BLOCK=block, GROUP=_group(block), STOCHASTIC=stochastic,
-                           BF16_BITS=bf16, enable_fp_fusion=False)
+                           index_base, **_quantize_meta(block, stochastic, bf16))
 
 
 def dequantize_into(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, *, block: int,
@@ -192,8 +228,7 @@ def dequantize_into(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, *, bloc
         return
     grid = (triton.cdiv(total, _group(block)),)
     _dequantize_kernel[grid](q, _row_stride(q, "q"), s, _row_stride(s, "s"), total,
-                             blocks_per_row, out, out.numel(), flat_row, BLOCK=block,
-                             GROUP=_group(block), enable_fp_fusion=False)
+                             blocks_per_row, out, out.numel(), flat_row, **_meta(block))
 
 
 def dequant_reduce_into(q: torch.Tensor, s: torch.Tensor, *, block: int, divisor: float,
@@ -214,5 +249,5 @@ def dequant_reduce_into(q: torch.Tensor, s: torch.Tensor, *, block: int, divisor
     grid = (triton.cdiv(num_blocks, _group(block)),)
     _dequant_reduce_kernel[grid](
         q, _row_stride(q, "q"), s, _row_stride(s, "s"), num_src, num_blocks, float(divisor),
-        out, q_out, s_out, key, index_base, BLOCK=block, GROUP=_group(block),
-        HAS_DIV=divisor != 1, REQUANT=requant, STOCHASTIC=stochastic, enable_fp_fusion=False)
+        out, q_out, s_out, key, index_base,
+        **_meta(block, HAS_DIV=divisor != 1, REQUANT=requant, STOCHASTIC=stochastic))

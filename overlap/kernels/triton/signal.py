@@ -16,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["wait_signal", "set_signal", "pull_from_peer", "signal_from_kernel"]
+from overlap.kernels.triton.spec import CompileSpec, ints
+
+__all__ = ["wait_signal", "set_signal", "pull_from_peer", "signal_from_kernel", "compile_specs"]
 
 
 @triton.jit
@@ -78,3 +80,12 @@ def _set_kernel(flag_addr_ptr, value):
 def signal_from_kernel(flag_addr: int, value: int) -> None:
     """Release-store ``value`` at raw address ``flag_addr`` from a one-program Triton kernel."""
     _set_kernel[(1,)](torch.tensor([flag_addr], dtype=torch.int64), value)
+
+
+def compile_specs() -> list[CompileSpec]:
+    """The two kernels as the helpers above launch them (on CPU tensors today; compiled for
+    the GPU all the same, since a kernel the compiler rejects is broken)."""
+    return [CompileSpec(_pull_kernel, {"src_addr_ptr": "*i64", "flag_addr_ptr": "*i64",
+                                       "out_ptr": "*fp32", "status_ptr": "*i32",
+                                       **ints("phase max_spins numel")}, dict(BLOCK=1024)),
+            CompileSpec(_set_kernel, {"flag_addr_ptr": "*i64", "value": "i32"}, {})]
