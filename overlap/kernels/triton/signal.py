@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from overlap.kernels.triton.spec import CompileSpec, ints
+from overlap.kernels.triton.tp_sync import load_acquire, store_release
 
 __all__ = ["wait_signal", "set_signal", "pull_from_peer", "signal_from_kernel", "compile_specs"]
 
@@ -24,10 +25,10 @@ __all__ = ["wait_signal", "set_signal", "pull_from_peer", "signal_from_kernel", 
 @triton.jit
 def wait_signal(flag_ptr, phase, max_spins):
     """Spin until *flag_ptr >= phase; returns 1 if reached, 0 after max_spins loads."""
-    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    seen = load_acquire(flag_ptr)
     spins = 0
     while (seen < phase) & (spins < max_spins):
-        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        seen = load_acquire(flag_ptr)
         spins += 1
     return (seen >= phase).to(tl.int32)
 
@@ -38,7 +39,7 @@ def set_signal(flag_ptr, value):
     The barrier first makes every thread of the program finish its stores: the release orders
     only the signalling thread's own prior writes."""
     tl.debug_barrier()
-    tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
+    store_release(flag_ptr, value)
 
 
 @triton.jit

@@ -3,8 +3,8 @@ bounded signal waits, the status word, "last program" arrival, bf16 rounding, pe
 phase bookkeeping, blocks.
 
 Signals are int64 phase counters in a SymmetricWorkspace, each with exactly one writer (a
-release store at system scope); readers spin with acquire loads until the flag is >= the phase
-they need. A wait gives up after ``timeout`` seconds (GPU: %globaltimer; interpreter: a spin
+release store at system scope, ``store_release``); readers spin with acquire loads
+(``load_acquire``) until the flag is >= the phase they need. A wait gives up after ``timeout`` seconds (GPU: %globaltimer; interpreter: a spin
 count, ``timeout * INTERP_SPINS_PER_S``) and records (slot + 1, last seen, wanted) in the op's
 status word; later waits of the op give up at once, and the host raises TimeoutError after the
 kernels.
@@ -26,7 +26,8 @@ import triton.language as tl
 from overlap.defaults import ALIGN, align, positive_int
 from overlap.kernels.triton import INTERPRET
 
-__all__ = ["INTERPRET", "INTERP_SPINS_PER_S", "spin_wait", "publish", "arrive_last",
+__all__ = ["INTERPRET", "INTERP_SPINS_PER_S", "load_acquire", "load_relaxed", "store_release",
+           "spin_wait", "publish", "arrive_last",
            "to_out_dtype", "align", "half_buffer", "GemmBlocks", "gemm_blocks", "begin_call",
            "OpState", "wait_budget", "raise_on_status", "new_status", "finish_call",
            "check_pending", "check_dtypes", "check_workspace", "Watchdog"]
@@ -67,6 +68,30 @@ def _now_ns():
                                      is_pure=False, pack=1)
 
 
+# The ordering primitives. tl.atomic_load/atomic_store exist only from Triton 3.9; atomics with
+# sem/scope exist in every supported Triton (3.4 on). Triton lowers an atomic add of 0 to a
+# plain load of that ordering (ld.global.sys.acquire: tests/test_tp_triton.py reads the PTX);
+# and as an add it would still never undo the flag writer's store. Under the interpreter both
+# are std::atomic operations on the shared-memory word, atomic across processes too.
+# docs/design/kernels.md.
+@triton.jit
+def load_acquire(ptr):
+    """*ptr, acquire at system scope: later loads see what the writer released before it."""
+    return tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def load_relaxed(ptr):
+    """*ptr, atomically, no ordering (status words: only their own value matters)."""
+    return tl.atomic_add(ptr, 0, sem="relaxed", scope="sys")
+
+
+@triton.jit
+def store_release(ptr, value):
+    """*ptr = value, release at system scope: the thread's earlier writes are visible first."""
+    tl.atomic_xchg(ptr, value, sem="release", scope="sys")
+
+
 @triton.jit
 def spin_wait(flag_ptr, want, slot, status_ptr, max_spins, timeout_ns, USE_CLOCK: tl.constexpr):
     """Wait until *flag_ptr >= want; 1 if it got there, 0 if it gave up: on its own timeout, on
@@ -74,17 +99,17 @@ def spin_wait(flag_ptr, want, slot, status_ptr, max_spins, timeout_ns, USE_CLOCK
     (status word 3, re-read on every spin: a dead peer or the wall-clock timeout). A wait whose
     flag is already there never fails, so a peer that exits after its part is no error."""
     want = tl.cast(want, tl.int64)
-    failure = tl.atomic_load(status_ptr, sem="relaxed", scope="sys")
-    verdict = tl.atomic_load(status_ptr + 3, sem="relaxed", scope="sys")
-    seen = tl.atomic_load(flag_ptr, sem="acquire", scope="sys")
+    failure = load_relaxed(status_ptr)
+    verdict = load_relaxed(status_ptr + 3)
+    seen = load_acquire(flag_ptr)
     live = (seen < want) & (failure == 0) & (verdict == 0)
     spins = 0
     if USE_CLOCK:
         t0 = _now_ns()
     while live:
-        seen = tl.atomic_load(flag_ptr, sem="acquire", scope="sys")
-        failure = tl.atomic_load(status_ptr, sem="relaxed", scope="sys")
-        verdict = tl.atomic_load(status_ptr + 3, sem="relaxed", scope="sys")
+        seen = load_acquire(flag_ptr)
+        failure = load_relaxed(status_ptr)
+        verdict = load_relaxed(status_ptr + 3)
         spins += 1
         if USE_CLOCK:
             live = (seen < want) & ((_now_ns() - t0) <= timeout_ns)
@@ -92,11 +117,13 @@ def spin_wait(flag_ptr, want, slot, status_ptr, max_spins, timeout_ns, USE_CLOCK
             live = (seen < want) & (spins < max_spins)
         live = live & (failure == 0) & (verdict == 0)
     if (seen < want) & (failure == 0):
-        # First failure wins the word; the host reports it. Losers' details are dropped.
+        # The first failure to claim word 4 reports (code, seen, want); the others' details
+        # are dropped. A claim by add, not a compare-and-swap of word 0: Triton 3.4 miscompiles
+        # a 64-bit scalar atomic_cas (ptxas: "Arguments mismatch for instruction 'st'").
         # A wall-clock timeout is this slot's timeout; a dead peer keeps the watchdog's code.
         code = tl.where(verdict < -1, verdict, tl.cast(slot, tl.int64) + 1)
-        old = tl.atomic_cas(status_ptr, tl.cast(0, tl.int64), code, sem="relaxed", scope="sys")
-        if old == 0:
+        if tl.atomic_add(status_ptr + 4, 1, sem="relaxed", scope="sys") == 0:
+            tl.atomic_xchg(status_ptr, code, sem="relaxed", scope="sys")
             tl.store(status_ptr + 1, seen)
             tl.store(status_ptr + 2, want)
     # The whole program waits for the one thread that acquired (CUTLASS wait_eq + syncthreads).
@@ -108,7 +135,7 @@ def spin_wait(flag_ptr, want, slot, status_ptr, max_spins, timeout_ns, USE_CLOCK
 def publish(flag_ptr, value):
     """Release-store value into a (peer's) flag after this program's earlier memory operations."""
     tl.debug_barrier()
-    tl.atomic_store(flag_ptr, tl.cast(value, tl.int64), sem="release", scope="sys")
+    store_release(flag_ptr, tl.cast(value, tl.int64))
 
 
 @triton.jit
@@ -220,8 +247,9 @@ class Watchdog:
 
 def new_status(device: torch.device) -> torch.Tensor:
     """The status words of one call: [failure (0 = ok; slot + 1 of a wait that timed out, or
-    the watchdog's code), last seen, wanted, watchdog verdict (0 = none)]."""
-    return torch.zeros(4, dtype=torch.int64, device=device)
+    the watchdog's code), last seen, wanted, watchdog verdict (0 = none), failed waits that
+    claimed the report (the first one writes words 0-2)]."""
+    return torch.zeros(5, dtype=torch.int64, device=device)
 
 
 def raise_on_status(status: torch.Tensor | list[int], *, op: str, ws, phase: int,
@@ -231,7 +259,7 @@ def raise_on_status(status: torch.Tensor | list[int], *, op: str, ws, phase: int
     with the device on a GPU: the kernels of one call overlap their communication with their
     compute, but the host does not run ahead of them."""
     words = status if isinstance(status, list) else status.tolist()
-    code, seen, want, _ = (int(v) for v in words)
+    code, seen, want = (int(v) for v in words[:3])
     if code == 0:
         return
     if code <= -2:
