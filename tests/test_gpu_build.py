@@ -235,7 +235,9 @@ def test_launch_helpers_mirror_the_cpp_signatures():
         assert cpp_names == names + ["num_threads"], cfn.__name__
 
 
-def test_impl_selection():
+def test_impl_selection(monkeypatch):
+    import importlib.util
+
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert qk.resolve_impl("auto", cpu) == "cpp"
     with pytest.raises(ValueError, match="impl 'cuda' needs CUDA tensors"):
@@ -243,12 +245,13 @@ def test_impl_selection():
     qk.triton_available.cache_clear()
     try:
         assert qk.resolve_impl("auto", cuda) == "triton"
-        real = qk.importlib.util.find_spec
-        qk.importlib.util.find_spec = lambda n: None if n == "triton" else real(n)
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda n, *a: None if n == "triton" else real(n, *a))
         qk.triton_available.cache_clear()
         assert qk.resolve_impl("auto", cuda) == "cuda"  # the CUDA kernels where Triton is absent
     finally:
-        qk.importlib.util.find_spec = real
+        monkeypatch.undo()
         qk.triton_available.cache_clear()
 
 

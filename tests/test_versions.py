@@ -6,6 +6,8 @@ chunked; the quantized collectives: the CUDA kernels; MoE: the torch send). The 
 monkeypatched: this machine has the newest of each."""
 
 import importlib.util
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -161,3 +163,18 @@ def test_epcomm_refuses_an_old_triton_kernel_and_auto_takes_torch():
     assert refused.startswith("ValueError: EPComm: kernel='triton'"), refused
     _one_line(refused, f"Triton {OLD_TRITON}", ">= 3.4", "'torch'")
     assert auto == "built torch"
+
+
+def test_importing_the_communicators_on_an_old_torch_names_it():
+    """Below 2.11 torch has no torch._opaque_base: the import says so, not just the name."""
+    code = ("import sys, torch; sys.modules['torch._opaque_base'] = None; "
+            f"torch.__version__ = '{OLD_TORCH}'\n"
+            "for mod in ('overlap.tp', 'overlap.cp'):\n"
+            "    try:\n        __import__(mod)\n    except ImportError as exc:\n"
+            "        print(exc)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 2, run.stdout + run.stderr
+    for line, mod in zip(lines, ("overlap.tp", "overlap.cp")):
+        _one_line(line, f"{mod}: torch {OLD_TORCH}", ">= 2.11")

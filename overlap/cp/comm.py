@@ -19,8 +19,13 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._library.opaque_object import MemberType, register_opaque_type
-from torch._opaque_base import OpaqueBase
+from overlap.versions import torch_problem
+
+try:
+    from torch._library.opaque_object import MemberType, register_opaque_type
+    from torch._opaque_base import OpaqueBase
+except ImportError as exc:  # an old torch: say which and what is needed, not a bare name
+    raise ImportError(f"overlap.cp: {torch_problem() or exc}") from exc
 
 from overlap.defaults import TIMEOUT_S, positive_seconds
 from overlap.dist.device import comm_device

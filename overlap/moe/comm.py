@@ -27,13 +27,15 @@ from overlap.defaults import TIMEOUT_S, positive_int, positive_seconds
 from overlap.dist.device import comm_device
 from overlap.profile.timers import comm_wait
 from overlap.symm.workspace import PeerDied, SignalTimeout, create_workspace
+from overlap.versions import triton_problem
 from overlap.tp.collectives import wait
 
 __all__ = ["EPComm", "DISPATCH", "BACKENDS"]
 
 BACKENDS = ("chunked", "symmetric")
 # How the symmetric backend stores rows into the peers' buffers: torch ops on the mapped
-# buffers, or one Triton kernel (permute + store + signal); "auto": Triton on CUDA devices.
+# buffers, or one Triton kernel (permute + store + signal); "auto": Triton on CUDA devices
+# where a supported Triton is installed (overlap.versions), else torch.
 KERNELS = ("auto", "torch", "triton")
 
 # What the dispatch puts on the wire: the activations as they are, bf16, or blockwise INT8
@@ -72,6 +74,11 @@ class EPComm:
             positive_int(max_tokens, "EPComm: max_tokens")
         if kernel not in KERNELS:
             raise ValueError(f"EPComm: kernel must be one of {KERNELS}, got {kernel!r}")
+        if kernel != "torch" and (no_triton := triton_problem()):
+            if kernel == "triton":
+                raise ValueError(f"EPComm: kernel='triton' cannot run here: {no_triton}; the "
+                                 "kernels that work here: 'auto' (takes 'torch'), 'torch'")
+            kernel = "torch"  # "auto" never picks what cannot run here
         if lanes not in (1, 2):
             raise ValueError(f"EPComm: lanes must be 1 or 2, got {lanes!r}")
         self.backend, self.kernel = backend, kernel

@@ -14,25 +14,54 @@ The narrative: docs/design/tp.md.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 from typing import Callable
 
 import torch
 
 from overlap.tp import chunked, symmetric
+from overlap.versions import triton_problem
 from overlap.tp.context import TPContext
 from overlap.tp.collectives import (all_gather_dim, all_reduce, post_all_gather,
                                     post_reduce_scatter, reduce_scatter_dim, wait)
 
 __all__ = ["Backend", "ChunkedBackend", "SymmetricBackend", "TritonBackend", "UnfusedBackend",
-           "backend_for",
-           "have_triton_tp", "gather", "scatter"]
+           "backend_for", "have_triton_tp", "auto_backend", "triton_refusal", "gather",
+           "scatter"]
 
 _TRITON_MODULE = "overlap.kernels.triton.tp_gemm"
+_WORKING = "'auto', 'symmetric' (one host), 'chunked', 'unfused'"
 
 
 def have_triton_tp() -> bool:
-    return importlib.util.find_spec(_TRITON_MODULE) is not None
+    """Whether the Triton backend can run here (a supported Triton is installed)."""
+    return triton_problem() is None
+
+
+def triton_refusal(where: str) -> str | None:
+    """The one-line refusal of backend='triton' where Triton cannot run its kernels, or None."""
+    problem = triton_problem()
+    if problem is None:
+        return None
+    return (f"TPComm: backend='triton' cannot run here: {problem}; the backends that work "
+            f"here: {_WORKING}{where}")
+
+
+def auto_backend(device: torch.device, one_host: bool, where: str) -> str:
+    """What backend='auto' runs on a group of several ranks: the Triton kernels on CUDA where
+    Triton can run them, else userbuffers on one host, else the chunked collectives. On CUDA
+    without a usable Triton it says so in one warning (the fused kernels are not used)."""
+    if device.type != "cuda":
+        return "symmetric" if one_host else "chunked"
+    problem = triton_problem()
+    if problem is None:
+        return "triton"
+    choice = "symmetric" if one_host else "chunked"
+    import warnings
+
+    warnings.warn(f"TPComm: backend='auto' runs '{choice}', not 'triton': {problem}{where}",
+                  RuntimeWarning, stacklevel=4)
+    return choice
 
 
 class Backend:

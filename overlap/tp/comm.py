@@ -20,8 +20,13 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch._library.opaque_object import MemberType, register_opaque_type
-from torch._opaque_base import OpaqueBase
+from overlap.versions import torch_problem
+
+try:
+    from torch._library.opaque_object import MemberType, register_opaque_type
+    from torch._opaque_base import OpaqueBase
+except ImportError as exc:  # an old torch: say which and what is needed, not a bare name
+    raise ImportError(f"overlap.tp: {torch_problem() or exc}") from exc
 
 from overlap.defaults import TIMEOUT_S, positive_int, positive_seconds
 from overlap.dist.device import comm_device
@@ -54,6 +59,10 @@ class TPComm(OpaqueBase):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"TPComm: group must be a torch.distributed ProcessGroup (e.g. "
                             f"dims.tp_group), got {type(group).__name__}")
+        too_old = torch_problem()
+        if too_old:
+            raise RuntimeError(f"TPComm: {too_old}; no backend runs on it (rank "
+                               f"{dist.get_rank(group)})")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -94,12 +103,11 @@ class TPComm(OpaqueBase):
                                                  timeout=self.timeout)
 
     def _resolve(self, backend: str, at: str) -> str:
-        from overlap.tp.backends import have_triton_tp
+        from overlap.tp.backends import auto_backend, triton_refusal
 
-        if backend == "triton" and not have_triton_tp():
-            raise ValueError(f"TPComm: backend='triton' needs overlap.kernels.triton.tp_gemm, "
-                             f"which this build lacks; use 'auto', 'symmetric' or "
-                             f"'chunked'{at}")
+        refusal = triton_refusal(at) if backend == "triton" else None
+        if refusal:
+            raise ValueError(refusal)
         if self.world == 1:
             return "chunked" if backend == "auto" else backend
         # One small collective at construction (which is collective anyway): the ranks must
@@ -114,9 +122,7 @@ class TPComm(OpaqueBase):
                                  f"of the group must pass the same {field}")
         if backend != "auto":
             return backend
-        if self.device.type == "cuda" and have_triton_tp():
-            return "triton"
-        return "symmetric" if len({e[2] for e in every}) == 1 else "chunked"
+        return auto_backend(self.device, len({e[2] for e in every}) == 1, at)
 
     def __repr__(self) -> str:
         state = ("closed" if self.closed else f"failed: {self._failed}" if self._failed

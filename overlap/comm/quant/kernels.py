@@ -1,7 +1,8 @@
 """Blockwise INT8 quantization kernels behind one interface (``impl=``): "torch" (the reference),
 "cpp" (``overlap._C``), "triton" (``overlap.kernels.triton.quant``) and "cuda" (csrc/quant.cu);
-"auto" is "cpp" on CPU tensors and "triton" on GPU tensors ("cuda" without Triton). All write
-the same bytes: the arithmetic of csrc/quant.cuh, with values below 2^-125 read and written as 0.
+"auto" is "cpp" on CPU tensors and "triton" on GPU tensors ("cuda" without a usable Triton).
+All write the same bytes: the arithmetic of csrc/quant.cuh; values below 2^-125 read and
+written as 0.
 One quantization of a block with absmax M errs by at most Q(M) = M/254 + M*2^-21 + 2^-118
 (stochastic rounding: 2Q); a non-finite input gets code -128, which dequantizes to NaN.
 
@@ -15,11 +16,11 @@ The narrative: docs/design/quantized.md.
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 
 from overlap.profile import names, nvtx
+from overlap.versions import triton_problem
 
 __all__ = ["DTYPE_CODES", "IMPLS", "TINY", "resolve_impl", "triton_available", "noise_u01",
            "quantize_into", "dequantize_into", "dequant_reduce_into", "quantize", "dequantize"]
@@ -33,7 +34,8 @@ _KEY_MASK = 0x7FFFFFFF  # keys stay int32-sized so Triton never retypes (and rec
 
 @functools.cache
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    """Whether a Triton that can run the Triton kernels is installed (overlap.versions)."""
+    return triton_problem() is None
 
 
 def _profiled(name: str):
@@ -57,6 +59,10 @@ def resolve_impl(impl: str, device: torch.device) -> str:
         if device.type != "cuda":
             return "cpp"
         return "triton" if triton_available() else "cuda"
+    if impl == "triton" and not triton_available():
+        raise ValueError(f"quant kernels: impl 'triton' cannot run here: {triton_problem()}; "
+                         "the kernels that work here: 'auto', 'cuda' (GPU), 'cpp' (CPU), "
+                         "'torch'")
     if impl == "cpp" and device.type != "cpu":
         raise ValueError(f"quant kernels: impl 'cpp' needs CPU tensors, got {device}")
     if impl == "cuda" and device.type != "cuda":
