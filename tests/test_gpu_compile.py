@@ -107,3 +107,14 @@ def _oldest_triton() -> Path:
 def test_triton_kernels_compile_on_the_oldest_supported_triton():
     run = _compile_check("--triton", pythonpath=str(_oldest_triton()))
     _assert_every_line_ok(run, _triton_kernels(), f"triton {re.escape(OLDEST_TRITON)}")
+
+
+def test_ci_runs_the_compile_check_on_both_tritons():
+    """.ci/run runs .ci/gpu_compile.sh, which compiles NVRTC and both Triton releases for
+    sm_80 and sm_90 (the test above reuses its oldest Triton through OVERLAP_CACHE_DIR)."""
+    run = (ROOT / ".ci" / "run").read_text()
+    script = (ROOT / ".ci" / "gpu_compile.sh").read_text()
+    assert "bash .ci/gpu_compile.sh" in run and "export OVERLAP_CACHE_DIR=" in run
+    assert "bash .ci/nvcc_check.sh" in run  # warnings as errors, which NVRTC does not check
+    assert script.count("--arch 80,90") == 3 and "--nvrtc" in script
+    assert 'PYTHONPATH="$old_triton' in script and "OLDEST_TRITON" in script
