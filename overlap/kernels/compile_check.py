@@ -192,6 +192,19 @@ def _triton_in_child(archs: list[int]) -> int:
     return subprocess.run(cmd, env=env).returncode
 
 
+def _verdict(results: list[Result]) -> int:
+    """Print one summary line for ``results``; 1 if any failed."""
+    failed = [r for r in results if r.error]
+    if failed:
+        names = sorted({f"{r.tool} {r.kernel.split(' [')[0]}" for r in failed})
+        print(f"compile-check: {len(failed)} of {len(results)} compilations FAILED, in: "
+              + ", ".join(names), flush=True)
+        return 1
+    print(f"compile-check: {len(results)} compilations passed "
+          f"({sum(r.seconds for r in results):.0f}s)", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m overlap.kernels.compile_check",
                                  description=__doc__.split("\n\n")[0])
@@ -201,23 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     archs = [int(a) for a in args.arch.split(",")]
     both = not (args.nvrtc or args.triton)
-    results, child_rc = [], 0
+    rc = 0
     if args.nvrtc or both:
-        results += check_nvrtc(archs, echo=True)
+        rc |= _verdict(check_nvrtc(archs, echo=True))
     if args.triton or both:
         if os.environ.get("TRITON_INTERPRET") == "0":
-            results += check_triton(archs, echo=True)
+            rc |= _verdict(check_triton(archs, echo=True))
         else:
-            child_rc = _triton_in_child(archs)  # prints its own lines and verdict
-    failed = [r for r in results if r.error]
-    if failed:
-        names = sorted({f"{r.tool} {r.kernel.split(' [')[0]}" for r in failed})
-        print(f"compile-check: {len(failed)} of {len(results)} compilations FAILED, in: "
-              + ", ".join(names), flush=True)
-    elif results:
-        print(f"compile-check: {len(results)} compilations passed "
-              f"({sum(r.seconds for r in results):.0f}s)", flush=True)
-    return 1 if failed or child_rc else 0
+            rc |= int(_triton_in_child(archs) != 0)  # it prints its own lines and verdict
+    return rc
 
 
 if __name__ == "__main__":
