@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
 oldest=$(sed -n 's/^OLDEST_TRITON = "\([0-9.]*\)".*/\1/p' tests/test_gpu_compile.py)
-[ -n "$oldest" ] || { echo "gpu-compile: OLDEST_TRITON not found in tests/test_gpu_compile.py"; exit 1; }
+[ -n "$oldest" ] || { echo "gpu-compile: no OLDEST_TRITON in tests/test_gpu_compile.py"; exit 1; }
 cache=${OVERLAP_CACHE_DIR:-$HOME/.cache/overlap}
 old_triton="$cache/triton-$oldest"
 if [ ! -f "$old_triton/triton/__init__.py" ]; then

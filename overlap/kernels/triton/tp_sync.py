@@ -4,10 +4,10 @@ phase bookkeeping, blocks.
 
 Signals are int64 phase counters in a SymmetricWorkspace, each with exactly one writer (a
 release store at system scope, ``store_release``); readers spin with acquire loads
-(``load_acquire``) until the flag is >= the phase they need. A wait gives up after ``timeout`` seconds (GPU: %globaltimer; interpreter: a spin
-count, ``timeout * INTERP_SPINS_PER_S``) and records (slot + 1, last seen, wanted) in the op's
-status word; later waits of the op give up at once, and the host raises TimeoutError after the
-kernels.
+(``load_acquire``) until the flag is >= the phase they need. A wait gives up after ``timeout``
+seconds (GPU: %globaltimer; interpreter: a spin count, ``timeout * INTERP_SPINS_PER_S``) and
+records (slot + 1, last seen, wanted) in the op's status word; later waits of the op give up at
+once, and the host raises TimeoutError after the kernels.
 The narrative: docs/design/kernels.md.
 """
 
