@@ -19,13 +19,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from overlap.versions import torch_problem
-
-try:
-    from torch._library.opaque_object import MemberType, register_opaque_type
-    from torch._opaque_base import OpaqueBase
-except ImportError as exc:  # an old torch: say which and what is needed, not a bare name
-    raise ImportError(f"overlap.cp: {torch_problem() or exc}") from exc
+from overlap.versions import (HAVE_OPAQUE, MemberType, OpaqueBase, compile_problem,
+                              register_opaque_type)
 
 from overlap.defaults import TIMEOUT_S, positive_seconds
 from overlap.dist.device import comm_device
@@ -319,6 +314,8 @@ def call_scale(op: str, q, comm, causal, scale) -> float:
     default; NaN for a non-number, which the op's validation then names)."""
     if not isinstance(comm, CPComm):
         raise TypeError(f"{op}: comm must be a CPComm, got {type(comm).__name__}")
+    if not HAVE_OPAQUE and torch.compiler.is_compiling():
+        raise RuntimeError(compile_problem(op))
     if not isinstance(causal, bool):
         raise TypeError(f"{op}: causal must be a bool, got {causal!r}{comm.where}")
     if isinstance(q, torch.Tensor) and q.dim() == 4:

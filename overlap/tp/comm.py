@@ -20,13 +20,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from overlap.versions import torch_problem
-
-try:
-    from torch._library.opaque_object import MemberType, register_opaque_type
-    from torch._opaque_base import OpaqueBase
-except ImportError as exc:  # an old torch: say which and what is needed, not a bare name
-    raise ImportError(f"overlap.tp: {torch_problem() or exc}") from exc
+from overlap.versions import MemberType, OpaqueBase, register_opaque_type, torch_problem
 
 from overlap.defaults import TIMEOUT_S, positive_int, positive_seconds
 from overlap.dist.device import comm_device

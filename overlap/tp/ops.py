@@ -24,6 +24,7 @@ from overlap.symm.workspace import PeerDied, group_name
 from overlap.tp import backends
 from overlap.tp.checks import check_across_ranks, signature, validate
 from overlap.tp.comm import TPComm, TPCommFailed, default_comm
+from overlap.versions import HAVE_OPAQUE, compile_problem
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "call_op",
            "define_op"]
@@ -186,6 +187,8 @@ def _grown(rows: int, comm: TPComm) -> int:
 
 
 def define_op(name: str, fn, fake) -> None:
+    if not HAVE_OPAQUE:  # the schema needs the communicator as an opaque type (torch >= 2.11)
+        return
     op = torch.library.custom_op(f"overlap::{name}", fn, mutates_args=())
     op.register_fake(fake)
 
@@ -214,6 +217,8 @@ def call_op(name: str, fn, *args):
     same function behind the dispatcher, opaque to the tracer) while torch.compile traces.
     This picks an entry point, not an implementation: there is one of each op."""
     if torch.compiler.is_compiling():
+        if not HAVE_OPAQUE:
+            raise RuntimeError(compile_problem(name))
         return getattr(torch.ops.overlap, name)(*args)
     return fn(*args)
 
