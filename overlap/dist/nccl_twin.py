@@ -171,13 +171,16 @@ class _Comm:
                 return
             store, me = self.group.store, self.group.rank()
             store.set(f"{self._key}/{me}", "1")
-            others = [f"{self._key}/{r}" for r in self._members if r != me]
-            try:
-                if others:
-                    store.wait(others, timedelta(seconds=self.timeout))
-            except Exception as exc:  # noqa: BLE001 - the store's timeout error
-                missing = [r for r in self._members
-                           if r != me and not store.check([f"{self._key}/{r}"])]
+            missing = [r for r in self._members if r != me]
+            deadline, pause = time.monotonic() + self.timeout, 0.0005
+            # Polled, not store.wait: a blocking wait holds the process's store client, and
+            # another thread creating another communicator could then not announce itself.
+            while missing and time.monotonic() < deadline:
+                missing = [r for r in missing if not store.check([f"{self._key}/{r}"])]
+                if missing:
+                    time.sleep(pause)
+                    pause = min(2 * pause, 0.02)
+            if missing:
                 err = NcclOrderTimeout(
                     f"nccl_twin: {op.desc} (rank {me}): creating {self.name} timed out after "
                     f"{self.timeout:g}s: group rank(s) {missing} never issued their first op "
@@ -186,7 +189,7 @@ class _Comm:
                     "on two communicators come in crossed order wait for each other forever. "
                     "Create communicators eagerly, in one order on every rank")
                 self.fail(err)
-                raise err from exc
+                raise err
             self._created = True
 
     def submit(self, op: _Op) -> None:

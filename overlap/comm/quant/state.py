@@ -93,6 +93,8 @@ class GroupState:
         self._host = host_id()
         self._store_call(lambda s: s.set(f"{self._key}/pid/{self.rank}",
                                           f"{self._host}|{os.getpid()}"))
+        self.joined = self._store is None or self.size == 1  # see first_op()
+        self._arrived = False
 
     def stream(self, device: torch.device):
         """The group's one communication stream for async ops, created on first use."""
@@ -146,6 +148,25 @@ class GroupState:
                     kind, _, msg = raw.decode(errors="replace").partition("|")
                     found.append((r, kind, msg))
         return found
+
+    def first_op(self, *, give_up: bool = False) -> str | None:
+        """The group's decision on its first collective, taken once by the store for every
+        rank (``work.OpRun._join``): "go" once every rank has arrived at its own first one (the
+        last to arrive sets it), "abort" once a rank gave up first; None while undecided. This
+        rank arrives at its first call; ``give_up`` proposes "abort" (it wins only if still
+        undecided)."""
+        state = f"{self._key}/first/state"
+        if not self._arrived:
+            self._arrived = True
+            if self._store_call(lambda s: s.add(f"{self._key}/first/count", 1)) == self.size:
+                self._store_call(lambda s: s.compare_set(state, "", "go"))
+        if give_up:
+            got = self._store_call(lambda s: s.compare_set(state, "", "abort"))
+        elif self._store_call(lambda s: s.check([state])):
+            got = self._store_call(lambda s: s.get(state))
+        else:
+            return None
+        return got.decode() if isinstance(got, bytes) else got
 
     def absent_peers(self) -> list[int]:
         """Group ranks that have never called a quantized op on this group (no pid yet)."""

@@ -102,6 +102,8 @@ class OpRun:
     # -- waiting and naming failures
 
     def _run(self, what: str, issue: Callable[[], Any]) -> None:
+        if not self.state.joined:
+            self._join(what)
         try:
             work = issue()
         except Exception as exc:  # noqa: BLE001 - e.g. a communicator that failed earlier
@@ -125,6 +127,27 @@ class OpRun:
         except Exception as exc:  # noqa: BLE001
             self._raise_if_sizes_differ(exc)
             raise self._transport_error(what, exc) from exc
+
+    def _join(self, what: str) -> None:
+        """Before this rank's first collective on the group, wait until every rank has reached
+        its own: NCCL creates the group's communicator at that op and blocks the issuing thread,
+        with no timeout of its own, until every rank has issued its first op on it, so a peer
+        that refused its first call, or stalls before it, would hold this rank there for good.
+        Bounded by the timeout, watching for a failed or exited peer; the store decides once
+        for all ranks whether they go or give up (``GroupState.first_op``), so no rank issues
+        the op that another has given up on."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            decided = self.state.first_op()
+            if decided == "go":
+                break
+            self._raise_if_peer_failed(what)
+            if time.monotonic() >= deadline:
+                if self.state.first_op(give_up=True) == "go":
+                    break  # every rank arrived just now
+                raise self._timeout(what)
+            time.sleep(_SLICE_S)
+        self.state.joined = True
 
     def _raise_if_sizes_differ(self, exc: BaseException) -> None:
         """The transport refused sizes that differ between ranks (nccl_twin raises so on every
