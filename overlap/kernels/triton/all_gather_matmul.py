@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from overlap.kernels.triton.spec import CUDA, GEMM_DTYPES, CompileSpec, ints, ptr
+from overlap.kernels.triton.spec import (CUDA, FUSED_GEMM_TABLES, GEMM_DTYPES, LARGEST,
+                                        CompileSpec, ints, ptr)
 from overlap.kernels.triton.tp_sync import (INTERPRET, GemmBlocks, Watchdog, align, arrive_last,
                                             begin_call, check_dtypes, check_operands,
                                             check_workspace, finish_call, gemm_blocks,
@@ -126,11 +127,10 @@ def _gemm_meta(blocks: GemmBlocks, dtype: torch.dtype, return_gathered: bool,
 def compile_specs() -> list[CompileSpec]:
     """The GPU launches of both kernels: every dtype, with and without the gathered x, at the
     largest tiles gemm_blocks picks (overlap.kernels.compile_check compiles them)."""
-    tables = {"data_table": "*i64", "flag_table": "*i64", "counter_ptr": "*i32",
-              "status_ptr": "*i64", "timeout_ns": "i64"}
+    tables = FUSED_GEMM_TABLES
     specs = []
     for dtype in GEMM_DTYPES:
-        blocks = gemm_blocks(1 << 14, 1 << 14, 1 << 14, dtype, CUDA)
+        blocks = gemm_blocks(LARGEST, LARGEST, LARGEST, dtype, CUDA)
         specs.append(CompileSpec(_ag_publish_kernel, {
             "x_ptr": ptr(dtype), **tables,
             **ints("rank world numel buf_off phase ack_phase max_spins")},

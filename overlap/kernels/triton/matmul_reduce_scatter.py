@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from overlap.kernels.triton.spec import CUDA, GEMM_DTYPES, CompileSpec, ints, ptr
+from overlap.kernels.triton.spec import (CUDA, FUSED_GEMM_TABLES, GEMM_DTYPES, LARGEST,
+                                        CompileSpec, ints, ptr)
 from overlap.kernels.triton.tp_sync import (INTERPRET, GemmBlocks, Watchdog, align, arrive_last,
                                             begin_call, check_dtypes, check_operands,
                                             check_workspace, finish_call, gemm_blocks,
@@ -124,11 +125,10 @@ def _reduce_meta(blocks: GemmBlocks, dtype: torch.dtype, on_gpu: bool) -> dict:
 def compile_specs() -> list[CompileSpec]:
     """The GPU launches of both kernels for every dtype, at the largest tiles gemm_blocks
     picks (overlap.kernels.compile_check compiles them)."""
-    tables = {"data_table": "*i64", "flag_table": "*i64", "counter_ptr": "*i32",
-              "status_ptr": "*i64", "timeout_ns": "i64"}
+    tables = FUSED_GEMM_TABLES
     specs = []
     for dtype in GEMM_DTYPES:
-        blocks = gemm_blocks(1 << 14, 1 << 14, 1 << 14, dtype, CUDA)
+        blocks = gemm_blocks(LARGEST, LARGEST, LARGEST, dtype, CUDA)
         specs.append(CompileSpec(_matmul_reduce_scatter_kernel, {
             "x_ptr": ptr(dtype), "w_ptr": ptr(dtype), **tables,
             **ints("rank world m N K stride_xm stride_xk stride_wk stride_wn buf_off phase "
