@@ -2,7 +2,9 @@
 events order streams, errors surface at the next sync, injected delays shake out orders that
 hold only by luck; the quantized collectives' async path stays exact under those delays; work
 on caller tensors, and on buffers the caller's stream allocated, is refused unless ordered
-after the caller (since the allocation: the caching allocator's rule)."""
+after the caller (since the allocation: the caching allocator's rule); memory a stream's work
+allocated and the caller freed is reused there only once ordered after the free, and a caller
+buffer that work used without being given it must outlive the work (stream_memory)."""
 
 import threading
 import time
@@ -12,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from harness import run_ranks
+from overlap.dist import stream_memory
 from overlap.dist.streams import Stream, device_empty
 from overlap.profile.syncs import count_host_syncs
 
@@ -188,3 +191,115 @@ def test_the_copier_orders_each_copy_after_the_caller(monkeypatch):
         c.submit(lambda: t.fill_(2.0), t)
     c.close()
     assert t.tolist() == [1.0] * 3
+
+
+FREED = (r"stream '{}' allocates, but memory that the stream's earlier work allocated \(64 bytes, "
+         r"seen as float32\[16\]\) was freed by the caller at caller point \d+ and the stream is "
+         r"ordered after the caller only up to point \d+: the caching allocator hands that "
+         r"memory out again at once on this stream")
+
+
+def _freed_by_the_caller(name: str, order_after_free: bool) -> float:
+    """Work on a stream allocates a result; the caller reads it and frees it (on CUDA the block
+    goes back to the stream's pool at once, while the caller's read may still be queued); then
+    the stream allocates again."""
+    s = Stream(name=name)
+    box = {}
+    s.enqueue(lambda: box.__setitem__("out", torch.full((16,), 2.0)))
+    s.synchronize()
+    out = box.pop("out")
+    total = float(out.sum())  # the caller's use
+    del out  # the caller's free
+    if order_after_free:
+        s.wait_current()  # the stream's later work waits for the caller's use
+    s.enqueue(lambda: box.__setitem__("next", torch.ones(16) * 3))
+    try:
+        s.synchronize()
+    finally:
+        s.close()
+    return total + float(box["next"].sum())
+
+
+def test_memory_the_caller_freed_is_reused_only_once_ordered_after_the_free(monkeypatch):
+    with pytest.raises(RuntimeError, match=FREED.format("freed-unordered")):
+        _freed_by_the_caller("freed-unordered", order_after_free=False)
+    assert _freed_by_the_caller("freed-ordered", order_after_free=True) == 32.0 + 48.0
+    monkeypatch.setattr(stream_memory, "STRICT", False)  # the rule, not luck, caught it
+    assert _freed_by_the_caller("freed-unchecked", order_after_free=False) == 32.0 + 48.0
+
+
+def test_memory_the_stream_frees_itself_or_frees_after_later_work_is_issued_is_fine():
+    s = Stream(name="freed-fine")
+    box = {}
+    s.enqueue(lambda: box.__setitem__("a", torch.full((16,), 2.0)))
+    s.enqueue(lambda: box.pop("a"))  # freed by the stream's own work: its own order
+    s.enqueue(lambda: box.__setitem__("b", torch.full((16,), 3.0)))
+    s.synchronize()
+    b = box.pop("b")
+    gate = threading.Event()
+    s.enqueue(lambda: gate.wait(10.0))
+    s.enqueue(lambda: box.__setitem__("c", torch.full((16,), 4.0)))
+    del b  # after the allocation above was issued: on CUDA it came first
+    gate.set()
+    s.synchronize()
+    assert box.pop("c").tolist() == [4.0] * 16
+    s.close()
+
+
+def _use_without_giving(s: Stream, t: torch.Tensor, out: torch.Tensor) -> None:
+    s.wait_current()
+    s.enqueue(lambda: out.copy_(t * 2), (out,))  # t is read but not given
+
+
+UNGIVEN = (r"stream '{}' used a buffer of the caller's \(16 bytes, seen as float32\[4\]\) that "
+           r"it was not given \(enqueue\(..., tensors=\)\), and the caller dropped it before "
+           r"that work was done")
+
+
+def _dropped_before_the_work(name: str, keep_view: bool) -> list[float]:
+    s = Stream(name=name)
+    gate = threading.Event()
+    s.enqueue(lambda: gate.wait(10.0))  # the stream is busy: the work below runs later
+    out = torch.zeros(4)
+    t = torch.ones(4)
+    view = t[1:] if keep_view else None  # the caller still holds the memory
+    _use_without_giving(s, t, out)
+    del t  # on CUDA the allocator could hand t's memory out again now
+    gate.set()
+    try:
+        s.synchronize()
+    finally:
+        s.close()
+    del view
+    return out.tolist()
+
+
+def test_a_caller_buffer_the_work_was_not_given_must_outlive_it(monkeypatch):
+    with pytest.raises(RuntimeError, match=UNGIVEN.format("ungiven")):
+        _dropped_before_the_work("ungiven", keep_view=False)
+    assert _dropped_before_the_work("ungiven-kept", keep_view=True) == [2.0] * 4
+    s = Stream(name="ungiven-then")  # the violation is also raised by the next enqueue
+    s.enqueue(lambda: None)
+    s._memory.violation = RuntimeError("streams: recorded")
+    with pytest.raises(RuntimeError, match="recorded"):
+        s.enqueue(lambda: None)
+    s.close()
+    monkeypatch.setattr(stream_memory, "STRICT", False)
+    assert _dropped_before_the_work("ungiven-unchecked", keep_view=False) == [2.0] * 4
+
+
+def test_memory_that_is_not_the_allocators_is_exempt():
+    import mmap
+
+    s = Stream(name="shm")
+    out = torch.zeros(4)
+    t = torch.frombuffer(mmap.mmap(-1, 16), dtype=torch.float32)  # like a shared workspace
+    t.fill_(1.0)
+    gate = threading.Event()
+    s.enqueue(lambda: gate.wait(10.0))
+    _use_without_giving(s, t, out)
+    del t
+    gate.set()
+    s.synchronize()
+    assert out.tolist() == [2.0] * 4
+    s.close()

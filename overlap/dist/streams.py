@@ -10,6 +10,7 @@ every twin work item by a random 0..D ms. Errors raised by twin work are re-rais
 host ``synchronize``/event wait. Work that touches a buffer ``device_empty`` allocated must be
 ordered after the caller's stream since that allocation (the caching allocator reuses memory
 freed on the caller's stream at once); ``Stream.enqueue`` checks it on every device and raises.
+``stream_memory``: the rules for memory twin work allocates, or uses without being given it.
 The narrative: docs/design/dist.md.
 """
 
@@ -26,6 +27,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from overlap.dist.fifo import FifoWorker
+from overlap.dist.stream_memory import StreamMemory
 from overlap.profile import syncs
 
 __all__ = ["Stream", "Event", "StreamTimeout", "StreamStillRunning", "delay_ms",
@@ -210,13 +212,16 @@ class Stream:
             self._progress = threading.Condition(threading.Lock())
             self._worker = FifoWorker(f"overlap-stream-{name}", lambda item: self._execute(*item),
                                       self._closed_error)
+            self._memory = StreamMemory(name, lambda: next(_caller_points))
 
     # -- issuing
     def enqueue(self, fn: Callable[[], None], tensors: tuple[torch.Tensor, ...] = ()) -> None:
         """Run ``fn`` on this stream after everything enqueued before it. ``tensors``: what
         ``fn`` reads or writes that the caller's stream allocated (CUDA: ``record_stream``, so
         the caching allocator does not hand their memory out again while ``fn``'s kernels
-        may still use it; the twin keeps them alive through the closure).
+        may still use it; the twin keeps them until ``fn`` ran, then drops ``fn``: a caller
+        buffer ``fn`` used without being given it and held the last reference to is a
+        violation, raised by the next ``enqueue`` or sync; see ``stream_memory``).
 
         Two rules, checked on every device (on CPU the caller's work is always done by then,
         so breaking them could never show as wrong numbers; it raises instead):
@@ -236,7 +241,9 @@ class Stream:
                 if t.is_cuda:  # pinned host memory is not the caching allocator's
                     t.record_stream(self.cuda)
             return
-        self._put(("run", fn))
+        if self._memory.violation is not None:
+            raise self._memory.violation
+        self._put(("run", self._memory.work(fn, tuple(tensors), self._caller_point)))
 
     def enqueue_copy(self, dst: torch.Tensor, src: torch.Tensor, *,
                      keep_src: bool = True, name: str | None = None) -> None:
@@ -349,6 +356,8 @@ class Stream:
     def _raise_error(self) -> None:
         if self._error is not None:
             raise self._error
+        if self._memory.violation is not None:
+            raise self._memory.violation
 
     def _execute(self, kind: str, arg) -> None:
         try:
@@ -358,10 +367,10 @@ class Stream:
             else:
                 self._delay()
                 if self._error is None:  # after an error the stream's later work is void
-                    try:
-                        arg()
-                    except BaseException as exc:  # noqa: BLE001 - surfaces at the next sync
-                        self._error = exc
+                    error = self._memory.run(arg)  # surfaces at the next sync
+                    if error is not None:
+                        self._error = error
+                arg.fn, arg.keep = None, ()
         finally:
             with self._progress:
                 self._finished += 1
