@@ -50,7 +50,7 @@ def _state(opname: str, group) -> GroupState:
 
 
 def _launch(opname, state, group, t, body, *, async_op, check_ranks, comm_dtype, op, block_size,
-            timeout, tag):
+            timeout, tag, feedback=None):
     device = t.device
     if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < 2**62:
         raise TypeError(f"{opname}: tag must be an int in [0, 2**62), got {tag!r} (rank "
@@ -75,7 +75,10 @@ def _launch(opname, state, group, t, body, *, async_op, check_ranks, comm_dtype,
                                       named=True)
         return body(run)
 
-    return submit(opname, state, checked_body, async_op=async_op, device=device, timeout=timeout)
+    given = (t,) if feedback is None else (t, *(r for r in (
+        feedback.residual, feedback.shard_residual) if r is not None))
+    return submit(opname, state, checked_body, async_op=async_op, device=device, timeout=timeout,
+                  tensors=given)
 
 
 def all_reduce(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "sum",
@@ -132,7 +135,8 @@ def all_reduce(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "s
 
         return _launch(opname, state, group, t, body, async_op=async_op,
                        check_ranks=check_ranks, comm_dtype=comm_dtype, op=op,
-                       block_size=block_size, timeout=timeout, tag=tag)
+                       block_size=block_size, timeout=timeout, tag=tag,
+                       feedback=error_feedback)
 
 
 def reduce_scatter(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "sum",
@@ -174,7 +178,8 @@ def reduce_scatter(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str 
 
         return _launch(opname, state, group, t, body, async_op=async_op,
                        check_ranks=check_ranks, comm_dtype=comm_dtype, op=op,
-                       block_size=block_size, timeout=timeout, tag=tag)
+                       block_size=block_size, timeout=timeout, tag=tag,
+                       feedback=error_feedback)
 
 
 def all_gather(t: torch.Tensor, *, group, comm_dtype: str = "fp32",

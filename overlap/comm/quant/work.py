@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from overlap.defaults import TIMEOUT_S
 from overlap.comm.quant.state import (GroupState, QuantCommError, QuantTimeout, existing_state)
-from overlap.dist import streams
 
 __all__ = ["QuantWork", "OpRun", "submit", "drain", "DEFAULT_TIMEOUT"]
 
@@ -264,11 +263,13 @@ def _await_previous(op: str, state: GroupState, prev: QuantWork | None, timeout:
 
 
 def submit(op: str, state: GroupState, body: Callable[[], Any], *, async_op: bool,
-           device: torch.device, timeout: float) -> Any:
+           device: torch.device, timeout: float, tensors: tuple[torch.Tensor, ...] = ()) -> Any:
     """Run ``body`` after every earlier async op of this package on the group: inline when not
     ``async_op`` (returns its result; the caller fails the group on error), else on the group's
     communication stream (returns a QuantWork; an error fails the group and is raised by
-    ``wait()``).
+    ``wait()``). ``tensors``: the caller's buffers ``body`` uses (the input, the error
+    feedback), given to the stream's work (CUDA: ``record_stream``), so the caller may drop
+    them before ``wait()``.
 
     Every async op of a group runs on that group's one stream (``overlap.dist.streams``), so
     the ops that share the group's scratch buffers are ordered on the device, not only on the
@@ -290,10 +291,9 @@ def submit(op: str, state: GroupState, body: Callable[[], Any], *, async_op: boo
         return body()
 
     stream = state.stream(device)
-    if device.type == "cuda":
-        ready = streams.Event(device)
-        ready._cuda.record()  # the inputs are complete on the caller's stream at this point
-        stream.wait_event(ready)
+    # After the caller's stream: the inputs are written there, and memory it freed since the
+    # last op (results this stream allocated) may come back to this op's allocations at once.
+    stream.wait_current()
 
     def run() -> None:
         try:
@@ -310,7 +310,7 @@ def submit(op: str, state: GroupState, body: Callable[[], Any], *, async_op: boo
                 if state.tail is work:
                     state.tail = None
 
-    stream.enqueue(run)
+    stream.enqueue(run, tensors)
     return work
 
 
