@@ -110,6 +110,7 @@ def _rank_main(
     launcher_pid: int,
     num_threads: int,
 ) -> None:
+    t_enter = time.time()  # forked and unpickled (the test module imported)
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -142,7 +143,9 @@ def _rank_main(
                               timeout=timedelta(seconds=timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
+        t_ready = time.time()
         value = fn(*args, **kwargs)
+        _stats(kind="rank", rank=rank, enter=t_enter, ready=t_ready, done=time.time())
         msg: tuple = ("ok", value, None, None, time.monotonic() - t0, time.time())
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
         msg = ("error", None, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
@@ -161,6 +164,18 @@ def _rank_main(
     stack_file.close()
     # Skip interpreter teardown: a failed rank may hold threads blocked in gloo.
     os._exit(0)
+
+
+def _stats(**row) -> None:
+    """With OVERLAP_LAUNCH_STATS=<file>: one JSON line per launch and per rank (what starting
+    ranks costs against the test bodies: tools/launch_stats.py sums them)."""
+    path = os.environ.get("OVERLAP_LAUNCH_STATS")
+    if path:
+        import json
+
+        row.setdefault("launch", os.environ.get("OVERLAP_LAUNCH_ID", ""))
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def _context(preload: Sequence[str]) -> mp.context.BaseContext:
@@ -205,6 +220,8 @@ def launch(
     kwargs = kwargs or {}
     child_env = {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
     child_env.update(env or {})
+    launch_id = f"{os.getpid()}-{time.monotonic_ns()}"
+    child_env["OVERLAP_LAUNCH_ID"] = launch_id
     ctx = _context(preload)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
@@ -213,7 +230,7 @@ def launch(
     pids: list[int] = []
     conns: list[mp.connection.Connection] = []
     outcomes: list[RankOutcome | None] = [None] * world_size
-    t_start = time.monotonic()
+    t_start, t_wall = time.monotonic(), time.time()
     try:
         for rank in range(world_size):
             parent_conn, child_conn = ctx.Pipe(duplex=False)
@@ -230,6 +247,7 @@ def launch(
             child_conn.close()
             procs.append(p)
             conns.append(parent_conn)
+        t_started = time.time()
         _collect(procs, conns, outcomes, t_start, timeout, grace, tmpdir.name)
     finally:
         for p in procs:
@@ -248,6 +266,9 @@ def launch(
                 pass
         del store
         tmpdir.cleanup()
+        _stats(kind="launch", launch=launch_id, world=world_size, start=t_wall,
+               started=locals().get("t_started"), end=time.time(),
+               test=os.environ.get("PYTEST_CURRENT_TEST", ""))
 
     final = [o for o in outcomes if o is not None]
     failed = [o for o in final if o.status != "ok"]
