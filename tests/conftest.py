@@ -28,3 +28,22 @@ def no_leaks():
         os.unlink(os.path.join("/dev/shm", name))
     assert not children, f"rank processes outlived the test: {children}"
     assert not leaked, f"/dev/shm segments outlived the test (removed now): {leaked}"
+
+
+# -- order: the longest files first (tests/durations.json, seconds per file of a serial run), so
+# that run concurrently (the README's command: pytest-xdist) the last tests to start are short
+# ones and no worker is left alone with a long tail. Within a file the order is kept. A file
+# without an entry counts as a minute: new files run early, where a slow one costs least.
+def pytest_collection_modifyitems(config, items):
+    import json
+
+    path = os.path.join(os.path.dirname(__file__), "durations.json")
+    try:
+        with open(path) as f:
+            seconds = json.load(f)["seconds_per_file"]
+    except (OSError, ValueError, KeyError):
+        return
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path.name, i)
+    items.sort(key=lambda item: (-seconds.get(item.path.name, 60.0), first[item.path.name]))
