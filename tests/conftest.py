@@ -3,27 +3,19 @@ import os
 
 import pytest
 
-from overlap.dist.launch import leaked_shm_segments
-from overlap.dist.host import pid_alive as _pid_alive
-
-
-def _creator_alive(name: str) -> bool:
-    try:
-        pid = int(name.split("_")[1])
-    except (IndexError, ValueError):
-        return False
-    return _pid_alive(pid)
+from harness import shm_leaks_since
+from overlap.dist.launch import orphaned_shm_segments
 
 
 @pytest.fixture(autouse=True)
 def no_leaks():
     """Every test must leave no rank processes and no overlap /dev/shm segments behind."""
-    before = set(leaked_shm_segments())
+    before = set(orphaned_shm_segments())
     yield
     children = [p for p in multiprocessing.active_children() if p.name.startswith("overlap-rank")]
-    # Only segments whose creator has exited: another pytest session on the machine may be
-    # using its own segments right now.
-    leaked = sorted(n for n in set(leaked_shm_segments()) - before if not _creator_alive(n))
+    # Only segments whose creator has exited, and still there after the settling time: the
+    # other workers' tests (pytest-xdist), or another session, may be using theirs right now.
+    leaked = shm_leaks_since(before)
     for name in leaked:
         os.unlink(os.path.join("/dev/shm", name))
     assert not children, f"rank processes outlived the test: {children}"

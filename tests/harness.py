@@ -18,10 +18,10 @@ from typing import Any, Callable
 import pytest
 
 from overlap.dist.device import gpu_present
-from overlap.dist.launch import LaunchError, RankOutcome, launch
+from overlap.dist.launch import LaunchError, RankOutcome, launch, orphaned_shm_segments
 
 __all__ = ["run_ranks", "run_ranks_outcomes", "requires_gpu", "LaunchError", "RankOutcome",
-           "WORLD_SIZES"]
+           "WORLD_SIZES", "shm_leaks_since"]
 
 # GPU-only tests carry this mark. Each has a CPU twin that runs the same logic on gloo / shared
 # memory / the Triton interpreter, so nothing is untested here. Asked without initialising CUDA:
@@ -106,3 +106,19 @@ def fail_signals_then_call(mode: str, stall_s: float, call: Callable[[], Any]) -
         call()
     except Exception:  # noqa: BLE001 - the peers' outcomes are what the tests check
         pass
+
+
+def shm_leaks_since(before: set[str], settle_s: float = 6.0) -> list[str]:
+    """/dev/shm segments orphaned (creator exited) that were not orphaned at ``before``
+    (``set(orphaned_shm_segments())``). Tests run concurrently (pytest-xdist): a segment of a
+    rank that another test killed is orphaned until its own launcher removes it, within that
+    launcher's grace, so a segment counts as leaked only if it is still there after
+    ``settle_s``."""
+    import time
+
+    leaked = set(orphaned_shm_segments()) - before
+    deadline = time.monotonic() + settle_s
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.2)
+        leaked &= set(orphaned_shm_segments())
+    return sorted(leaked)

@@ -19,7 +19,7 @@ import torch
 
 from overlap.profile.synthetic import Kernel, Range, write_nsys
 
-pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+pytestmark = pytest.mark.no_delay_pass("end to end; component files run its async paths delayed")
 
 ROOT = Path(__file__).resolve().parents[1]
 COL = "trace_overlap%"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 TESTS = Path(__file__).resolve().parent
 

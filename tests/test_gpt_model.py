@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from overlap.models import GPT, GPTConfig, gpt_loss, pipeline_piece_costs
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 # (vocab, seq_len, d_model, n_layer, n_head): includes odd vocab / heads and head_dim 3.
 CONFIGS = [(64, 16, 32, 2, 4), (41, 9, 12, 1, 4), (97, 7, 24, 3, 3)]

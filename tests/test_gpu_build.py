@@ -24,7 +24,7 @@ from overlap.comm.quant import kernels as qk  # noqa: E402
 from overlap.kernels import cuda as kc  # noqa: E402
 from overlap.symm import cuda as sc  # noqa: E402
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 ROOT = Path(__file__).resolve().parent.parent
 

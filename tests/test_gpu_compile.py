@@ -16,7 +16,7 @@ import pytest
 
 from overlap.kernels import compile_check, registry
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 ROOT = Path(__file__).resolve().parent.parent
 OLDEST_TRITON = "3.4.0"  # the oldest Triton pyproject admits

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from harness import WORLD_SIZES, LaunchError, run_ranks, run_ranks_outcomes
 
-pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+pytestmark = pytest.mark.no_delay_pass("end to end; component files run its async paths delayed")
 
 
 def _sum_of_ranks(scale):

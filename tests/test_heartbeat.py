@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from overlap.dist.heartbeat import Heartbeat, watched_ranks
 
-pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+pytestmark = pytest.mark.no_delay_pass("end to end; component files run its async paths delayed")
 
 INTERVAL, TIMEOUT = 0.1, 0.6
 

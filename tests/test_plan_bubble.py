@@ -9,7 +9,7 @@ from overlap.plan.bubble import (PP_NAMES, _replay, closed_form_bubble, peak_liv
                                  simulate_stages)
 from overlap.pp import build_schedule, simulate
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 CASES = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 7, 1), ("interleaved", 4, 8, 2),
          ("interleaved", 2, 6, 3), ("zb-h1", 4, 8, 1), ("zb-h1", 3, 5, 1)]

@@ -7,7 +7,7 @@ from overlap.plan.estimate import estimate
 from overlap.plan.fit import errors, load_table, paper_flops, report, row_setup
 from overlap.plan.profiles import FITTED
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 # Per-row relative error of TFLOP/s per GPU with the shipped parameters, as docs/planner.md reports
 # them (python -m overlap.plan.fit --report). A change to the model that moves any row by more

@@ -12,7 +12,7 @@ from overlap.plan.cli import main
 from overlap.plan.estimate import GIB, estimate
 from overlap.plan.profiles import PROFILES
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 EXAMPLE = ["--model", "gpt3-175b", "--gpus", "512", "--gpu", "a100-80g", "--tp", "8", "--pp",
            "8", "--global-batch", "1536", "--micro-batch", "1"]

@@ -12,7 +12,7 @@ from overlap.plan.comm import axis_placement, collective_time, p2p_time, placeme
 from overlap.plan.estimate import estimate
 from overlap.plan.selfpredict import CONFIGS, plan_inputs
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 A100 = get_profile("a100-80g")
 

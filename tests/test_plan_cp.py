@@ -18,7 +18,7 @@ from overlap.plan.layout import CP_METHODS
 from overlap.plan.memory import layer_activation_bytes, memory_per_rank, rank_params
 from overlap.plan.search import Constraints
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 H100 = get_profile("h100-sxm")
 MIB = 2**20

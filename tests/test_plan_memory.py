@@ -8,7 +8,7 @@ import pytest
 from overlap.plan import ClusterSpec, Layout, ModelSpec, get_model, get_profile
 from overlap.plan.memory import layer_activation_bytes, memory_per_rank, rank_params
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 A100_80 = get_profile("a100-80g")
 

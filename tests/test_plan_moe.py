@@ -16,7 +16,7 @@ from overlap.plan.estimate import estimate
 from overlap.plan.fit_moe import errors, load_runs
 from overlap.plan.memory import memory_per_rank
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 H100 = get_profile("h100-sxm")
 

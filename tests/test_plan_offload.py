@@ -21,7 +21,7 @@ from overlap.plan.profiles import PCIE_GEN5_X16
 from overlap.plan.search import Constraints
 from overlap.pp import build_schedule
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 H100 = get_profile("h100-sxm")
 S = 131072

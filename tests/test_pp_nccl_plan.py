@@ -7,7 +7,7 @@ import pytest
 from overlap.pp import ScheduleError, build_schedule
 from overlap.pp.programs import NcclOrderDeadlock, channels_of, check_nccl_order, rank_plan
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 GRID = [(name, p, m, 1) for name in ("gpipe", "1f1b", "zb_h1")
         for p in (2, 4, 8) for m in range(p, 4 * p + 1)]

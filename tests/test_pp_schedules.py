@@ -16,7 +16,7 @@ from overlap.pp import (ScheduleError, build_schedule, check_schedule, diagram, 
                         simulate)
 from overlap.pp.schedules import Action, lower, one_f_one_b
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 CASES = [(name, p, m, 1) for name in ("gpipe", "1f1b", "zb_h1")
          for p in (1, 2, 3, 4, 5) for m in range(p, 4 * p + 1)]

@@ -7,7 +7,7 @@ from overlap.profile.kineto import spans_from_events
 from overlap.profile.metrics import analyze_rank, exposed_intervals, lane_of, summary
 from overlap.profile.spans import RankTrace, intersect, merge, subtract
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 US = 1e-6
 

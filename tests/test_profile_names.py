@@ -13,7 +13,7 @@ from overlap.profile import names, nvtx, timers
 from overlap.profile.names import COMM, COMPUTE, FUSED, STEP, Kind
 from overlap.profile.trace import classify
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ from overlap.profile.nsys import export_report, read_nsys_sqlite
 from overlap.profile.synthetic import VARIANTS, Kernel, Range, worked_example, write_nsys
 from overlap.profile.trace import events_from_nsys_sqlite, overlap_metrics
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 US = 1e-6
 # The worked example (overlap.profile.synthetic.worked_example), by hand, in us:

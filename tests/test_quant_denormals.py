@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from overlap.comm.quant import kernels as qk  # noqa: E402
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 IMPLS = ("torch", "cpp", "triton")
 F32 = torch.float32

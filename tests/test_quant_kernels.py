@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 from overlap.comm.quant import kernels as qk  # noqa: E402
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 BACKENDS = ("torch", "cpp", "triton")
 FMAX = torch.finfo(torch.float32).max

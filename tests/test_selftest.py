@@ -13,7 +13,7 @@ from overlap.selftest.checks import TIMEOUT_SLACK
 from overlap.selftest.env import detect, nvlink_from_topo
 from overlap.selftest.report import JSON_FIELDS, merge
 
-pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+pytestmark = pytest.mark.no_delay_pass("end to end; component files run its async paths delayed")
 
 TP = [f"tp.{op}.{be}" for op in ("all_gather_matmul", "matmul_reduce_scatter",
                                   "matmul_all_reduce") for be in ("chunked", "symmetric", "triton")]
@@ -81,31 +81,40 @@ def test_cli_runs_every_check_and_passes(tmp_path):
     assert (env["nccl"], env["peer_access"], env["nvlink"]) == ("n/a", "n/a", "n/a")
 
 
-@pytest.mark.parametrize("name, metric", [("tp.matmul_reduce_scatter.symmetric", "rel err"),
-                                          ("pp.1f1b_step", "rel err"),
-                                          ("ep.moe.dropless", "rel err"),
-                                          ("ep.moe.symmetric", "rel err"),
-                                          ("ep.int8_dispatch", "err/bound"),
-                                          ("ep.pipeline_pairs", "rel err"),
-                                          ("cp.attention.ring", "rel err"),
-                                          ("streams.event_order", "max |err|"),
-                                          ("symm.poisoned_output", "wrong elements"),
-                                          ("quant.all_gather.int8.async", "err/bound")])
-def test_a_failing_check_makes_the_exit_code_nonzero(tmp_path, name, metric):
-    path = tmp_path / "selftest.json"
-    proc = _selftest("--only", f"{name},symm.signal_ring", "--inject-failure", name,
-                     "--json", str(path), "--device", "cpu")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    doc = json.loads(path.read_text())
+INJECTED = [("tp.matmul_reduce_scatter.symmetric", "rel err"), ("pp.1f1b_step", "rel err"),
+            ("ep.moe.dropless", "rel err"), ("ep.moe.symmetric", "rel err"),
+            ("ep.int8_dispatch", "err/bound"), ("ep.pipeline_pairs", "rel err"),
+            ("cp.attention.ring", "rel err"), ("streams.event_order", "max |err|"),
+            ("symm.poisoned_output", "wrong elements"),
+            ("quant.all_gather.int8.async", "err/bound")]
+
+
+@pytest.fixture(scope="module")
+def injected(tmp_path_factory):
+    """One selftest run with every check of INJECTED corrupted, and one that is not: each case
+    below reads its own check from it (one run instead of ten: CI time)."""
+    path = tmp_path_factory.mktemp("inject") / "selftest.json"
+    names = [n for n, _ in INJECTED]
+    proc = _selftest("--only", ",".join([*names, "symm.signal_ring"]),
+                     "--inject-failure", ",".join(names), "--json", str(path), "--device", "cpu")
+    return proc, json.loads(path.read_text()) if path.exists() else None
+
+
+@pytest.mark.parametrize("name, metric", INJECTED)
+def test_a_failing_check_makes_the_exit_code_nonzero(injected, name, metric):
+    proc, doc = injected
+    assert proc.returncode == 1 and doc is not None, proc.stdout + proc.stderr
     assert doc["passed"] is False
     by_name = {c["name"]: c for c in doc["checks"]}
-    assert sorted(by_name) == sorted([name, "symm.signal_ring"])
+    assert sorted(by_name) == sorted([n for n, _ in INJECTED] + ["symm.signal_ring"])
     bad = by_name[name]
     assert bad["passed"] is False and bad["metric"] == metric
     assert bad["measured"] > 100 * bad["limit"]     # the injected error, +1e3 on one element
     assert "exceeds" in bad["error"] and bad["error"].startswith("rank ")
     assert by_name["symm.signal_ring"]["passed"] is True
-    assert "1 of 2 checks passed" in proc.stdout and f"FAILED: {name}" in proc.stdout
+    assert f"1 of {len(INJECTED) + 1} checks passed" in proc.stdout
+    failed = proc.stdout.split("FAILED: ", 1)[1].splitlines()[0].split(", ")
+    assert sorted(failed) == sorted(n for n, _ in INJECTED)
 
 
 def test_only_matching_nothing_fails():

@@ -8,7 +8,7 @@ import torch
 
 from overlap import _C
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 
 def test_store_load_add_semantics():

@@ -20,7 +20,7 @@ from overlap.dist.slurm import (SlurmError, adopt, default_port, expand_hostlist
                                 expand_tasks_per_node, is_slurm_step, read_step)
 from train_cli import check_diffs
 
-pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+pytestmark = pytest.mark.no_delay_pass("end to end; component files run its async paths delayed")
 
 TINY = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
         "--micro-batch-size", "2", "--micro-batches", "2", "--timeout", "60"]

@@ -7,7 +7,12 @@ import torch
 from overlap.dist.stamp import (MAGIC, STAMP_WORDS, Agreement, Disagreement, Schema,
                                 shape_words)
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = [
+    pytest.mark.no_delay_pass("no stream or twin op"),
+    # the device path's messages ride on float sums: exact while every partial sum is an
+    # integer the float type holds, in any summation order (the portable-kernel pass)
+    pytest.mark.numerics("stamps ride on float sums, exact in any summation order"),
+]
 
 SCHEMA = Schema("t", ("op_a", "op_b"), (("x shape", 3, "shape"), ("dtype", 1, "dtype"),
                                         ("mode", 1, ("off", "on"))))

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from harness import run_ranks
 
-pytestmark = pytest.mark.no_delay_pass  # compiled runs of the ops test_tp_ops_numerics runs delayed
+pytestmark = pytest.mark.no_delay_pass("compiled runs of the ops test_tp_ops_numerics runs delayed")
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 PATTERNS = ("both", "x_only", "w_only", "gathered_used")

@@ -7,6 +7,8 @@ import pytest
 
 from train_cli import check_diffs, run_train
 
+pytestmark = pytest.mark.no_numerics_pass("end to end; the model and op files run its numerics")
+
 TINY = ["--steps", "3", "--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
         "--micro-batch-size", "2", "--micro-batches", "2", "--timeout", "240"]
 

@@ -18,7 +18,7 @@ from harness import run_ranks
 from overlap.train.activations import (LayerShape, expected_bytes, korthikanti_bytes,
                                        sp_gather_extra)
 
-pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+pytestmark = pytest.mark.no_delay_pass("end to end; component files run its async paths delayed")
 
 MODES = ("none", "selective", "full")
 # (s, b, h, a): 5as/h = 40 and 10, so the scores term dominates in one and not the other

@@ -20,7 +20,10 @@ from overlap.train.__main__ import BF16_CHECK_REL
 from overlap.train.config import parse_args
 from test_train_checkpoint import _read
 
-pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+pytestmark = [
+    pytest.mark.no_delay_pass("end to end; component files run its async paths delayed"),
+    pytest.mark.no_numerics_pass("end to end; the model and op files run its numerics"),
+]
 
 # the main job's defaults (tp2 x pp2 x dp2, 1f1b, 4 x 4 sequences of 64 tokens, 4 layers of
 # width 64) with a usual recipe around them

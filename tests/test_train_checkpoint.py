@@ -16,7 +16,7 @@ import torch
 from overlap.train.config import parse_args
 from train_cli import read_checkpoint, run_train, step_losses
 
-pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+pytestmark = pytest.mark.no_delay_pass("end to end; component files run its async paths delayed")
 
 TINY = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
         "--timeout", "240", "--clip-grad", "0.5", "--weight-decay", "0.1",

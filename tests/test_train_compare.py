@@ -11,7 +11,7 @@ from overlap.train.__main__ import _comparison
 from overlap.train.config import ConfigError, TrainConfig
 from test_train import TINY, _run
 
-pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+pytestmark = pytest.mark.no_delay_pass("end to end; component files run its async paths delayed")
 
 
 def test_compare_no_overlap_reports_both_runs_with_equal_losses():

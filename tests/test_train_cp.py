@@ -16,7 +16,10 @@ import pytest
 
 from train_cli import check_diffs, run_train, step_losses
 
-pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+pytestmark = [
+    pytest.mark.no_delay_pass("end to end; component files run its async paths delayed"),
+    pytest.mark.no_numerics_pass("end to end; the model and op files run its numerics"),
+]
 
 TINY = ["--steps", "3", "--n-layer", "2", "--d-model", "32", "--n-head", "4", "--seq-len", "16",
         "--micro-batch-size", "2", "--micro-batches", "2", "--timeout", "240"]

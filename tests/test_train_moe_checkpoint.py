@@ -17,7 +17,10 @@ import torch
 from test_train_checkpoint import PARAM_ATOL, _losses, _read, _run
 from overlap.train.config import parse_args
 
-pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+pytestmark = [
+    pytest.mark.no_delay_pass("end to end; component files run its async paths delayed"),
+    pytest.mark.no_numerics_pass("end to end; the model and op files run its numerics"),
+]
 
 TINY = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
         "--timeout", "240", "--clip-grad", "0.5", "--weight-decay", "0.1",

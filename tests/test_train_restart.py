@@ -11,10 +11,11 @@ import sys
 import pytest
 import torch
 
-from overlap.dist.launch import leaked_shm_segments
+from harness import shm_leaks_since
+from overlap.dist.launch import orphaned_shm_segments
 from test_train_checkpoint import _read
 
-pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+pytestmark = pytest.mark.no_delay_pass("end to end; component files run its async paths delayed")
 
 ARGS = ["--steps", "6", "--n-layer", "2", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
         "--micro-batch-size", "2", "--micro-batches", "2", "--timeout", "120",
@@ -32,7 +33,7 @@ def test_sigkill_one_rank_then_restart_equals_uninterrupted(tmp_path):
     # step index >= 2: after the first checkpoint (step_2) was started; at index 2 it may still
     # be in flight, and then the restart must not use it half-written
     kill_rank, kill_step = rng.randrange(8), rng.randrange(2, 6)
-    shm_before = set(leaked_shm_segments())
+    shm_before = set(orphaned_shm_segments())
     faulty = _run(["--save", str(tmp_path / "faulty"), "--max-restarts", "1",
                    "--kill-rank", str(kill_rank), "--kill-at-step", str(kill_step)])
     msg = f"kill rank {kill_rank} at step {kill_step}\n" + faulty.stdout[-3000:] + \
@@ -55,4 +56,4 @@ def test_sigkill_one_rank_then_restart_equals_uninterrupted(tmp_path):
     published = [n for n in os.listdir(tmp_path / "faulty") if re.fullmatch(r"step_\d+", n)]
     assert "step_6" in published
     assert all(os.path.isfile(tmp_path / "faulty" / n / ".metadata") for n in published)
-    assert set(leaked_shm_segments()) - shm_before == set()
+    assert shm_leaks_since(shm_before) == []

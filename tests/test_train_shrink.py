@@ -18,12 +18,16 @@ import time
 
 import pytest
 
-from overlap.dist.launch import leaked_shm_segments
+from harness import shm_leaks_since
+from overlap.dist.launch import orphaned_shm_segments
 from overlap.train.config import ConfigError, parse_args
 from overlap.train.shrink import choose_layout, layout_dict, mark_node_down, nodes_down
 from train_cli import run_train
 
-pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+pytestmark = [
+    pytest.mark.no_delay_pass("end to end; component files run its async paths delayed"),
+    pytest.mark.no_numerics_pass("end to end; the model and op files run its numerics"),
+]
 
 TINY = ["--n-layer", "3", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
         "--micro-batch-size", "2", "--micro-batches", "2", "--timeout", "120",
@@ -88,7 +92,7 @@ def _shrink_case(tmp_path, base: list[str], rpn: int, steps: int, grow=False, se
     nodes = cfg.world_size // rpn
     node, step = rng.randrange(nodes), rng.randrange(3, min(steps - 1, 7))  # after step_2
     log = tmp_path / "log.jsonl"
-    shm_before = set(leaked_shm_segments())
+    shm_before = set(orphaned_shm_segments())
     args = [*TINY, *base, "--steps", str(steps), "--save", str(tmp_path / "ck"),
             "--max-restarts", "1", "--ranks-per-node", str(rpn), "--min-nodes", "1",
             "--kill-node", str(node), "--kill-at-step", str(step), "--log-json", str(log)]
@@ -99,7 +103,7 @@ def _shrink_case(tmp_path, base: list[str], rpn: int, steps: int, grow=False, se
         res = run_train(args, timeout=400)
     msg = f"kill node {node} at step {step}\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
     assert res.returncode == 0, msg
-    assert set(leaked_shm_segments()) <= shm_before, msg
+    assert shm_leaks_since(shm_before) == [], msg
     return cfg, res, _log(log), msg
 
 

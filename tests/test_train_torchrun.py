@@ -16,7 +16,7 @@ import torch
 
 from train_cli import read_checkpoint, run_train, step_losses
 
-pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+pytestmark = pytest.mark.no_delay_pass("end to end; component files run its async paths delayed")
 
 TINY = ["--tp", "1", "--pp", "2", "--dp", "1", "--n-layer", "2", "--d-model", "32", "--n-head",
         "2", "--seq-len", "16", "--micro-batch-size", "2", "--micro-batches", "2", "--steps",

@@ -8,7 +8,7 @@ import pytest
 
 from overlap.train.config import parse_args
 
-pytestmark = pytest.mark.no_delay_pass  # end to end; component files run its async paths delayed
+pytestmark = pytest.mark.no_delay_pass("end to end; component files run its async paths delayed")
 
 
 def _one_line_error(argv, capsys) -> str:

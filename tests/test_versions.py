@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from harness import run_ranks
 
-pytestmark = pytest.mark.no_delay_pass  # no stream or twin op for delays to reorder
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 
 OLD_TRITON, OLD_TORCH = "3.3.1", "2.7.1"
 

@@ -25,7 +25,7 @@ def load(path: str) -> list[dict]:
             row = json.loads(line)
             if row["kind"] == "launch":
                 launches[row["launch"]] = row
-            else:
+            elif row["kind"] == "rank":
                 ranks[row["launch"]].append(row)
     out = []
     for lid, row in launches.items():

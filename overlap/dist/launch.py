@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import gc
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import pickle
 import signal
@@ -29,6 +31,7 @@ from datetime import timedelta
 from typing import Any, Callable, Literal, Sequence
 
 from overlap.defaults import positive_int, positive_seconds
+from overlap.dist import run_stats
 
 __all__ = ["launch", "LaunchError", "RankOutcome", "leaked_shm_segments"]
 
@@ -82,6 +85,20 @@ def leaked_shm_segments() -> list[str]:
         return []
 
 
+def orphaned_shm_segments() -> list[str]:
+    """The overlap /dev/shm segments whose creator (the pid in the name) has exited: leaks.
+    A live creator's segment may be in use by a run beside this one (concurrent tests)."""
+    from overlap.dist.host import pid_alive
+
+    def alive(name: str) -> bool:
+        try:
+            return pid_alive(int(name.split("_")[1]))
+        except (IndexError, ValueError):
+            return False
+
+    return [n for n in leaked_shm_segments() if not alive(n)]
+
+
 def _watch_launcher(launcher_pid: int, deadline: float) -> None:
     # A rank must not outlive its launcher (e.g. pytest killed with SIGKILL) nor its hard deadline.
     while True:
@@ -111,6 +128,10 @@ def _rank_main(
     num_threads: int,
 ) -> None:
     t_enter = time.time()  # forked and unpickled (the test module imported)
+    # What the fork server preloaded (torch, overlap) lives as long as the rank: out of the
+    # collector's reach, so that its full collections do not walk it (nor copy its pages).
+    gc.freeze()
+    gc.enable()
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -145,7 +166,7 @@ def _rank_main(
                                 timeout=timedelta(seconds=timeout))
         t_ready = time.time()
         value = fn(*args, **kwargs)
-        _stats(kind="rank", rank=rank, enter=t_enter, ready=t_ready, done=time.time())
+        run_stats.write(kind="rank", rank=rank, enter=t_enter, ready=t_ready, done=time.time())
         msg: tuple = ("ok", value, None, None, time.monotonic() - t0, time.time())
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
         msg = ("error", None, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
@@ -166,18 +187,6 @@ def _rank_main(
     os._exit(0)
 
 
-def _stats(**row) -> None:
-    """With OVERLAP_LAUNCH_STATS=<file>: one JSON line per launch and per rank (what starting
-    ranks costs against the test bodies: tools/launch_stats.py sums them)."""
-    path = os.environ.get("OVERLAP_LAUNCH_STATS")
-    if path:
-        import json
-
-        row.setdefault("launch", os.environ.get("OVERLAP_LAUNCH_ID", ""))
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-
 def _context(preload: Sequence[str]) -> mp.context.BaseContext:
     # The fork server starts once per launcher process; what it preloads is fixed then. No
     # preload module may initialise CUDA (a rank forked after that cannot use it): they ask
@@ -185,7 +194,14 @@ def _context(preload: Sequence[str]) -> mp.context.BaseContext:
     global _preload_set
     ctx = mp.get_context("forkserver")
     if not _preload_set:
-        ctx.set_forkserver_preload(list(dict.fromkeys([*_PRELOAD, *preload])))
+        # One module, overlap.dist.preload, imports the list with the collector paused; the
+        # list reaches the server in its environment, set only while it starts.
+        ctx.set_forkserver_preload(["overlap.dist.preload"])
+        os.environ["OVERLAP_PRELOAD"] = ",".join(dict.fromkeys([*_PRELOAD, *preload]))
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            del os.environ["OVERLAP_PRELOAD"]
         _preload_set = True
     return ctx
 
@@ -266,7 +282,7 @@ def launch(
                 pass
         del store
         tmpdir.cleanup()
-        _stats(kind="launch", launch=launch_id, world=world_size, start=t_wall,
+        run_stats.write(kind="launch", launch=launch_id, world=world_size, start=t_wall,
                started=locals().get("t_started"), end=time.time(),
                test=os.environ.get("PYTEST_CURRENT_TEST", ""))
 

@@ -35,8 +35,8 @@ class SelftestConfig:
     peer_timeout: float = _field(2.0, "timeout of the missing-peer check: the op must raise "
                                       "within it (plus 10 s of slack for a loaded machine)")
     timeout: float = _field(600.0, "seconds before a hung local run is killed")
-    inject_failure: str | None = _field(None, "tests only: corrupt the named check's result",
-                                        hidden=True)
+    inject_failure: str | None = _field(None, "tests only: corrupt the named checks' results "
+                                              "(comma-separated names)", hidden=True)
 
     def validate(self) -> None:
         """Raise ConfigError (one line) for settings that cannot work."""
@@ -56,6 +56,10 @@ class SelftestConfig:
         if not self.only:
             return True
         return any(fnmatch.fnmatchcase(check, pat.strip()) for pat in self.only.split(","))
+
+    def corrupts(self, check: str) -> bool:
+        """Whether --inject-failure names this check (tests only)."""
+        return check in {n.strip() for n in (self.inject_failure or "").split(",")}
 
 
 _PROG = "overlap-selftest"

@@ -70,7 +70,7 @@ def run_rank(cfg: SelftestConfig, device_type: str,
             break
         ctx = RankContext(check=name, rank=rank, world=world, device=device,
                           op_timeout=cfg.op_timeout, peer_timeout=cfg.peer_timeout,
-                          corrupt=cfg.inject_failure == name, barrier=meet)
+                          corrupt=cfg.corrupts(name), barrier=meet)
         t0 = time.perf_counter()
         try:
             m = fn(ctx)
