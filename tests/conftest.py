@@ -22,20 +22,33 @@ def no_leaks():
     assert not leaked, f"/dev/shm segments outlived the test (removed now): {leaked}"
 
 
-# -- order: the longest files first (tests/durations.json, seconds per file of a serial run), so
-# that run concurrently (the README's command: pytest-xdist) the last tests to start are short
-# ones and no worker is left alone with a long tail. Within a file the order is kept. A file
-# without an entry counts as a minute: new files run early, where a slow one costs least.
+# -- order: tests/durations.json has each file's seconds in a serial run and which files keep
+# the cores busy (end-to-end jobs, compiles) rather than wait (on peers, timeouts, stalls they
+# provoke). Run concurrently (the README's command: pytest-xdist, 3 workers), the two kinds are
+# interleaved in proportion to their totals, so that waiting tests run beside busy ones instead
+# of after them, and within each kind the longest files come first, so that no worker is left
+# alone with a long tail. Within a file the order is kept. A file without an entry counts as
+# 5 s of waiting.
 def pytest_collection_modifyitems(config, items):
     import json
 
     path = os.path.join(os.path.dirname(__file__), "durations.json")
     try:
         with open(path) as f:
-            seconds = json.load(f)["seconds_per_file"]
+            doc = json.load(f)
+        seconds, busy = doc["seconds_per_file"], set(doc.get("cpu_bound", ()))
     except (OSError, ValueError, KeyError):
         return
-    first = {}
-    for i, item in enumerate(items):
-        first.setdefault(item.path.name, i)
-    items.sort(key=lambda item: (-seconds.get(item.path.name, 60.0), first[item.path.name]))
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.path.name, []).append(item)
+    streams = [sorted((f for f in files if (f in busy) == kind),
+                      key=lambda f: -seconds.get(f, 5.0)) for kind in (True, False)]
+    totals = [sum(seconds.get(f, 5.0) for f in s) or 1.0 for s in streams]
+    done, order = [0.0, 0.0], []
+    while any(streams):
+        k = min((i for i in (0, 1) if streams[i]), key=lambda i: done[i] / totals[i])
+        f = streams[k].pop(0)
+        done[k] += seconds.get(f, 5.0)
+        order += files[f]
+    items[:] = order

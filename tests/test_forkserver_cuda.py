@@ -73,7 +73,7 @@ def _preload_lists() -> dict[str, list[str]]:
 
     base = list(launch._PRELOAD)
     return {"launch": base, "harness": base + list(harness._PRELOAD),
-            "main job": base + list(elastic._PRELOAD),
+            "main job": base + list(elastic._PRELOAD + elastic._PRELOAD_CHECKPOINT),
             "selftest": base + list(runner.preload_for("cpu"))}
 
 
