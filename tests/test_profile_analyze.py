@@ -18,6 +18,8 @@ from overlap.profile.metrics import analyze_rank
 from overlap.profile.nsys import read_nsys_sqlite
 from overlap.profile.synthetic import Kernel, worked_example, write_chrome, write_nsys
 
+pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
+
 US = 1e-6
 GEMM = names.chunk("all_gather_matmul", "chunked", "gemm", 0)
 HIDDEN = names.chunk("all_gather_matmul", "chunked", "comm", 1)

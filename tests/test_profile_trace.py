@@ -9,8 +9,6 @@ import torch.distributed as dist
 from harness import run_ranks
 from overlap.profile.trace import load_events, overlap_metrics, union_length
 
-pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
-
 
 def _ev(name, ts, dur, tid=1):
     return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid}
