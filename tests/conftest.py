@@ -1,10 +1,16 @@
+import gc
 import multiprocessing
 import os
 
-import pytest
+# Before torch and numpy start their thread pools: an idle OpenMP thread sleeps instead of
+# spinning. Three workers share two cores, and a thread spinning in one worker's reference
+# computation took CPU from another test's ranks (about 4% of the suite's CPU).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from harness import shm_leaks_since
-from overlap.dist.launch import orphaned_shm_segments
+import pytest  # noqa: E402
+
+from harness import shm_leaks_since  # noqa: E402
+from overlap.dist.launch import orphaned_shm_segments  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -52,3 +58,14 @@ def pytest_collection_modifyitems(config, items):
         done[k] += seconds.get(f, 5.0)
         order += files[f]
     items[:] = order
+
+
+# What collection imported (torch, transformers, every test module) lives for the session: out
+# of the collector's reach, so its full passes do not walk it after every few tests. Given back
+# at the end, so that the interpreter's exit frees it as usual.
+def pytest_collection_finish(session):
+    gc.freeze()
+
+
+def pytest_unconfigure(config):
+    gc.unfreeze()
