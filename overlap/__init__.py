@@ -11,13 +11,17 @@ import sys as _sys
 
 # Every overlap process imports torch. Its import allocates millions of objects that live as
 # long as the process, and the collector's full passes over them cost about 40% of the import's
-# CPU: paused for it (reference counting still frees what dies).
+# CPU: paused for it (reference counting still frees what dies), and what it made is then
+# frozen out of later full passes (gc.freeze; not once triton is loaded, whose bindings report
+# frozen objects as leaks at exit).
 if "torch" not in _sys.modules and _gc.isenabled():
     _gc.disable()
     try:
         import torch as _torch  # noqa: F401
     finally:
         _gc.enable()
+    if "triton" not in _sys.modules:
+        _gc.freeze()
 
 __version__ = "0.1.0"
 
