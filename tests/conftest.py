@@ -6,6 +6,7 @@ import os
 # spinning. Three workers share two cores, and a thread spinning in one worker's reference
 # computation took CPU from another test's ranks (about 4% of the suite's CPU).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's BLAS threads spin the same way
 
 import pytest  # noqa: E402
 
