@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import os
 import re
 import shlex
@@ -106,17 +105,11 @@ def static_problems(root: str = ROOT) -> list[str]:
 
 def twin_files(stats: str) -> set[str]:
     """The test files whose work reached the stream twin's delay point (run_stats lines)."""
-    launches, twins = {}, []
-    with open(stats) as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue  # a line cut by a killed process
-            if row.get("kind") == "launch":
-                launches[row["launch"]] = row.get("test", "")
-            elif row.get("kind") == "twin":
-                twins.append(row)
+    from overlap.dist import run_stats
+
+    rows = run_stats.read(stats)
+    launches = {r["launch"]: r.get("test", "") for r in rows if r.get("kind") == "launch"}
+    twins = [r for r in rows if r.get("kind") == "twin"]
     out = set()
     for row in twins:
         test = row.get("test") or launches.get(row.get("launch", ""), "")

@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
+
+from overlap.dist import run_stats
 
 
 def load(path: str) -> list[dict]:
     launches, ranks = {}, collections.defaultdict(list)
-    with open(path) as f:
-        for line in f:
-            row = json.loads(line)
-            if row["kind"] == "launch":
-                launches[row["launch"]] = row
-            elif row["kind"] == "rank":
-                ranks[row["launch"]].append(row)
+    for row in run_stats.read(path):
+        if row["kind"] == "launch":
+            launches[row["launch"]] = row
+        elif row["kind"] == "rank":
+            ranks[row["launch"]].append(row)
     out = []
     for lid, row in launches.items():
         rs = ranks.get(lid, [])

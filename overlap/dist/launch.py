@@ -92,7 +92,7 @@ def orphaned_shm_segments() -> list[str]:
 
     def alive(name: str) -> bool:
         try:
-            return pid_alive(int(name.split("_")[1]))
+            return pid_alive(int(name[len(SHM_PREFIX):].split("_")[0]))
         except (IndexError, ValueError):
             return False
 
@@ -131,7 +131,6 @@ def _rank_main(
     # What the fork server preloaded (torch, overlap) lives as long as the rank: out of the
     # collector's reach, so that its full collections do not walk it (nor copy its pages).
     gc.freeze()
-    gc.enable()
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -246,7 +245,7 @@ def launch(
     pids: list[int] = []
     conns: list[mp.connection.Connection] = []
     outcomes: list[RankOutcome | None] = [None] * world_size
-    t_start, t_wall = time.monotonic(), time.time()
+    t_start, t_wall, t_started = time.monotonic(), time.time(), None
     try:
         for rank in range(world_size):
             parent_conn, child_conn = ctx.Pipe(duplex=False)
@@ -283,8 +282,8 @@ def launch(
         del store
         tmpdir.cleanup()
         run_stats.write(kind="launch", launch=launch_id, world=world_size, start=t_wall,
-               started=locals().get("t_started"), end=time.time(),
-               test=os.environ.get("PYTEST_CURRENT_TEST", ""))
+                        started=t_started, end=time.time(),
+                        test=os.environ.get("PYTEST_CURRENT_TEST", ""))
 
     final = [o for o in outcomes if o is not None]
     failed = [o for o in final if o.status != "ok"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 
-__all__ = ["enabled", "write", "note_twin_op"]
+__all__ = ["enabled", "write", "read", "note_twin_op"]
 
 _noted: set[tuple[str, str]] = set()
 
@@ -31,6 +31,18 @@ def write(**row) -> None:
         row.setdefault("launch", os.environ.get("OVERLAP_LAUNCH_ID", ""))
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+def read(path: str) -> list[dict]:
+    """Every row of a statistics file (a line cut short by a killed process is skipped)."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    return rows
 
 
 def note_twin_op() -> None:
