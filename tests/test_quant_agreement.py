@@ -254,3 +254,54 @@ def test_an_empty_call_on_one_rank_raises_on_every_rank(comm):
         assert ok == "numbers", (rank, ok)
         assert kind == "Disagreement" and "quant.all_gather" in msg, (rank, kind, msg)
         assert "rows=0" in msg and "rows=2" in msg and seconds < LIMIT_S, (rank, msg, seconds)
+
+
+def _slow_waiter_on_rank_1(async_op: bool):
+    """Rank 1 learns of its op's completion 0.5 s late (a descheduled wait thread, a delayed
+    stream): its peers have compared the stamps, raised and published their failure first."""
+    import threading
+
+    from overlap.comm.quant import work
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if rank == 1:
+        real = work._completion
+
+        def late(w):
+            done, finish = real(w)
+            relayed = threading.Event()
+
+            def relay():
+                done.wait()
+                time.sleep(0.5)
+                relayed.set()
+
+            threading.Thread(target=relay, daemon=True).start()
+            return relayed, finish
+
+        work._completion = late
+    out = []
+    for opname, comm, kw in (("all_reduce", "fp32", {"op": "avg" if rank == 1 else "sum"}),
+                             ("all_gather", "bf16", {"block_size": 64 if rank == 1 else 128}),
+                             ("reduce_scatter", "int8",
+                              {"block_size": 64 if rank == 1 else 128})):
+        g = dist.new_group(list(range(n)))
+        first = _attempt(lambda: _call(opname, _x(rank, 2 * n), g, comm, async_op))[0]
+        bad = _attempt(lambda: _call(opname, _x(rank, 2 * n), g, comm, async_op, **kw))
+        out.append((opname, first, bad[:3]))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("async_op", [False, True])
+def test_a_rank_that_learns_late_raises_the_disagreement_too(async_op, world_size):
+    """A peer's published disagreement reaches a slower rank as a Disagreement naming both
+    calls, never as a peer's failure of unknown cause."""
+    for rank, cases in enumerate(run_ranks(_slow_waiter_on_rank_1, world_size, async_op,
+                                           timeout=120)):
+        for opname, first, (kind, msg, seconds) in cases:
+            assert first == "numbers", (rank, opname, first)
+            assert kind == "Disagreement" and f"quant.{opname}" in msg, (rank, kind, msg)
+            assert "call 2" in msg and seconds < LIMIT_S, (rank, msg, seconds)
+            assert ("op=avg" in msg and "op=sum" in msg) or \
+                ("block_size=64" in msg and "block_size=128" in msg), (rank, msg)

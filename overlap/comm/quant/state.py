@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.dist.host import host_id, pid_alive
+from overlap.dist.stamp import Disagreement
 
 __all__ = ["QuantCommError", "QuantTimeout", "QuantCommFailed", "GroupState", "state_for",
            "existing_state", "failing"]
@@ -130,14 +131,17 @@ class GroupState:
             self.failed = text
             # An abandoned collective may still write into these; later ops must never see them.
             self._scratch = {}
-        kind = error.kind if isinstance(error, QuantCommError) else "error"
+        kind = (error.kind if isinstance(error, QuantCommError) else
+                "disagreement" if isinstance(error, Disagreement) else "error")
         if kind in ("peer_failed", "failed"):
             return
         self._store_call(lambda s: s.set(f"{self._key}/failed/{self.rank}", f"{kind}|{text}"))
 
     def peer_failures(self) -> list[tuple[int, str, str]]:
         """(group rank, kind, error) of every peer that published a failure. Kind "error" is a
-        failure of that peer's own (bad input, a kernel error); "died", "timeout" and
+        failure of that peer's own (bad input, a kernel error); "disagreement" is that peer
+        finding the ranks' calls differ (every rank of the call is at fault alike); "died",
+        "timeout" and
         "transport" mean that peer saw someone else fail: it is not the culprit."""
         found = []
         for r in range(self.size):

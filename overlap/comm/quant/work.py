@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from overlap.defaults import TIMEOUT_S
 from overlap.comm.quant.state import (GroupState, QuantCommError, QuantTimeout, existing_state)
+from overlap.dist.stamp import Disagreement
 
 __all__ = ["QuantWork", "OpRun", "submit", "drain", "DEFAULT_TIMEOUT"]
 
@@ -171,6 +172,17 @@ class OpRun:
         st = self.state
         dead = st.dead_peers()
         failures = st.peer_failures()
+        for peer, kind, msg in failures:
+            if kind != "disagreement":
+                continue
+            # Every rank received the stamps in the same exchange: let this rank's own
+            # comparison name the disagreement; if its op cannot finish, carry the peer's.
+            if done is not None and done.wait(_EXIT_GRACE_S):
+                return
+            raise Disagreement(f"{self.op}: {st.where}: {what} cannot complete: peer rank "
+                               f"{peer} found that the ranks' calls disagree: {msg}",
+                               op=self.op, call=self.stamp[1] if self.stamp else -1,
+                               ranks=(st.rank, peer))
         for peer, kind, msg in failures:
             if kind == "error":
                 raise QuantCommError(f"{self.op}: {st.where}: {what} cannot complete: peer rank "
