@@ -57,11 +57,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
 
 def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any,
                        timeout: float = DEFAULT_TIMEOUT, grace: float = 3.0,
-                       **kwargs: Any) -> list[RankOutcome]:
+                       backend: str | None = None, **kwargs: Any) -> list[RankOutcome]:
     """Like run_ranks, but returns every rank's RankOutcome instead of raising, for tests
     that expect failures (a killed peer, a timeout)."""
     return launch(fn, world_size, args=args, kwargs=kwargs, timeout=timeout, grace=grace,
-                  raise_on_error=False, backend=CPU_BACKEND, preload=_PRELOAD)
+                  raise_on_error=False, backend=backend or CPU_BACKEND, preload=_PRELOAD)
 
 
 def last_rank_fails_during(kind: str, timeout: float, call: Callable[[], Any]):

@@ -305,3 +305,41 @@ def test_a_rank_that_learns_late_raises_the_disagreement_too(async_op, world_siz
             assert "call 2" in msg and seconds < LIMIT_S, (rank, msg, seconds)
             assert ("op=avg" in msg and "op=sum" in msg) or \
                 ("block_size=64" in msg and "block_size=128" in msg), (rank, msg)
+
+
+def _sizes_change_after_a_good_call(check_ranks: bool, async_op: bool):
+    """On plain gloo (whose receive of a larger message than it posted aborts the process):
+    one agreeing call per (op, comm dtype), then rank 1 passes more rows, then fewer."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = []
+    for opname in OPS:
+        for comm in COMMS:
+            for extra in (n, -n):
+                g = dist.new_group(list(range(n)))
+                kw = dict(check_ranks=check_ranks)
+                first = _attempt(lambda: _call(opname, _x(rank, 2 * n), g, comm, async_op,
+                                               **kw))[0]
+                rows = 2 * n + (extra if rank == 1 else 0)
+                bad = _attempt(lambda: _call(opname, _x(rank, rows), g, comm, async_op, **kw))
+                out.append(((opname, comm, extra), first, bad[:3]))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("check_ranks, async_op", [(True, False), (False, False), (True, True),
+                                                   (False, True)])
+def test_a_size_change_on_plain_gloo_raises_on_every_rank_and_kills_nobody(
+        check_ranks, async_op, world_size):
+    """Sizes are agreed before the data moves on plain gloo, so a disagreement after a good
+    call raises a Disagreement naming both sizes on every rank instead of aborting one."""
+    n = world_size
+    outcomes = run_ranks_outcomes(_sizes_change_after_a_good_call, n, check_ranks, async_op,
+                                  timeout=240, grace=10, backend="gloo")
+    for o in outcomes:
+        assert o.status == "ok", o  # no process died
+        for (opname, comm, extra), first, (kind, msg, seconds) in o.value:
+            case = (o.rank, opname, comm, extra)
+            assert first == "numbers", case
+            assert kind == "Disagreement" and f"quant.{opname}" in msg, (case, kind, msg)
+            assert f"rows={2 * n}" in msg and f"rows={2 * n + extra}" in msg, (case, msg)
+            assert seconds < LIMIT_S, (case, seconds)

@@ -73,6 +73,10 @@ def _launch(opname, state, group, t, body, *, async_op, check_ranks, comm_dtype,
             if first and check_ranks:
                 paths.exchange_stamps(run, what="the cross-rank check's all_gather",
                                       named=True)
+            elif state.plain_gloo:
+                # Sizes agreed before the data moves: gloo kills a process whose receive is
+                # smaller than the message that lands (88 bytes per rank, one all-gather).
+                paths.exchange_stamps(run, what="the sizes' agreement all_gather")
         return body(run)
 
     given = (t,) if feedback is None else (t, *(r for r in (

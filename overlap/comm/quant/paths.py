@@ -109,6 +109,8 @@ def exchange_stamps(run, what: str = "all_gather", *, named: bool = False) -> No
     a ValueError listing every rank's value of the first field that differs; it reads the
     table on the host, once per group), and the exchange of a call with nothing to send (so a
     peer with data never waits for it)."""
+    if run.stamps_agreed:
+        return  # already exchanged and compared before the data (plain gloo)
     n = run.state.size
     send = run.buffer("stamp", (1, STAMP_BYTES), torch.uint8)
     _write_stamps(run, send, 0)
@@ -117,6 +119,7 @@ def exchange_stamps(run, what: str = "all_gather", *, named: bool = False) -> No
     if named:
         check_table(run.op, run.state.rank, table.view(torch.int64).tolist())
     _verify_rows(run, table, 0)
+    run.stamps_agreed = True
 
 
 def _views(buf: torch.Tensor, L: int, C: int | None = None

@@ -79,6 +79,7 @@ class OpRun:
         # and this call's stamp words, so a refused size can still name both calls.
         self.agree = None
         self.stamp: list[int] | None = None
+        self.stamps_agreed = False  # set once this call's stamps were exchanged alone
         self.peers = [q for q in range(state.size) if q != state.rank]
 
     def buffer(self, slot: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
