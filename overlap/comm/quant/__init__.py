@@ -104,7 +104,9 @@ def all_reduce(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "s
     any of those fields, or a rank that skipped a call, raises ``Disagreement`` on every rank
     naming the op, the call and both ranks' values, and never returns numbers; sizes that
     differ are refused by the transport on every rank (nccl_twin; on NCCL they hang until its
-    watchdog) and raise naming the op and the calls. It adds no collective, no host sync.
+    watchdog) and raise naming the op and the calls. It adds no collective, no host sync,
+    except on plain gloo, which kills a process whose receive is too small: there every call
+    all-gathers its stamp alone (88 bytes per rank) before the data moves.
     ``impl``: which INT8 kernels ("auto": C++ on CPU, Triton on GPU; "torch", "triton").
     ``timeout``: seconds each wait may take. ``tag``: an int in [0, 2**62) every rank must
     pass alike, carried in the stamp (a caller's own signature of the call: GradReducer passes
