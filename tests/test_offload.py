@@ -207,3 +207,50 @@ def test_bad_arguments_are_refused():
         off.close()
     # unwrapped: the class's forward again
     assert "forward" not in model.blocks[0].__dict__
+
+
+class _Scale(torch.nn.Module):
+    """A layer whose output its own backward needs (exp saves its result)."""
+
+    def forward(self, x):
+        return torch.exp(x)
+
+
+@pytest.mark.parametrize("where", ["the tensor", "a view of it", "its base"])
+def test_a_saved_tensor_modified_in_place_after_its_copy_raises_autograds_error(where):
+    """Without offload autograd refuses a backward through a saved tensor written in place;
+    with offload the backward would read the copy from before the write: it must refuse too."""
+    outs = []
+    for offload in (False, True):
+        layer = _Scale()
+        off = ActivationOffloader("cpu", timeout=5, min_bytes=0)
+        if offload:
+            off.wrap([layer, torch.nn.Identity()])
+        try:
+            x = torch.randn(64, 8, requires_grad=True)
+            base = torch.zeros(64, 8)
+            y = layer(x + base)  # y saved by exp's backward, offloaded
+            {"the tensor": lambda: y.mul_(2), "a view of it": lambda: y[3:5].add_(1),
+             "its base": lambda: y.view(-1).zero_()}[where]()
+            with pytest.raises(RuntimeError, match="modified by an inplace operation") as info:
+                y.sum().backward()
+            outs.append(str(info.value))
+            assert (x.grad is None)
+        finally:
+            off.close()
+    assert "ActivationOffloader" in outs[1] and "expected version 0" in outs[1], outs[1]
+
+
+def test_an_unmodified_saved_tensor_passes_the_version_check():
+    layer = _Scale()
+    off = ActivationOffloader("cpu", timeout=5, min_bytes=0)
+    off.wrap([layer, torch.nn.Identity()])
+    try:
+        x = torch.randn(64, 8, requires_grad=True)
+        y = layer(x)
+        z = y * 3  # reads y, writes nothing in place
+        z.sum().backward()
+        assert torch.allclose(x.grad, 3 * torch.exp(x.detach()), rtol=0, atol=0)
+        assert off.stats.offloaded >= 1
+    finally:
+        off.close()

@@ -135,14 +135,33 @@ class _CopyRef:
 
 
 class _Saved:
-    """What autograd holds for one offloaded saved tensor: its storage's copy and its view."""
+    """What autograd holds for one offloaded saved tensor: its storage's copy, its view, and
+    its version as saved with a storage-less alias that shares its version counter (autograd's
+    own check runs on the tensor it keeps, here a handle, so this one stands in for it)."""
 
-    __slots__ = ("ref", "dtype", "shape", "stride", "offset")
+    __slots__ = ("ref", "dtype", "shape", "stride", "offset", "version", "counter", "producer")
 
     def __init__(self, ref: _CopyRef, t: torch.Tensor):
         self.ref = ref
         self.dtype, self.shape, self.stride = t.dtype, t.shape, t.stride()
         self.offset = t.storage_offset()
+        self.version = t._version
+        # detach() shares t's version counter; replacing its data keeps the counter and lets
+        # the storage go (0 bytes), so every later in-place write to t or an alias shows here.
+        self.counter = t.detach()
+        self.counter.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        self.producer = type(t.grad_fn).__name__ if t.grad_fn is not None else None
+
+    def check_version(self) -> None:
+        now = self.counter._version
+        if now != self.version:
+            made = f", which is output of {self.producer}," if self.producer else ""
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{self.dtype} {list(self.shape)}]{made} is at version "
+                f"{now}; expected version {self.version} instead (seen by "
+                "overlap.memory.ActivationOffloader when it reloaded the offloaded copy: the "
+                "backward would have used the values from before the change)")
 
     def view(self) -> torch.Tensor:
         loaded = self.ref.copy.loaded
@@ -315,6 +334,7 @@ class ActivationOffloader:
     def _unpack(self, packed):
         if not isinstance(packed, _Saved):
             return packed
+        packed.check_version()
         copy = packed.ref.copy
         copy.start_reload()  # no-op when prefetched
         if self._wait_reload and not copy.reload.query():
