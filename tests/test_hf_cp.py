@@ -1,5 +1,5 @@
-"""overlap.cp.hf: tiny Llama, Qwen2, Qwen3, Mistral at cp 2 (Llama also by all-gather and
-Ulysses, at cp 2 x tp 2 and cp 1) vs the unsharded model on the whole sequence (gathered
+"""overlap.cp.hf: tiny Llama, Qwen2, Qwen3, Mistral at cp 2 (Llama also by all-gather, Ulysses,
+every rope type, at cp 2 x tp 2 and cp 1) vs the unsharded model on the whole sequence (gathered
 logits, loss, every gradient summed over CP, gathered over TP); refusals on every rank.
 Tolerance, fp32 (the ring has no fp64): both sides round each operation once (u = 2^-24 = 6e-8)
 and differ only in the order of sums (attention blocks merged by log-sum-exp vs one SDPA;
@@ -24,9 +24,15 @@ import torch
 import torch.distributed as dist
 
 from harness import run_ranks
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 VOCAB, SEQ, BATCH = 64, 24, 2  # 6 tokens per zig-zag chunk at cp 2
 TOL, GRAD_TOL = 3e-5, 6e-5
+# rope types (2 x 32 tokens: n <= 64 still): both sides rotate by the same cos/sin (same
+# frequencies, same positions); a rotation keeps |q| and |k|, so |s| grows only by the square
+# of the attention factor yarn and longrope put on cos/sin (<= 1.1 here): |s| <= 6.4, hence
+# (21 + 2 x 6.4) x 1e-6 -> 4e-5, gradients twice. Measured: <= 2.9e-7, 4.8e-7, 9.2e-7.
+ROPE_TOL, ROPE_GRAD_TOL = 4e-5, 8e-5
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 
 
@@ -86,7 +92,8 @@ def _cp_grads(model, dims, tp: int) -> dict:
     return gather_grads(model) if tp > 1 else {n: p.grad for n, p in model.named_parameters()}
 
 
-def _job(family: str, tp: int, cp: int, extras: bool, method: str = "ring"):
+def _job(family: str, tp: int, cp: int, extras: bool, method: str = "ring",
+         config: dict | None = None, seq: int = SEQ, again: tuple[int, ...] = ()):
     from overlap.cp import CPComm
     from overlap.cp.hf import cp_gather_logits, cp_loss, cp_shard_inputs, enable_context_parallel
     from overlap.dist import ParallelDims
@@ -99,13 +106,13 @@ def _job(family: str, tp: int, cp: int, extras: bool, method: str = "ring"):
     solo = None
     out = {}
     try:
-        ref = build(family)
+        ref = build(family, **(config or {}))
         model = copy.deepcopy(ref)
         if tp > 1:  # TP first (its verification runs the plain model), then the ring
             parallelize(model, comm=tp_comm, cp_comm=cp_comm)
         else:
             enable_context_parallel(model, comm=cp_comm, method=method)
-        ids = _batch(1)
+        ids = _batch(1, seq)
         shard = cp_shard_inputs(ids, comm=cp_comm, labels=ids)
         res = model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False)
         if extras and cp > 1:  # a second model on another communicator (a group of one)
@@ -120,6 +127,12 @@ def _job(family: str, tp: int, cp: int, extras: bool, method: str = "ring"):
                                 want.logits)
         out["loss_err"] = abs(loss.item() - want.loss.item())
         out["grad_err"], out["worst"] = _grad_err(_cp_grads(model, dims, tp), ref)
+        for i, length in enumerate(again):  # later calls, other lengths: the same logits
+            more = _batch(10 + i, length)
+            piece = cp_shard_inputs(more, comm=cp_comm)
+            got = model(input_ids=piece.input_ids, position_ids=piece.position_ids).logits
+            out[f"logit_err_{length}_{i}"] = _rel(cp_gather_logits(got.detach(), comm=cp_comm),
+                                                  ref(input_ids=more).logits)
         if cp == 1:  # the identity: nothing cut, positions 0..S-1, labels shifted by one
             out["identity"] = (torch.equal(shard.input_ids, ids)
                                and torch.equal(shard.position_ids[0], torch.arange(SEQ))
@@ -146,11 +159,12 @@ def _job(family: str, tp: int, cp: int, extras: bool, method: str = "ring"):
     return out
 
 
-def _check(results):
+def _check(results, tol: float = TOL, grad_tol: float = GRAD_TOL):
     for rank, res in enumerate(results):
-        assert res["logit_err"] <= TOL, (rank, res)
-        assert res["loss_err"] <= TOL, (rank, res)
-        assert res["grad_err"] <= GRAD_TOL, (rank, res)
+        for key in (k for k in res if k.startswith("logit_err")):
+            assert res[key] <= tol, (rank, key, res)
+        assert res["loss_err"] <= tol, (rank, res)
+        assert res["grad_err"] <= grad_tol, (rank, res)
         if "gathered_grad_err" in res:
             assert res["gathered_grad_err"] <= GRAD_TOL, (rank, res)
         if "solo_err" in res:
@@ -172,6 +186,49 @@ def test_other_families_cp2_equal_the_unsharded_model(family):
     """Qwen2 (qkv biases), Qwen3 (per-head q/k norms), Mistral (a sliding window longer than
     the sequence, which changes nothing) at cp 2: logits, loss and gradients."""
     _check(run_ranks(_job, 2, family, 1, 2, False, timeout=60))
+
+
+# one tiny config per rope type transformers ships (head size 8: 4 frequencies); the lengths
+# cross the types' thresholds: dynamic grows past max_position_embeddings 16 (each rank's
+# largest position differs: 31 / 23 at cp 2), longrope switches to its long factors past 28
+_THETA = {"rope_theta": 10000.0}
+ROPES = {
+    "default": {},
+    "linear": dict(rope_parameters={"rope_type": "linear", "factor": 2.0, **_THETA}),
+    "dynamic": dict(max_position_embeddings=16,
+                    rope_parameters={"rope_type": "dynamic", "factor": 2.0, **_THETA}),
+    "yarn": dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
+                                  "original_max_position_embeddings": 32, **_THETA}),
+    "longrope": dict(rope_parameters={"rope_type": "longrope", "factor": 2.0,
+                                      "short_factor": [1.0, 1.1, 1.3, 1.6],
+                                      "long_factor": [1.5, 2.5, 4.0, 8.0],
+                                      "original_max_position_embeddings": 28, **_THETA}),
+    "llama3": dict(rope_parameters={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 32, **_THETA}),
+    "proportional": dict(rope_parameters={"rope_type": "proportional",
+                                          "partial_rotary_factor": 0.5, **_THETA}),
+}
+# later calls: shorter (dynamic keeps its grown frequencies), below both thresholds (dynamic
+# resets, longrope goes short), longer (dynamic grows again)
+ROPE_SEQ, ROPE_AGAIN = 32, (24, 8, 40)
+
+
+@pytest.mark.parametrize("rope", ["default", *sorted(ROPE_INIT_FUNCTIONS)])
+def test_llama_rope_types_cp2_equal_the_unsharded_model(rope):
+    """Every rope type transformers ships at cp 2: logits, loss, every gradient, then the
+    logits of three more calls of other lengths (dynamic's frequencies carry over calls).
+    Dynamic and longrope pick frequencies from the largest position, which differs by rank:
+    each rank gets the whole sequence's. A new type fails here until it is decided."""
+    assert rope in ROPES, f"transformers ships rope type {rope!r}: add a config to ROPES"
+    _check(run_ranks(_job, 2, "llama", 1, 2, False, "ring", ROPES[rope], ROPE_SEQ, ROPE_AGAIN,
+                     timeout=60), ROPE_TOL, ROPE_GRAD_TOL)
+
+
+def test_llama_dynamic_rope_cp4_equals_the_unsharded_model():
+    """Dynamic rope at cp 4 (largest positions 31, 27, 23, 19 by rank)."""
+    _check(run_ranks(_job, 4, "llama", 1, 4, False, "ring", ROPES["dynamic"], ROPE_SEQ,
+                     ROPE_AGAIN, timeout=90), ROPE_TOL, ROPE_GRAD_TOL)
 
 
 @pytest.mark.parametrize("method", ["allgather", "ulysses"])
@@ -286,3 +343,69 @@ def test_bad_input_is_refused_on_every_rank():
                 assert needle in msg, (rank, key, needle, msg)
             assert f"rank {rank}" in msg, (rank, key, msg)
         assert res["after_err"] <= TOL, (rank, res)
+
+
+def _rotary_refusal_job():
+    import transformers as T
+    import transformers.modeling_rope_utils as mru
+
+    from overlap.cp import CPComm
+    from overlap.cp.hf import enable_context_parallel
+
+    comm = CPComm(dist.group.WORLD, timeout=60)
+    out = {}
+
+    def refused(key, model):
+        try:
+            enable_context_parallel(model, comm=comm)
+        except ValueError as exc:
+            out[key] = f"ValueError: {exc}"
+        else:
+            out[key] = None
+
+    try:
+        unknown = build("llama")
+        unknown.model.rotary_emb.rope_type = "mine"  # as a rope type added by a user would
+        refused("unknown", unknown)
+        ours = mru.ROPE_INIT_FUNCTIONS["linear"]
+        mru.ROPE_INIT_FUNCTIONS["linear"] = lambda config, *a, **kw: ours(config, *a, **kw)
+        try:
+            refused("replaced", build("llama", **ROPES["linear"]))
+        finally:
+            mru.ROPE_INIT_FUNCTIONS["linear"] = ours
+        custom = build("llama")
+        rotary = custom.model.rotary_emb
+        rotary.__class__ = type("MyRotaryEmbedding", (type(rotary),),
+                                {"forward": lambda self, x, position_ids: (x, x)})
+        refused("forward", custom)
+        refused("bloom", T.BloomForCausalLM(T.BloomConfig(vocab_size=VOCAB, hidden_size=32,
+                                                          n_layer=1, n_head=4)))
+        refused("falcon", T.FalconForCausalLM(T.FalconConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+            alibi=True)))
+    finally:
+        comm.close()
+    return out
+
+
+ROTARY_REFUSALS = {
+    "unknown": ("LlamaForCausalLM.model.rotary_emb", "rope type 'mine'",
+                "config.rope_parameters['rope_type']", "dynamic"),
+    "replaced": ("rope type 'linear'", "ROPE_INIT_FUNCTIONS['linear']"),
+    "forward": ("MyRotaryEmbedding", "dynamic_rope_update"),
+    "bloom": ("model_type 'bloom'", "ALiBi"),
+    "falcon": ("model_type 'falcon'", "ALiBi"),
+}
+
+
+def test_unknown_position_handling_is_refused_on_every_rank():
+    """enable_context_parallel refuses, on every rank, naming the model, the module, the
+    config field and the rope type: a rope type transformers does not ship, a shipped type
+    whose frequency function was replaced, a rotary module with its own forward, ALiBi
+    models."""
+    for rank, res in enumerate(run_ranks(_rotary_refusal_job, 2, timeout=60)):
+        for key, needles in ROTARY_REFUSALS.items():
+            msg = res[key]
+            assert msg is not None, f"rank {rank}: {key} was accepted"
+            for needle in ("ValueError: enable_context_parallel", f"rank {rank}", *needles):
+                assert needle in msg, (rank, key, needle, msg)

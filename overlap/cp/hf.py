@@ -9,8 +9,9 @@ vocabulary. ``cp_shard_inputs`` cuts a (b, S) batch into this rank's (b, s) piec
 positions and its next-token labels (shifted before sharding); ``cp_gather_logits`` rebuilds
 (b, S, V) in natural order (backward: this rank's rows); ``cp_loss`` is the mean over the whole
 sequence of every CP rank (its backward gives this rank's share: sum the parameter gradients
-over CP). Refused, naming op, argument and rank: attention masks, KV caches, dropout, sliding
-windows shorter than S, other families. Guide: docs/parallelize.md.
+over CP). Rotary frequencies that follow the largest position (dynamic, longrope) use the whole
+sequence's. Refused, naming op, argument and rank: attention masks, KV caches, dropout, sliding
+windows shorter than S, unknown rope types, other families (ALiBi). Guide: docs/parallelize.md.
 """
 
 from __future__ import annotations
@@ -127,6 +128,11 @@ def check_context_parallel(model: nn.Module, *, comm: CPComm) -> list[nn.Module]
         raise TypeError(f"{op}: comm must be an overlap.cp.CPComm (CPComm(dims.cp_group)), "
                         f"got {type(comm).__name__}{_rank()}")
     config = getattr(model, "config", None)
+    if _alibi(config):
+        raise ValueError(f"{op}: model_type {config.model_type!r} ({type(model).__name__}) "
+                         "adds ALiBi biases computed from the positions each rank sees to its "
+                         f"attention scores: not supported; supported families: "
+                         f"{list(FAMILIES)}{comm.where}")
     can_set = getattr(type(model), "_can_set_attn_implementation", None)
     if not hasattr(config, "_attn_implementation") or can_set is None or not can_set():
         raise TypeError(f"{op}: model must be a transformers model whose attention goes "
@@ -141,7 +147,87 @@ def check_context_parallel(model: nn.Module, *, comm: CPComm) -> list[nn.Module]
     if not attns:
         raise ValueError(f"{op}: found no attention module (a class named *Attention with a "
                          f"layer_idx) in {type(model).__name__}{comm.where}")
+    _length_rotaries(model, comm)
     return attns
+
+
+# ---------------------------------------------------------------- positions
+
+# transformers' rope types (ROPE_INIT_FUNCTIONS) -> the function it ships for each: the
+# frequencies of these come from the config alone, fixed when the module is built ...
+_STATIC_ROPE = {"linear": "_compute_linear_scaling_rope_parameters",
+                "yarn": "_compute_yarn_parameters", "llama3": "_compute_llama3_parameters",
+                "proportional": "_compute_proportional_rope_parameters"}
+# ... these are picked on every call from max(position_ids) + 1 (dynamic_rope_update)
+_LENGTH_ROPE = {"dynamic": "_compute_dynamic_ntk_parameters",
+                "longrope": "_compute_longrope_parameters"}
+_KNOWN_ROPE = {**_STATIC_ROPE, **_LENGTH_ROPE}
+_FIELD = "config.rope_parameters['rope_type'] (rope_scaling in older configs)"
+
+
+def _alibi(config) -> bool:
+    attn = getattr(config, "attn_config", None)  # MPT
+    alibi = attn.get("alibi") if isinstance(attn, dict) else getattr(attn, "alibi", False)
+    return getattr(config, "model_type", None) == "bloom" or bool(
+        getattr(config, "alibi", False) or alibi)
+
+
+def _length_rotaries(model: nn.Module, comm: CPComm) -> list[nn.Module]:
+    """The model's rotary embeddings whose frequencies depend on the largest position they
+    see; ValueError for one that transformers' dynamic_rope_update does not drive or whose
+    rope type (or its frequency function) is not one transformers ships."""
+    import transformers.modeling_rope_utils as mru
+
+    op, name = "enable_context_parallel", type(model).__name__
+    wrapper = mru.dynamic_rope_update(lambda self, x, position_ids: None).__code__
+    found = []
+    for path, m in model.named_modules():
+        if not type(m).__name__.endswith("RotaryEmbedding") and not hasattr(m, "inv_freq"):
+            continue
+        at = f"{name}.{path} ({type(m).__name__})"
+        if getattr(type(m).forward, "__code__", None) is not wrapper:
+            raise ValueError(f"{op}: the rotary embedding {at} is not transformers' standard "
+                             "one (a forward under dynamic_rope_update): its frequencies may "
+                             f"depend on the positions each rank sees{comm.where}")
+        rope = getattr(m, "rope_type", None)
+        if rope == "default":  # the module's own compute_default_rope_parameters
+            continue
+        if not isinstance(rope, str) or rope not in _KNOWN_ROPE:
+            raise ValueError(f"{op}: the rotary embedding {at} has rope type {rope!r} "
+                             f"({_FIELD}), which is not known to be safe "
+                             "under context parallelism; supported: "
+                             f"{['default', *_KNOWN_ROPE]}{comm.where}")
+        if mru.ROPE_INIT_FUNCTIONS.get(rope) is not getattr(mru, _KNOWN_ROPE[rope]):
+            raise ValueError(f"{op}: the rotary embedding {at} has rope type {rope!r} "
+                             f"({_FIELD}) but transformers' ROPE_INIT_FUNCTIONS[{rope!r}] is "
+                             f"not its own {_KNOWN_ROPE[rope]}: its frequencies may depend on the "
+                             f"positions each rank sees{comm.where}")
+        if rope in _LENGTH_ROPE:
+            found.append(m)
+    return found
+
+
+def _largest_position(comm: CPComm):
+    """Hooks on a rotary embedding that picks its frequencies from max(position_ids) + 1:
+    the pre-hook appends the largest position of the whole sequence (over the CP group) as
+    one more column, so every rank picks the unsharded model's frequencies (and keeps its
+    cache state in step with it); the forward hook drops that column from cos and sin."""
+
+    def pre(module, args, kwargs):
+        key = "position_ids" in kwargs
+        pos = kwargs["position_ids"] if key else args[1]
+        top = pos.max().reshape(1)
+        every = top.new_empty(comm.world)
+        wait(all_gather_single(every, top, group=comm.group, async_op=True),
+             op="rotary largest position", group=comm.group, timeout=comm.timeout, axis="cp")
+        pos = torch.cat([pos, every.max().expand(pos.shape[0], 1)], 1)
+        if key:
+            return args, {**kwargs, "position_ids": pos}
+        return (args[0], pos, *args[2:]), kwargs
+
+    def post(module, args, kwargs, output):
+        return tuple(t[..., :-1, :] for t in output)
+    return pre, post
 
 
 def enable_context_parallel(model: nn.Module, *, comm: CPComm, method: str = "ring"
@@ -167,6 +253,10 @@ def enable_context_parallel(model: nn.Module, *, comm: CPComm, method: str = "ri
     if base is not model:
         state.hooks.append(model.register_forward_pre_hook(_labels_check(model, comm),
                                                            with_kwargs=True))
+    pre, post = _largest_position(comm)
+    for rotary in _length_rotaries(model, comm) if comm.world > 1 else ():
+        state.hooks += [rotary.register_forward_pre_hook(pre, with_kwargs=True),
+                        rotary.register_forward_hook(post, with_kwargs=True)]
     return model
 
 
