@@ -73,3 +73,44 @@ def test_seq_len_63_fails_before_any_process():
                      "sequence over --tp 2: --seq-len 63 must be divisible by it (or pass "
                      "--no-sequence-parallel)"]
     assert res.stdout == ""
+
+
+def _train_with_rank_settings(kind: str, root: str):
+    """train_rank on every rank with one setting that differs on rank 1: the learning rate
+    (as a per-node command line under torchrun would), or the checkpoint a rank's own listing
+    of --resume finds (a node whose mount shows another latest step)."""
+    import torch.distributed as dist
+
+    from overlap.train.config import ConfigError, TrainConfig
+    from overlap.train.loop import train_rank
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    kw = dict(tp=2, pp=1, dp=n // 2, cp=1, steps=1, n_layer=2, d_model=32, n_head=2,
+              seq_len=16, micro_batches=1, micro_batch_size=1, tp_backend="unfused",
+              sharded_optimizer=False)
+    if kind == "lr":
+        kw["lr"] = 1e-3 if rank == 1 else 3e-3
+    else:
+        mine = os.path.join(root, f"rank{rank}")
+        step = os.path.join(mine, f"step_{20 if rank == 1 else 10}")
+        os.makedirs(step, exist_ok=True)
+        for name in (".metadata", "train_state.json"):
+            open(os.path.join(step, name), "w").close()
+        kw["resume"] = mine
+    try:
+        train_rank(TrainConfig(**kw), progress=False)
+    except ConfigError as exc:
+        return str(exc)
+    return "trained"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("kind", ["lr", "checkpoint"])
+def test_ranks_that_hold_different_settings_refuse_on_every_rank(kind, world_size, tmp_path):
+    from tests.harness import run_ranks
+
+    msgs = run_ranks(_train_with_rank_settings, world_size, kind, str(tmp_path), timeout=120)
+    want = ("'lr'", "0.003", "0.001") if kind == "lr" else ("step_10", "step_20",
+                                                            "checkpoint to resume from")
+    for rank, msg in enumerate(msgs):
+        assert all(w in msg for w in want), (rank, msg)

@@ -14,7 +14,7 @@ import os
 from overlap import cli
 from overlap.comm.quant.checks import COMM_DTYPES  # the one vocabulary: "fp32", "bf16", "int8"
 
-__all__ = ["TrainConfig", "ConfigError", "parse_args"]
+__all__ = ["TrainConfig", "ConfigError", "parse_args", "shared_settings", "agree_across_ranks"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 TP_BACKENDS = ("auto", "chunked", "symmetric", "triton", "unfused")
@@ -416,3 +416,45 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Parse and validate; a bad value exits with status 2 and a one-line message."""
     return cli.parse(TrainConfig, argv, prog=_PROG, description=_DESCRIPTION,
                      errors=(ConfigError,))
+
+
+# Settings a rank may hold on its own: paths (a node's own mount of the same files), what only
+# rank 0 writes, the local launcher's options, and the test-only fault injection.
+_PER_RANK = ("data", "save", "resume", "export", "profile", "log_json", "timeout", "transport",
+             "kill_rank", "kill_at_step", "kill_node")
+
+
+def shared_settings(cfg: TrainConfig) -> dict:
+    """The settings every rank of a job must hold alike (all but ``_PER_RANK``)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if f.name not in _PER_RANK}
+
+
+def agree_across_ranks(what: str, values: dict, device) -> None:
+    """Raise the same ConfigError on every rank of the default group if ranks hold different
+    ``values``: one all-gather of an 8-byte digest (``device``: the collective's device, a CUDA
+    one on NCCL); only on a mismatch the values themselves are gathered, to name the first
+    that differs with every rank's value. Under torchrun or srun each rank parses its own
+    command line, so a per-node difference would otherwise train silently apart."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+
+    blob = repr(sorted(values.items())).encode()
+    digest = int.from_bytes(hashlib.sha256(blob).digest()[:8], "little", signed=True)
+    n = dist.get_world_size()
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    every = torch.empty(n, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, mine)
+    if len(set(every.tolist())) == 1:
+        return
+    tables: list = [None] * n
+    dist.all_gather_object(tables, values)
+    for key in values:
+        column = [t.get(key) for t in tables]
+        if len(set(map(repr, column))) > 1:
+            raise ConfigError(f"{what}: ranks hold different {key!r} (rank order): {column}; "
+                              f"every rank must pass the same (rank {dist.get_rank()})")
+    raise ConfigError(f"{what}: ranks hold different settings: {tables} "
+                      f"(rank {dist.get_rank()})")

@@ -30,7 +30,7 @@ from overlap.dist.device import rank_device
 from overlap.models.gpt import GPT, GPTConfig, MoEMLP, gpt_loss
 from overlap.profile import nvtx
 from overlap.profile.timers import comm_wait, exposed_seconds, reset_exposed
-from overlap.train.config import VOCAB_SIZE, TrainConfig
+from overlap.train.config import VOCAB_SIZE, TrainConfig, agree_across_ranks, shared_settings
 from overlap.train.data import Batches, load_tokens
 from overlap.train.elastic import log_event
 from overlap.train.shrink import layout_dict
@@ -315,6 +315,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     from overlap.tp import close_default_comms
 
     device = rank_device()
+    agree_across_ranks("overlap-train", shared_settings(cfg), device)
     dims = ParallelDims.build(tp=cfg.tp, cp=cfg.cp, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep,
                               device_type=device.type)
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
@@ -567,6 +568,11 @@ def _maybe_resume(cfg, dims, model, stages, optimizers, tracker):
             pass
     if path is None and cfg.resume:
         path = latest_checkpoint(cfg.resume)
+    # Each rank lists the directory itself (a node's own mount, an NFS cache): every rank
+    # must load the same step, or the ranks would train on from different states.
+    agree_across_ranks("overlap-train: the checkpoint to resume from", {
+        "step directory": None if path is None else os.path.basename(os.path.normpath(path))},
+        rank_device())
     if path is None:  # a fault before the first checkpoint was complete: start over
         return 0, None, fault_s, None
     meta = read_meta(path)
