@@ -7,7 +7,8 @@ Forward ``o = merge(attend(q, kv_shard), attend(q, kv_0 minus own), attend(q, kv
 by log-sum-exp (fp32): the own block (the diagonal) is attended under both gathers, piece 0
 under the gather of piece 1. Backward: kv is gathered again; ``dq = sum_blocks ds k * scale``;
 ``dkv_shard = reduce_scatter(dkv_p)`` in fp32, piece 0's while piece 1 is computed. Errors:
-as the ring's; the stamp rides in the head of the first gather. Tolerances: docs/cp.md.
+as the ring's; the stamp rides in the head of the first gather (plain gloo: compared alone
+first, ``CPComm.stamps_alone``). Tolerances: docs/cp.md.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def _plan(piece: int, rank: int, cp: int, s: int, causal: bool) -> list[tuple[sl
 def _post_gathers(comm: CPComm, kv: torch.Tensor, op: str) -> list:
     """Post the all-gather of every piece of ``kv`` (2, b, hk, s, d); the first message
     carries this call's stamp. Returns [(work, gathered buffer, packet)] in piece order."""
+    comm.stamps_alone(op)
     posted, pieces = [], _pieces(kv.shape[3])
     for p, rows in enumerate(pieces):
         part = kv[:, :, :, rows]
@@ -85,7 +87,7 @@ def _ag_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: CPComm,
     comm.check_usable(op)
     with comm.guard(op):
         _validate(q, k, v, comm, causal, scale, block, op)
-        comm.stamp(op, q, k, causal)
+        comm.stamp(op, q, k, causal, scale)
         (b, h, s, d), hk = q.shape, k.shape[1]
         kernel = pick_kernel(block, q)
         kv = torch.stack([k, v])
@@ -112,7 +114,7 @@ def _ag_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     op = "allgather_attention_backward"
     comm.check_usable(op)
     with comm.guard(op):
-        comm.stamp(op, q, k, causal)
+        comm.stamp(op, q, k, causal, scale)
         (b, h, s, d), hk = q.shape, k.shape[1]
         g, cp = h // hk, comm.world
         kv = torch.stack([k, v])

@@ -24,7 +24,7 @@ from overlap.versions import (HAVE_OPAQUE, MemberType, OpaqueBase, compile_probl
 
 from overlap.defaults import TIMEOUT_S, positive_seconds
 from overlap.dist.device import comm_device
-from overlap.dist.stamp import STAMP_WORDS, Agreement, Schema
+from overlap.dist.stamp import STAMP_WORDS, Agreement, Schema, float_word
 from overlap.profile.timers import comm_wait
 
 __all__ = ["CPComm", "CPCommFailed", "SCHEMA", "Packet", "call_scale"]
@@ -35,7 +35,7 @@ SCHEMA = Schema("cp", ("ring_attention", "ring_attention_backward", "allgather_a
                       "allgather_attention_backward", "ulysses_attention",
                       "ulysses_attention_backward"),
                 (("q shape", 4, "shape"), ("kv shape", 4, "shape"), ("dtype", 1, "dtype"),
-                 ("causal", 1, "bool")))
+                 ("causal", 1, "bool"), ("scale", 1, "float")))
 
 # Channel store prefixes must be equal on both ends and unique per communicator: every rank
 # of a group creates its CPComms in the same order, so a count per group of ranks is both.
@@ -143,13 +143,15 @@ class CPComm(OpaqueBase):
                     pass
 
     # -- agreement
-    def stamp(self, op: str, q: torch.Tensor, kv: torch.Tensor, causal: bool) -> None:
+    def stamp(self, op: str, q: torch.Tensor, kv: torch.Tensor, causal: bool,
+              scale: float) -> None:
         """Count the call and write its stamp; the first call all-gathers every rank's stamp
         and raises the same Disagreement on every rank (a one-time cross-rank check)."""
-        key = (op, tuple(q.shape), tuple(kv.shape), q.dtype, causal)
+        key = (op, tuple(q.shape), tuple(kv.shape), q.dtype, causal, scale)
         self.agree.next(op, key=key, make=lambda: {
             "q shape": list(q.shape), "kv shape": list(kv.shape),
-            "dtype": _dtype_code(q.dtype), "causal": int(causal)})
+            "dtype": _dtype_code(q.dtype), "causal": int(causal),
+            "scale": float_word(scale)})
         self.agree.clear_received()
         if self.agree.calls == 1 and self.world > 1:
             self._first_call_check(op)
@@ -265,6 +267,18 @@ class CPComm(OpaqueBase):
     def _group_error(self, exc: Exception, op: str, what: str, how: str) -> RuntimeError:
         return RuntimeError(f"cp {op}: {what} over the CP group (global ranks "
                             f"{self.global_ranks}) {how}{self.where}: {exc}")
+
+    def stamps_alone(self, op: str) -> None:
+        """Plain gloo (``stamps_first``), before a collective whose sizes follow the call:
+        all-gather this call's stamp alone (128 bytes a rank) and compare it, so a rank whose
+        sizes differ raises a Disagreement instead of gloo aborting the process on a message
+        that outgrows its receive. Not on a communicator's first call (its check did this)."""
+        if not self.stamps_first or self.agree.calls == 1:
+            return
+        every, what = self.agree.send.new_empty(self.world * STAMP_WORDS), "the stamps alone"
+        self.wait_collective(self.collective("all_gather", every, self.agree.send, op=op,
+                                             what=what), op=op, what=what)
+        self.verify_rows(op, every.view(self.world, STAMP_WORDS))
 
     def verify_rows(self, op: str, rows: torch.Tensor) -> None:
         """Compare every rank's stamp (``rows``: (cp, STAMP_WORDS) int64, row q from CP rank

@@ -116,7 +116,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: CPCom
     comm.check_usable(op)
     with comm.guard(op):
         _validate(q, k, v, comm, causal, scale, block, op)
-        comm.stamp(op, q, k, causal)
+        comm.stamp(op, q, k, causal, scale)
         (b, h, s, d), hk = q.shape, k.shape[1]
         cp, rank = comm.world, comm.rank
         kernel = pick_kernel(block, q)
@@ -159,7 +159,7 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     op = "ring_attention_backward"
     comm.check_usable(op)
     with comm.guard(op):
-        comm.stamp(op, q, k, causal)
+        comm.stamp(op, q, k, causal, scale)
         (b, h, s, d), hk = q.shape, k.shape[1]
         g, cp, rank = h // hk, comm.world, comm.rank
         q5 = q.reshape(b, hk, g, s, d).float()

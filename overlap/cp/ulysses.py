@@ -7,8 +7,8 @@ sequence (each rank: h / cp heads of the whole sequence, put back in natural ord
 attention of those heads runs in tiles of zig-zag chunks (causal: tile t sees the tiles
 before it whole, itself under the mask); ``out_shard = all_to_all(o_h)``. Backward: ``do_h =
 all_to_all(dout_shard)``, the tiles' gradients, ``dq, dkv = all_to_all(dq_h, dkv_h)``. The
-stamp rides in the head of the first all-to-all. Nothing hides the all-to-alls (their bytes
-are small); docs/design/cp.md. Tolerances: docs/cp.md.
+stamp rides in the head of the first all-to-all (plain gloo: compared alone first). Nothing
+hides the all-to-alls (their bytes are small); docs/design/cp.md. Tolerances: docs/cp.md.
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ def _swap(comm: CPComm, packet: Packet, send: torch.Tensor, op: str, what: str
     """One all-to-all of ``send`` (cp, nbytes), waited; a stamped packet is checked."""
     if comm.world == 1:
         return send
+    if packet.stamped:
+        comm.stamps_alone(op)
     recv = torch.empty_like(send)
     comm.wait_collective(comm.collective("all_to_all", recv, send, op=op, what=what), op=op,
                          what=what)
@@ -119,7 +121,7 @@ def _ul_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: CPComm,
     with comm.guard(op):
         _validate(q, k, v, comm, causal, scale, block, op)
         rep = _check_heads(q, k, comm, op)
-        comm.stamp(op, q, k, causal)
+        comm.stamp(op, q, k, causal, scale)
         (b, h, s, d), cp = q.shape, comm.world
         hq, hkc = h // cp, k.shape[1] * rep // cp
         kv = torch.stack([k, v])
@@ -163,7 +165,7 @@ def _ul_backward(dout: torch.Tensor, q_h: torch.Tensor, kv_h: torch.Tensor, o_h:
     comm.check_usable(op)
     with comm.guard(op):
         (b, h, s, d), cp = dout.shape, comm.world
-        comm.stamp(op, dout, torch.empty(b, h_kv, s, d, device="meta"), causal)
+        comm.stamp(op, dout, torch.empty(b, h_kv, s, d, device="meta"), causal, scale)
         (_, hq, n, _), hkc = q_h.shape, kv_h.shape[2]
         packet = Packet([((b, hq, s, d), dout.dtype)], stamp=True)
         send = _stamped(comm, packet)

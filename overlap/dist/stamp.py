@@ -16,6 +16,7 @@ extra collective, message or host sync.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -23,8 +24,8 @@ import numpy as np
 import torch
 
 __all__ = ["STAMP_WORDS", "MAGIC", "Agreement", "Disagreement", "Schema", "device_mismatch",
-           "DTYPE_CODES", "dtype_name", "shape_words", "sum_tail_bits", "sum_tail_chunks",
-           "pack_sum_tail", "unpack_sum_tail"]
+           "DTYPE_CODES", "dtype_name", "shape_words", "float_word", "sum_tail_bits",
+           "sum_tail_chunks", "pack_sum_tail", "unpack_sum_tail"]
 
 STAMP_WORDS = 16
 MAGIC = 0x0F1A_57A3_0000_0001  # marks a written stamp (a zeroed slot is never one)
@@ -48,6 +49,15 @@ def shape_words(shape: Sequence[int], n: int) -> list[int]:
             tail *= d
         dims = dims[:n - 1] + [tail]
     return dims + [-1] * (n - len(dims))
+
+
+def float_word(x: float) -> int:
+    """A float64's bits as one stamp word (exact: two values agree only if they are equal)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _fmt_float(words: Sequence[int]) -> str:
+    return repr(struct.unpack("<d", struct.pack("<q", int(words[0])))[0])
 
 
 def _choice(names: tuple[str, ...]) -> Callable[[Sequence[int]], str]:
@@ -76,14 +86,15 @@ class Field:
 class Schema:
     """The stamp layout of one op family: ops by code, then named fields of fixed width.
 
-    ``fields``: (name, words, kind) with kind "int", "shape", "dtype", "bool" or a tuple of
-    names (the word indexes it): how a message shows it. Every rank of a communicator uses the
-    same schema, so a peer's words decode alike.
+    ``fields``: (name, words, kind) with kind "int", "shape", "dtype", "bool", "float" (a
+    float64's bits: :func:`float_word`) or a tuple of names (the word indexes it): how a
+    message shows it. Every rank of a communicator uses the same schema, so a peer's words
+    decode alike.
     """
 
     def __init__(self, family: str, ops: Sequence[str],
                  fields: Sequence[tuple[str, int, str]]):
-        shows = {"int": lambda w: str(int(w[0])), "shape": _fmt_shape,
+        shows = {"int": lambda w: str(int(w[0])), "shape": _fmt_shape, "float": _fmt_float,
                  "dtype": lambda w: dtype_name(int(w[0])),
                  "bool": lambda w: str(bool(w[0]))}
         self.family = family

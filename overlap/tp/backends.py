@@ -5,7 +5,8 @@ A backend says how big a workspace an op needs for a shape (``workspace``; None:
 and implements the three ops on 2-D, validated inputs: ``ChunkedBackend`` (ring / chunked
 collectives, any transport), ``SymmetricBackend`` (userbuffers on one host), ``TritonBackend``
 (Triton kernels; the "auto" choice on CUDA, never on CPU) and ``UnfusedBackend`` ("unfused":
-the no-overlap baseline).
+the no-overlap baseline; its collectives, and the backward's plain gather and scatter without a
+header block, carry the call's stamp in stamped rows or a SUM tail).
 
 Contract: workspace sizes are computed only here, and the phase counter lives only on the
 context. Default ``chunks`` = world for every op.
@@ -18,12 +19,16 @@ import importlib
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from overlap.tp import chunked, symmetric
 from overlap.versions import triton_problem
 from overlap.tp.context import TPContext
-from overlap.tp.collectives import (all_gather_dim, all_reduce, post_all_gather,
+from overlap.dist.stamp import (STAMP_WORDS, Agreement, pack_sum_tail, sum_tail_bits,
+                                sum_tail_chunks, unpack_sum_tail)
+from overlap.tp.collectives import (all_gather_dim, post_all_gather, post_all_reduce,
                                     post_reduce_scatter, reduce_scatter_dim, wait)
+from overlap.tp.stamps import WORDS
 
 __all__ = ["Backend", "ChunkedBackend", "SymmetricBackend", "TritonBackend", "UnfusedBackend",
            "backend_for", "have_triton_tp", "auto_backend", "triton_refusal", "gather",
@@ -232,34 +237,135 @@ class TritonBackend(Backend):
 
 
 class UnfusedBackend(Backend):
-    """Collective then GEMM (GEMM then collective), nothing overlapped; any transport."""
+    """Collective then GEMM (GEMM then collective), nothing overlapped; any transport. Each
+    collective carries the call's stamp (stamped rows, a SUM tail: below)."""
 
     name = "unfused"
 
     def all_gather_matmul(self, comm, context, x_shard, w, *, chunks, return_gathered):
         gathered = x_shard  # 2-D and validated: the collective without all_gather_dim's logic
         if comm.world > 1:
-            x_shard = x_shard.contiguous()
-            gathered = x_shard.new_empty(comm.world * x_shard.shape[0], x_shard.shape[1])
-            wait(post_all_gather(gathered, x_shard, comm.group),
-                 op="all_gather_matmul (unfused)", group=comm.group, timeout=comm.timeout)
+            gathered = stamped_all_gather(comm, x_shard, "all_gather_matmul (unfused)")
         y = None if w is None else gathered @ w
         return y, (gathered if return_gathered or w is None else None)
 
     def matmul_reduce_scatter(self, comm, context, x, w, *, chunks, overlap_with):
         y = x @ w
         if comm.world > 1:
-            out = y.new_empty(y.shape[0] // comm.world, y.shape[1])
-            wait(post_reduce_scatter(out, y, comm.group), op="matmul_reduce_scatter (unfused)",
-                 group=comm.group, timeout=comm.timeout)
-            y = out
+            y = stamped_reduce_scatter(comm, y, "matmul_reduce_scatter (unfused)")
         if overlap_with is not None:  # after the collective: nothing runs under it
             overlap_with()
         return y
 
     def matmul_all_reduce(self, comm, context, x, w, *, chunks):
-        return all_reduce(x @ w, group=comm.group, op="matmul_all_reduce (unfused)",
-                          timeout=comm.timeout)
+        if comm.world == 1:
+            return x @ w
+        return stamped_matmul_all_reduce(comm, x, w, "matmul_all_reduce (unfused)")
+
+
+# ---- stamps in the plain collectives (the unfused backend, the backward's gather/scatter) ---
+# An all-gather moves bytes: each rank's row is its stamp, then its piece. A SUM carries small
+# integers exactly: a tail of [world, WORDS * chunks] elements in the buffer's dtype, this
+# rank's stamp in its own row and zeros elsewhere (overlap.dist.stamp.pack_sum_tail), appended
+# to every rank's part. The received stamps land in ``agree.recv`` by one device copy and are
+# compared before the data is read (CPU: Disagreement; GPU: recorded, outputs poisoned, raised
+# without a sync). The price: a copy of the exchanged tensor into (or out of) the stamped
+# buffer, and a tail of world * 12 * 64 / bits elements per part.
+
+_HEAD_BYTES = STAMP_WORDS * 8
+
+
+def _stamps_alone(comm, op: str) -> None:
+    """Plain gloo, before a collective whose sizes follow the call: all-gather this call's
+    stamp alone (128 bytes a rank) and compare it, so ranks whose sizes differ raise a
+    Disagreement instead of gloo aborting the process (or returning garbage) on a message of
+    another size. Other transports refuse such sizes themselves or hang till the timeout."""
+    agree = comm.agree
+    plain = agree.transport.get("plain gloo")
+    if plain is None:
+        plain = agree.transport["plain gloo"] = (type(comm.group) is dist.ProcessGroup and
+                                                 dist.get_backend(comm.group) == "gloo")
+    if plain:
+        every = agree.send.new_empty(comm.world * STAMP_WORDS)
+        wait(post_all_gather(every, agree.send, comm.group), op=f"{op}: the stamps alone",
+             group=comm.group, timeout=comm.timeout)
+        _verify(agree, op, every.view(comm.world, STAMP_WORDS))
+
+
+def _verify(agree: Agreement, op: str, words: torch.Tensor) -> None:
+    """Compare ``words`` [world, <= STAMP_WORDS] (row q from rank q) with this call's stamp."""
+    agree.clear_received()
+    agree.recv[:, :words.shape[1]].copy_(words)
+    agree.verify(op, [q for q in range(agree.world) if q != agree.rank])
+
+
+def stamped_all_gather(comm, x: torch.Tensor, op: str) -> torch.Tensor:
+    """Every rank's ``x`` [m, k] in rank order, [world * m, k], the stamps checked."""
+    _stamps_alone(comm, op)
+    agree, (m, k) = comm.agree, x.shape
+    nbytes = m * k * x.element_size()
+    row = _HEAD_BYTES + -(-nbytes // 16) * 16  # the piece 16-byte aligned behind the stamp
+    mine = torch.empty(row, dtype=torch.uint8, device=x.device)
+    mine[:_HEAD_BYTES].view(torch.int64).copy_(agree.send)
+    mine[_HEAD_BYTES:_HEAD_BYTES + nbytes].view(x.dtype).view(m, k).copy_(x)
+    every = mine.new_empty(comm.world, row)
+    wait(post_all_gather(every.view(-1), mine, comm.group), op=op, group=comm.group,
+         timeout=comm.timeout)
+    _verify(agree, op, every[:, :_HEAD_BYTES].view(torch.int64))
+    out = x.new_empty(comm.world * m, k)
+    out.view(comm.world, m * k).copy_(every[:, _HEAD_BYTES:_HEAD_BYTES + nbytes].view(x.dtype))
+    agree.poison(out)
+    return out
+
+
+def _tail(comm, dtype: torch.dtype, op: str) -> tuple[int, int]:
+    """(bits per chunk, elements) of a SUM tail in ``dtype``."""
+    bits = sum_tail_bits(dtype)
+    if not bits:
+        raise TypeError(f"{op}: a reduction of dtype {dtype} cannot carry the call's stamp"
+                        f"{comm.where()}")
+    return bits, comm.world * WORDS * sum_tail_chunks(bits)
+
+
+def _pack(agree: Agreement, tails: torch.Tensor, bits: int) -> None:
+    """``tails`` [..., world, WORDS * chunks]: this rank's row its stamp, the others zero."""
+    tails.zero_()
+    tails[..., agree.rank, :].copy_(pack_sum_tail(agree.send[:WORDS], bits))
+
+
+def stamped_reduce_scatter(comm, y: torch.Tensor, op: str) -> torch.Tensor:
+    """This rank's rows [M / world, n] of the sum over ranks of ``y`` [M, n], stamps checked."""
+    world, (rows, n) = comm.world, y.shape
+    part = rows // world * n
+    bits, tail = _tail(comm, y.dtype, op)
+    _stamps_alone(comm, op)
+    # Every part carries the whole tail, so every rank receives every rank's stamp.
+    send = y.new_empty(world, part + tail)
+    send[:, :part].copy_(y.view(world, part))
+    _pack(comm.agree, send[:, part:].view(world, world, -1), bits)
+    out = y.new_empty(part + tail)
+    wait(post_reduce_scatter(out, send.view(-1), comm.group), op=op, group=comm.group,
+         timeout=comm.timeout)
+    _verify(comm.agree, op, unpack_sum_tail(out[part:].view(world, -1), bits))
+    res = out[:part].view(rows // world, n)
+    comm.agree.poison(res)
+    return res
+
+
+def stamped_matmul_all_reduce(comm, x: torch.Tensor, w: torch.Tensor, op: str) -> torch.Tensor:
+    """The sum over ranks of ``x @ w``: the GEMM writes straight into the reduced buffer, in
+    front of the tail; stamps checked."""
+    rows, n = x.shape[0], w.shape[1]
+    bits, tail = _tail(comm, x.dtype, op)
+    _stamps_alone(comm, op)
+    buf = x.new_empty(rows * n + tail)
+    y = buf[:rows * n].view(rows, n)
+    torch.mm(x, w, out=y)
+    _pack(comm.agree, buf[rows * n:].view(comm.world, -1), bits)
+    wait(post_all_reduce(buf, comm.group), op=op, group=comm.group, timeout=comm.timeout)
+    _verify(comm.agree, op, unpack_sum_tail(buf[rows * n:].view(comm.world, -1), bits))
+    comm.agree.poison(y)
+    return y
 
 
 _BACKENDS = {b.name: b for b in (ChunkedBackend(), SymmetricBackend(), TritonBackend(),
@@ -296,14 +402,19 @@ def context_for(comm, backend: Backend, op: str, x: torch.Tensor, w: torch.Tenso
 
 
 def gather(comm, x_shard: torch.Tensor) -> torch.Tensor:
-    """all_gather along dim 0 with no GEMM (a backward that needs only the gathered tensor)."""
+    """all_gather along dim 0 with no GEMM (a backward that needs only the gathered tensor).
+    Without a header block (chunked, unfused) the stamp rides in the gathered rows."""
     comm.settle()
+    if comm.header is None and comm.agree is not None:
+        return stamped_all_gather(comm, x_shard, "all_gather (tp backward)")
     return all_gather_dim(x_shard, 0, group=comm.group, op="all_gather (tp backward)",
                           timeout=comm.timeout)
 
 
 def scatter(comm, x: torch.Tensor) -> torch.Tensor:
-    """reduce_scatter along dim 0 with no GEMM."""
+    """reduce_scatter along dim 0 with no GEMM; the stamp in a SUM tail as ``gather``'s."""
     comm.settle()
+    if comm.header is None and comm.agree is not None:
+        return stamped_reduce_scatter(comm, x.contiguous(), "reduce_scatter (tp backward)")
     return reduce_scatter_dim(x, 0, group=comm.group, op="reduce_scatter (tp backward)",
                               timeout=comm.timeout)

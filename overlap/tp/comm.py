@@ -188,9 +188,6 @@ class TPComm(OpaqueBase):
         an explicit context's, which bounds the whole call."""
         if self.agree is None:
             return
-        if self.backend == "unfused":  # carries no stamps (docs/reliability.md): count only
-            self.agree.calls += 1
-            return
         self.agree.next(op, key=(op, x.shape, None if w is None else w.shape, x.dtype, chunks,
                                  flags),
                         make=lambda: stamps.stamp_values(x, w, chunks, flags,

@@ -32,14 +32,16 @@ __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "c
 
 def _run(op: str, comm: TPComm, body, x: torch.Tensor | None = None,
          w: torch.Tensor | None = None, chunks: int = 0, flags: int = 0, *,
-         start: tuple | None = None):
+         start: tuple | None = None, layer_w: torch.Tensor | None = None):
     """Run ``body(backend, context, chunks)``; any error fails the communicator (peers blocked
     on us raise now). With ``x`` (the backend's 2-D input) and ``w`` the call picks its chunks
     (the call's own, the communicator's, or its ``"auto"`` race's; overlap.tp.autochunk) and
     is counted and stamped first (overlap.tp.stamps), so ranks that disagree on it raise
     before anything else. ``start`` = (check, x_shape, flags): a forward call, validated
     (once per signature: the local checks are a function of it) and, on the communicator's
-    first call, compared across ranks by name."""
+    first call, compared across ranks by name. ``layer_w``: for a call with no GEMM (the
+    backward's plain gather/scatter), the layer's weight whose shape its stamp carries, so
+    two layers' backwards run in other orders on other ranks disagree there too."""
     if comm.closed or comm.failed is not None:
         comm.ensure_usable(op)
     try:
@@ -50,7 +52,7 @@ def _run(op: str, comm: TPComm, body, x: torch.Tensor | None = None,
         if x is not None:
             if w is not None:
                 chunks, race, timer = comm.pick_chunks(op, chunks, x, w)
-            comm.stamp(op, x, w, chunks, flags)
+            comm.stamp(op, x, w if w is not None else layer_w, chunks, flags)
             if w is not None:  # after the stamp: creating one settles it first (collective)
                 context = backends.context_for(comm, backend, op, x, w, chunks)
         out = body(backend, context, chunks)
@@ -143,7 +145,8 @@ def _ag_backward(dy: torch.Tensor, gathered: torch.Tensor | None, w: torch.Tenso
             wgrad()
         if dgathered is not None:
             extra = _run("reduce_scatter (tp backward)", comm,
-                         lambda *_: backends.scatter(comm, dgathered), dgathered, None, chunks)
+                         lambda *_: backends.scatter(comm, dgathered), dgathered, None, chunks,
+                         layer_w=wt)
             dx = dx + extra
     return (dx if dx is not None else _empty(dy)), (dw if dw is not None else _empty(w))
 
@@ -168,7 +171,7 @@ def _rs_backward(dy_shard: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, comm
             dy_shard, wt, chunks, int(need_dw))
     elif need_dw:
         dy = _run("all_gather (tp backward)", comm, lambda *_: backends.gather(comm, dy_shard),
-                  dy_shard, None, chunks)
+                  dy_shard, None, chunks, layer_w=w)
     dw = x2.t() @ dy if need_dw else None
     return (dx if dx is not None else _empty(dy_shard)), (dw if dw is not None else _empty(w))
 

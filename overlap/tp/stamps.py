@@ -5,7 +5,9 @@ communicator's call number, the 2-D shapes the backend sees, the dtype, ``chunks
 the backend), and every rank compares every peer's stamp before the call returns; a
 disagreement raises overlap.dist.stamp's error (``Agreement.verify``) on every rank. The stamp
 travels in data exchanged anyway: ``chunked`` in front of the first piece sent, ``symmetric``
-and ``triton`` in a :class:`HeaderBlock` (a small userbuffer the communicator maps once). A
+and ``triton`` in a :class:`HeaderBlock` (a small userbuffer the communicator maps once),
+``unfused`` (and the backward's plain gather/scatter) in its collective: stamped rows of the
+all-gather, a SUM tail of the reduce-scatter and all-reduce (overlap.tp.backends). A
 data wait that is slow compares the stamps already published (``watch``), so a peer that took
 another path is named at once instead of waited for.
 The narrative: docs/design/tp.md.
@@ -21,7 +23,7 @@ from overlap import _C
 from overlap.dist.stamp import STAMP_WORDS, Agreement, Schema, shape_words
 from overlap.symm.workspace import create_workspace
 
-__all__ = ["SCHEMA", "HeaderBlock", "stamp_values"]
+__all__ = ["SCHEMA", "WORDS", "HeaderBlock", "stamp_values"]
 
 SCHEMA = Schema("tp", ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
                        "all_gather (tp backward)", "reduce_scatter (tp backward)"),
@@ -29,6 +31,7 @@ SCHEMA = Schema("tp", ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all
                  ("chunks", 1, "int"), ("flags", 1, "int"),
                  ("backend", 1, ("auto", "chunked", "symmetric", "triton", "unfused"))))
 
+WORDS = 3 + sum(f.words for f in SCHEMA.fields)  # what a SUM tail carries (the rest is zero)
 _RING = 4  # a rank is at most one call ahead of any peer (every call settles all stamps)
 
 
