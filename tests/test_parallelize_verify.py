@@ -4,6 +4,9 @@ restored unsharded; without verification the same plans give wrong numbers (so i
 that catches them). Also: weights that differ across TP ranks, subclass safety (Gemma works
 with a Llama-style plan because its scaled embedding is wrapped; "refuse" refuses it), and the
 whole-model check (verify="model") with a caller's probe on a model that takes no token ids.
+Issue 49: a probe the model rejects (or none at all) is an error, not a skipped check; a failure
+inside (OLMo2's q_norm and Bloom's ALiBi on sharded heads, a toy, a build that raises, on one
+rank or all) restores the model exactly and raises one ValueError on every rank.
 """
 
 import copy
@@ -235,3 +238,251 @@ def test_whole_model_check_with_probe(world):
             assert "fused layout: up has 64 outputs but down takes 32" in msg, msg
         assert "the verification probe failed on the unsharded model (pass probe=" in (
             res["probe-missing"] or "")
+
+
+# ---------------------------------------------------------------- failures restore the model
+# Issue 49: a probe the model rejects is an error (it was skipped), and whatever raises inside
+# parallelize (the model's own forward on the sharded shapes included) leaves the model exactly
+# as it was and raises one ValueError naming the module and the cause, on every rank.
+
+class _StrictBlock(nn.Module):
+    """Runs only on the unsharded width: its forward checks the feature count itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.up(x)
+        if h.shape[-1] != 32:
+            raise RuntimeError(f"_StrictBlock needs 32 features, got {h.shape[-1]}")
+        return self.down(torch.tanh(h))
+
+
+class _Strict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _StrictBlock()
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+class _TwoInputs(nn.Module):
+    """Token ids and a scale: the default probe (ids alone) cannot call it."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(61, 16)
+        self.block = _StrictBlock()
+
+    def forward(self, ids, scale):
+        return self.block(self.embed(ids)) * scale
+
+
+def _tiny_olmo2():
+    import transformers as T
+
+    torch.manual_seed(0)
+    return T.Olmo2ForCausalLM(T.Olmo2Config(
+        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0))
+
+
+def _tiny_bloom():
+    import transformers as T
+
+    torch.manual_seed(0)
+    return T.BloomForCausalLM(T.BloomConfig(vocab_size=61, hidden_size=32, n_layer=2, n_head=4,
+                                            hidden_dropout=0.0, attention_dropout=0.0))
+
+
+def _snapshot(model):
+    """Everything a failed parallelize must leave as it was."""
+    return {"modules": [(n, type(m), id(m)) for n, m in model.named_modules()],
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "requires_grad": [(n, p.requires_grad, id(p)) for n, p in model.named_parameters()],
+            "hooks": [(n, list(m._forward_hooks), list(m._forward_pre_hooks),
+                       list(m._backward_hooks)) for n, m in model.named_modules()],
+            "training": [m.training for m in model.modules()]}
+
+
+def _restored(before, model) -> list[str]:
+    """What differs from the snapshot (empty: restored exactly)."""
+    after, bad = _snapshot(model), []
+    for key in ("modules", "requires_grad", "hooks", "training"):
+        if after[key] != before[key]:
+            bad.append(key)
+    if list(after["state"]) != list(before["state"]) or not all(
+            torch.equal(after["state"][k], v) for k, v in before["state"].items()):
+        bad.append("state_dict")
+    return bad
+
+
+def _failure_job(world):
+    from overlap.models.tp_plans import llama_plan
+    from overlap.nn import Style, TPPlan, parallelize
+    from overlap.tp import close_default_comms
+
+    group, out = dist.group.WORLD, {}
+    ids = _ids(world)
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(3))
+
+    def comm():
+        return default_comm(group, backend="chunked")
+
+    def logits(m):
+        return m(input_ids=ids, use_cache=False).logits
+
+    def refused(key, model, run_ref, **kwargs):
+        ref = copy.deepcopy(model)
+        before = _snapshot(model)
+        try:
+            parallelize(model, comm=comm(), **kwargs)
+            out[key] = None
+            return
+        except Exception as exc:
+            err = exc
+        try:  # a model left half-replaced may not run at all
+            with torch.no_grad():
+                same = torch.equal(run_ref(model), run_ref(ref))
+        except Exception:
+            same = False
+        out[key] = (type(err).__name__, str(err), type(err.__cause__).__name__
+                    if err.__cause__ is not None else None, _restored(before, model), same)
+
+    try:
+        # A forward that rejects the default probe: an error now, not a skipped check.
+        torch.manual_seed(0)
+        refused("probe-rejected", _TwoInputs(), lambda m: m(ids, 2.0),
+                plan=TPPlan(name="two", layers={"block.up": "column", "block.down": "row"}))
+        # No default probe (no ids, no nn.Linear first) under sequence parallelism: the norm
+        # after the row layer runs on sequence shards and needs its gradients summed over TP,
+        # which only the probe finds. An error now (it was accepted unchecked).
+        from transformers.pytorch_utils import Conv1D
+
+        torch.manual_seed(0)
+        refused("no-default-probe", nn.Sequential(Conv1D(32, 16), nn.Tanh(), Conv1D(16, 32),
+                                                  nn.LayerNorm(16)),
+                lambda m: m(x), sequence_parallel=True, plan=TPPlan(
+                    name="conv", layers={"0": "column", "2": "row"}, sequence_parallel=True))
+        if world == 1:
+            return out
+        # OLMo2 with a user's Llama-style plan: q_norm spans every head's features.
+        olmo = _tiny_olmo2()
+        user = TPPlan(name="user-olmo2", layers=dict(llama_plan(olmo).layers),
+                      check=llama_plan(olmo).check)
+        refused("olmo2", olmo, logits, plan=user)
+        # Bloom: ALiBi is built for every head, the attention runs on this rank's.
+        bloom = _tiny_bloom()
+        p = "transformer.h.*."
+        plan = TPPlan(name="user-bloom", layers={
+            f"{p}self_attention.query_key_value": Style(kind="column", layout="per_head",
+                                                        heads=4),
+            f"{p}self_attention.dense": "row", f"{p}mlp.dense_h_to_4h": "column",
+            f"{p}mlp.dense_4h_to_h": "row"}, divide={f"{p}self_attention": ("num_heads",)})
+        refused("bloom", bloom, logits, plan=plan)
+        # A toy whose own forward raises on sharded shapes; a user hook, a frozen parameter.
+        torch.manual_seed(0)
+        strict = _Strict()
+        strict.block.register_forward_hook(lambda m, a, o: None)
+        strict.head.bias.requires_grad_(False)
+        refused("toy", strict, lambda m: m(x),
+                plan=TPPlan(name="strict", layers={"block.up": "column", "block.down": "row"}))
+        # A failure while replacing (a custom build that raises), after others were replaced.
+        torch.manual_seed(0)
+
+        def build(module, **_):
+            raise RuntimeError("no parallel twin for this head")
+
+        refused("replace", _Strict(), lambda m: m(x), verify=False, plan=TPPlan(
+            name="custom", layers={"block.up": "column", "block.down": "row",
+                                   "head": Style(kind="custom", build=build,
+                                                 accepts=(nn.Linear,))}))
+        # The same on the last rank only: every rank restores and raises, none waits.
+        torch.manual_seed(0)
+
+        def build_here(module, comm, **_):
+            if dist.get_rank() == world - 1:
+                raise RuntimeError("no parallel twin for this head")
+            return module
+
+        refused("replace-one-rank", nn.Sequential(nn.Linear(16, 32), nn.Tanh(),
+                                                  nn.Linear(32, 16), nn.Linear(16, 16)),
+                lambda m: m(x), plan=TPPlan(name="custom", layers={
+                    "0": "column", "2": "row",
+                    "3": Style(kind="custom", build=build_here, accepts=(nn.Linear,))}))
+    finally:
+        close_default_comms()
+    return out
+
+
+_failures: dict[int, list[dict]] = {}
+
+
+def _failures_for(world):
+    if world not in _failures:
+        _failures[world] = run_ranks(_failure_job, world, world, timeout=300)
+    return _failures[world]
+
+
+def _check_refused(res, key, rank, needles, cause):
+    assert res[key] is not None, f"rank {rank}: {key} was accepted"
+    kind, msg, got_cause, not_restored, same = res[key]
+    assert kind == "ValueError", (kind, msg)
+    assert f"on rank {rank}:" in msg, msg
+    for needle in needles:
+        assert needle in msg, f"rank {rank}: {needle!r} missing from:\n{msg}"
+    assert got_cause == cause, (got_cause, msg)
+    assert not_restored == [], f"rank {rank}: {key}: not restored: {not_restored}"
+    assert same, f"rank {rank}: {key}: the restored model computes something else"
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_probe_the_model_rejects_is_an_error(world):
+    for rank, res in enumerate(_failures_for(world)):
+        _check_refused(res, "probe-rejected", rank, [
+            "the verification probe failed on the unsharded model (pass probe=",
+            "raised TypeError", "missing 1 required positional argument: 'scale'",
+            "summed over TP"], "TypeError")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_no_default_probe_is_an_error(world):
+    for rank, res in enumerate(_failures_for(world)):
+        _check_refused(res, "no-default-probe", rank, [
+            "verification needs probe= (the model's input", "Sequential takes neither token ids",
+            "gradients must be summed over TP"], None)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case,needles", [
+    ("olmo2", ["the parallel model's probe raised in model.layers.0.self_attn.q_norm "
+               "(Olmo2RMSNorm), inside model.layers.0.self_attn (containing q_proj: column",
+               "RuntimeError: The size of tensor a (32) must match the size of tensor b",
+               "restored unsharded", "likely cause: the model's own code"]),
+    ("bloom", ["the parallel model's probe raised in transformer.h.0.self_attention "
+               "(BloomAttention, containing query_key_value: column(layout='per_head', heads=4)"
+               ", dense: row): RuntimeError: The expanded size of the tensor",
+               "likely cause: the model's own code"]),
+    ("toy", ["the parallel model's probe raised in block (_StrictBlock, containing up: column, "
+             "down: row): RuntimeError: _StrictBlock needs 32 features, got"]),
+    ("replace", ["building the replacement of head (Linear, style 'custom') raised "
+                 "RuntimeError: no parallel twin for this head"]),
+])
+def test_a_failure_inside_restores_the_model(world, case, needles):
+    for rank, res in enumerate(_failures_for(world)):
+        _check_refused(res, case, rank, needles, "RuntimeError")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_failure_on_one_rank_refuses_on_every_rank(world):
+    cause = ("building the replacement of 3 (Linear, style 'custom') raised RuntimeError: "
+             "no parallel twin for this head")
+    for rank, res in enumerate(_failures_for(world)):
+        last = rank == world - 1
+        needles = [cause] if last else [f"refused because rank {world - 1} failed", cause]
+        _check_refused(res, "replace-one-rank", rank, needles, "RuntimeError" if last else None)

@@ -8,11 +8,11 @@ the EP group of ``ep_comm``; what each does: docs/design/nn.md).
 
 Contract: every check (patterns, module types, divisibility, ties) runs before anything is
 changed and all failures come in one ValueError; with ``verify`` (the default, overlap.nn.probes)
-the parallel model is compared with the unsharded one on a probe, and a mismatch restores the
-unsharded model and raises naming the module, style, error and likely cause. Replicated modules
-found running on TP-sharded activations sum their gradients over TP. Fused layouts, subclass
-wrapping, ``divide``, ties and the gather helpers: docs/parallelize.md.
-The narrative: docs/design/nn.md.
+the parallel model is compared with the unsharded one on a probe (one the model rejects is an
+error). A mismatch, or anything raising later (the model's own forward included), restores the
+model exactly and raises one ValueError on every rank naming the module and the cause.
+Replicated modules found on TP-sharded activations sum their gradients over TP. Fused layouts,
+subclasses, ``divide``, ties, gather helpers: docs/parallelize.md; narrative: docs/design/nn.md.
 """
 
 from __future__ import annotations
@@ -27,12 +27,14 @@ import torch.nn as nn
 from overlap.nn.embedding import VocabParallelEmbedding
 from overlap.nn.layers import (ColumnParallelLinear, RowParallelLinear, TPModule, linear_weight,
                                require_comm)
-from overlap.nn.probes import check_same_weights
+from overlap.nn.probes import check_same_weights, user_probe
 from overlap.nn.sequence import (SequenceShardedPositions, sequence_parallel_norm,
-                                 sum_grads_over_tp, undo_sum_grads_over_tp)
+                                 sum_grads_over_tp, sums_grads_over_tp,
+                                 undo_sum_grads_over_tp)
 from overlap.nn.tp_plan import STYLES, Style, TPPlan
 from overlap.nn.verification import Verifier
 from overlap.nn.wrap import SUBCLASS_MODES, base_of, overridden, wrap_subclass
+from overlap.tp.collectives import all_gather_dim
 from overlap.tp.comm import TPComm
 
 __all__ = ["Style", "TPPlan", "STYLES", "parallelize", "gather_state_dict", "gather_grads",
@@ -282,8 +284,10 @@ def _build(module, style: Style, comm: TPComm, sequence_parallel, ep=None) -> nn
 
 
 def _sum_grads(module: nn.Module, comm: TPComm, undo) -> None:
+    fresh = not sums_grads_over_tp(module)  # one that summed before this call keeps doing so
     sum_grads_over_tp(module, comm=comm)
-    undo.append(lambda m=module: undo_sum_grads_over_tp(m))
+    if fresh:
+        undo.append(lambda m=module: undo_sum_grads_over_tp(m))
 
 
 def _replace(model, chosen, comm, sequence_parallel, subclasses, undo, ep=None) -> None:
@@ -296,10 +300,14 @@ def _replace(model, chosen, comm, sequence_parallel, subclasses, undo, ep=None) 
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child)
-        new = _build(old, style, comm, sequence_parallel, ep)
-        if (style.kind in ("column", "row", "embedding") and subclasses == "wrap"
-                and overridden(old)):
-            new = wrap_subclass(old, new)
+        try:
+            new = _build(old, style, comm, sequence_parallel, ep)
+            if (style.kind in ("column", "row", "embedding") and subclasses == "wrap"
+                    and overridden(old)):
+                new = wrap_subclass(old, new)
+        except Exception as exc:
+            raise _Step(f"building the replacement of {name} ({type(old).__name__}, style "
+                        f"{style.describe()!r})") from exc
         undo.append(lambda p=parent, c=child, o=old: setattr(p, c, o))
         setattr(parent, child, new)
 
@@ -345,9 +353,13 @@ def parallelize(model: nn.Module, *, comm: TPComm | None = None, ep_comm=None,
     module on a probe (output and input gradient); "model" adds the whole model's output;
     False skips verification. ``probe``: the model input for the region checks (a tensor,
     a tuple of args, a dict of kwargs, or a callable model -> output); default: token ids
-    built from the vocabulary size (models that take ids). ``verify_tol``: the largest
-    relative error accepted (default 1e-4 for fp32, 3e-2 for 16-bit weights). On a mismatch
-    the model is restored and a ValueError names what failed and why it likely did.
+    built from the vocabulary size (models that take ids), or features for a model whose
+    first layer is an nn.Linear; a probe the model rejects raises (no check is skipped).
+    ``verify_tol``: the largest relative error accepted (default 1e-4 for fp32, 3e-2 for
+    16-bit weights). On a mismatch, or when anything raises inside (the model's own forward
+    on the sharded shapes included), the model is restored (the same module objects, values,
+    requires_grad and hooks) and every rank raises one ValueError naming the module, what
+    failed and why it likely did, chained to the original error.
     ``subclasses``: "wrap" (default), "refuse" or "replace" for matched modules whose type
     overrides forward (see overlap.nn.wrap).
 
@@ -366,6 +378,8 @@ def parallelize(model: nn.Module, *, comm: TPComm | None = None, ep_comm=None,
                                        and not isinstance(verify_tol, bool) and verify_tol > 0):
         raise ValueError(f"parallelize: verify_tol must be a positive number, got "
                          f"{verify_tol!r}{where}")
+    if probe is not None:
+        user_probe(probe)  # its type, before anything changes
     comm = require_comm("parallelize", comm)
     group = comm.group
     if cp_comm is not None:
@@ -399,16 +413,50 @@ def parallelize(model: nn.Module, *, comm: TPComm | None = None, ep_comm=None,
         raise ValueError(f"{head}: {len(problems)} problem(s), nothing was changed:\n  - "
                          f"{listed}")
 
-    checker = None
     if verify:
         check_same_weights(model, group, timeout=comm.timeout)
         if ep_comm is not None:
             check_same_weights(model, ep_comm.group, timeout=ep_comm.timeout)
-        checker = Verifier(model, chosen, divide, tp=tp, comm=comm, ep_comm=ep_comm, probe=probe,
-                           whole_model=verify == "model", tol=verify_tol,
-                           sequence_parallel=sequence_parallel, head=head)
-    undo: list = []
-    _replace(model, chosen, comm, sequence_parallel, subclasses, undo, (ep_comm, tokens))
+    # From here every failure, the model's own errors included, restores the model and raises
+    # one ValueError on every rank: each stage ends with the ranks agreeing (_agree).
+    checker, undo, failure = None, [], None
+    try:
+        if verify:
+            checker = Verifier(model, chosen, divide, tp=tp, comm=comm, ep_comm=ep_comm,
+                               probe=probe, whole_model=verify == "model", tol=verify_tol,
+                               sequence_parallel=sequence_parallel, head=head)
+        _replace(model, chosen, comm, sequence_parallel, subclasses, undo, (ep_comm, tokens))
+        _tie(model, ties, undo)
+        _divide(model, divide, tp, undo)
+    except Exception as exc:
+        failure = _failure(model, head, exc, "the verification's pass on the unsharded model"
+                           if checker is None and verify else "the replacement", checker)
+    _agree(failure, model, undo, comm, ep_comm, head)
+    if checker is not None:
+        try:  # the parallel model runs whole: the model's own code meets the sharded shapes
+            for name in checker.sharded_inputs(model):
+                _sum_grads(model.get_submodule(name), comm, undo)
+        except Exception as exc:
+            failure = _failure(model, head, exc, "the parallel model's probe", checker)
+        _agree(failure, model, undo, comm, ep_comm, head)
+        try:
+            message = checker.run(model)  # the same verdict on every rank
+            failure = None if message is None else (message, checker.raised)
+        except Exception as exc:
+            failure = _failure(model, head, exc, "the verification", checker)
+        _agree(failure, model, undo, comm, ep_comm, head)
+    if cp_comm is not None:
+        from overlap.cp.hf import enable_context_parallel
+
+        try:
+            enable_context_parallel(model, comm=cp_comm)
+        except Exception as exc:
+            failure = _failure(model, head, exc, "enabling context parallelism", None)
+        _agree(failure, model, undo, comm, ep_comm, head)
+    return model
+
+
+def _tie(model, ties, undo) -> None:
     for group_members in ties:
         (first, attr), *rest = group_members
         shared = getattr(model.get_submodule(first), attr)
@@ -416,20 +464,87 @@ def parallelize(model: nn.Module, *, comm: TPComm | None = None, ep_comm=None,
             holder = model.get_submodule(mname)
             undo.append(lambda h=holder, a=pname, v=getattr(holder, pname): setattr(h, a, v))
             setattr(holder, pname, shared)
-    _divide(model, divide, tp, undo)
-    if checker is not None:
-        for name in checker.sharded_inputs(model):
-            _sum_grads(model.get_submodule(name), comm, undo)
-        failure = checker.run(model)
-        if failure is not None:
-            for step in reversed(undo):
-                step()
-            raise ValueError(failure)
-    if cp_comm is not None:
-        from overlap.cp.hf import enable_context_parallel
 
-        enable_context_parallel(model, comm=cp_comm)
-    return model
+
+class _Step(Exception):
+    """What parallelize was doing when the exception it is raised from happened."""
+
+
+def _raised_in(model: nn.Module, exc: BaseException) -> str | None:
+    """The innermost module of ``model`` whose method was running when ``exc`` was raised."""
+    names = {id(m): n for n, m in model.named_modules()}
+    found, tb = None, exc.__traceback__
+    while tb is not None:
+        obj = tb.tb_frame.f_locals.get("self")
+        if isinstance(obj, nn.Module) and id(obj) in names:
+            found = names[id(obj)]
+        tb = tb.tb_next
+    return found
+
+
+_FORWARD_CAUSE = ("the model's own code meets this rank's shard of an activation it computes "
+                  "over the full width or over every head (a norm across all heads' features, "
+                  "as OLMo2's q_norm; per-head position biases, as Bloom's ALiBi; a head count "
+                  "the plan does not divide=): shard that module with a custom Style, or leave "
+                  "the layers around it unsharded")
+
+
+def _failure(model, head: str, exc: Exception, stage: str, checker) -> tuple[str, BaseException]:
+    """(the error message naming the module and the cause, the original exception)."""
+    if isinstance(exc, _Step):
+        return (f"{head}: {exc} raised {type(exc.__cause__).__name__}: {exc.__cause__} (the "
+                "model was restored unsharded)", exc.__cause__)
+    if isinstance(exc, ValueError) and str(exc).startswith(head):  # parallelize's own verdict
+        return str(exc), exc.__cause__
+    name = _raised_in(model, exc)
+    label = "" if name is None else (f"{name or '<model>'} "
+                                     f"({type(model.get_submodule(name)).__name__}")
+    where = f" in {label})" if label else ""
+    cause = ""
+    if stage == "the parallel model's probe":
+        region, hint = checker.around(model, name) if name is not None else ("", "")
+        if region.startswith(f"{name or '<model>'} ("):  # it holds replaced layers itself
+            where = f" in {label}, {region.partition(' (')[2]}"
+        elif region:
+            where += f", inside {region}"
+        cause = "; likely cause: " + "; or ".join(h for h in (_FORWARD_CAUSE, hint) if h)
+    return (f"{head}: {stage} raised{where}: {type(exc).__name__}: {exc} (the model was "
+            f"restored unsharded){cause}", exc)
+
+
+def _agree(failure, model, undo, comm: TPComm, ep_comm, head: str) -> None:
+    """Every rank of the TP group (and of the EP group, which spans TP groups) learns whether
+    any failed, restores the model and raises the same ValueError (a failing rank's message)."""
+    message, cause = failure if failure is not None else (None, None)
+    for c in (comm, ep_comm):
+        if c is not None and dist.get_world_size(c.group) > 1:
+            message = _first_message(message, c, head)
+    if message is None:
+        return
+    for step in reversed(undo):
+        step()
+    undo.clear()
+    raise ValueError(message) from cause
+
+
+def _first_message(message: str | None, comm, head: str) -> str | None:
+    """``message`` if set, else the first failing rank's of ``comm``'s group (None: none)."""
+    data = (message or "").encode()
+    device, op = comm.device, "parallelize failure check"
+    sizes = all_gather_dim(torch.tensor([len(data)], dtype=torch.int64, device=device), 0,
+                           group=comm.group, op=op, timeout=comm.timeout)
+    if not sizes.any():
+        return None
+    first = int(sizes.nonzero()[0, 0])
+    buf = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+    buf[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    every = all_gather_dim(buf.to(device).unsqueeze(0), 0, group=comm.group, op=op,
+                           timeout=comm.timeout)
+    if message is not None:
+        return message
+    peer = bytes(every[first, :int(sizes[first])].cpu().tolist()).decode()
+    rank = dist.get_process_group_ranks(comm.group)[first]
+    return f"{head}: refused because rank {rank} failed (restored unsharded here too): {peer}"
 
 
 def _check_ep_comm(ep_comm, group, where: str) -> tuple[int | None, str]:

@@ -358,12 +358,16 @@ class GradProbe:
         self.shapes = self._shapes(model)
         with torch.enable_grad():
             y = primary_output(run(model))
-            if y is None or not y.requires_grad:
-                raise ValueError("the probe's output has no gradient")
+            if y is None:
+                raise ValueError("the model's output holds no floating-point tensor")
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            if named and not y.requires_grad:
+                raise ValueError("the model's output has no gradient, although parameters "
+                                 "require one")
             self.y = y.detach()
             self.cot = _randn(y.shape, y, _SEED + 4)
-            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            grads = torch.autograd.grad(y, [p for _, p in named], self.cot, allow_unused=True)
+            grads = (torch.autograd.grad(y, [p for _, p in named], self.cot, allow_unused=True)
+                     if named else ())
         self.grads = {n: None if g is None else g.detach() for (n, _), g in zip(named, grads)}
         present = [g.abs().max().item() for g in self.grads.values()
                    if g is not None and g.numel()]
@@ -407,11 +411,11 @@ class GradProbe:
         with torch.enable_grad():
             y = primary_output(self.run(model))
             want_y, narrow = _local_view(self.y, y, rank, tp) if y is not None else (None, None)
-            if want_y is None or not y.requires_grad:
-                return {"<output>": float("inf")}
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            grads = torch.autograd.grad(y, [p for _, p in named], narrow(self.cot),
-                                        allow_unused=True)
+            if want_y is None or (named and not y.requires_grad):
+                return {"<output>": float("inf")}
+            grads = (torch.autograd.grad(y, [p for _, p in named], narrow(self.cot),
+                                         allow_unused=True) if named else ())
         out = {}
         for (name, _), got in zip(named, grads):
             if name not in self.grads:

@@ -57,6 +57,26 @@ def _shard_spec(model: nn.Module, name: str):
     return module.shard_specs.get(attr) if isinstance(module, TPModule) else None
 
 
+# Why a probe that cannot run is an error, never a skipped check.
+_NEEDED = (". Every check runs on it, and the whole-model pass finds the replicated modules that "
+           "run on TP-sharded activations (per-head norms; norms and routers under sequence "
+           "parallelism), whose gradients must be summed over TP: without it they would train "
+           "on partial gradients. verify=False skips every check (then name such modules "
+           "'sum_grads' in the plan)")
+
+
+def _probe_failed(head: str, probe, exc: Exception) -> ValueError:
+    if probe is not None:
+        given, fix = "probe=", "fix probe= so that the model runs on it"
+    else:
+        given = ("the default probe (token ids of shape (2, T), or features for a model whose "
+                 "first layer is an nn.Linear)")
+        fix = ("pass probe=, the model's input: a tensor, a tuple of args, a dict of kwargs or "
+               "a callable model -> output")
+    return ValueError(f"{head}: the verification probe failed on the unsharded model ({fix}): "
+                      f"{given} raised {type(exc).__name__}: {exc}{_NEEDED}")
+
+
 class Verifier:
     """Built on the unsharded model (records references), run on the parallel one."""
 
@@ -100,49 +120,32 @@ class Verifier:
             if whole_model:
                 units.add("")
             run = user_probe(probe) if probe is not None else default_probe(model, tp)
-            self.grads = None
-            if run is not None:
-                # The whole model once more: every parameter's gradient and which modules
-                # see which input shapes (replicated modules on sharded activations)
-                try:
-                    self.grads = GradProbe(model, run, skip=set(chosen))
-                except Exception as exc:
-                    if whole_model or probe is not None or sequence_parallel:
-                        # With sequence parallelism, which replicated modules run on sharded
-                        # activations (and need their gradients summed over TP) is found by
-                        # this run: skipping it would train them on a partial gradient.
-                        why = (" (sequence parallelism: the probe finds the modules that "
-                               "need their gradients summed over TP)"
-                               if sequence_parallel and probe is None and not whole_model
-                               else "")
-                        raise ValueError(f"{head}: the verification probe failed on the "
-                                         f"unsharded model (pass probe=, the model's "
-                                         f"input){why}: {type(exc).__name__}: {exc}") from exc
-            self.units, self.unit_names = None, sorted(units)
             if run is None:
-                if whole_model:
-                    raise ValueError(f"{head}: verify='model' needs probe= (the model's input) "
-                                     "for a model that takes neither token ids nor features")
-                self.unit_names = []
-            elif self.unit_names:
+                raise ValueError(
+                    f"{head}: verification needs probe= (the model's input: a tensor, a tuple "
+                    f"of args, a dict of kwargs or a callable model -> output): "
+                    f"{type(model).__name__} takes neither token ids (no config.vocab_size or "
+                    f"nn.Embedding) nor features (its first layer is no nn.Linear){_NEEDED}")
+            # The whole model once more: every parameter's gradient and which modules see which
+            # input shapes (replicated modules on sharded activations)
+            try:
+                self.grads = GradProbe(model, run, skip=set(chosen))
+            except Exception as exc:
+                raise _probe_failed(head, probe, exc) from exc
+            self.units, self.unit_names = None, sorted(units)
+            if self.unit_names:
                 try:
                     self.units = UnitProbe(model, self.unit_names, run)
                 except Exception as exc:
-                    if whole_model or probe is not None:
-                        raise ValueError(f"{head}: the verification probe failed on the "
-                                         f"unsharded model (pass probe=, the model's input): "
-                                         f"{type(exc).__name__}: {exc}") from exc
-                    self.unit_names = []  # not a token model after all: layers only
-                self.unit_names = [n for n in self.unit_names
-                                   if self.units is not None and n in self.units.records]
+                    raise _probe_failed(head, probe, exc) from exc
+                self.unit_names = [n for n in self.unit_names if n in self.units.records]
+        self.raised: Exception | None = None  # the first error a check raised (run)
 
     # ------------------------------------------------------------------ run
     def sharded_inputs(self, model: nn.Module) -> list[str]:
         """Modules outside the replaced ones, with parameters of their own, that now run on
         TP-sharded activations (their inputs changed shape on the probe). Same on every rank
         (the shapes follow from the plan, not from the data)."""
-        if self.grads is None:
-            return []
         with _EvalMode(model):
             return self.grads.sharded_inputs(model)
 
@@ -160,6 +163,7 @@ class Verifier:
                 except Exception as exc:
                     errors.append(float("inf"))
                     notes[name] = f"{type(exc).__name__}: {exc}"
+                    self.raised = self.raised or exc
             for name in self.unit_names:
                 labels.append(("module", name))
                 try:
@@ -168,16 +172,17 @@ class Verifier:
                 except Exception as exc:
                     errors.append(float("inf"))
                     notes[name] = f"{type(exc).__name__}: {exc}"
-            if self.grads is not None:
-                try:
-                    grads = self._grad_errors(model, rank, tp)
-                except Exception as exc:
-                    grads = {"<output>": float("inf")}
-                    notes["<output>"] = f"{type(exc).__name__}: {exc}"
-                # the same list on every rank: every name of the reference, in its order
-                for name in ["<output>", *self.grads.grads]:
-                    labels.append(("grad", name))
-                    errors.append(grads.get(name, 0.0))
+                    self.raised = self.raised or exc
+            try:
+                grads = self._grad_errors(model, rank, tp)
+            except Exception as exc:
+                grads = {"<output>": float("inf")}
+                notes["<output>"] = f"{type(exc).__name__}: {exc}"
+                self.raised = self.raised or exc
+            # the same list on every rank: every name of the reference, in its order
+            for name in ["<output>", *self.grads.grads]:
+                labels.append(("grad", name))
+                errors.append(grads.get(name, 0.0))
         device = self.comm.device  # NCCL takes device tensors only
         errors = all_max(errors, self.comm.group, timeout=self.comm.timeout, device=device)
         if self.ep_comm is not None:  # the EP group spans TP groups: all decide alike
@@ -291,7 +296,19 @@ class Verifier:
                   for n in self.chosen if n != name and _within(n, name)]
         return f"{name or '<model>'} (containing {', '.join(inside)})"
 
-    def _cause(self, model: nn.Module, name: str) -> str:
+    def around(self, model: nn.Module, name: str) -> tuple[str, str]:
+        """For a module that raised: (the smallest module around ``name`` holding replaced
+        layers, described with their styles; the specific likely causes there), '' if none."""
+        units = [u for u in {n.rpartition(".")[0] for n in self.chosen}
+                 if _within(name, u) or _within(u, name)]
+        if not units:
+            return "", ""
+        unit = max(units, key=len)
+        return self._describe(unit), self._cause(model, unit, raised=True)
+
+    def _cause(self, model: nn.Module, name: str, raised: bool = False) -> str:
+        """Likely causes of a mismatch in ``name``; ``raised``: of an error raised there (the
+        ones that make a forward raise: no fused layouts, no generic fallback)."""
         hints = []
         inside = {n: s for n, s in self.chosen.items() if _within(n, name)}
         for n, s in inside.items():
@@ -333,7 +350,7 @@ class Verifier:
         heads_hint = len(hints) > own
         rows = [n for n, s in inside.items() if s.kind == "row"]
         for n, s in inside.items():
-            if s.kind != "column" or s.gather_output or s.uneven or not rows:
+            if raised or s.kind != "column" or s.gather_output or s.uneven or not rows:
                 continue
             out_f = self.info[n]["out"]
             ins = [self.info[r]["in"] for r in rows]
@@ -359,7 +376,7 @@ class Verifier:
                              f"{ins[0]}: its output holds fused parts of unequal size (e.g. "
                              "grouped-query [q | k | v]); use parts=(q, k, v) in features, or "
                              "in heads with head_dim=")
-        if not hints:
+        if not hints and not raised:
             hints.append("the parallel layers compute a different function here; check the "
                          "styles of the layers inside and any attribute the module reads from "
                          "its config")
