@@ -35,6 +35,8 @@ from overlap.profile import names, nvtx
 
 __all__ = ["Pipeline", "StepResult", "Timeline", "bubble_fractions"]
 
+_FAILED = b"failed"  # a step's digest key, set by a rank whose previous step failed
+
 
 @dataclasses.dataclass(slots=True)
 class Timeline:
@@ -177,7 +179,9 @@ class Pipeline:
 
         It travels host to host through the job's store (rank 0 sets a key per step, the
         others read it, the last reader deletes it), not as a device collective: reading a
-        broadcast tensor on the host would stall it until the device caught up, every step."""
+        broadcast tensor on the host would stall it until the device caught up, every step.
+        A rank whose step fails sets the next step's key to ``_FAILED``, waking the ranks that
+        finished the step and wait here (no rank can be further ahead)."""
         digest = 0
         if mbs is not None:
             desc = repr([(tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor)
@@ -188,20 +192,34 @@ class Pipeline:
         self._steps += 1
         key = f"overlap_pp/{self._token}/digest/{self._steps}"
         store = dist.distributed_c10d._get_default_store()
+        what = f"its wait for step {self._steps}'s micro-batch shape digest"
+        self.p2p.check_failed(what)  # a failed pipeline fails every later step at once
         try:
             if self.pp_rank == 0:
                 store.set(key, str(digest))
                 return digest
             store.wait([key], self.p2p.timeout)
-            digest = int(store.get(key))
+            value = store.get(key)
+            if value == _FAILED:
+                self.p2p.check_failed(what)
+            digest = int(value)
             if store.add(f"{key}/read", 1) == self.pp_size - 1:
                 store.delete_key(key)
                 store.delete_key(f"{key}/read")
+        except P2PError:
+            raise
         except (RuntimeError, ValueError) as exc:
             raise P2PError(f"pp Pipeline.step on pp rank {self.pp_rank}: the micro-batch shape "
                            f"digest of step {self._steps} from {self.p2p.describe(0)} did not "
                            f"arrive within {self.p2p.timeout.total_seconds():g}s: {exc}") from exc
         return digest
+
+    def _fail_next_digest(self) -> None:
+        key = f"overlap_pp/{self._token}/digest/{self._steps + 1}"
+        try:
+            dist.distributed_c10d._get_default_store().set(key, _FAILED)
+        except RuntimeError:
+            pass  # the store is gone: the waiters' own timeout still holds
 
     def close(self) -> None:
         """Release this rank's channel communicators (no collective; safe to call twice)."""
@@ -232,7 +250,13 @@ class Pipeline:
         run = _StepRun(self, self._shapes.setdefault(key, {}), header_mode, mbs, tgts)
         try:
             run.execute()
-        except BaseException:
+        except BaseException as exc:
+            if self.pp_size > 1:
+                # Tell the other pp ranks, which may be waiting for this one (a no-op when a
+                # transfer's failure was recorded first): they raise within POLL_S, naming it.
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                self.p2p.publish(rank, f"its step raised {type(exc).__name__}: {first}")
+                self._fail_next_digest()
             if header_mode:
                 self._shapes.pop(key, None)  # never keep a half-learned shape table
             for s in self.stages.values():

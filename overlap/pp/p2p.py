@@ -7,7 +7,9 @@ Shapes travel in a header of ``HEADER_LEN`` int64 (ndim, dtype code, sizes) only
 receiver does not know them yet.
 
 Errors: every wait has a timeout; a timeout or a dead peer raises ``P2PError`` naming the op,
-the pp rank, the peer (pp and global rank) and what was being transferred.
+the pp rank, the peer (pp and global rank) and what was being transferred. The first rank to
+fail publishes a failure record in the job's store (naming the failed rank); every rank polls it
+every ``POLL_S`` while it waits, so the ranks not next to the failure raise as fast, naming it.
 
 The narrative: docs/design/pp.md.
 """
@@ -18,18 +20,21 @@ import threading
 import time
 import warnings
 from datetime import timedelta
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from overlap.dist.streams import Event, Stream, StreamStillRunning
 from overlap.profile.timers import comm_wait
 
-__all__ = ["P2P", "P2PError", "HEADER_LEN", "encode_header", "decode_header"]
+__all__ = ["P2P", "P2PError", "HEADER_LEN", "POLL_S", "encode_header", "decode_header"]
 
 MAX_DIMS = 8
 HEADER_LEN = 2 + MAX_DIMS
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+# How often a waiting rank reads the pipeline's failure record: one store read per waiting rank
+# per POLL_S, only while it waits, and the most a failure away from this rank adds to its raise.
+POLL_S = 0.05
 
 
 class P2PError(RuntimeError):
@@ -71,9 +76,57 @@ class _Posted:
         """Posted and finished (a query: never blocks, not a host sync)."""
         return self.event.query() and (self.work is None or self.work.is_completed())
 
-    def wait(self, timeout: timedelta) -> None:
-        self.event.wait(timeout.total_seconds(), "pp p2p post")
-        self.work.wait(timeout=timeout)
+    def wait(self, timeout: timedelta, watch: Callable[[], None] | None = None) -> None:
+        """Wait up to ``timeout``; on CPU, ``watch`` (which raises to give up) runs every
+        ``POLL_S`` until the transfer completes. On CUDA the wait is the stream's, not the
+        host's, so there is nothing to watch."""
+        seconds = timeout.total_seconds()
+        self.event.wait(seconds, "pp p2p post")
+        if watch is None or self.event.device.type == "cuda" or self.work.is_completed():
+            self.work.wait(timeout=timeout)
+            return
+        deadline = time.monotonic() + seconds
+        waiter = _Waiter(self.work, timeout)
+        while not waiter.done.wait(max(min(POLL_S, deadline - time.monotonic()), 0.0)):
+            watch()
+            if time.monotonic() >= deadline:
+                break
+        waiter.finish(deadline)
+
+
+class _Waiter:
+    """Wakes ``done`` when a backend work completes, successfully or not; ``finish`` then
+    raises its error, or its timeout. nccl_twin's works say so through their future. gloo's send
+    and receive have none and complete only inside ``wait`` (whose timeout closes the channel,
+    so it cannot be waited on in slices): a helper thread waits for them."""
+
+    def __init__(self, work, timeout: timedelta):
+        self.work, self.done = work, threading.Event()
+        self.error: BaseException | None = None
+        self.helper: threading.Thread | None = None
+        try:
+            work.get_future().add_done_callback(lambda _: self.done.set())
+        except RuntimeError:  # "Work::getFuture not implemented"
+            self.helper = threading.Thread(target=self._wait, args=(timeout,), daemon=True,
+                                           name="overlap-pp-wait")
+            self.helper.start()
+
+    def _wait(self, timeout: timedelta) -> None:
+        try:
+            self.work.wait(timeout=timeout)
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+            self.error = exc
+        self.done.set()
+
+    def finish(self, deadline: float) -> None:
+        if self.helper is None:
+            # Completed: raises its error, if any; else the backend's own timeout error.
+            self.work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            return
+        if not self.done.is_set():
+            raise TimeoutError("the transfer did not complete in time")
+        if self.error is not None:
+            raise self.error
 
 
 class _Channel:
@@ -166,6 +219,9 @@ class P2P:
         self.global_ranks = [dist.get_global_rank(pp_group, r) for r in range(self.pp_size)]
         self.timeout = timedelta(seconds=timeout)
         self.device = device
+        # The pipeline's failure record: set once, by the first pp rank to fail (see publish).
+        self._store = dist.distributed_c10d._get_default_store()
+        self._record_key = f"overlap_pp/{token}/failed"
         self._stream = Stream(device, name=f"pp p2p {token}")
         self.channels: dict[tuple[int, int], _Channel] = {}
         for c in channels:
@@ -209,15 +265,17 @@ class P2P:
             return [], []
         ops = [(t, True) for t, _ in sends] + [(t, False) for t, _ in recvs]
         posted = [_Posted() for _ in ops]
-        peers = sorted({p for _, p in sends} | {p for _, p in recvs})
+        peer = channel[1] if channel[0] == self.pp_rank else channel[0]
 
         def post() -> None:
             try:
                 for (t, is_send), handle in zip(ops, posted):
                     handle.work = chan.transfer(t, is_send)
             except RuntimeError as exc:
-                raise P2PError(f"pp p2p post on pp rank {self.pp_rank}: posting to/from pp "
-                               f"ranks {peers} failed: {exc}") from exc
+                raise self._failed(peer, "post to/from it failed",
+                                   f"pp p2p post on pp rank {self.pp_rank}: posting to/from "
+                                   f"{self.describe(peer)} failed: {exc}",
+                                   f"posting to/from {self.describe(peer)}") from exc
 
         self._stream.wait_current()
         self._stream.enqueue(post, tuple(t for t, _ in ops))
@@ -226,18 +284,62 @@ class P2P:
             handle.event = event
         return posted[:len(sends)], posted[len(sends):]
 
+    def failure(self) -> str | None:
+        """The pipeline's failure record (the rank that failed first, and how), or None. A
+        store that does not answer reads as no record: the transfers' own timeouts still hold."""
+        try:
+            if self._store.check([self._record_key]):
+                return self._store.get(self._record_key).decode()
+        except RuntimeError:
+            pass
+        return None
+
+    def publish(self, culprit: int, account: str) -> str:
+        """Record that pp rank ``culprit`` failed (``account``: what this rank saw) unless a
+        failure is recorded already; returns the record that stands (the first one)."""
+        mine = f"{self.describe(culprit)}: {account}"
+        try:
+            return self._store.compare_set(self._record_key, "", mine).decode()
+        except RuntimeError:
+            return mine
+
+    def check_failed(self, what: str) -> None:
+        """Raise ``P2PError`` if the pipeline has failed (on any rank); ``what``: this rank's
+        operation, for the message."""
+        record = self.failure()
+        if record is not None:
+            raise P2PError(f"pp p2p on pp rank {self.pp_rank}: the pipeline failed at {record}; "
+                           f"this rank gave up {what}")
+
     def wait(self, work, *, what: str, peer: int) -> None:
         """Wait for one transfer with the timeout; errors name the transfer and the peer, and
-        say whether it failed (at once: a dead peer, a broken connection) or timed out."""
+        say whether it failed (at once: a dead peer, a broken connection) or timed out. A
+        failure elsewhere in the pipeline (its record) ends the wait within ``POLL_S`` and is
+        named instead, as is a failure recorded before this transfer's own (the peer gave up
+        because of it)."""
         t0 = time.monotonic()
+        gave_up = f"its {what} with {self.describe(peer)}"
         try:
             with comm_wait("pp.p2p"):
-                work.wait(self.timeout)
+                work.wait(self.timeout, watch=lambda: self.check_failed(gave_up))
         except P2PError:
             raise
         except (RuntimeError, TimeoutError) as exc:
             took, limit = time.monotonic() - t0, self.timeout.total_seconds()
             how = (f"timed out after {limit:g}s" if took >= 0.9 * limit else
                    f"failed after {took:.2f}s (the peer died, aborted or closed its connection)")
-            raise P2PError(f"pp p2p on pp rank {self.pp_rank}: {what} with "
-                           f"{self.describe(peer)} {how}: {exc}") from exc
+            raise self._failed(peer, f"{what} with it {how}",
+                               f"pp p2p on pp rank {self.pp_rank}: {what} with "
+                               f"{self.describe(peer)} {how}: {exc}",
+                               f"{gave_up} ({how})") from exc
+
+    def _failed(self, peer: int, saw: str, message: str, gave_up: str) -> P2PError:
+        """A transfer with ``peer`` failed here (``saw``: how): record ``peer`` as the culprit
+        unless a failure was recorded first. The error: ``message`` when this record stands,
+        else the standing record first (the peer most likely gave up because of it)."""
+        mine = f"pp rank {self.pp_rank}'s {saw}"
+        record = self.publish(peer, mine)
+        if record == f"{self.describe(peer)}: {mine}":
+            return P2PError(message)
+        return P2PError(f"pp p2p on pp rank {self.pp_rank}: the pipeline failed at {record}; "
+                        f"this rank gave up {gave_up}")
