@@ -46,6 +46,11 @@ def _body(name: str, p: int, victim: int, mode: str, death_file: str):
     x, y = torch.randn(p, WIDTH, generator=g), torch.randn(p, WIDTH, generator=g)
     pipe.step(x, y)
     dist.barrier()
+    if rank == victim and mode == "between":  # dies between steps: no transfer in flight
+        time.sleep(0.3)  # the others are waiting for the next step's shape digest
+        with open(death_file, "w") as f:
+            f.write(repr(time.time()))
+        os._exit(7)
     if rank == victim:
         forwards = []
 
@@ -90,7 +95,9 @@ CASES = ([(4, name, victim, mode, "twin") for name in sorted(SCHEDULES) for vict
          + [(8, "1f1b", 3, "exit", "twin"), (8, "1f1b", 3, "sigkill", "twin"),
             (8, "gpipe", 7, "sigkill", "twin"), (8, "zb_h1", 7, "exit", "twin"),
             (8, "interleaved_1f1b", 0, "sigkill", "twin"),
-            (4, "1f1b", 1, "exit", "gloo"), (4, "zb_h1", 3, "sigkill", "gloo")])
+            (4, "1f1b", 1, "exit", "gloo"), (4, "zb_h1", 3, "sigkill", "gloo"),
+            # pp rank 0 dies between two steps: the others wait for its shape digest
+            (4, "1f1b", 0, "between", "twin"), (2, "gpipe", 0, "between", "twin")])
 
 
 @pytest.mark.parametrize("p,name,victim,mode,transport", CASES)

@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import time
 import uuid
+from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import torch
@@ -165,6 +166,13 @@ class Pipeline:
         self.p2p = P2P(pp_group, timeout=timeout, device=self.device,
                        channels=channels_of(schedule, rank), token=token)
         self._token, self._steps = token, 0
+        self._leader_pid: int | None = None  # pp rank 0's pid, if it runs on this host
+        if self.pp_size > 1:
+            from overlap.dist.host import host_id
+            import os
+
+            dist.distributed_c10d._get_default_store().set(
+                f"overlap_pp/{token}/pid/{self.pp_rank}", f"{host_id()}|{os.getpid()}")
         self._shapes: dict[int, dict[tuple, tuple]] = {}
         # Index of each stage's final gradient-accumulating action (see PipelineStage).
         self._last_grad_action: dict[int, int] = {}
@@ -198,7 +206,7 @@ class Pipeline:
             if self.pp_rank == 0:
                 store.set(key, str(digest))
                 return digest
-            store.wait([key], self.p2p.timeout)
+            self._wait_digest(store, key, what)
             value = store.get(key)
             if value == _FAILED:
                 self.p2p.check_failed(what)
@@ -213,6 +221,31 @@ class Pipeline:
                            f"digest of step {self._steps} from {self.p2p.describe(0)} did not "
                            f"arrive within {self.p2p.timeout.total_seconds():g}s: {exc}") from exc
         return digest
+
+    def _wait_digest(self, store, key: str, what: str) -> None:
+        """Wait for pp rank 0's digest within the P2P timeout, in ``POLL_S`` slices (the key
+        wakes the wait at once): between them, a failure recorded elsewhere, or pp rank 0's
+        process gone (on this host; no transfer is in flight to fail between steps), ends
+        the wait naming it."""
+        from overlap.dist.host import host_id, pid_alive
+        from overlap.pp.p2p import POLL_S
+
+        deadline = time.monotonic() + self.p2p.timeout.total_seconds()
+        while True:
+            try:
+                store.wait([key], timedelta(seconds=POLL_S))
+                return
+            except RuntimeError:
+                if time.monotonic() >= deadline:
+                    raise
+            self.p2p.check_failed(what)
+            if self._leader_pid is None:
+                host, _, pid = store.get(f"overlap_pp/{self._token}/pid/0").decode(
+                    errors="replace").rpartition("|")
+                self._leader_pid = int(pid) if host == host_id() and pid.isdigit() else 0
+            if self._leader_pid and not pid_alive(self._leader_pid):
+                self.p2p.publish(0, f"its process (pid {self._leader_pid}) exited")
+                self.p2p.check_failed(what)
 
     def _fail_next_digest(self) -> None:
         key = f"overlap_pp/{self._token}/digest/{self._steps + 1}"
