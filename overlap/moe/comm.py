@@ -6,18 +6,20 @@ buffers sized for ``max_tokens`` tokens per rank per call; ``kernel`` "torch" or
 stores them; call ``close()`` on every rank).
 ``dispatch``: "same", "bf16" or "int8" (blockwise, ``quant_block`` values per scale) on the wire
 for the forward dispatch only; the combine and every gradient travel in the activation dtype.
-``all_to_all(x, out_splits, in_splits)`` (or ``post`` then ``finish``) exchanges rows of
-``x`` (split sizes in rows, None for equal splits), posted async and waited at most ``timeout`` s: a dead or stalled peer becomes a
-RuntimeError naming the op, the group and the rank. ``check_same(op, **values)`` raises the
-same ValueError on every rank when ranks disagree on a setting (one small all-gather on
-``device``: the current CUDA device on NCCL, which takes no host tensors; else the CPU).
-The narrative: docs/moe.md.
+``all_to_all(x, out_splits, in_splits)`` (or ``post`` then ``finish``) exchanges rows of ``x``
+(split sizes in rows, None for equal splits), posted async and waited at most ``timeout`` s: a
+dead or stalled peer becomes a RuntimeError naming the op, the group and the rank.
+``check_same(op, **values)`` raises the same ValueError on every rank when ranks disagree on a
+setting (one small all-gather on ``device``: the current CUDA device on NCCL, else the CPU).
+``stamps`` (overlap.moe.stamps): the per-call agreement every exchange carries; after a
+disagreement the communicator stays failed. The narrative: docs/moe.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import NamedTuple
 
 import torch
@@ -25,6 +27,7 @@ import torch.distributed as dist
 
 from overlap.defaults import TIMEOUT_S, positive_int, positive_seconds
 from overlap.dist.device import comm_device
+from overlap.moe.stamps import DISAGREE, EPStamps
 from overlap.profile.timers import comm_wait
 from overlap.symm.workspace import PeerDied, SignalTimeout, create_workspace
 from overlap.versions import triton_problem
@@ -41,6 +44,8 @@ KERNELS = ("auto", "torch", "triton")
 # What the dispatch puts on the wire: the activations as they are, bf16, or blockwise INT8
 # (codes and one fp32 scale per quant_block values; see docs/moe.md for the bound).
 DISPATCH = ("same", "bf16", "int8")
+
+_GRACE_S = 2.0  # how long a wait ended by a peer's disagreement still waits for its signal
 
 
 class EPComm:
@@ -96,6 +101,14 @@ class EPComm:
         # Where the small tensors of the settings check travel (NCCL takes device tensors only).
         self.device = torch.device(device) if device is not None else comm_device(group)
         self.interleaver = None
+        self.layers = 0  # layers built on this communicator: their identity in the stamps
+        self.stamps = EPStamps(self)
+
+    def new_layer(self) -> int:
+        """The next layer's index on this communicator (every rank builds its layers in the
+        same order: the index is what the stamps name the layer by)."""
+        self.layers += 1
+        return self.layers - 1
 
     @property
     def pairable(self) -> bool:
@@ -128,10 +141,13 @@ class EPComm:
         """The workspace lane of an exchange: the backward ones get their own with lanes=2."""
         return int(backward and self.lanes == 2)
 
-    def workspace(self, op: str, lane: int = 0):
+    def raise_if_failed(self, op: str) -> None:
         if self._failed is not None:
             raise RuntimeError(f"{op}: this EPComm failed earlier and cannot be used again: "
                                f"{self._failed} (rank {self.global_rank})")
+
+    def workspace(self, op: str, lane: int = 0):
+        self.raise_if_failed(op)
         if self._lanes[lane] is None:
             raise RuntimeError(f"{op}: the EPComm has no workspace (closed, or no layer "
                                f"reserved one) (rank {self.global_rank})")
@@ -146,6 +162,8 @@ class EPComm:
             with comm_wait("ep.signal"):  # an EP wait in the exposed-time accounting
                 ws.wait(slot, value, self.timeout, peer=peer)
         except (SignalTimeout, PeerDied) as exc:
+            if isinstance(exc, PeerDied) and DISAGREE in str(exc) and _grace(ws, slot, value):
+                return  # the signal came after all: this rank compares the stamps itself
             # The peers learn the cause from the abort reason, which holds 80 bytes.
             if isinstance(exc, SignalTimeout):
                 short = f"no signal from EP rank {peer} within {self.timeout:g}s"
@@ -208,6 +226,7 @@ class EPComm:
              in_splits: list[int] | None, *, op: str = "all_to_all") -> "_Posted":
         """Start the exchange; ``finish`` waits for it and returns the received rows. ``x``
         and the output stay referenced until then (a GPU may still be reading them)."""
+        self.raise_if_failed(op)
         rows = sum(out_splits) if out_splits is not None else x.shape[0]
         out = x.new_empty((rows, *x.shape[1:]))
         if self.world == 1:
@@ -260,6 +279,19 @@ class _Posted(NamedTuple):
     source: torch.Tensor
     work: object
     op: str
+
+
+def _grace(ws, slot: int, value: int) -> bool:
+    """A peer aborted on a disagreement while this rank waited for a signal that every rank
+    sends before it compares anything: wait for it a little longer (host waits only), so
+    this rank raises the Disagreement with both signatures, not the peer's short reason."""
+    read = getattr(ws, "read_signal", None)
+    deadline = time.monotonic() + _GRACE_S
+    while read is not None and time.monotonic() < deadline:
+        if read(slot) >= value:
+            return True
+        time.sleep(0.001)
+    return False
 
 
 def _num(v: float):

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from overlap.moe.comm import EPComm
 from overlap.moe.exchange import counted_pieces, exchange
 from overlap.moe.experts import grouped_mm
+from overlap.moe.stamps import WORDS, Signature
 from overlap.nn.regions import gather_from_tp, scatter_to_tp
 from overlap.nn.sharding import shard_sizes
 from overlap.tp.collectives import all_gather_dim
@@ -223,6 +224,7 @@ class ExpertParallelBlock(nn.Module):
                             if name == "experts" else child)
         self.family, self.comm, self.source = family, comm, type(block).__name__
         self.split = tokens == "split" and comm.world > 1
+        self.layer_id = comm.new_layer()  # its identity in the exchanges' stamps
         self.jitter_noise = getattr(block, "jitter_noise", 0.0) if family.jitter else 0.0
         self._fn = family.experts(block.experts)
         # the shared experts run while the dispatch is in flight (not a registered child: its
@@ -286,13 +288,21 @@ class ExpertParallelBlock(nn.Module):
         if ep == 1:
             shared = self._shared(x) if self._shared is not None else None
             return self._fn(rows, w1, w2, counts.cumsum(0).to(torch.int32)), shared
-        # The dropless exchange's one host read: the split sizes (NCCL takes them on the host).
-        send = counts.view(ep, el)
+        # The dropless exchange's one host read: the split sizes (NCCL takes them on the host),
+        # each destination's followed by this call's stamp (compared there, on the host).
+        sign = Signature(self.layer_id, self.experts.num_total, True, 0)
+        tick = self.comm.stamps.begin("moe counts", sign, x.shape[-1], rows.dtype, 0,
+                                      rows.device)
+        stamp = tick.send[:WORDS].view(1, WORDS).expand(ep, WORDS)
+        send = torch.cat([counts.view(ep, el), stamp], 1)
         recv = self.comm.all_to_all(send.reshape(-1), None, None, op="hf moe counts")
-        send_n, recv_n = torch.stack([send, recv.view(ep, el)]).tolist()
+        both = torch.stack([send, recv.view(ep, el + WORDS)]).tolist()
+        self.comm.stamps.check_host(tick, {q: row[el:] for q, row in enumerate(both[1])
+                                           if q != self.comm.rank})
+        send_n, recv_n = [[row[:el] for row in side] for side in both]
         pieces = counted_pieces(send_n, recv_n, self.comm.chunks, rows.device)
         return exchange(rows, w1, w2, pieces, self.comm, self._fn, local=self._shared,
-                        local_x=x)
+                        local_x=x, layer=self.layer_id)
 
 
 class _Shared(nn.Module):

@@ -26,6 +26,7 @@ from overlap.moe.comm import BACKENDS, DISPATCH, EPComm
 from overlap.moe.exchange import counted_pieces, exchange, static_pieces, wire_row_bytes
 from overlap.moe.experts import SwiGLU, SwiGLUExperts, swiglu_grouped
 from overlap.moe.router import TopKRouter, load_balancing_loss, z_loss
+from overlap.moe.stamps import WORDS, Signature
 from overlap.moe.symmetric import Layout, Route, exchange_symmetric
 
 __all__ = ["MoE", "MoEAux", "capacity"]
@@ -100,6 +101,8 @@ class MoE(nn.Module):
                             quant_block=comm.quant_block,
                             backend=BACKENDS.index(comm.backend),
                             max_tokens=comm.max_tokens or 0)
+        # Its identity in the exchanges' stamps (every rank builds its layers in one order).
+        self.layer_id = comm.new_layer() if comm is not None else -1
         self.check_finite = bool(check_finite)
         self.aux: MoEAux | None = None
         self._static_pieces: dict = {}
@@ -193,7 +196,8 @@ class MoE(nn.Module):
                 at // (el * c), at % (el * c),
                 torch.full((ep, el), c, dtype=torch.int64, device=x2.device))
         return exchange_symmetric(x2, *w, Route(slot_token, *static, self._layout), self.comm,
-                                  swiglu_grouped, local=self.shared, local_x=x2)
+                                  swiglu_grouped, local=self.shared, local_x=x2,
+                                  layer=self.layer_id, dropless=False)
 
     def _experts_static(self, slots, c, x2, w):
         el, ep = self.num_local, self.ep
@@ -206,7 +210,7 @@ class MoE(nn.Module):
             pieces = self._static_pieces[key] = static_pieces(ep, el, c, self.comm.chunks,
                                                               slots.device)
         return exchange(slots, *w, pieces, self.comm,
-                        swiglu_grouped, local=self.shared, local_x=x2)
+                        swiglu_grouped, local=self.shared, local_x=x2, layer=self.layer_id)
 
     # -- dropless mode: exact counts
     def _raise_if_nonfinite(self, nonfinite: torch.Tensor) -> None:
@@ -240,18 +244,26 @@ class MoE(nn.Module):
                 totals.cumsum(0) - totals)[owner]
             return exchange_symmetric(x2, *w,
                                       Route(token, owner, place, per_owner, self._layout),
-                                      self.comm, swiglu_grouped, local=self.shared, local_x=x2)
+                                      self.comm, swiglu_grouped, local=self.shared, local_x=x2,
+                                      layer=self.layer_id, dropless=True)
         rows = x2[token]
         if ep == 1:
             return swiglu_grouped(rows, *w, counts.cumsum(0).to(torch.int32)), None
         # Counts per (source, local expert), then on the host: the one declared host sync of
         # the dropless EP forward (NCCL's uneven all_to_all takes host split sizes).
-        # The last column carries this rank's non-finite token count to every peer.
-        send = torch.cat([counts.view(ep, el), nonfinite.view(1, 1).expand(ep, 1)], 1)
+        # The next column carries this rank's non-finite token count to every peer, the last
+        # WORDS this call's stamp (compared on the host, where the counts are read anyway).
+        tick = self.comm.stamps.begin("moe counts",
+                                      Signature(self.layer_id, self.num_experts, True, 0),
+                                      self.d_model, x2.dtype, 0, x2.device)
+        send = torch.cat([counts.view(ep, el), nonfinite.view(1, 1).expand(ep, 1),
+                          tick.send[:WORDS].view(1, WORDS).expand(ep, WORDS)], 1)
         recv = self.comm.all_to_all(send.reshape(-1), None, None, op="moe counts")
-        both = torch.stack([send, recv.view(ep, el + 1)]).tolist()
+        both = torch.stack([send, recv.view(ep, el + 1 + WORDS)]).tolist()
+        self.comm.stamps.check_host(tick, {q: row[el + 1:] for q, row in enumerate(both[1])
+                                           if q != self.ep_rank})
         _nonfinite_error([row[el] for row in both[1]], self.ep_rank)
         send_n, recv_n = [[row[:el] for row in side] for side in both]
         pieces = counted_pieces(send_n, recv_n, self.comm.chunks, rows.device)
         return exchange(rows, *w, pieces, self.comm,
-                        swiglu_grouped, local=self.shared, local_x=x2)
+                        swiglu_grouped, local=self.shared, local_x=x2, layer=self.layer_id)
