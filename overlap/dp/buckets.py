@@ -240,6 +240,10 @@ class BucketWork:
     def __init__(self, work, *, out: torch.Tensor | None = None, quant: bool = False):
         self._work, self._out, self._quant = work, out, quant
 
+    def is_completed(self) -> bool:
+        """Whether the collective has finished (a poll: no wait, no host sync)."""
+        return self._work.is_completed()
+
     def wait(self, timeout: float, *, what: str = "", group=None) -> None:
         t0 = time.monotonic()
         try:

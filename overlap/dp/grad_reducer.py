@@ -153,14 +153,14 @@ class GradReducer:
         self._scale = (1.0 / self.divisor if self.config.op == "avg" and self.divisor > 1
                        else None)
         self._dead = [True] * len(self.params)
-        # Per-call agreement of the plain all-reduce (overlap.dp.stamps): a stamp in a tail of
-        # each bucket's buffer. The quantized collectives carry their own stamp.
+        # Per-call agreement of the plain collectives (overlap.dp.stamps): a stamp in a tail of
+        # each bucket's buffer (all-reduce) or of each shard (reduce-scatter). The quantized
+        # collectives carry their own stamp.
         self._stamps = (BucketStamps(rank=self.dp_rank, world=self.dp_size,
                                      device=self.flat_device,
                                      where=f" (GradReducer on DP group "
                                            f"{dist.get_process_group_ranks(dp_group)})")
-                        if self.dp_size > 1 and self.config.comm_dtype == "fp32"
-                        and not self.config.shard else None)
+                        if self.dp_size > 1 and self.config.comm_dtype == "fp32" else None)
         self._failed: BaseException | None = None
         self._install(self._make_layout(list(reversed(range(len(self.params))))), copy=False)
         self.stats = IterationStats()
@@ -195,7 +195,7 @@ class GradReducer:
         """Sharded mode: this rank's reduced slice of ``bucket``, shape (padded / dp,)."""
         if not self.config.shard:
             raise RuntimeError("GradReducer.grad_shard: the reducer was built with shard=False")
-        return self._grad_shard[bucket.dtype].narrow(0, bucket.offset // self.dp_size,
+        return self._grad_shard[bucket.dtype].narrow(0, self._shard_offset[bucket.index],
                                                       bucket.padded // self.dp_size)
 
     def finish(self) -> None:
@@ -375,6 +375,7 @@ class GradReducer:
             p.grad = view
 
     def _start_backward(self) -> None:
+        self._raise_if_failed()  # not a stale "accumulated again" from the failed iteration
         engine = torch.autograd.Variable._execution_engine
         if self._sync and (self._sync_if is None or self._sync_if()):
             self._active = True
@@ -415,23 +416,28 @@ class GradReducer:
         self._raise_if_failed()
         bucket = self.buckets[b]
         buf = self.flat[bucket.dtype].narrow(0, bucket.offset, bucket.span)
+        cfg = self.config
+        scatter = cfg.shard and self._final
         if self._stamps is not None:
-            self._stamps.write(bucket, self._tail(bucket), self.params, self.config.op)
+            if scatter:  # the shards and their stamp tails, copied apart (docs/dp.md)
+                self._release_finished_scatters()
+                buf = self._held[b] = self._scatter_rows(bucket)
+            else:
+                self._stamps.write(bucket, self._tail(bucket), self.params, cfg.op)
         # The hooks folded every gradient in already divided by the DP size; from here on
         # .grad is the bucket's view again (reduced once the collective is waited for).
         for i in bucket.params:
             if not self._main[i]:
                 self.params[i].grad = self._views[i]
-        cfg = self.config
         # Lossy comm: the first iteration also compares sizes and options across the ranks.
         extra = {} if cfg.comm_dtype == "fp32" else dict(
             error_feedback=self._feedback(b, buf.numel()), check_ranks=not self._checked,
             timeout=cfg.timeout, tag=self._tag(bucket))
         try:  # a launch raises when an earlier bucket's exchange found the ranks disagreeing
             with nvtx.range(names.dp_bucket("grads", b)):  # the launch only
-                if cfg.shard and self._final:
+                if scatter:
                     self._works[b] = dp_comm.reduce_scatter_async(
-                        self.grad_shard(bucket), buf, group=self.dp_group,
+                        self._shard_span(bucket), buf.view(-1), group=self.dp_group,
                         comm_dtype=cfg.comm_dtype, **extra)
                 else:
                     self._works[b] = dp_comm.all_reduce_async(buf, group=self.dp_group,
@@ -453,20 +459,54 @@ class GradReducer:
 
     def _wait_all(self) -> None:
         for b, work in enumerate(self._works):
-            if work is None:
-                continue
-            what = self._where(b)
-            try:
-                with comm_wait("dp.grads"), nvtx.range(names.dp_bucket("grads", b, wait=True)):
-                    work.wait(self.config.timeout, group=self.dp_group, what=what)
-                if self._stamps is not None:
-                    bucket = self.buckets[b]
-                    self._stamps.verify(bucket, self._tail(bucket), self.flat[bucket.dtype]
-                                        .narrow(0, bucket.offset, bucket.padded))
-            except BaseException as exc:
-                self._fail(exc)
-                _reraise(what, exc)
-            self._works[b] = None
+            if work is not None:
+                self._finish(b, work)
+
+    def _finish(self, b: int, work) -> None:
+        what = self._where(b)
+        try:
+            with comm_wait("dp.grads"), nvtx.range(names.dp_bucket("grads", b, wait=True)):
+                work.wait(self.config.timeout, group=self.dp_group, what=what)
+            if self._stamps is not None:
+                self._verify(b)
+        except BaseException as exc:
+            self._fail(exc)
+            _reraise(what, exc)
+        self._works[b] = None
+
+    def _release_finished_scatters(self) -> None:
+        """Finish the reduce-scatters already complete (a poll, no host sync), so their staged
+        send buffers go now rather than at the end of the backward: only the buckets really
+        in flight hold one."""
+        for b in list(self._held):
+            work = self._works[b]
+            if work is not None and work.is_completed():
+                self._finish(b, work)
+
+    def _scatter_rows(self, bucket: Bucket) -> torch.Tensor:
+        """The reduce-scatter's send buffer [dp, m + tail]: row r = shard r of the bucket's
+        gradients, then a stamp table with this rank's stamp (the shards stay where they are;
+        a flat buffer cannot give every shard a tail without moving the parameters)."""
+        n, m = self.dp_size, bucket.padded // self.dp_size
+        rows = torch.empty(n, m + bucket.tail, dtype=bucket.dtype, device=self.flat_device)
+        rows[:, :m].copy_(self.flat[bucket.dtype].narrow(0, bucket.offset, bucket.padded)
+                          .view(n, m))
+        self._stamps.write_scatter(bucket, rows[:, m:], self.params, self.config.op)
+        return rows
+
+    def _shard_span(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's reduced shard of ``bucket`` and its stamp tail: (padded / dp + tail,)."""
+        return self._grad_shard[bucket.dtype].narrow(0, self._shard_offset[bucket.index],
+                                                      bucket.padded // self.dp_size + bucket.tail)
+
+    def _verify(self, b: int) -> None:
+        bucket = self.buckets[b]
+        if self._held.pop(b, None) is not None:  # a reduce-scatter
+            out, m = self._shard_span(bucket), bucket.padded // self.dp_size
+            self._stamps.verify(bucket, out[m:], out[:m])
+        else:
+            self._stamps.verify(bucket, self._tail(bucket), self.flat[bucket.dtype]
+                                .narrow(0, bucket.offset, bucket.padded))
 
     def _where(self, b: int) -> str:
         return f"GradReducer: rank {self.rank}: bucket {b} of {len(self.buckets)}"
@@ -478,6 +518,7 @@ class GradReducer:
         if self._failed is None:
             self._failed = exc
         self._works = [None] * len(self._works)
+        self._held.clear()
         self._active = False
 
     def _reset_iteration(self) -> None:
@@ -487,6 +528,7 @@ class GradReducer:
         self._forward_seen = False
         self._next = 0
         self._works: list = [None] * n
+        self._held: dict[int, torch.Tensor] = {}  # reduce-scatter send buffers in flight
         self._missing = [len(bk.params) for bk in self.buckets]
         self._fired = [False] * len(self.params)
         self._observed: list[int] = []
@@ -532,9 +574,14 @@ class GradReducer:
         self._tags: dict[int, int] = {}
         if self._stamps is not None:
             self._stamps.new_layout()
-        if cfg.shard:
-            self._grad_shard = {dt: torch.zeros(n // self.dp_size, dtype=dt, device=device)
-                                for dt, n in layout.numel.items()}
+        if cfg.shard:  # per bucket: this rank's shard, then the stamp tail it receives
+            ends: dict[torch.dtype, int] = {}
+            self._shard_offset = []
+            for bk in layout.buckets:
+                self._shard_offset.append(ends.get(bk.dtype, 0))
+                ends[bk.dtype] = self._shard_offset[-1] + bk.padded // self.dp_size + bk.tail
+            self._grad_shard = {dt: torch.zeros(n, dtype=dt, device=device)
+                                for dt, n in ends.items()}
 
     def _rebuild(self) -> None:
         seen = set(self._observed)

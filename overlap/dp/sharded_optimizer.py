@@ -2,10 +2,9 @@
 
 DP rank ``r`` owns slice ``r`` of every (padded) gradient bucket: it keeps fp32 masters and the
 inner optimizer's state (any ``torch.optim.Optimizer`` class) for those slices only, steps
-them, and all-gathers the updated shards asynchronously into flat parameter buffers; each
-module's forward pre-hook waits only for its own buckets. Param groups, mixed precision
-(fp32 masters and main grads with bf16 parameters), checkpoints by shard pieces: see
-docs/design/dp.md.
+them, and all-gathers the updated shards asynchronously into flat parameter buffers, each with
+a stamp (overlap.dp.stamps.GatherStamps); each module's forward pre-hook waits only for its
+own buckets. Param groups, mixed precision, checkpoints by shard pieces: docs/design/dp.md.
 
 Shape legend: ``n_b`` padded elements of bucket b (a multiple of ``dp``), ``r`` DP rank::
 
@@ -23,11 +22,13 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from overlap.dp.buckets import Layout, all_gather_async
+from overlap.dp.stamps import GATHER_BYTES, GatherStamps
 from overlap.profile.syncs import not_a_device_sync
-from overlap.dp.grad_reducer import GradReducer
+from overlap.dp.grad_reducer import GradReducer, _reraise
 from overlap.profile.timers import comm_wait
 
 __all__ = ["ShardedOptimizer", "ShardPiece"]
@@ -81,6 +82,13 @@ class ShardedOptimizer:
         self._timeout = reducer.config.timeout
         self._group_of, self._group_options = self._parse_groups(param_groups)
         self._gathers: list = []
+        self._steps = 0  # step() calls: part of every gather's stamp
+        self._failed: BaseException | None = None
+        self._stamps = (GatherStamps(rank=self.dp_rank, world=self.dp_size,
+                                     device=reducer.flat_device,
+                                     where=f" (ShardedOptimizer on DP group "
+                                           f"{dist.get_process_group_ranks(reducer.dp_group)})")
+                        if self.dp_size > 1 else None)
         # seconds the forward pre-hooks waited for parameter gathers since the last step():
         # the part of the all-gather the forward did not hide
         self.forward_wait_s = 0.0
@@ -109,6 +117,7 @@ class ShardedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._raise_if_failed()
         self.reducer.finish()
         self.wait_params()  # the send buffers and the parameters are rewritten below
         self.reducer.freeze_layout()
@@ -121,6 +130,7 @@ class ShardedOptimizer:
         with not_a_device_sync("torch optimizer step counters live on the host"):
             self.inner.step()
         self.forward_wait_s = 0.0
+        self._steps += 1
         self._launch_gathers()
         return loss
 
@@ -164,6 +174,7 @@ class ShardedOptimizer:
         """The converse of ``refresh_masters``: write the masters into the parameters of every
         rank (collective over the DP group), e.g. after loading masters from a checkpoint."""
         self.wait_params()
+        self._raise_if_failed()
         self._launch_gathers()
         self.wait_params()
 
@@ -272,8 +283,9 @@ class ShardedOptimizer:
         return sum(m.numel() * m.element_size() for m in self.masters)
 
     def close(self) -> None:
-        """Wait for the gathers and remove the forward pre-hooks."""
-        self.wait_params()
+        """Wait for the gathers (unless one failed) and remove the forward pre-hooks."""
+        if self._failed is None:
+            self.wait_params()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -326,16 +338,44 @@ class ShardedOptimizer:
             self.forward_wait_s += time.perf_counter() - t0
         return hook
 
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"ShardedOptimizer: rank {self.reducer.rank}: a parameter "
+                               f"all-gather failed earlier and the optimizer stays failed: "
+                               f"{type(self._failed).__name__}: {self._failed}"
+                               ) from self._failed
+
     def _wait(self, buckets) -> None:
+        self._raise_if_failed()
         for b in buckets:
             work = self._gathers[b]
             if work is None:
                 continue
-            with comm_wait("dp.params"):
-                work.wait(self._timeout, group=self.reducer.dp_group,
-                          what=f"ShardedOptimizer: rank {self.reducer.rank}: parameter "
-                               f"all-gather of bucket {b}")
+            what = f"ShardedOptimizer: rank {self.reducer.rank}: parameter all-gather of bucket {b}"
+            try:
+                with comm_wait("dp.params"):
+                    work.wait(self._timeout, group=self.reducer.dp_group, what=what)
+                got = self._received.pop(b, None)
+                if got is not None:
+                    self._unpack(b, got)
+            except BaseException as exc:
+                # A failed gather fails the optimizer: the other gathers are abandoned.
+                self._failed = exc
+                self._gathers = [None] * len(self._gathers)
+                self._received.clear()
+                _reraise(what, exc)
             self._gathers[b] = None
+
+    def _unpack(self, b: int, got: torch.Tensor) -> None:
+        """Bucket b's gathered rows [dp, row bytes]: compare the stamps, then write the
+        payloads into the parameters (NaN on a GPU if the stamps disagreed)."""
+        out, _ = self._gather_views(b)
+        n = self.dp_size
+        m, dt = out.numel() // n, self._param_dtype[b]
+        size, off = m * dt.itemsize, self._stamp_at[b]
+        self._stamps.verify(self.reducer.layout.buckets[b], got[:, off:off + GATHER_BYTES], out)
+        out.view(n, m).copy_(got[:, :size].view(dt))
+        self._stamps.poison(out)
 
     def _cut(self, layout: Layout) -> tuple[list[_Segment], list[ShardPiece]]:
         """This rank's shard of each bucket cut into segments (runs of one param group) and
@@ -404,8 +444,18 @@ class ShardedOptimizer:
             view.copy_(p.detach())
             p.data = view
         self.flat_params = flat
-        self._send = {dt: torch.zeros(n // self.dp_size, dtype=dt, device=device)
-                      for dt, n in numel.items()}
+        # Per bucket, this rank's send row: its shard of the parameters (parameter dtype) and,
+        # with stamps, GATHER_BYTES at the next 8-byte boundary.
+        self._send, self._stamp_at = [], []
+        for b, bucket in enumerate(layout.buckets):
+            size = bucket.padded // self.dp_size * self._param_dtype[b].itemsize
+            at = -(-size // 8) * 8
+            self._stamp_at.append(at)
+            self._send.append(torch.zeros(size if self._stamps is None else at + GATHER_BYTES,
+                                          dtype=torch.uint8, device=device))
+        self._received: dict[int, torch.Tensor] = {}  # gathered rows in flight, by bucket
+        if self._stamps is not None:
+            self._stamps.new_layout()
         self._segments, self._pieces = self._cut(layout)
         self._gathers = [None] * len(layout.buckets)
         self.masters = []
@@ -422,8 +472,9 @@ class ShardedOptimizer:
         """Bucket b's parameters (padded, parameter dtype) and this rank's send buffer."""
         bucket = (layout or self.reducer.layout).buckets[b]
         dt, off = self._param_dtype[b], self._param_offset[b]
+        m = bucket.padded // self.dp_size
         return (self.flat_params[dt].narrow(0, off, bucket.padded),
-                self._send[dt].narrow(0, off // self.dp_size, bucket.padded // self.dp_size))
+                self._send[b].narrow(0, 0, m * dt.itemsize).view(dt))
 
     def _launch_gathers(self) -> None:
         """Cast the fp32 masters into the send buffers (parameter dtype) and issue every
@@ -431,9 +482,20 @@ class ShardedOptimizer:
         for seg, master in zip(self._segments, self.masters):
             _, send = self._gather_views(seg.bucket)
             send.narrow(0, seg.start, seg.numel).copy_(master)
+        group = self.reducer.dp_group
         for b in self._gather_order:
             out, send = self._gather_views(b)
-            self._gathers[b] = all_gather_async(out, send, group=self.reducer.dp_group)
+            if self._stamps is None:
+                self._gathers[b] = all_gather_async(out, send, group=group)
+                continue
+            row = self._send[b]
+            at = self._stamp_at[b]
+            self._stamps.write(self.reducer.layout.buckets[b], self._param_dtype[b],
+                               self.reducer.params, self._steps, row[at:])
+            # Rows of every rank, unpacked into the parameters at the wait (docs/dp.md: costs)
+            got = self._received[b] = torch.empty(self.dp_size, row.numel(), dtype=torch.uint8,
+                                                  device=row.device)
+            self._gathers[b] = all_gather_async(got.view(-1), row, group=group)
 
     def _on_layout_change(self, old: Layout, new: Layout) -> None:
         # The reducer re-buckets once, after its first iteration; before any step there is no
