@@ -123,6 +123,73 @@ def test_cp_size_change_on_plain_gloo_is_a_disagreement(world, method):
         assert f"{method}_attention: call 3: ranks disagree on q shape" in msg, msg
 
 
+def _cp_layers(method):
+    """Two layers alike in shapes, causal and scale, told apart by ``layer`` only: an agreeing
+    pair (forward and backward, against SDPA), then odd ranks call them in the other order."""
+    import functools
+
+    import overlap.cp as cp
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    attend = getattr(cp, f"{method}_attention")
+    comm = cp.CPComm(dist.group.WORLD, timeout=20)
+    full = inputs(world, 2, torch.float32, seed=5)
+    excess = []
+    for layer in (0, 1):
+        excess += compare(sharded(functools.partial(attend, layer=layer), full, world=world,
+                                  rank=rank, causal=True, comm=comm),
+                          full, world=world, rank=rank, causal=True,
+                          bound=error_bound(torch.float32))[1]
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(B, n, 6, D, generator=g) for n in (H, 2, 2))
+    order = (1, 0) if rank % 2 else (0, 1)
+    swapped = _outcome(lambda: [attend(q, k, v, comm=comm, causal=True, layer=i)
+                                for i in order])
+    comm.close()
+    return max(excess), swapped
+
+
+@pytest.mark.parametrize("method", ["allgather", "ulysses", "ring"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_layers_called_in_other_orders_raise_naming_the_layer(world, method):
+    # Same shapes, causal and scale: before, the stamps were equal and each rank attended
+    # another layer's keys silently. The layer id now rides in the stamp.
+    for rank, (excess, (kind, msg)) in enumerate(run_ranks(_cp_layers, world, method,
+                                                           timeout=90)):
+        assert excess <= 0, (rank, excess)
+        assert kind == "Disagreement", (rank, kind, msg)
+        assert f"{method}_attention: call 5: ranks disagree on layer" in msg, (rank, msg)
+        assert "=0" in msg and "=1" in msg and f"rank {rank}" in msg, (rank, msg)
+
+
+def _ring_far_ranks():
+    """A good ring call, then rank 1 alone passes another scale: (outcome, seconds) per rank."""
+    import time
+
+    import overlap.cp as cp
+
+    comm = cp.CPComm(dist.group.WORLD, timeout=20)
+    q, k, v = (torch.randn(B, n, 6, D) for n in (H, 2, 2))
+    cp.ring_attention(q, k, v, comm=comm, causal=True)
+    t0 = time.monotonic()
+    got = _outcome(lambda: cp.ring_attention(q, k, v, comm=comm, causal=True,
+                                             scale=0.5 if dist.get_rank() == 1 else 0.25))
+    return got, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("backend", [None, "gloo"])
+def test_ring_disagreement_reaches_the_far_ranks_fast(backend):
+    # At cp 4 only rank 1's ring neighbours see its stamp; ranks 0 and 3 used to wait on a
+    # transfer that never came until the 20 s timeout. The ranks that find the disagreement
+    # publish it in the job's store and every waiting rank reads it.
+    for rank, ((kind, msg), took) in enumerate(run_ranks(_ring_far_ranks, 4, timeout=90,
+                                                         backend=backend)):
+        assert kind == "Disagreement", (rank, kind, msg)
+        assert "ring_attention: call 2: ranks disagree on scale" in msg, (rank, msg)
+        assert "0.5" in msg and "0.25" in msg and f"(rank {rank}, cp rank {rank}" in msg, msg
+        assert took < 2.0, (rank, took, msg)
+
+
 # ---------------------------------------------------------------- TP (unfused)
 
 def _excess(got, a, b, rows=slice(None)):

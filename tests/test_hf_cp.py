@@ -409,3 +409,136 @@ def test_unknown_position_handling_is_refused_on_every_rank():
             assert msg is not None, f"rank {rank}: {key} was accepted"
             for needle in ("ValueError: enable_context_parallel", f"rank {rank}", *needles):
                 assert needle in msg, (rank, key, needle, msg)
+
+
+# ------------------------------------------------------------------------ per-call agreement
+
+def _outcome(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test reads the kind and the message
+        return type(exc).__name__, str(exc)
+    return None, None
+
+
+def _layer_order_job(method: str):
+    """An agreeing forward (logits vs the unsharded model), then odd ranks run the decoder's
+    two layers in the other order: the attention layers alike in everything but layer_idx."""
+    import torch.nn as nn
+
+    from overlap.cp import CPComm
+    from overlap.cp.hf import cp_gather_logits, cp_shard_inputs, enable_context_parallel
+
+    comm = CPComm(dist.group.WORLD, timeout=20)
+    try:
+        ref = build("llama")
+        model = enable_context_parallel(copy.deepcopy(ref), comm=comm, method=method)
+        ids = _batch(4)
+        shard = cp_shard_inputs(ids, comm=comm)
+        run = lambda: model(input_ids=shard.input_ids,  # noqa: E731
+                            position_ids=shard.position_ids, use_cache=False).logits
+        err = _rel(cp_gather_logits(run().detach(), comm=comm), ref(input_ids=ids).logits)
+        if dist.get_rank() % 2:
+            model.model.layers = nn.ModuleList(reversed(model.model.layers))
+        return err, _outcome(run)
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world,method", [(2, "ring"), (2, "allgather"), (2, "ulysses"),
+                                          (4, "ring"), (4, "allgather"), (4, "ulysses")])
+def test_layers_run_in_other_orders_raise_naming_the_layer(world, method):
+    # The two layers' attention calls have equal shapes, causal and scale: before, each rank
+    # attended another layer's keys and returned wrong logits. Each module's layer_idx now
+    # rides in the call's stamp.
+    for rank, (err, (kind, msg)) in enumerate(run_ranks(_layer_order_job, world, method,
+                                                        timeout=90)):
+        assert err <= TOL, (rank, err)
+        assert kind == "Disagreement", (rank, kind, msg)
+        assert f"{method}_attention: call 4: ranks disagree on layer" in msg, (rank, msg)
+        assert f"rank {rank}" in msg, (rank, msg)
+
+
+# cp_loss's agreeing value vs F.cross_entropy on the whole batch, fp32: both sum the same
+# per-token terms in other orders (n <= 32 tokens: n u of the sum of terms, all positive) and
+# each term's log-sum-exp over V = 64 logits may be summed in another order (64 u absolute, on
+# terms >= log(64) / 2 > 2): (32 + 32) u < 128 u. cp_gather_logits moves bytes: exact.
+LOSS_TOL = 128 * 2.0 ** -24
+
+
+def _loss_job():
+    import torch.nn.functional as F
+
+    from overlap.cp import CPComm, ring_attention
+    from overlap.cp.hf import cp_gather_logits, cp_loss
+    from overlap.cp.zigzag import zigzag_shard
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(BATCH, 4 * world, VOCAB, generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, 4 * world), generator=g)
+    labels[0, ::3] = -100
+    mine, my_labels = (zigzag_shard(t, 1, cp=world, rank=rank) for t in (full, labels))
+    want = F.cross_entropy(full.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    out = {}
+
+    def fresh(timeout=20):
+        return CPComm(dist.group.WORLD, timeout=timeout)
+
+    comm = fresh()
+    got = cp_loss(mine, my_labels, comm=comm)
+    out["agree"] = ((got - want).abs() / want).item()
+    kept = my_labels.clamp(min=0)  # valid under any ignore_index: no local error
+    out["ignore_index"] = _outcome(lambda: cp_loss(mine, kept, comm=comm,
+                                                   ignore_index=0 if rank == 1 else -100))
+    out["later"] = _outcome(lambda: cp_loss(mine, kept, comm=comm))
+    comm.close()
+    # Rank 1 fails alone before the reduction (-100 labels, ignore_index -1). The others raise
+    # at once from the store, but on plain gloo closing a communicator waits for its abandoned
+    # all-reduce to time out: a short timeout keeps the test short.
+    comm = fresh(timeout=4)
+    cp_loss(mine, my_labels, comm=comm)
+    out["local error"] = _outcome(lambda: cp_loss(mine, my_labels, comm=comm,
+                                                  ignore_index=-1 if rank == 1 else -100))
+    comm.close()
+    comm = fresh()
+    cp_loss(mine, my_labels, comm=comm)
+    wide = torch.randn(*mine.shape[:2], VOCAB + (rank == 1))
+    out["V"] = _outcome(lambda: cp_loss(wide, my_labels, comm=comm))
+    comm.close()
+    comm = fresh()  # rank 1 calls cp_loss twice; the others go on to the next attention
+    cp_loss(mine, my_labels, comm=comm)
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    out["twice"] = _outcome(lambda: cp_loss(mine, my_labels, comm=comm) if rank == 1
+                            else ring_attention(q, k, v, comm=comm, causal=True))
+    comm.close()
+    comm = fresh()
+    out["gathered"] = torch.equal(cp_gather_logits(mine, comm=comm), full)
+    out["gather V"] = _outcome(lambda: cp_gather_logits(wide, comm=comm))
+    comm.close()
+    return out
+
+
+@pytest.mark.parametrize("backend", [None, "gloo"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_loss_and_gather_disagreements_raise_on_every_rank(world, backend):
+    # Before: cp_loss was a bare 2-value all-reduce (another ignore_index or V, or an extra
+    # call, paired silently; the extra one hung) and cp_gather_logits a bare all-gather (other
+    # V: a size error, or a process aborted on plain gloo). Now both carry the call's stamp.
+    for rank, out in enumerate(run_ranks(_loss_job, world, timeout=90, backend=backend)):
+        assert out["agree"] <= LOSS_TOL, (rank, out["agree"])
+        assert out["gathered"], rank
+        for case, needle in (("ignore_index", "cp_loss: call 2: ranks disagree on ignore_index"),
+                             ("V", "cp_loss: call 2: ranks disagree on q shape"),
+                             ("twice", "call 2: ranks disagree on op"),
+                             ("gather V", "cp_gather_logits: call 2: ranks disagree on q shape")):
+            kind, msg = out[case]
+            assert kind == "Disagreement", (rank, case, kind, msg)
+            assert needle in msg and f"rank {rank}" in msg, (rank, case, msg)
+        kind, msg = out["later"]
+        assert kind == "CPCommFailed" and "disagree on ignore_index" in msg, (rank, kind, msg)
+        kind, msg = out["local error"]  # rank 1's own error; the others read it in the store
+        assert "Target -100 is out of bounds" in msg, (rank, kind, msg)
+        assert kind == ("IndexError" if rank == 1 else "RuntimeError"), (rank, kind, msg)
+        assert rank == 1 or "cp rank 1 (global rank 1) failed" in msg, (rank, msg)
+        assert "cp_loss" in out["twice"][1] and "ring_attention" in out["twice"][1], out["twice"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from overlap.cp.blocks import backward_kernel, block_backward, block_forward, merge, pick_kernel
-from overlap.cp.comm import CPComm, Packet, call_scale
+from overlap.cp.comm import CPComm, Packet, call_layer, call_scale
 from overlap.cp.ring import _validate, attention_function, forward_outputs
 
 __all__ = ["allgather_attention"]
@@ -81,13 +81,14 @@ def _landed(comm: CPComm, posted: list, p: int, op: str, dtype: torch.dtype) -> 
 # ---------------------------------------------------------------- implementations
 
 def _ag_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: CPComm, causal: bool,
-                scale: float, block: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                scale: float, block: str, layer: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out (b, h, s, d) in q's dtype, out in fp32 or empty when q is fp32, lse (b, hk, g, s))."""
     op = "allgather_attention"
     comm.check_usable(op)
     with comm.guard(op):
         _validate(q, k, v, comm, causal, scale, block, op)
-        comm.stamp(op, q, k, causal, scale)
+        comm.stamp(op, q, k, causal, scale, layer)
         (b, h, s, d), hk = q.shape, k.shape[1]
         kernel = pick_kernel(block, q)
         kv = torch.stack([k, v])
@@ -109,12 +110,13 @@ def _ag_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: CPComm,
 
 def _ag_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o32: torch.Tensor, lse: torch.Tensor, comm: CPComm, causal: bool,
-                 scale: float, block: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 scale: float, block: str, layer: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in q's dtype; ``o32`` is the forward's fp32 output (b, h, s, d)."""
     op = "allgather_attention_backward"
     comm.check_usable(op)
     with comm.guard(op):
-        comm.stamp(op, q, k, causal, scale)
+        comm.stamp(op, q, k, causal, scale, layer)
         (b, h, s, d), hk = q.shape, k.shape[1]
         g, cp = h // hk, comm.world
         kv = torch.stack([k, v])
@@ -165,9 +167,11 @@ _AllGatherAttention = attention_function("allgather_attention", _ag_forward, _ag
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: CPComm,
-                        causal: bool, scale: float | None = None, block: str = "auto"
-                        ) -> torch.Tensor:
+                        causal: bool, scale: float | None = None, block: str = "auto",
+                        layer: int = -1) -> torch.Tensor:
     """Attention of this rank's zig-zag rows ``q`` over the whole sequence, the kv gathered
-    from every rank (module docstring). ``scale`` and ``block`` as ``ring_attention``'s."""
+    from every rank (module docstring). ``scale``, ``block`` and ``layer`` as
+    ``ring_attention``'s."""
     scale = call_scale("allgather_attention", q, comm, causal, scale)
-    return _AllGatherAttention.apply(q, k, v, comm, causal, scale, block)
+    layer = call_layer("allgather_attention", layer, comm)
+    return _AllGatherAttention.apply(q, k, v, comm, causal, scale, block, layer)

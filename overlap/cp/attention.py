@@ -18,7 +18,7 @@ import time
 import torch
 
 from overlap.cp.allgather import allgather_attention
-from overlap.cp.comm import CPComm, call_scale
+from overlap.cp.comm import CPComm, call_layer, call_scale
 from overlap.cp.ring import _validate, ring_attention
 from overlap.cp.ulysses import ulysses_attention, ulysses_fits
 
@@ -40,7 +40,7 @@ def _keep(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _measure(q, k, v, comm: CPComm, causal: bool, scale: float) -> str:
+def _measure(q, k, v, comm: CPComm, causal: bool, scale: float, layer: int) -> str:
     """Time every eligible method (forward and backward, interleaved rounds) and agree."""
     eligible = [m for m in _ATTEND if m != "ulysses" or ulysses_fits(q.shape[1], k.shape[1],
                                                                      comm.world)]
@@ -54,7 +54,8 @@ def _measure(q, k, v, comm: CPComm, causal: bool, scale: float) -> str:
             # must not be recorded by the checkpoint's hooks (its recomputation, which finds
             # the choice cached, would save fewer tensors and fail).
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
-                _ATTEND[m](qm, km, vm, comm=comm, causal=causal, scale=scale).backward(dout)
+                _ATTEND[m](qm, km, vm, comm=comm, causal=causal, scale=scale,
+                           layer=layer).backward(dout)
             if q.is_cuda:
                 torch.cuda.synchronize()  # the first call of a shape only
             if rnd:
@@ -71,7 +72,7 @@ def _measure(q, k, v, comm: CPComm, causal: bool, scale: float) -> str:
     return eligible[agreed.index(min(agreed))]
 
 
-def _choose(q, k, v, comm: CPComm, causal: bool, scale: float) -> str:
+def _choose(q, k, v, comm: CPComm, causal: bool, scale: float, layer: int) -> str:
     key = choice_key(q, k, causal)
     method = comm.cp_choices.get(key)
     if method is None:
@@ -79,17 +80,19 @@ def _choose(q, k, v, comm: CPComm, causal: bool, scale: float) -> str:
             raise ValueError(f"cp_attention: method=\"auto\" measures on the first call of a "
                              f"shape, which must run eagerly; under torch.compile pass the "
                              f"method comm.cp_choices reports{comm.where}")
-        method = "ring" if comm.world == 1 else _measure(q, k, v, comm, causal, scale)
+        method = "ring" if comm.world == 1 else _measure(q, k, v, comm, causal, scale, layer)
         comm.cp_choices[key] = method
     return method
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: CPComm,
-                 causal: bool, scale: float | None = None, method: str = "ring"
-                 ) -> torch.Tensor:
+                 causal: bool, scale: float | None = None, method: str = "ring",
+                 layer: int = -1) -> torch.Tensor:
     """Attention of this rank's zig-zag rows ``q`` over the whole sequence by ``method``
-    (module docstring); q (b, h, s_local, d), k/v (b, h_kv, s_local, d). Differentiable."""
+    (module docstring); q (b, h, s_local, d), k/v (b, h_kv, s_local, d). Differentiable.
+    ``layer``: the caller's id of this attention layer (-1: unknown), in every call's stamp."""
     scale = call_scale("cp_attention", q, comm, causal, scale)
+    layer = call_layer("cp_attention", layer, comm)
     if method not in METHODS:
         raise ValueError(f"cp_attention: method must be one of {METHODS}, got "
                          f"{method!r}{comm.where}")
@@ -97,5 +100,5 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: CPC
         comm.check_usable("cp_attention")
         with comm.guard("cp_attention"):  # bad input fails before anything is measured
             _validate(q, k, v, comm, causal, scale, "auto", "cp_attention")
-        method = _choose(q, k, v, comm, causal, scale)
-    return _ATTEND[method](q, k, v, comm=comm, causal=causal, scale=scale)
+        method = _choose(q, k, v, comm, causal, scale, layer)
+    return _ATTEND[method](q, k, v, comm=comm, causal=causal, scale=scale, layer=layer)

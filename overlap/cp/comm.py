@@ -6,14 +6,17 @@ to the next CP rank, receive from the previous one), built like the pipeline's
 the first all-gather or Ulysses call, a collective communicator of the group's own. Creating
 it is collective over the group; ``close()`` releases them. Every wait is bounded by
 ``timeout`` s and names the op, the peer (or the group) and this rank. After any error the
-communicator is failed: every later call raises ``CPCommFailed`` with the first error. One op
-in flight per communicator. ``Packet``: a stamp and tensors in one byte message. The
-narrative: docs/design/cp.md.
+communicator is failed: every later call raises ``CPCommFailed`` with the first error; a
+rank's own failure is also written to the job's store, which a CPU wait that outlasts 50 ms
+reads (with the stamps of peers stuck in other calls), so every rank raises it. One op in
+flight per communicator. ``Packet``: a stamp and tensors in one byte message. The narrative:
+docs/design/cp.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from datetime import timedelta
 
@@ -24,18 +27,24 @@ from overlap.versions import (HAVE_OPAQUE, MemberType, OpaqueBase, compile_probl
 
 from overlap.defaults import TIMEOUT_S, positive_seconds
 from overlap.dist.device import comm_device
-from overlap.dist.stamp import STAMP_WORDS, Agreement, Schema, float_word
+from overlap.dist.stamp import (STAMP_WORDS, Agreement, Disagreement, Schema, float_word,
+                                shape_words)
 from overlap.profile.timers import comm_wait
 
-__all__ = ["CPComm", "CPCommFailed", "SCHEMA", "Packet", "call_scale"]
+__all__ = ["CPComm", "CPCommFailed", "SCHEMA", "Packet", "call_layer", "call_scale"]
 
 # The per-call stamp: what every CP rank must pass alike (checked on every call, in the ring's
 # first message; the communicator's first call also all-gathers it and names every rank).
+# "layer": the caller's layer id (-1 unknown), so two layers alike in everything else called in
+# other orders are told apart. cp_loss / cp_gather_logits: q shape = the logits', kv shape = the
+# labels' (cp_loss), ignore_index (cp_loss; 0 elsewhere).
 SCHEMA = Schema("cp", ("ring_attention", "ring_attention_backward", "allgather_attention",
                       "allgather_attention_backward", "ulysses_attention",
-                      "ulysses_attention_backward"),
+                      "ulysses_attention_backward", "cp_loss", "cp_gather_logits"),
                 (("q shape", 4, "shape"), ("kv shape", 4, "shape"), ("dtype", 1, "dtype"),
-                 ("causal", 1, "bool"), ("scale", 1, "float")))
+                 ("causal", 1, "bool"), ("scale", 1, "float"), ("layer", 1, "int"),
+                 ("ignore_index", 1, "int")))
+_SLICE_S = 0.05  # a CPU wait longer than this watches the store for a peer's failure
 
 # Channel store prefixes must be equal on both ends and unique per communicator: every rank
 # of a group creates its CPComms in the same order, so a count per group of ranks is both.
@@ -71,6 +80,8 @@ class CPComm(OpaqueBase):
         self._to_next = self._from_prev = None
         self.stamps_first = False
         self._coll = None  # the group's collective communicator, built on first use
+        self._store = None  # the job's store: failures and stuck calls published (CPU waits)
+        self._announced = 0
         # cp_attention(method="auto"): the method chosen per call shape, and its timings (s)
         self.cp_choices: dict[tuple, str] = {}
         self.cp_timings: dict[tuple, dict[str, float]] = {}
@@ -78,6 +89,8 @@ class CPComm(OpaqueBase):
             key = tuple(self.global_ranks)
             _made[key] = _made.get(key, 0) + 1
             self._token = token or f"{'-'.join(map(str, key))}#{_made[key]}"
+            self._key = f"overlap_cp/{self._token}"
+            self._store = _default_store()
             self._build_channels(self._token)
 
     def _build_channels(self, token: str) -> None:
@@ -127,7 +140,24 @@ class CPComm(OpaqueBase):
         except BaseException as exc:
             if self._failed is None:
                 self._failed = f"{type(exc).__name__}: {exc}"
+                self._publish(exc)
             raise
+
+    def _publish(self, exc: BaseException) -> None:
+        """Tell the peers, through the job's store, that this rank failed on its own (a
+        disagreement it found, bad input, an error of its compute): a rank waiting on a
+        transfer that will never come reads it (``_raise_if_peer_failed``) instead of timing
+        out. Errors this rank only saw (``not_own``: a transport error, a peer's failure)
+        are not published."""
+        if self._store is None or getattr(exc, "not_own", False) or \
+                not isinstance(exc, Exception):
+            return
+        kind = "disagreement" if isinstance(exc, Disagreement) else "error"
+        try:
+            self._store.set(f"{self._key}/failed/{self.rank}",
+                            f"{kind}|{type(exc).__name__}: {exc}")
+        except Exception:  # noqa: BLE001 - a store gone with the job: the peers time out
+            pass
 
     def close(self) -> None:
         """Release the channels and the collective communicator (local: each end releases
@@ -144,14 +174,15 @@ class CPComm(OpaqueBase):
 
     # -- agreement
     def stamp(self, op: str, q: torch.Tensor, kv: torch.Tensor, causal: bool,
-              scale: float) -> None:
+              scale: float, layer: int = -1, ignore_index: int = 0) -> None:
         """Count the call and write its stamp; the first call all-gathers every rank's stamp
         and raises the same Disagreement on every rank (a one-time cross-rank check)."""
-        key = (op, tuple(q.shape), tuple(kv.shape), q.dtype, causal, scale)
+        key = (op, tuple(q.shape), tuple(kv.shape), q.dtype, causal, scale, layer,
+               ignore_index)
         self.agree.next(op, key=key, make=lambda: {
-            "q shape": list(q.shape), "kv shape": list(kv.shape),
+            "q shape": shape_words(q.shape, 4), "kv shape": shape_words(kv.shape, 4),
             "dtype": _dtype_code(q.dtype), "causal": int(causal),
-            "scale": float_word(scale)})
+            "scale": float_word(scale), "layer": layer, "ignore_index": ignore_index})
         self.agree.clear_received()
         if self.agree.calls == 1 and self.world > 1:
             self._first_call_check(op)
@@ -160,8 +191,13 @@ class CPComm(OpaqueBase):
         from overlap.tp.collectives import all_gather_single, wait
 
         out = self.agree.send.new_empty(self.world * STAMP_WORDS)
-        wait(all_gather_single(out, self.agree.send, group=self.group, async_op=True),
-             op=f"{op} (first-call check)", group=self.group, timeout=self.timeout, axis="cp")
+        try:
+            wait(all_gather_single(out, self.agree.send, group=self.group, async_op=True),
+                 op=f"{op} (first-call check)", group=self.group, timeout=self.timeout,
+                 axis="cp")
+        except RuntimeError as exc:
+            exc.not_own = True  # the transport's error: not published
+            raise
         rows = out.view(self.world, STAMP_WORDS).tolist()
         SCHEMA.check(op, rows[self.rank], {q: rows[q] for q in range(self.world)
                                            if q != self.rank}, rank=self.rank,
@@ -188,18 +224,96 @@ class CPComm(OpaqueBase):
     def wait(self, work, *, op: str, what: str, send: bool) -> None:
         """Wait for one transfer with the timeout; errors name the op, the transfer, the peer
         and this rank, and say whether it failed at once (a dead peer) or timed out."""
-        self._timed_wait(work, op, lambda exc, took: self._error(
+        self._timed_wait(work, op, what, lambda exc, took: self._error(
             exc, op, what, send, self._how(exc, took, "the two ranks")))
 
-    def _timed_wait(self, work, op: str, error) -> None:
+    def _timed_wait(self, work, op: str, what: str, error) -> None:
         """``work.wait`` with the timeout, counted as exposed communication; a failure raises
-        ``error(exc, seconds waited)`` from it."""
+        ``error(exc, seconds waited)`` from it, unless a peer published why (CPU)."""
         t0 = time.monotonic()
         try:
             with comm_wait(f"cp.{op}"):
-                work.wait(timedelta(seconds=self.timeout))
+                if self._store is None or self.device.type == "cuda":
+                    work.wait(timedelta(seconds=self.timeout))
+                else:
+                    self._watched_wait(work, op, what, t0)
+        except Disagreement:
+            raise
         except Exception as exc:  # gloo raises RuntimeError, NCCL DistBackendError
+            if getattr(exc, "not_own", False):
+                raise
+            if self._store is not None and self.device.type != "cuda":
+                if _sizes_differ(exc):  # the twin raised on every rank: no stamp crossed
+                    self._compare_in_store(op, what)
+                self._raise_if_peer_failed(op, what)  # a peer's own failure broke it
             raise error(exc, time.monotonic() - t0) from exc
+
+    def _compare_in_store(self, op: str, what: str) -> None:
+        """After a transfer every rank refused for other sizes: announce this call's stamp and
+        read the peers' for a short while, so the Disagreement names the field and both
+        ranks' signatures (NCCL itself would hang or read garbage: docs/design/cp.md)."""
+        self._announce()
+        deadline = time.monotonic() + min(2.0, self.timeout)
+        while time.monotonic() < deadline:
+            self._raise_if_peer_failed(op, what)
+            time.sleep(_SLICE_S)
+
+    def _watched_wait(self, work, op: str, what: str, t0: float) -> None:
+        """CPU: wait for ``work``; past a short slice, announce this call's stamp in the store
+        and poll it every slice for a peer's failure or a peer stuck in another call."""
+        done, finish = _completion(work)
+        if done.wait(_SLICE_S):  # the steady state: no store traffic
+            finish(self.timeout)
+            return
+        deadline = t0 + self.timeout
+        self._announce()
+        while not done.wait(max(0.0, min(_SLICE_S, deadline - time.monotonic()))):
+            self._raise_if_peer_failed(op, what)
+            if time.monotonic() >= deadline:
+                break
+        finish(max(0.001, deadline - time.monotonic()))
+
+    def _announce(self) -> None:
+        """Publish the stamp of the call this rank waits in (once per call)."""
+        if self._announced == self.agree.calls:
+            return
+        self._announced = self.agree.calls
+        with contextlib.suppress(Exception):  # a store gone with the job: the timeout stands
+            self._store.set(f"{self._key}/waiting/{self.rank}",
+                            ",".join(str(int(w)) for w in self.agree.mine))
+
+    def _record(self, kind: str, q: int) -> str | None:
+        key = f"{self._key}/{kind}/{q}"
+        try:
+            return self._store.get(key).decode(errors="replace") \
+                if self._store.check([key]) else None
+        except Exception:  # noqa: BLE001 - a store gone with the job (its host rank died)
+            return None
+
+    def _raise_if_peer_failed(self, op: str, what: str) -> None:
+        """Raise what the store says blocks this call: a peer's published failure (a
+        Disagreement carrying both ranks' signatures, or the peer's error), or a peer waiting
+        in a call of this number whose stamp differs from this rank's (a rank that skipped or
+        repeated a call, or called another op: the Disagreement names both)."""
+        mine = [int(w) for w in self.agree.mine]
+        peers = [q for q in range(self.world) if q != self.rank]
+        for q in peers:
+            raw = self._record("failed", q)
+            if raw is None:
+                continue
+            kind, _, msg = raw.partition("|")
+            how = "found that the ranks' calls disagree" if kind == "disagreement" else "failed"
+            text = f"cp {op}: {what} cannot complete: {self.describe(q)} {how}{self.where}: {msg}"
+            exc = (Disagreement(text, op=op, call=mine[1], ranks=(self.rank, q))
+                   if kind == "disagreement" else RuntimeError(text))
+            exc.not_own = True
+            raise exc
+        for q in peers:
+            raw = self._record("waiting", q)
+            theirs = [int(w) for w in raw.split(",")] if raw else None
+            if theirs is not None and theirs[1] == mine[1] and theirs != mine:
+                SCHEMA.check(op, mine, {q: theirs}, rank=self.rank,
+                             where=f"{self.where}, found while both waited")
 
     def _how(self, exc: Exception, took: float, who: str) -> str:
         from overlap.dist.nccl_twin import SizeMismatch
@@ -213,8 +327,10 @@ class CPComm(OpaqueBase):
 
     def _error(self, exc: Exception, op: str, what: str, send: bool, how: str) -> RuntimeError:
         peer = self.next if send else self.prev
-        return RuntimeError(f"cp {op}: {what} {'to' if send else 'from'} "
-                            f"{self.describe(peer)} {how}{self.where}: {exc}")
+        err = RuntimeError(f"cp {op}: {what} {'to' if send else 'from'} "
+                           f"{self.describe(peer)} {how}{self.where}: {exc}")
+        err.not_own = True
+        return err
 
 
     # -- the group's collectives (all-gather and Ulysses attention, the auto choice)
@@ -243,7 +359,8 @@ class CPComm(OpaqueBase):
         """Post collective ``kind`` over the CP group and return its work: "all_gather"
         (``out`` is every rank's ``inp`` in CP-rank order), "reduce_scatter" (sum; ``out`` is
         this rank's 1/cp of ``inp``), "all_to_all" (``inp``'s row q goes to CP rank q; ``out``'s
-        row q comes from it), "all_reduce_max" (``inp`` is ``out``, in place)."""
+        row q comes from it), "all_reduce_max" / "all_reduce_sum" (``inp`` is ``out``, in
+        place)."""
         try:
             pg = self._collectives()
             if kind == "all_gather":
@@ -253,7 +370,7 @@ class CPComm(OpaqueBase):
             if kind == "all_to_all":
                 return pg.alltoall_base(out, inp, [], [], dist.AllToAllOptions())
             opts = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.MAX
+            opts.reduceOp = dist.ReduceOp.SUM if kind == "all_reduce_sum" else dist.ReduceOp.MAX
             return pg.allreduce([out], opts)
         except Exception as exc:  # noqa: BLE001 - reported with the op, the group and the rank
             raise self._group_error(exc, op, what, "failed when posted") from exc
@@ -261,12 +378,14 @@ class CPComm(OpaqueBase):
     def wait_collective(self, work, *, op: str, what: str) -> None:
         """Wait for a collective with the timeout; errors name the op, the transfer, the
         group's ranks and this rank."""
-        self._timed_wait(work, op, lambda exc, took: self._group_error(
+        self._timed_wait(work, op, what, lambda exc, took: self._group_error(
             exc, op, what, self._how(exc, took, "the ranks")))
 
     def _group_error(self, exc: Exception, op: str, what: str, how: str) -> RuntimeError:
-        return RuntimeError(f"cp {op}: {what} over the CP group (global ranks "
-                            f"{self.global_ranks}) {how}{self.where}: {exc}")
+        err = RuntimeError(f"cp {op}: {what} over the CP group (global ranks "
+                           f"{self.global_ranks}) {how}{self.where}: {exc}")
+        err.not_own = True
+        return err
 
     def stamps_alone(self, op: str) -> None:
         """Plain gloo (``stamps_first``), before a collective whose sizes follow the call:
@@ -336,6 +455,56 @@ def call_scale(op: str, q, comm, causal, scale) -> float:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
     return float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) \
         else float("nan")
+
+
+def call_layer(op: str, layer, comm) -> int:
+    """``layer`` as an int (-1: unknown); TypeError for anything else."""
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise TypeError(f"{op}: layer must be an int (the layer's id, -1 if unknown), got "
+                        f"{layer!r}{comm.where}")
+    return layer
+
+
+def _sizes_differ(exc: BaseException) -> bool:
+    return type(exc).__name__ == "SizeMismatch" or "disagree on the sizes" in str(exc)
+
+
+def _default_store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no default group: failures are only local
+        return None
+
+
+def _completion(work):
+    """(an event set when ``work`` completes, ``finish(seconds)`` that then raises its error,
+    or a timeout if it has not completed within ``seconds``). Works without a future (gloo's
+    send and recv, whose wait must not be cut short) are waited on a helper thread, bounded
+    by their process group's timeout."""
+    done = threading.Event()
+    try:
+        work.get_future().add_done_callback(lambda _: done.set())
+        return done, lambda seconds: work.wait(timedelta(seconds=seconds))
+    except RuntimeError:
+        pass
+    error: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            work.wait()
+        except BaseException as exc:  # noqa: BLE001 - raised by finish on the caller's thread
+            error.append(exc)
+        finally:
+            done.set()
+
+    def finish(seconds: float) -> None:
+        if not done.wait(seconds + 1.0):  # the backend's own timeout ends the wait first
+            raise TimeoutError(f"no completion within {seconds:g}s")
+        if error:
+            raise error[0]
+
+    threading.Thread(target=wait, name="overlap-cp-wait", daemon=True).start()
+    return done, finish
 
 
 def _dtype_code(dtype: torch.dtype) -> int:

@@ -24,10 +24,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from overlap.cp.comm import CPComm
+from overlap.cp.comm import CPComm, Packet
 from overlap.cp.ring import ring_attention
 from overlap.cp.zigzag import zigzag_shard, zigzag_unshard
-from overlap.tp.collectives import all_gather_single, all_reduce_async, wait
+from overlap.dist.stamp import pack_sum_tail, sum_tail_bits, unpack_sum_tail
+from overlap.tp.collectives import all_gather_single, wait
 
 __all__ = ["ATTN_NAME", "FAMILIES", "CPShard", "enable_context_parallel",
            "check_context_parallel", "cp_shard_inputs", "cp_gather_logits", "cp_loss"]
@@ -92,7 +93,11 @@ def overlap_cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
                          f"a KV cache (generation) is not supported{at}")
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
-    out = state.attend(query, key, value, comm=comm, causal=causal, scale=scaling)
+    # The layer's id rides in every call's stamp: ranks that run the model's layers in other
+    # orders (a layer skipped on one rank) raise a Disagreement naming it.
+    idx = getattr(module, "layer_idx", None)
+    out = state.attend(query, key, value, comm=comm, causal=causal, scale=scaling,
+                       layer=idx if isinstance(idx, int) and not isinstance(idx, bool) else -1)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -372,18 +377,36 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
         ctx.comm = comm
-        stacked = x.new_empty((comm.world * x.shape[0], *x.shape[1:]))  # rank-major
-        wait(all_gather_single(stacked, x.contiguous(), group=comm.group, async_op=True),
-             op="cp_gather_logits", group=comm.group, timeout=comm.timeout, axis="cp")
-        return zigzag_unshard(list(stacked.view(comm.world, *x.shape).unbind(0)), 1)
+        op = "cp_gather_logits"
+        comm.check_usable(op)
+        with comm.guard(op):
+            # Each row carries this call's stamp (plain gloo: compared alone first, as the
+            # sizes follow the call): a skipped call or another V raises on every rank.
+            comm.stamp(op, x, _NO_LABELS, False, 0.0)
+            comm.stamps_alone(op)
+            packet = Packet([(tuple(x.shape), x.dtype)], stamp=True)
+            mine, every = packet.empty(1, x.device), packet.empty(comm.world, x.device)
+            packet.views(mine)[0][0].copy_(x)
+            packet.stamps(mine)[0].copy_(comm.agree.send)
+            what = "the logits' all-gather"
+            comm.wait_collective(comm.collective("all_gather", every, mine, op=op, what=what),
+                                 op=op, what=what)
+            comm.verify_rows(op, packet.stamps(every))
+            out = zigzag_unshard(list(packet.views(every)[0].unbind(0)), 1)
+            comm.agree.poison(out)
+            return out
 
     @staticmethod
     def backward(ctx, dy):
         return zigzag_shard(dy, 1, cp=ctx.comm.world, rank=ctx.comm.rank), None
 
 
+_NO_LABELS = torch.empty(0, device="meta")  # cp_gather_logits' stamp: no labels
+
+
 def cp_gather_logits(local_logits: torch.Tensor, *, comm: CPComm) -> torch.Tensor:
-    """(b, s, V) on every CP rank -> (b, S, V) in natural order, on every rank."""
+    """(b, s, V) on every CP rank -> (b, S, V) in natural order, on every rank; a stamped call
+    of ``comm`` (other shapes or dtypes raise a Disagreement on every rank)."""
     if not isinstance(comm, CPComm):
         raise TypeError(f"cp_gather_logits: comm must be a CPComm, got {type(comm).__name__}"
                         f"{_rank()}")
@@ -397,19 +420,33 @@ def cp_gather_logits(local_logits: torch.Tensor, *, comm: CPComm) -> torch.Tenso
 
 
 class _SumOverCP(torch.autograd.Function):
-    """forward: the sum over the CP group; backward: the gradient as it is (each rank
-    differentiates its own terms)."""
+    """forward: the sum of the fp32 pair (loss sum, count) over the CP group, with this
+    call's stamp in a SUM tail (every rank's row, exact in fp32); backward: the gradient as
+    it is (each rank differentiates its own terms)."""
 
     @staticmethod
-    def forward(ctx, x, comm):
-        out = x.clone()
-        wait(all_reduce_async(out, group=comm.group), op="cp_loss", group=comm.group,
-             timeout=comm.timeout, axis="cp")
-        return out
+    def forward(ctx, x, comm, logits, labels, ignore_index):
+        op = "cp_loss"
+        comm.check_usable(op)
+        with comm.guard(op):
+            comm.stamp(op, logits, labels, False, 0.0, ignore_index=ignore_index)
+            bits = sum_tail_bits(x.dtype)
+            tail = pack_sum_tail(comm.agree.send, bits)
+            n, k = x.numel(), tail.numel()
+            buf = x.new_zeros(n + comm.world * k)
+            buf[:n] = x
+            buf[n + comm.rank * k:n + (comm.rank + 1) * k] = tail
+            what = "the loss all-reduce"
+            comm.wait_collective(comm.collective("all_reduce_sum", buf, buf, op=op,
+                                                 what=what), op=op, what=what)
+            comm.verify_rows(op, unpack_sum_tail(buf[n:].view(comm.world, k), bits))
+            out = buf[:n].clone()
+            comm.agree.poison(out)
+            return out
 
     @staticmethod
     def backward(ctx, dy):
-        return dy, None
+        return dy, None, None, None, None
 
 
 def cp_loss(local_logits: torch.Tensor, labels: torch.Tensor, *, comm: CPComm,
@@ -418,17 +455,21 @@ def cp_loss(local_logits: torch.Tensor, labels: torch.Tensor, *, comm: CPComm,
     sequence (all CP ranks), in fp32, the same value on every rank: (sum of local losses) /
     (global count). ``labels``: this rank's shifted labels from ``cp_shard_inputs``. Its
     backward gives this rank's terms: the sum of the parameter gradients over CP equals the
-    unsharded model's."""
+    unsharded model's. Each call is a stamped call of ``comm`` (shapes, dtype, ignore_index,
+    the call number): ranks that disagree, or call it once more or less than the others,
+    raise a Disagreement on every rank."""
     if not isinstance(comm, CPComm):
         raise TypeError(f"cp_loss: comm must be a CPComm, got {type(comm).__name__}"
                         f"{_rank()}")
     if local_logits.dim() != 3 or tuple(labels.shape) != tuple(local_logits.shape[:2]):
         raise ValueError(f"cp_loss: local_logits must be (b, s, V) and labels (b, s), got "
                          f"{tuple(local_logits.shape)} and {tuple(labels.shape)}{comm.where}")
-    total = F.cross_entropy(local_logits.float().flatten(0, 1), labels.flatten(),
-                            ignore_index=ignore_index, reduction="sum")
-    count = (labels != ignore_index).sum().to(total.dtype)
-    both = torch.stack([total, count])
+    comm.check_usable("cp_loss")
+    with comm.guard("cp_loss"):  # an error here (a label out of range) reaches every rank
+        total = F.cross_entropy(local_logits.float().flatten(0, 1), labels.flatten(),
+                                ignore_index=ignore_index, reduction="sum")
+        count = (labels != ignore_index).sum().to(total.dtype)
+        both = torch.stack([total, count])
     if comm.world > 1:
-        both = _SumOverCP.apply(both, comm)
+        both = _SumOverCP.apply(both, comm, local_logits.detach(), labels, ignore_index)
     return both[0] / both[1]

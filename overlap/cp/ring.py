@@ -18,7 +18,7 @@ import torch
 
 from overlap.cp.blocks import (KERNELS, backward_kernel, block_backward, block_forward, merge,
                                pick_kernel)
-from overlap.cp.comm import CPComm, call_scale
+from overlap.cp.comm import CPComm, call_layer, call_scale
 from overlap.tp.ops import call_op, define_op
 
 __all__ = ["ring_attention", "attention_function", "forward_outputs"]
@@ -109,14 +109,14 @@ def _block_rows(step: int, src: int, rank: int, s: int, causal: bool):
 # ---------------------------------------------------------------- implementations
 
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: CPComm,
-                  causal: bool, scale: float, block: str
+                  causal: bool, scale: float, block: str, layer: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out (b, h, s, d) in q's dtype, out in fp32 or empty when q is fp32, lse (b, hk, g, s))."""
     op = "ring_attention"
     comm.check_usable(op)
     with comm.guard(op):
         _validate(q, k, v, comm, causal, scale, block, op)
-        comm.stamp(op, q, k, causal, scale)
+        comm.stamp(op, q, k, causal, scale, layer)
         (b, h, s, d), hk = q.shape, k.shape[1]
         cp, rank = comm.world, comm.rank
         kernel = pick_kernel(block, q)
@@ -154,12 +154,13 @@ def forward_outputs(o: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, comm: C
 
 def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    o32: torch.Tensor, lse: torch.Tensor, comm: CPComm, causal: bool,
-                   scale: float, block: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   scale: float, block: str, layer: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in q's dtype; ``o32`` is the forward's fp32 output (b, h, s, d)."""
     op = "ring_attention_backward"
     comm.check_usable(op)
     with comm.guard(op):
-        comm.stamp(op, q, k, causal, scale)
+        comm.stamp(op, q, k, causal, scale, layer)
         (b, h, s, d), hk = q.shape, k.shape[1]
         g, cp, rank = h // hk, comm.world, comm.rank
         q5 = q.reshape(b, hk, g, s, d).float()
@@ -212,22 +213,24 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 def attention_function(name: str, forward, backward) -> type:
     """Define the custom ops ``name`` and ``name_backward`` and return the autograd Function
     of a CP attention method with the ring's signature: ``forward(q, k, v, comm, causal,
-    scale, block) -> (out, out in fp32 or empty when q is fp32, lse (b, h_kv, g, s))`` and
-    ``backward(dout, q, k, v, o32, lse, comm, causal, scale, block) -> (dq, dk, dv)``."""
-    define_op(name, forward, lambda q, k, v, comm, causal, scale, block: (
+    scale, block, layer) -> (out, out in fp32 or empty when q is fp32, lse (b, h_kv, g, s))``
+    and ``backward(dout, q, k, v, o32, lse, comm, causal, scale, block, layer) -> (dq, dk,
+    dv)``."""
+    define_op(name, forward, lambda q, k, v, comm, causal, scale, block, layer: (
         q.new_empty(q.shape), q.new_empty(0 if q.dtype == torch.float32 else q.shape,
                                           dtype=torch.float32),
         q.new_empty(q.shape[0], k.shape[1], q.shape[1] // k.shape[1], q.shape[2],
                     dtype=torch.float32)))
     define_op(f"{name}_backward", backward,
-              lambda dout, q, k, v, o32, lse, comm, causal, scale, block: (
+              lambda dout, q, k, v, o32, lse, comm, causal, scale, block, layer: (
                   q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)))
 
     class Attention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, comm, causal, scale, block):
-            out, o32, lse = call_op(name, forward, q, k, v, comm, causal, scale, block)
+        def forward(ctx, q, k, v, comm, causal, scale, block, layer):
+            out, o32, lse = call_op(name, forward, q, k, v, comm, causal, scale, block, layer)
             ctx.comm, ctx.causal, ctx.scale, ctx.block = comm, causal, scale, block
+            ctx.layer = layer
             ctx.save_for_backward(q, k, v, out if o32.numel() == 0 else o32, lse)
             return out
 
@@ -235,8 +238,8 @@ def attention_function(name: str, forward, backward) -> type:
         def backward(ctx, dout):
             q, k, v, o32, lse = ctx.saved_tensors
             dq, dk, dv = call_op(f"{name}_backward", backward, dout.contiguous(), q, k, v, o32,
-                                 lse, ctx.comm, ctx.causal, ctx.scale, ctx.block)
-            return dq, dk, dv, None, None, None, None
+                                 lse, ctx.comm, ctx.causal, ctx.scale, ctx.block, ctx.layer)
+            return dq, dk, dv, None, None, None, None, None
 
     Attention.__name__ = Attention.__qualname__ = f"_{name}"
     return Attention
@@ -246,12 +249,15 @@ _RingAttention = attention_function("ring_attention", _ring_forward, _ring_backw
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: CPComm,
-                   causal: bool, scale: float | None = None, block: str = "auto"
-                   ) -> torch.Tensor:
+                   causal: bool, scale: float | None = None, block: str = "auto",
+                   layer: int = -1) -> torch.Tensor:
     """Attention of this rank's zig-zag rows ``q`` over the whole sequence (module docstring).
     ``scale`` defaults to 1/sqrt(d). ``block``: the per-block kernel, "math" (fp32), "flash"
     (torch's fused flash kernel, in the inputs' dtype) or "auto" (flash on CUDA for fp16/bf16
     and on CPU for fp32, else math); the backward recomputes in fp32 (on CPU after a flash
-    forward with the fused flash backward, else math)."""
+    forward with the fused flash backward, else math). ``layer``: the caller's id of this
+    attention layer (-1: unknown), stamped with the call so ranks calling two layers alike in
+    everything else in other orders raise a Disagreement naming it."""
     scale = call_scale("ring_attention", q, comm, causal, scale)
-    return _RingAttention.apply(q, k, v, comm, causal, scale, block)
+    layer = call_layer("ring_attention", layer, comm)
+    return _RingAttention.apply(q, k, v, comm, causal, scale, block, layer)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from overlap.cp.blocks import backward_kernel, block_backward, block_forward, merge, pick_kernel
-from overlap.cp.comm import CPComm, Packet, call_scale
+from overlap.cp.comm import CPComm, Packet, call_layer, call_scale
 from overlap.cp.ring import _validate
 from overlap.tp.ops import call_op, define_op
 
@@ -112,8 +112,8 @@ def _stamped(comm: CPComm, packet: Packet) -> torch.Tensor:
 # ---------------------------------------------------------------- implementations
 
 def _ul_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: CPComm, causal: bool,
-                scale: float, block: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                   torch.Tensor, torch.Tensor]:
+                scale: float, block: str, layer: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out (b, h, s, d) in q's dtype, then what the backward needs: q_h (b, h/cp, S, d),
     kv_h (2, b, hk', S, d) with hk' = max(h_kv, cp) / cp, o_h fp32 like q_h, lse)."""
     op = "ulysses_attention"
@@ -121,7 +121,7 @@ def _ul_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: CPComm,
     with comm.guard(op):
         _validate(q, k, v, comm, causal, scale, block, op)
         rep = _check_heads(q, k, comm, op)
-        comm.stamp(op, q, k, causal, scale)
+        comm.stamp(op, q, k, causal, scale, layer)
         (b, h, s, d), cp = q.shape, comm.world
         hq, hkc = h // cp, k.shape[1] * rep // cp
         kv = torch.stack([k, v])
@@ -159,13 +159,13 @@ def _ul_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: CPComm,
 
 def _ul_backward(dout: torch.Tensor, q_h: torch.Tensor, kv_h: torch.Tensor, o_h: torch.Tensor,
                  lse: torch.Tensor, comm: CPComm, causal: bool, scale: float, h_kv: int,
-                 block: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 block: str, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq (b, h, s, d), dk, dv (b, h_kv, s, d)) in dout's dtype."""
     op = "ulysses_attention_backward"
     comm.check_usable(op)
     with comm.guard(op):
         (b, h, s, d), cp = dout.shape, comm.world
-        comm.stamp(op, dout, torch.empty(b, h_kv, s, d, device="meta"), causal, scale)
+        comm.stamp(op, dout, torch.empty(b, h_kv, s, d, device="meta"), causal, scale, layer)
         (_, hq, n, _), hkc = q_h.shape, kv_h.shape[2]
         packet = Packet([((b, hq, s, d), dout.dtype)], stamp=True)
         send = _stamped(comm, packet)
@@ -205,7 +205,7 @@ def _ul_backward(dout: torch.Tensor, q_h: torch.Tensor, kv_h: torch.Tensor, o_h:
         return dq, dk, dv
 
 
-define_op("ulysses_attention", _ul_forward, lambda q, k, v, comm, causal, scale, block: (
+define_op("ulysses_attention", _ul_forward, lambda q, k, v, comm, causal, scale, block, layer: (
     q.new_empty(q.shape),
     q.new_empty(q.shape[0], q.shape[1] // comm.world, q.shape[2] * comm.world, q.shape[3]),
     q.new_empty(2, q.shape[0], max(k.shape[1], comm.world) // comm.world,
@@ -216,7 +216,7 @@ define_op("ulysses_attention", _ul_forward, lambda q, k, v, comm, causal, scale,
                 q.shape[1] // max(k.shape[1], comm.world), q.shape[2] * comm.world,
                 dtype=torch.float32)))
 define_op("ulysses_attention_backward", _ul_backward,
-          lambda dout, q_h, kv_h, o_h, lse, comm, causal, scale, h_kv, block: (
+          lambda dout, q_h, kv_h, o_h, lse, comm, causal, scale, h_kv, block, layer: (
               dout.new_empty(dout.shape),
               dout.new_empty(dout.shape[0], h_kv, dout.shape[2], dout.shape[3]),
               dout.new_empty(dout.shape[0], h_kv, dout.shape[2], dout.shape[3])))
@@ -226,10 +226,11 @@ define_op("ulysses_attention_backward", _ul_backward,
 
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm, causal, scale, block):
+    def forward(ctx, q, k, v, comm, causal, scale, block, layer):
         out, q_h, kv_h, o_h, lse = call_op("ulysses_attention", _ul_forward, q, k, v, comm,
-                                           causal, scale, block)
+                                           causal, scale, block, layer)
         ctx.comm, ctx.causal, ctx.scale, ctx.block = comm, causal, scale, block
+        ctx.layer = layer
         ctx.h_kv = k.shape[1]
         ctx.save_for_backward(q_h, kv_h, o_h, lse)
         return out
@@ -239,15 +240,17 @@ class _UlyssesAttention(torch.autograd.Function):
         q_h, kv_h, o_h, lse = ctx.saved_tensors
         dq, dk, dv = call_op("ulysses_attention_backward", _ul_backward, dout.contiguous(),
                              q_h, kv_h, o_h, lse, ctx.comm, ctx.causal, ctx.scale, ctx.h_kv,
-                             ctx.block)
-        return dq, dk, dv, None, None, None, None
+                             ctx.block, ctx.layer)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: CPComm,
-                      causal: bool, scale: float | None = None, block: str = "auto"
-                      ) -> torch.Tensor:
+                      causal: bool, scale: float | None = None, block: str = "auto",
+                      layer: int = -1) -> torch.Tensor:
     """Attention of this rank's zig-zag rows ``q`` over the whole sequence, heads swapped for
-    sequence by all-to-all (module docstring). ``scale`` and ``block`` as ``ring_attention``'s.
-    ValueError on every rank before any transfer if the heads do not split over cp."""
+    sequence by all-to-all (module docstring). ``scale``, ``block`` and ``layer`` as
+    ``ring_attention``'s. ValueError on every rank before any transfer if the heads do not
+    split over cp."""
     scale = call_scale("ulysses_attention", q, comm, causal, scale)
-    return _UlyssesAttention.apply(q, k, v, comm, causal, scale, block)
+    layer = call_layer("ulysses_attention", layer, comm)
+    return _UlyssesAttention.apply(q, k, v, comm, causal, scale, block, layer)
