@@ -17,6 +17,8 @@ The narrative: docs/design/nn.md.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -27,8 +29,8 @@ from overlap.nn import sharding
 from overlap.tp.comm import BACKENDS, TPComm
 from overlap.tp.ops import (all_gather_matmul, call_op, define_op, matmul_all_reduce,
                             matmul_reduce_scatter)
-from overlap.nn.regions import (all_reduce_async, copy_to_tp, gather_from_tp, scatter_to_tp,
-                                wait)
+from overlap.nn.regions import copy_to_tp, gather_from_tp, guarded, scatter_to_tp, stamp_call
+from overlap.tp.backends import stamped_all_reduce_finish, stamped_all_reduce_start
 from overlap.nn.sharding import ShardSpec
 
 __all__ = ["TPModule", "ColumnParallelLinear", "RowParallelLinear", "column_parallel_shared",
@@ -112,26 +114,31 @@ class TPModule(nn.Module):
 
 
 def _column_linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                            comm: TPComm, need_dx: bool, need_dw: bool, need_db: bool
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            comm: TPComm, layer: int, need_dx: bool, need_dw: bool,
+                            need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dx = all_reduce(dy @ w), launched first; dw and db computed while it is in flight.
-    A gradient not needed is an empty tensor (custom ops return no None)."""
+    A gradient not needed is an empty tensor (custom ops return no None). The all-reduce is
+    stamped with the layer's number (``layer``), so a rank whose input needs no gradient (it
+    skips this all-reduce) is named when its next one pairs with it, even with equal widths."""
     op = "ColumnParallelLinear dgrad all_reduce"
-    dx = work = None
+    started = None
     if need_dx:
-        comm.ensure_usable(op)
-        dx = dy.matmul(weight).contiguous()
-        work = all_reduce_async(dx, group=comm.group)
+        def start():
+            # Not the weight's shape: uneven shards (N % tp) differ by rank.
+            stamp_call(comm, op, x.shape, dy.dtype, flags=layer)
+            return stamped_all_reduce_start(comm, x.shape, dy, op,
+                                            lambda dx: torch.matmul(dy, weight, out=dx))
+        started = guarded(comm, op, start)
     dy2 = dy.reshape(-1, dy.shape[-1])
     dw = dy2.t().matmul(x.reshape(-1, x.shape[-1])) if need_dw else weight.new_empty(0)
     db = dy2.sum(0) if need_db else weight.new_empty(0)
-    if work is not None:
-        wait(work, op=op, group=comm.group, timeout=comm.timeout)
-    return (dx if dx is not None else dy.new_empty(0)), dw, db
+    if started is None:
+        return dy.new_empty(0), dw, db
+    return guarded(comm, op, lambda: stamped_all_reduce_finish(comm, started, op)), dw, db
 
 
 define_op("column_linear_backward", _column_linear_backward,
-          lambda dy, x, w, comm, need_dx, need_dw, need_db: (
+          lambda dy, x, w, comm, layer, need_dx, need_dw, need_db: (
               x.new_empty(x.shape) if need_dx else dy.new_empty(0),
               w.new_empty(w.shape) if need_dw else w.new_empty(0),
               w.new_empty(w.shape[0]) if need_db else w.new_empty(0)))
@@ -143,9 +150,9 @@ class _ColumnLinearAllReduceDgrad(torch.autograd.Function):
     implementation, reached directly in eager and through its custom op under compile)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, comm):
+    def forward(ctx, x, weight, bias, comm, layer):
         ctx.save_for_backward(x, weight)
-        ctx.comm, ctx.has_bias = comm, bias is not None
+        ctx.comm, ctx.layer, ctx.has_bias = comm, layer, bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -154,13 +161,24 @@ class _ColumnLinearAllReduceDgrad(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_db = ctx.has_bias and ctx.needs_input_grad[2]
         dx, dw, db = call_op("column_linear_backward", _column_linear_backward, dy.contiguous(),
-                             x, weight, ctx.comm, need_dx, need_dw, need_db)
+                             x, weight, ctx.comm, ctx.layer, need_dx, need_dw, need_db)
         return (dx if need_dx else None), (dw if need_dw else None), \
-            (db if need_db else None), None
+            (db if need_db else None), None, None
 
 
-def _column_linear(x, weight, bias, comm):
-    return _ColumnLinearAllReduceDgrad.apply(x, weight, bias, comm)
+def _column_linear(x, weight, bias, comm, layer):
+    return _ColumnLinearAllReduceDgrad.apply(x, weight, bias, comm, layer)
+
+
+# Column layers built on a communicator, in order: every rank builds the same model in the same
+# order, so a layer's number names it alike on every rank (its dgrad all-reduce's stamp).
+_built: "weakref.WeakKeyDictionary[TPComm, int]" = weakref.WeakKeyDictionary()
+
+
+def _number(comm: TPComm) -> int:
+    n = _built.get(comm, 0)
+    _built[comm] = n + 1
+    return n
 
 
 class _Linear(TPModule):
@@ -276,6 +294,7 @@ class ColumnParallelLinear(_Linear):
         super().__init__()
         self._configure(comm, sequence_parallel=sequence_parallel, seq_dim=seq_dim, parts=parts)
         self.gather_output = bool(gather_output)
+        self.layer_number = _number(self.comm)
         self._build(in_features, out_features, bias, device, dtype)
 
     @classmethod
@@ -288,6 +307,7 @@ class ColumnParallelLinear(_Linear):
         self, (weight, bias, transposed) = cls._from(linear)
         self._configure(comm, sequence_parallel=sequence_parallel, seq_dim=seq_dim, parts=parts)
         self.gather_output = bool(gather_output)
+        self.layer_number = _number(self.comm)
         self._load(weight, bias, transposed=transposed)
         return self
 
@@ -308,7 +328,8 @@ class ColumnParallelLinear(_Linear):
             if self.bias is not None:
                 y = y + local(self.bias)
         else:
-            y = _column_linear(x, local(self.weight), local(self.bias), self.comm)
+            y = _column_linear(x, local(self.weight), local(self.bias), self.comm,
+                               self.layer_number)
         if self.gather_output:
             sizes = None if len(set(self.local_sizes)) == 1 else self.local_sizes
             y = gather_from_tp(y, -1, sizes=sizes, comm=self.comm)
@@ -399,5 +420,5 @@ def column_parallel_shared(x: torch.Tensor, layers) -> list[torch.Tensor]:
                               seq_dim=first._seq_dim(x))
         y = y if bias is None else y + bias
     else:
-        y = _column_linear(x, weight, bias, first.comm)
+        y = _column_linear(x, weight, bias, first.comm, first.layer_number)
     return list(y.split([local(m.weight).shape[0] for m in layers], -1))

@@ -10,51 +10,120 @@ Forward/backward pairs of collectives that are each other's adjoint (``tp`` = si
     gather_from_sp(dim)         all_gather(x, dim)          reduce_scatter(dy, dim)
 
 Contract: ``sizes`` (one per rank) gives gather_from_tp/scatter_to_tp uneven shards. Each takes
-``comm=`` (eager: ``group=``, ``timeout=``); every collective waits with a timeout (default
-``TIMEOUT``), so a stalled peer raises RuntimeError naming op and group. Size 1: the identity.
-The narrative: docs/design/nn.md.
+``comm=`` (eager: ``group=``, ``timeout=``); every collective waits with a timeout and carries
+its call's stamp (a foreign one raises Disagreement on every rank); any error fails the
+communicator, which then refuses every call. Size 1: the identity. docs/design/nn.md.
 """
 
 from __future__ import annotations
 
+import math
+import zlib
+
 import torch
 import torch.distributed as dist
 
+from overlap.dist.stamp import DTYPE_CODES, shape_words
+from overlap.tp.backends import (stamped_all_gather, stamped_all_reduce_finish,
+                                 stamped_all_reduce_start, stamped_reduce_scatter)
 from overlap.tp.collectives import (TIMEOUT, all_gather_dim, all_reduce_async, reduce_scatter_dim,
                                     split_dim, wait)
-from overlap.tp.collectives import all_reduce as _all_reduce
-from overlap.tp.comm import TPComm
+from overlap.tp.comm import BACKENDS, TPComm, TPCommFailed, default_comm
 from overlap.tp.ops import call_op, define_op
 
 __all__ = ["TIMEOUT", "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
            "reduce_scatter_to_sp", "gather_from_sp", "all_reduce_async", "wait",
-           "all_gather_dim", "reduce_scatter_dim", "split_dim"]
+           "all_gather_dim", "reduce_scatter_dim", "split_dim", "stamp_call", "guarded"]
 
 
 # ---------------------------------------------------------------- the implementations
 # One each, reached directly in eager and through its custom op under torch.compile
-# (overlap.tp.ops.call_op). ``comm`` is the layer's TPComm, or in eager a ``_Group`` of a bare
-# group and timeout. Outputs never alias inputs (a custom op's rule).
+# (overlap.tp.ops.call_op). ``comm`` is the layer's TPComm, or in eager a ``_Group``. Outputs
+# never alias inputs (a custom op's rule). Every collective goes through the stamped ones of
+# overlap.tp.backends (a row of [stamp, piece] per rank for an all-gather, a SUM tail for an
+# all-reduce or reduce-scatter; on plain gloo the stamps alone first), so a call that pairs
+# with another (a rank skipped one, or made an extra one) raises instead of mixing data.
 
 class _Group:
-    """A bare group with a timeout: what the eager implementations read of a TPComm."""
+    """The ``group=`` form: the group's default "unfused" TPComm (no workspace: its stamps
+    and failure state) with this call's timeout."""
 
-    __slots__ = ("group", "timeout", "world", "rank")
+    __slots__ = ("comm", "group", "timeout", "world", "rank", "agree", "backend")
 
     def __init__(self, group, timeout: float):
+        self.comm = default_comm(group, backend="unfused", op="overlap region collective")
         self.group, self.timeout = group, timeout
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.world, self.rank = self.comm.world, self.comm.rank
+        self.agree, self.backend = self.comm.agree, self.comm.backend
+
+    def where(self) -> str:
+        return self.comm.where()
+
+    def ensure_usable(self, op: str) -> None:
+        self.comm.ensure_usable(op)
+
+    def fail(self, exc: BaseException) -> None:
+        self.comm.fail(exc)
+
+    def settle(self) -> None:
+        pass  # backend "unfused": no header block, nothing left open
+
+
+def stamp_call(comm, op: str, shape, dtype: torch.dtype, *, w_words=(), flags: int = 0) -> None:
+    """Count the call on ``comm`` and write its stamp (overlap.tp.stamps.SCHEMA, one of
+    REGION_OPS): ``shape`` as every rank sends it, ``w_words`` into "w shape" and ``flags``
+    (a region's dim, the column layer's number)."""
+    comm.settle()  # a fused op's header-block stamp is compared before another collective
+    key = ("region", op, tuple(shape), dtype, tuple(w_words), flags)
+    comm.agree.next(op, key=key, make=lambda: {
+        "x shape": shape_words(shape, 3), "w shape": shape_words(w_words, 2),
+        "dtype": DTYPE_CODES.get(dtype, 0), "chunks": 0, "flags": flags,
+        "backend": BACKENDS.index(comm.backend)})
+
+
+def guarded(comm, op: str, run):
+    """``run()`` on a usable communicator; any error fails it (peers raise too, later calls
+    raise TPCommFailed with the first error), as every fused op's does."""
+    comm.ensure_usable(op)
+    try:
+        return run()
+    except TPCommFailed:
+        raise
+    except BaseException as exc:
+        comm.fail(exc)
+        raise
+
+
+def _sizes_words(sizes) -> tuple[int, ...]:
+    """Uneven ``sizes`` as (total, crc32 of the list): ranks must pass the same list."""
+    if sizes is None:
+        return ()
+    return sum(sizes), zlib.crc32(",".join(str(int(s)) for s in sizes).encode())
 
 
 def _reduce(x: torch.Tensor, comm: TPComm, op: str) -> torch.Tensor:
-    return _all_reduce(x.clone(memory_format=torch.contiguous_format), group=comm.group, op=op,
-                       timeout=comm.timeout)
+    def run():
+        stamp_call(comm, op, x.shape, x.dtype)
+        return stamped_all_reduce_finish(comm, stamped_all_reduce_start(
+            comm, x.shape, x, op, lambda y: y.copy_(x)), op)
+    return guarded(comm, op, run)
 
 
 def _gather(x: torch.Tensor, dim: int, comm: TPComm, sizes: list[int] | None,
             op: str) -> torch.Tensor:
-    return all_gather_dim(x, dim, group=comm.group, sizes=sizes, op=op,
-                          timeout=comm.timeout).contiguous()
+    def run():
+        xm = x.movedim(dim, 0) if dim else x
+        n = xm.shape[0]
+        rows = max(sizes) if sizes is not None else n  # uneven shards padded on the wire
+        wire = (rows, *xm.shape[1:])
+        stamp_call(comm, op, wire, x.dtype, w_words=_sizes_words(sizes), flags=dim)
+        piece = xm if rows == n else torch.cat([xm, xm.new_zeros((rows - n, *wire[1:]))])
+        out = stamped_all_gather(comm, piece.reshape(rows, math.prod(wire[1:])), op)
+        out = out.view(comm.world * rows, *wire[1:])
+        if sizes is not None:
+            out = torch.cat([out[r * rows: r * rows + s] for r, s in enumerate(sizes)])
+        return (out.movedim(0, dim) if dim else out).contiguous()
+    return guarded(comm, op, run)
 
 
 def _split(x: torch.Tensor, dim: int, comm: TPComm, sizes: list[int] | None) -> torch.Tensor:
@@ -62,8 +131,17 @@ def _split(x: torch.Tensor, dim: int, comm: TPComm, sizes: list[int] | None) -> 
 
 
 def _scatter(x: torch.Tensor, dim: int, comm: TPComm, op: str) -> torch.Tensor:
-    return reduce_scatter_dim(x, dim, group=comm.group, op=op,
-                              timeout=comm.timeout).contiguous()
+    def run():
+        xm = x.movedim(dim, 0) if dim else x
+        rows, rest = xm.shape[0], xm.shape[1:]
+        if rows % comm.world:
+            raise ValueError(f"{op}: dim {dim} of shape {tuple(x.shape)} must be divisible by "
+                             f"the group size {comm.world}{comm.where()}")
+        stamp_call(comm, op, xm.shape, x.dtype, flags=dim)
+        out = stamped_reduce_scatter(comm, xm.reshape(rows, math.prod(rest)).contiguous(), op)
+        out = out.view(rows // comm.world, *rest)
+        return (out.movedim(0, dim) if dim else out).contiguous()
+    return guarded(comm, op, run)
 
 
 def _sizes(comm, n: int, sizes) -> list[int]:

@@ -32,7 +32,8 @@ from overlap.tp.stamps import WORDS
 
 __all__ = ["Backend", "ChunkedBackend", "SymmetricBackend", "TritonBackend", "UnfusedBackend",
            "backend_for", "have_triton_tp", "auto_backend", "triton_refusal", "gather",
-           "scatter"]
+           "scatter", "stamped_all_gather", "stamped_reduce_scatter", "stamped_all_reduce_start",
+           "stamped_all_reduce_finish"]
 
 _TRITON_MODULE = "overlap.kernels.triton.tp_gemm"
 _WORKING = "'auto', 'symmetric' (one host), 'chunked', 'unfused'"
@@ -364,6 +365,32 @@ def stamped_matmul_all_reduce(comm, x: torch.Tensor, w: torch.Tensor, op: str) -
     _pack(comm.agree, buf[rows * n:].view(comm.world, -1), bits)
     wait(post_all_reduce(buf, comm.group), op=op, group=comm.group, timeout=comm.timeout)
     _verify(comm.agree, op, unpack_sum_tail(buf[rows * n:].view(comm.world, -1), bits))
+    comm.agree.poison(y)
+    return y
+
+
+def stamped_all_reduce_start(comm, shape, like: torch.Tensor, op: str, fill):
+    """Post a sum all-reduce of a [shape] tensor that ``fill(y)`` writes in front of the
+    stamp tail (a copy, or a GEMM with ``out=``); returns what ``stamped_all_reduce_finish``
+    takes, so independent work can run while the collective is in flight."""
+    bits, tail = _tail(comm, like.dtype, op)
+    _stamps_alone(comm, op)
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    buf = like.new_empty(numel + tail)
+    y = buf[:numel].view(shape)
+    fill(y)
+    _pack(comm.agree, buf[numel:].view(comm.world, -1), bits)
+    return post_all_reduce(buf, comm.group), buf, y, bits
+
+
+def stamped_all_reduce_finish(comm, started, op: str) -> torch.Tensor:
+    """Wait for ``stamped_all_reduce_start``'s collective, compare the stamps, return y."""
+    work, buf, y, bits = started
+    numel = y.numel()
+    wait(work, op=op, group=comm.group, timeout=comm.timeout)
+    _verify(comm.agree, op, unpack_sum_tail(buf[numel:].view(comm.world, -1), bits))
     comm.agree.poison(y)
     return y
 

@@ -9,7 +9,8 @@ and ``triton`` in a :class:`HeaderBlock` (a small userbuffer the communicator ma
 ``unfused`` (and the backward's plain gather/scatter) in its collective: stamped rows of the
 all-gather, a SUM tail of the reduce-scatter and all-reduce (overlap.tp.backends). A
 data wait that is slow compares the stamps already published (``watch``), so a peer that took
-another path is named at once instead of waited for.
+another path is named at once instead of waited for. The region collectives of overlap.nn
+(``REGION_OPS``) count and stamp on the same communicator, through unfused's collectives.
 The narrative: docs/design/tp.md.
 """
 
@@ -23,10 +24,16 @@ from overlap import _C
 from overlap.dist.stamp import STAMP_WORDS, Agreement, Schema, shape_words
 from overlap.symm.workspace import create_workspace
 
-__all__ = ["SCHEMA", "WORDS", "HeaderBlock", "stamp_values"]
+__all__ = ["SCHEMA", "REGION_OPS", "WORDS", "HeaderBlock", "stamp_values"]
 
+# The region collectives (overlap.nn.regions, the column layer's dgrad all-reduce) share the
+# communicator's counter: their ops follow, so the fused ops' codes are unchanged.
+REGION_OPS = ("copy_to_tp backward", "reduce_from_tp", "scatter_to_tp backward",
+              "gather_from_tp", "reduce_scatter_to_sp", "reduce_scatter_to_sp backward",
+              "gather_from_sp", "gather_from_sp backward",
+              "ColumnParallelLinear dgrad all_reduce")
 SCHEMA = Schema("tp", ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
-                       "all_gather (tp backward)", "reduce_scatter (tp backward)"),
+                       "all_gather (tp backward)", "reduce_scatter (tp backward)") + REGION_OPS,
                 (("x shape", 3, "shape"), ("w shape", 2, "shape"), ("dtype", 1, "dtype"),
                  ("chunks", 1, "int"), ("flags", 1, "int"),
                  ("backend", 1, ("auto", "chunked", "symmetric", "triton", "unfused"))))
