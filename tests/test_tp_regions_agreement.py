@@ -11,6 +11,9 @@ import torch.distributed as dist
 
 from harness import run_ranks, run_ranks_outcomes
 
+pytestmark = pytest.mark.numerics("its sums are held to a rounding bound derived from the "
+                                   "summation order, (W - 1) 2^-23 max sum |term|")
+
 WORLDS = (2, 4)
 
 
