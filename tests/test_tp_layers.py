@@ -316,3 +316,48 @@ def test_same_init_as_unsharded_and_clear_errors():
         assert errs[4].startswith("TypeError") and "Conv2d" in errs[4]
         assert "input last dim must be 4" in errs[5] and f"tp rank {rank}" in errs[5]
         assert errs[6].startswith("TypeError") and "tp_group" in errs[6]
+
+
+def _cross_entropy_disagreements():
+    """Every rank passes a vocab shard of its own and the same targets, except that the last
+    rank changes one of: a target, ignore_index, reduction, the logits' dtype."""
+    from overlap.nn.embedding import vocab_parallel_cross_entropy
+
+    group, rank, n = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    last = rank == n - 1
+    out = {}
+    for case in ("agree", "target", "ignore_index", "reduction", "dtype"):
+        g = torch.Generator().manual_seed(3)
+        targets = torch.randint(0, 4 * n, (2, 5), generator=g)
+        shard = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(rank))
+        kw = dict(ignore_index=-100, reduction="mean")
+        if last and case == "target":
+            targets[1, 3] = (targets[1, 3] + 1) % (4 * n)
+        if last and case == "ignore_index":
+            kw["ignore_index"] = 0
+        if last and case == "reduction":
+            kw["reduction"] = "none"
+        if last and case == "dtype":
+            shard = shard.double()
+        try:
+            got = vocab_parallel_cross_entropy(shard, targets, group=group, **kw)
+            out[case] = ("numbers", got.detach().double())
+        except ValueError as exc:
+            out[case] = ("ValueError", str(exc))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cross_entropy_ranks_that_disagree_raise_on_every_rank(world):
+    """Replicated targets and options are compared in the all-gather the op makes anyway: a
+    rank with another target, ignore_index, reduction or logits dtype would compute another
+    loss (or abort gloo on a dtype mismatch) without it."""
+    want = {"target": "checksum of the targets", "ignore_index": "ignore_index differs",
+            "reduction": "reduction", "dtype": "dtype differs"}
+    res = run_ranks(_cross_entropy_disagreements, world)
+    for rank, r in enumerate(res):
+        assert r["agree"][0] == "numbers", (rank, r["agree"])
+        for case, words in want.items():
+            kind, msg = r[case]
+            assert kind == "ValueError" and words in msg, (rank, case, r[case])
+            assert f"(rank {rank})" in msg, (rank, msg)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from overlap.dist.stamp import DTYPE_CODES, dtype_name
 from overlap.nn import sharding
 from overlap.nn.layers import TPModule, local, require_comm
 from overlap.nn.regions import all_gather_dim, reduce_from_tp, reduce_scatter_to_sp, wait
@@ -162,6 +163,16 @@ def _tp_group(comm, group) -> dist.ProcessGroup:
     return group
 
 
+def _checksum(targets: torch.Tensor) -> torch.Tensor:
+    """A 0-d int64 digest of ``targets`` on their device (no host sync): each value weighted
+    by a hash of its position, summed with int64 wrap-around, so a changed or moved target
+    changes it (up to collisions of a 64-bit sum)."""
+    flat = targets.reshape(-1)
+    pos = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device)
+    weight = (pos * 2654435761 + 97531) % 2147483647 + 1
+    return ((flat + 1) * weight).sum()
+
+
 def vocab_parallel_cross_entropy(logits_shard_v: torch.Tensor, targets: torch.Tensor, *,
                                  comm=None, group=None, ignore_index: int = -100,
                                  reduction: str = "mean") -> torch.Tensor:
@@ -189,15 +200,29 @@ def vocab_parallel_cross_entropy(logits_shard_v: torch.Tensor, targets: torch.Te
         raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(logits_shard_v.shape)} "
                          f"and targets {tuple(targets.shape)} disagree on the token dims "
                          f"(rank {rank})")
-    # Every rank's (tokens, V_r): checks the token counts agree and gives this rank's offset.
+    # Every rank's (tokens, V_r, what must agree): checks the token counts, the options, the
+    # logits' dtype and a checksum of the targets agree (the same all-gather, read on the
+    # host once), and gives this rank's offset.
     n = targets.numel()
-    mine = torch.tensor([[n, logits_shard_v.shape[-1]]], dtype=torch.int64,
-                        device=logits_shard_v.device)
+    dev = logits_shard_v.device
+    mine = torch.cat([torch.tensor([n, logits_shard_v.shape[-1], ignore_index,
+                                    reduction == "mean", DTYPE_CODES.get(logits_shard_v.dtype, 0)],
+                                   dtype=torch.int64, device=dev),
+                      _checksum(targets.to(dev)).reshape(1)]).view(1, -1)
     everyone = all_gather_dim(mine, 0, group=tp_group, op="vocab_parallel_cross_entropy shapes")
     if (everyone[:, 0] != n).any():
         raise ValueError(f"vocab_parallel_cross_entropy: token counts differ across the TP "
                          f"group: {everyone[:, 0].tolist()} (rank {rank}); targets must be "
                          f"replicated")
+    for col, name in ((2, "ignore_index"), (3, "reduction == 'mean'"), (4, "the logits' dtype"),
+                      (5, "a checksum of the targets")):
+        if (everyone[:, col] != everyone[0, col]).any():
+            shown = everyone[:, col].tolist()
+            if col == 4:
+                shown = [dtype_name(c) for c in shown]
+            raise ValueError(f"vocab_parallel_cross_entropy: {name} differs across the TP "
+                             f"group (TP rank order): {shown} (rank {rank}); every rank must "
+                             "pass the same targets and options")
     tp_rank = dist.get_rank(tp_group)
     vocab = int(everyone[:, 1].sum())
     vocab_start = int(everyone[:tp_rank, 1].sum())
