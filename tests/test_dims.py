@@ -237,3 +237,22 @@ def _build_bad():
 
 def test_build_rejects_on_every_rank():
     assert run_ranks(_build_bad, 2) == [2.0, 2.0]
+
+
+def _build_with_other_arguments():
+    # The last rank asks for another layout: every rank refuses naming the argument, and no
+    # rank is left waiting alone in init_device_mesh.
+    last = dist.get_rank() == dist.get_world_size() - 1
+    n = dist.get_world_size()
+    try:
+        ParallelDims.build(tp=1 if last else 2, dp=n if last else n // 2)
+    except ValueError as exc:
+        return str(exc)
+    return "built"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_build_with_other_arguments_per_rank_refuses_on_every_rank(world):
+    for rank, msg in enumerate(run_ranks(_build_with_other_arguments, world, timeout=60)):
+        assert "ParallelDims.build" in msg and "'tp'" in msg, (rank, msg)
+        assert f"(rank {rank})" in msg, (rank, msg)

@@ -203,6 +203,16 @@ class ParallelDims:
             raise RuntimeError("ParallelDims.build: the default process group is not "
                                "initialised (call dist.init_process_group first)")
         rank = dist.get_rank()
+        # Checked before validation: a rank with other arguments must not wait alone in
+        # init_device_mesh while its peers raise (or build other groups). One small all-gather.
+        from overlap.dist.stamp import agree_on
+
+        from overlap.dist.device import comm_device
+
+        device = comm_device(dist.group.WORLD)
+        agree_on("ParallelDims.build", dict(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep,
+                                            ranks_per_node=ranks_per_node,
+                                            device_type=device_type), device)
         try:
             dims = cls.resolve(world_size=dist.get_world_size(), tp=tp, cp=cp, pp=pp, dp=dp,
                                ep=ep, ranks_per_node=ranks_per_node)

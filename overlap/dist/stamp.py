@@ -25,7 +25,7 @@ import torch
 
 __all__ = ["STAMP_WORDS", "MAGIC", "Agreement", "Disagreement", "Schema", "device_mismatch",
            "DTYPE_CODES", "dtype_name", "shape_words", "float_word", "sum_tail_bits",
-           "sum_tail_chunks", "pack_sum_tail", "unpack_sum_tail"]
+           "sum_tail_chunks", "pack_sum_tail", "unpack_sum_tail", "agree_on"]
 
 STAMP_WORDS = 16
 MAGIC = 0x0F1A_57A3_0000_0001  # marks a written stamp (a zeroed slot is never one)
@@ -388,3 +388,34 @@ def unpack_sum_tail(values: torch.Tensor, bits: int) -> torch.Tensor:
     chunks = chunks.view(*chunks.shape[:-1], -1, k)
     shifts = torch.arange(k, dtype=torch.int64, device=values.device) * bits
     return (chunks << shifts).sum(-1)
+
+
+# ---- a one-off agreement of settings (not per call: at construction, at start) ---------------
+
+def agree_on(what: str, values: Mapping, device, *, group=None,
+             error: type[Exception] = ValueError) -> None:
+    """Raise the same ``error`` on every rank of ``group`` (default: the default group) if its
+    ranks hold different ``values``: one all-gather of an 8-byte digest on ``device`` (a CUDA
+    one on NCCL); only on a mismatch the values themselves are gathered, to name the first that
+    differs with every rank's value (rank order)."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    blob = repr(sorted(values.items())).encode()
+    digest = int.from_bytes(hashlib.sha256(blob).digest()[:8], "little", signed=True)
+    n = dist.get_world_size(group)
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    every = torch.empty(n, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    if len(set(every.tolist())) == 1:
+        return
+    tables: list = [None] * n
+    dist.all_gather_object(tables, dict(values), group=group)
+    rank = dist.get_rank()
+    for key in values:
+        column = [t.get(key) for t in tables]
+        if len(set(map(repr, column))) > 1:
+            raise error(f"{what}: ranks hold different {key!r} (rank order): {column}; every "
+                        f"rank must pass the same (rank {rank})")
+    raise error(f"{what}: ranks hold different settings: {tables} (rank {rank})")

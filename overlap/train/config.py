@@ -431,30 +431,9 @@ def shared_settings(cfg: TrainConfig) -> dict:
 
 
 def agree_across_ranks(what: str, values: dict, device) -> None:
-    """Raise the same ConfigError on every rank of the default group if ranks hold different
-    ``values``: one all-gather of an 8-byte digest (``device``: the collective's device, a CUDA
-    one on NCCL); only on a mismatch the values themselves are gathered, to name the first
-    that differs with every rank's value. Under torchrun or srun each rank parses its own
+    """The same ConfigError on every rank if ranks hold different ``values`` (one all-gather of
+    a digest: ``overlap.dist.stamp.agree_on``). Under torchrun or srun each rank parses its own
     command line, so a per-node difference would otherwise train silently apart."""
-    import hashlib
+    from overlap.dist.stamp import agree_on
 
-    import torch
-    import torch.distributed as dist
-
-    blob = repr(sorted(values.items())).encode()
-    digest = int.from_bytes(hashlib.sha256(blob).digest()[:8], "little", signed=True)
-    n = dist.get_world_size()
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
-    every = torch.empty(n, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine)
-    if len(set(every.tolist())) == 1:
-        return
-    tables: list = [None] * n
-    dist.all_gather_object(tables, values)
-    for key in values:
-        column = [t.get(key) for t in tables]
-        if len(set(map(repr, column))) > 1:
-            raise ConfigError(f"{what}: ranks hold different {key!r} (rank order): {column}; "
-                              f"every rank must pass the same (rank {dist.get_rank()})")
-    raise ConfigError(f"{what}: ranks hold different settings: {tables} "
-                      f"(rank {dist.get_rank()})")
+    agree_on(what, values, device, error=ConfigError)
