@@ -187,3 +187,44 @@ def test_launch_on_a_failed_group_names_the_bucket(world):
         assert msg is not None, (rank, res)
         assert msg.startswith("QuantCommFailed: GradReducer: rank"), msg
         assert "bucket" in msg and "disagree on numel" in msg, msg
+
+
+def _no_sync_skew(shard):
+    """Step 0 agrees. Step 1: the last rank accumulates one micro-batch more inside no_sync()
+    than its peers, so its first synchronising backward pairs with theirs call for call: the
+    call numbers agree, the backward passes summed do not (1 vs 2)."""
+    from overlap.dp import GradReducer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    red = GradReducer(model, dp_group=dist.group.WORLD, bucket_cap_mb=0, first_bucket_cap_mb=0,
+                      rebuild_buckets=False, shard=shard, timeout=30)
+    try:
+        first = _step_error(model, red, rank, 0)
+        grads = [p.grad.detach().clone() for p in model.parameters()] if not shard else None
+        if rank == world - 1:
+            with red.no_sync():
+                _loss(model, rank, 10).backward()
+        t0 = time.monotonic()
+        second = _step_error(model, red, rank, 1)
+        return first, second, time.monotonic() - t0, grads
+    finally:
+        red.close()
+
+
+@pytest.mark.parametrize("shard", [False, True])
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_that_leaves_no_sync_at_another_step_raises_everywhere(world, shard):
+    res = run_ranks(_no_sync_skew, world, shard, timeout=60)
+    for rank, (first, second, seconds, grads) in enumerate(res):
+        assert first is None, (rank, first)
+        assert second is not None and "Disagreement" in second, (rank, second)
+        assert "backward passes" in second and seconds < LIMIT_S, (rank, second, seconds)
+    if not shard:  # the agreeing step: the average of every rank's gradient
+        model = _model()
+        for r in range(world):
+            (_loss(model, r, 0) / world).backward()
+        for rank, (*_, grads) in enumerate(res):
+            for got, want in zip(grads, (p.grad for p in model.parameters())):
+                # fp32 sums of `world` terms in another order: a few ulps of the largest term
+                assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), rank

@@ -138,6 +138,7 @@ class GradReducer:
         self.flat_device = self.params[0].device
         self._sync = True
         self._sync_if: Callable[[], bool] | None = None
+        self._passes = 0  # backward passes accumulated since the last synchronising one
         self._frozen = False
         self._final = not self.config.rebuild_buckets
         self._layout_listeners: list[Callable[[Layout, Layout], None]] = []
@@ -377,7 +378,11 @@ class GradReducer:
     def _start_backward(self) -> None:
         self._raise_if_failed()  # not a stale "accumulated again" from the failed iteration
         engine = torch.autograd.Variable._execution_engine
+        self._passes += 1
         if self._sync and (self._sync_if is None or self._sync_if()):
+            if self._stamps is not None:
+                self._stamps.passes = self._passes
+            self._passes = 0
             self._active = True
             self.stats = IterationStats()
             if self._tuner is not None:

@@ -29,9 +29,10 @@ __all__ = ["SCHEMA", "WORDS", "OP", "OP_SCATTER", "tail_elements", "BucketStamps
 
 SCHEMA = Schema("dp", ("GradReducer bucket all_reduce", "GradReducer bucket reduce_scatter"),
                 (("bucket", 1, "int"), ("numel", 1, "int"), ("padded", 1, "int"),
-                 ("dtype", 1, "dtype"), ("params", 1, "int"), ("op", 1, ("avg", "sum"))))
+                 ("dtype", 1, "dtype"), ("params", 1, "int"), ("op", 1, ("avg", "sum")),
+                 ("backward passes", 1, "int")))
 OP, OP_SCATTER = SCHEMA.ops
-WORDS = 3 + 6  # MAGIC, call, op code and the fields; the rest of the 16 words is zero
+WORDS = 3 + 7  # MAGIC, call, op code and the fields; the rest of the 16 words is zero
 
 GATHER_SCHEMA = Schema("dp", ("ShardedOptimizer parameter all_gather",),
                        (("bucket", 1, "int"), ("padded", 1, "int"), ("dtype", 1, "dtype"),
@@ -68,6 +69,7 @@ class BucketStamps:
         self._gpu = torch.device(device).type == "cuda"
         self._version = 0
         self._mine: dict[int, tuple[str, list[int], torch.Tensor | None]] = {}
+        self.passes = 1  # backward passes in the reduction being stamped (set by the reducer)
 
     def new_layout(self) -> None:
         self._version += 1
@@ -75,12 +77,16 @@ class BucketStamps:
 
     def _next(self, name: str, bucket, params: Sequence[torch.Tensor],
               op: str) -> torch.Tensor:
-        """Count the call; this rank's stamp as SUM-tail chunks of the bucket's dtype."""
-        words = self.agree.next(name, key=(self._version, bucket.index, name), make=lambda: {
+        """Count the call; this rank's stamp as SUM-tail chunks of the bucket's dtype. The
+        backward passes summed since the last reduction (``passes``) tell a rank that stepped
+        out of ``no_sync`` at another time (its call numbers stay in step)."""
+        passes = self.passes
+        words = self.agree.next(name, key=(self._version, bucket.index, name, passes),
+                                make=lambda: {
             "bucket": bucket.index, "numel": bucket.numel, "padded": bucket.padded,
             "dtype": DTYPE_CODES.get(bucket.dtype, 0),
             "params": _params_signature(bucket.params, params),
-            "op": ("avg", "sum").index(op)})
+            "op": ("avg", "sum").index(op), "backward passes": passes})
         self._mine[bucket.index] = (name, list(words),
                                     self.agree.send.clone() if self._gpu else None)
         return pack_sum_tail(self.agree.send[:WORDS], sum_tail_bits(bucket.dtype))
