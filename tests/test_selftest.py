@@ -214,3 +214,28 @@ def test_merge_fails_a_check_that_failed_or_was_missing_on_any_rank():
     (c,) = merge(["c"], [[_row("c", True, 0.3, 1e-8)], [_row("c", True, 0.4, None)]],
                  [None, None])
     assert (c.passed, c.seconds, c.measured, c.error) == (True, 0.4, 1e-8, "")
+
+
+def _run_rank_with_own_flags():
+    """run_rank where the last rank selects other checks (a per-node command line)."""
+    import torch.distributed as dist
+
+    from overlap.selftest.config import SelftestConfig
+    from overlap.selftest.runner import run_rank
+
+    last = dist.get_rank() == dist.get_world_size() - 1
+    cfg = SelftestConfig(only="streams.*" if last else "timeout.*", op_timeout=20.0)
+    try:
+        run_rank(cfg, "cpu")
+    except ValueError as exc:
+        return str(exc)
+    return "ran"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_that_select_other_checks_refuse_together(world):
+    from tests.harness import run_ranks
+
+    for rank, msg in enumerate(run_ranks(_run_rank_with_own_flags, world, timeout=60)):
+        assert "overlap-selftest" in msg and "'checks'" in msg, (rank, msg)
+        assert f"(rank {rank})" in msg, (rank, msg)

@@ -60,6 +60,15 @@ def run_rank(cfg: SelftestConfig, device_type: str,
 
     results: list[RankResult] = []
     checks = [(name, fn) for name, fn in plan(device) if cfg.selects(name)]
+    # Under torchrun or srun each node parses its own flags: ranks that would run other checks
+    # in the same slot refuse together, naming the difference (one all-gather of a digest).
+    from overlap.dist.stamp import agree_on
+
+    agree_on("overlap-selftest", {"checks": [n for n, _ in checks], "device": device_type,
+                                  "op_timeout": cfg.op_timeout,
+                                  "peer_timeout": cfg.peer_timeout,
+                                  "inject_failure": cfg.inject_failure},
+             torch.device("cpu"), group=control)
     for i, (name, fn) in enumerate(checks):
         try:
             meet()
