@@ -19,24 +19,15 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from tests.harness import run_ranks
+from tests.test_dp_agreement import _loss, _model  # the same model and data
 
 LIMIT_S = 2.0
 TOL = 1e-6
 LR = 0.1
 
 
-def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 8, bias=False),
-                         nn.Tanh(), nn.Linear(8, 4))
-
-
-def _loss(model, rank, step):
-    g = torch.Generator().manual_seed(100 * step + rank)
-    return model(torch.randn(4, 8, generator=g)).square().mean()
 
 
 def _mean_grads(world, step):

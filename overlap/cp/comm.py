@@ -16,7 +16,6 @@ docs/design/cp.md.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from datetime import timedelta
 
@@ -27,6 +26,7 @@ from overlap.versions import (HAVE_OPAQUE, MemberType, OpaqueBase, compile_probl
 
 from overlap.defaults import TIMEOUT_S, positive_seconds
 from overlap.dist.device import comm_device
+from overlap.dist.streams import work_completion
 from overlap.dist.stamp import (STAMP_WORDS, Agreement, Disagreement, Schema, float_word,
                                 shape_words)
 from overlap.profile.timers import comm_wait
@@ -477,34 +477,7 @@ def _default_store():
 
 
 def _completion(work):
-    """(an event set when ``work`` completes, ``finish(seconds)`` that then raises its error,
-    or a timeout if it has not completed within ``seconds``). Works without a future (gloo's
-    send and recv, whose wait must not be cut short) are waited on a helper thread, bounded
-    by their process group's timeout."""
-    done = threading.Event()
-    try:
-        work.get_future().add_done_callback(lambda _: done.set())
-        return done, lambda seconds: work.wait(timedelta(seconds=seconds))
-    except RuntimeError:
-        pass
-    error: list[BaseException] = []
-
-    def wait() -> None:
-        try:
-            work.wait()
-        except BaseException as exc:  # noqa: BLE001 - raised by finish on the caller's thread
-            error.append(exc)
-        finally:
-            done.set()
-
-    def finish(seconds: float) -> None:
-        if not done.wait(seconds + 1.0):  # the backend's own timeout ends the wait first
-            raise TimeoutError(f"no completion within {seconds:g}s")
-        if error:
-            raise error[0]
-
-    threading.Thread(target=wait, name="overlap-cp-wait", daemon=True).start()
-    return done, finish
+    return work_completion(work, name="overlap-cp-wait")
 
 
 def _dtype_code(dtype: torch.dtype) -> int:

@@ -32,7 +32,7 @@ from overlap.dist.stream_memory import StreamMemory
 from overlap.profile import syncs
 
 __all__ = ["Stream", "Event", "StreamTimeout", "StreamStillRunning", "delay_ms",
-           "InjectedDelay", "fill_poison", "device_empty"]
+           "InjectedDelay", "fill_poison", "device_empty", "work_completion"]
 
 
 def _ranged(name: str, fn: Callable[[], object]) -> Callable[[], None]:
@@ -394,3 +394,40 @@ class Stream:
             return True
         finally:
             self._worker.running.release()
+
+
+def work_completion(work, name: str = "overlap-work-wait"):
+    """(an event set when the ``torch.distributed`` ``work`` completes, ``finish(seconds=None)``
+    that then raises its error, if any). A caller waits on the event in slices, watching for
+    failed peers between them. Most works have a future to hook; some have none (gloo's
+    send, recv and reduce-scatter), and their blocking ``wait()`` must not be cut short, so a
+    helper thread makes it, bounded by the process group's timeout. ``seconds``: how long
+    ``finish`` may wait for a work that has not completed (None: the backend's own bound)."""
+    from datetime import timedelta
+
+    done = threading.Event()
+    try:
+        work.get_future().add_done_callback(lambda _: done.set())
+        return done, lambda seconds=None: (work.wait() if seconds is None else
+                                           work.wait(timedelta(seconds=seconds)))
+    except RuntimeError:
+        pass
+    error: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            work.wait()
+        except BaseException as exc:  # noqa: BLE001 - raised by finish on the caller's thread
+            error.append(exc)
+        finally:
+            done.set()
+
+    def finish(seconds: float | None = None) -> None:
+        # the backend's own timeout ends the helper's wait first
+        if seconds is not None and not done.wait(seconds + 1.0):
+            raise TimeoutError(f"no completion within {seconds:g}s")
+        if error:
+            raise error[0]
+
+    threading.Thread(target=wait, name=name, daemon=True).start()
+    return done, finish

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from overlap.defaults import TIMEOUT_S
 from overlap.comm.quant.state import (GroupState, QuantCommError, QuantTimeout, existing_state)
 from overlap.dist.stamp import Disagreement
+from overlap.dist.streams import work_completion
 
 __all__ = ["QuantWork", "OpRun", "submit", "drain", "DEFAULT_TIMEOUT"]
 
@@ -37,34 +38,8 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _completion(work) -> tuple[threading.Event, Callable[[], None]]:
-    """An event set when ``work`` completes, and a call that then raises its error, if any.
-
-    Most works have a future to hook; some have none (gloo's reduce-scatter), and for those a
-    helper thread makes the blocking ``wait()`` (it ends when the op completes or the backend
-    gives up at the process group's timeout)."""
-    done = threading.Event()
-    try:
-        work.get_future().add_done_callback(lambda _: done.set())
-        return done, work.wait
-    except RuntimeError:
-        pass
-    error: list[BaseException] = []
-
-    def wait() -> None:
-        try:
-            work.wait()
-        except BaseException as exc:  # noqa: BLE001 - handed to the op by finish()
-            error.append(exc)
-        finally:
-            done.set()
-
-    def finish() -> None:
-        if error:
-            raise error[0]
-
-    threading.Thread(target=wait, name="overlap-quant-wait", daemon=True).start()
-    return done, finish
+def _completion(work) -> tuple[threading.Event, Callable[..., None]]:
+    return work_completion(work, name="overlap-quant-wait")
 
 
 class OpRun:
