@@ -20,7 +20,6 @@ import dataclasses
 import hashlib
 import time
 import uuid
-from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import torch
@@ -37,6 +36,8 @@ from overlap.profile import names, nvtx
 __all__ = ["Pipeline", "StepResult", "Timeline", "bubble_fractions"]
 
 _FAILED = b"failed"  # a step's digest key, set by a rank whose previous step failed
+# How often a pp rank polls the store for the next step's digest: from 1 ms, doubling to 20 ms
+_DIGEST_POLL_S = (0.001, 0.02)
 
 
 @dataclasses.dataclass(slots=True)
@@ -223,21 +224,25 @@ class Pipeline:
         return digest
 
     def _wait_digest(self, store, key: str, what: str) -> None:
-        """Wait for pp rank 0's digest within the P2P timeout, in ``POLL_S`` slices (the key
-        wakes the wait at once): between them, a failure recorded elsewhere, or pp rank 0's
-        process gone (on this host; no transfer is in flight to fail between steps), ends
-        the wait naming it."""
+        """Wait for pp rank 0's digest within the P2P timeout, polling the key (every
+        ``_DIGEST_POLL_S``, backing off; a store wait with a short timeout stalled 5 s when
+        a rank died during it, and printed a warning per timeout): every ``POLL_S``, a
+        failure recorded elsewhere, or pp rank 0's process gone (on this host; no transfer
+        is in flight to fail between steps), ends the wait naming it."""
         from overlap.dist.host import host_id, pid_alive
         from overlap.pp.p2p import POLL_S
 
         deadline = time.monotonic() + self.p2p.timeout.total_seconds()
+        pause = _DIGEST_POLL_S[0]
         while True:
-            try:
-                store.wait([key], timedelta(seconds=POLL_S))
-                return
-            except RuntimeError:
-                if time.monotonic() >= deadline:
-                    raise
+            watch = time.monotonic() + POLL_S
+            while time.monotonic() < watch:
+                if store.check([key]):
+                    return
+                time.sleep(pause)
+                pause = min(2 * pause, _DIGEST_POLL_S[1])  # a long wait polls the store less
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"no digest within {self.p2p.timeout.total_seconds():g}s")
             self.p2p.check_failed(what)
             if self._leader_pid is None:
                 host, _, pid = store.get(f"overlap_pp/{self._token}/pid/0").decode(
