@@ -66,7 +66,8 @@ def _fused_ops(backend, chunks=None):
 
 # Triton at world 2 only: the interpreter is slow, and 4 ranks share 2 cores.
 @pytest.mark.parametrize("backend, world", [("chunked", 2), ("chunked", 4), ("symmetric", 2),
-                                            ("symmetric", 4), ("triton", 2)])
+                                            ("symmetric", 4), ("triton", 2), ("unfused", 2),
+                                            ("unfused", 4)])
 def test_fused_ops_make_no_host_sync(backend, world):
     for counts in run_ranks(_fused_ops, world, backend, timeout=120):
         assert all(n == 0 for n, _ in counts), counts
@@ -162,4 +163,30 @@ def _data_parallel(comm_dtype, shard, cap=0):
     ("fp32", False, "auto"), ("bf16", True, "auto")])
 def test_dp_buckets_and_sharded_step_make_no_host_sync(comm_dtype, shard, cap):
     for counts in run_ranks(_data_parallel, 2, comm_dtype, shard, cap):
+        assert all(n == 0 for n, _ in counts), counts
+
+
+def _region_collectives():
+    """The region collectives of overlap.nn, stamped on the layer's TPComm (forward and
+    backward of each): after the first calls, no host sync."""
+    from overlap.nn.regions import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
+    from overlap.tp import TPComm
+
+    world = dist.get_world_size()
+    comm = TPComm(dist.group.WORLD, backend="unfused", timeout=30)
+    x = torch.randn(4 * world, 6, requires_grad=True)
+
+    def step():
+        y = reduce_from_tp(copy_to_tp(x, comm=comm), comm=comm)
+        z = gather_from_sp(reduce_scatter_to_sp(y, 0, comm=comm), 0, comm=comm)
+        z.sum().backward()
+
+    out = _steady(step)
+    comm.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_region_collectives_make_no_host_sync(world):
+    for counts in run_ranks(_region_collectives, world, timeout=120):
         assert all(n == 0 for n, _ in counts), counts
