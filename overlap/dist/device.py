@@ -7,7 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["rank_device", "comm_device", "gpu_present"]
+__all__ = ["rank_device", "comm_device", "gpu_present", "plain_gloo"]
 
 
 def gpu_present() -> bool:
@@ -41,3 +41,10 @@ def comm_device(group: dist.ProcessGroup) -> torch.device:
     if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def plain_gloo(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is plain gloo (not the nccl_twin): its receive of a message larger
+    than it posted throws on gloo's transport thread and aborts the process, so a caller must
+    agree sizes before data moves."""
+    return type(group) is dist.ProcessGroup and dist.get_backend(group) == "gloo"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import time
 import uuid
 from typing import Any, Callable, Sequence
@@ -26,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from overlap.defaults import TIMEOUT_S
-from overlap.pp.p2p import HEADER_LEN, P2P, P2PError, decode_header, encode_header
+from overlap.dist.host import host_id, pid_alive
+from overlap.pp.p2p import HEADER_LEN, P2P, POLL_S, P2PError, decode_header, encode_header
 from overlap.pp.interleave import Interleaver
 from overlap.pp.programs import channels_of, ep_pairs, rank_plan
 from overlap.pp.schedules import Action, Kind, Message, Payload, PipelineSchedule, stage_rank
@@ -169,9 +171,6 @@ class Pipeline:
         self._token, self._steps = token, 0
         self._leader_pid: int | None = None  # pp rank 0's pid, if it runs on this host
         if self.pp_size > 1:
-            from overlap.dist.host import host_id
-            import os
-
             dist.distributed_c10d._get_default_store().set(
                 f"overlap_pp/{token}/pid/{self.pp_rank}", f"{host_id()}|{os.getpid()}")
         self._shapes: dict[int, dict[tuple, tuple]] = {}
@@ -229,9 +228,6 @@ class Pipeline:
         a rank died during it, and printed a warning per timeout): every ``POLL_S``, a
         failure recorded elsewhere, or pp rank 0's process gone (on this host; no transfer
         is in flight to fail between steps), ends the wait naming it."""
-        from overlap.dist.host import host_id, pid_alive
-        from overlap.pp.p2p import POLL_S
-
         deadline = time.monotonic() + self.p2p.timeout.total_seconds()
         pause = _DIGEST_POLL_S[0]
         while True:

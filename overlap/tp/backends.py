@@ -24,6 +24,7 @@ import torch.distributed as dist
 from overlap.tp import chunked, symmetric
 from overlap.versions import triton_problem
 from overlap.tp.context import TPContext
+from overlap.dist.device import plain_gloo
 from overlap.dist.stamp import (STAMP_WORDS, Agreement, pack_sum_tail, sum_tail_bits,
                                 sum_tail_chunks, unpack_sum_tail)
 from overlap.tp.collectives import (all_gather_dim, post_all_gather, post_all_reduce,
@@ -284,8 +285,7 @@ def _stamps_alone(comm, op: str) -> None:
     agree = comm.agree
     plain = agree.transport.get("plain gloo")
     if plain is None:
-        plain = agree.transport["plain gloo"] = (type(comm.group) is dist.ProcessGroup and
-                                                 dist.get_backend(comm.group) == "gloo")
+        plain = agree.transport["plain gloo"] = plain_gloo(comm.group)
     if plain:
         every = agree.send.new_empty(comm.world * STAMP_WORDS)
         wait(post_all_gather(every, agree.send, comm.group), op=f"{op}: the stamps alone",

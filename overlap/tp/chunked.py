@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.defaults import kept
+from overlap.dist.device import plain_gloo
 from overlap.dist.stamp import STAMP_WORDS, Agreement, Disagreement
 from overlap.profile import nvtx
 from overlap.profile.timers import comm_wait
@@ -329,7 +330,7 @@ def _topology(group: dist.ProcessGroup) -> _Topology:
     if topo is None or topo.group is not group:  # an id reused by a newer group
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         right, left = (rank + 1) % world, (rank - 1) % world
-        direct = type(group) is dist.ProcessGroup and dist.get_backend(group) == "gloo"
+        direct = plain_gloo(group)
         peers = [q for q in range(world) if q != rank]
         with_peers = f" with peer rank{'s' if len(peers) > 1 else ''} " + ", ".join(map(str, peers))
         topo = _topologies[id(group)] = _Topology(

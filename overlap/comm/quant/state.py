@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from overlap.dist.device import plain_gloo
 from overlap.dist.host import host_id, pid_alive
 from overlap.dist.stamp import Disagreement
 
@@ -96,7 +97,7 @@ class GroupState:
                                           f"{self._host}|{os.getpid()}"))
         # Plain gloo aborts the process that receives a message larger than it posted (an
         # error on its transport thread): every call there agrees its stamps alone first.
-        self.plain_gloo = type(group) is dist.ProcessGroup and dist.get_backend(group) == "gloo"
+        self.plain_gloo = plain_gloo(group)
         self.joined = self._store is None or self.size == 1  # see first_op()
         self._arrived = False
 
