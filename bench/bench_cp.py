@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from bench.runner import (Table, TraceOptions, Tracer, check_trace_options, command_line,
                           finish_trace_column, parse_config, trace_columns)
+from overlap.dist.device import apply_sharing, gpu_for_rank
 
 METHODS = ("ring", "allgather", "ulysses")
 COLUMNS = ["seq", "cp", "method", "ms", "ratio", "vs_blocks", "spread", "sent_MB", "comm_ms", "exposed_ms",
@@ -382,8 +383,9 @@ def main(argv: list[str] | None = None) -> None:
     check_trace_options(cfg, "bench_cp", cuda=torchrun and torch.cuda.is_available())
     cuda = torchrun and torch.cuda.is_available()
     if torchrun:  # this process is a rank
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if cuda:  # before NCCL starts: the rank's GPU, its host id when ranks share one
+            apply_sharing()
+            gpu_for_rank()
         dist.init_process_group("nccl" if cuda else "gloo")
         rows = _rank(cfg)
         last = dist.get_rank() != 0

@@ -52,6 +52,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench.runner import (Table, Timing, TraceOptions, Tracer, check_trace_options, command_line,
                           finish_trace_column, parse_config, time_fn, trace_columns)
+from overlap.dist.device import gpu_for_rank
 from overlap.dist.launch import launch
 from overlap.dp import GradReducer, ShardedOptimizer
 from overlap.models.gpt import GPT, GPTConfig
@@ -152,8 +153,7 @@ def _describe_tuning(report: dict) -> str:
 def _bench_rank(cfg: BenchConfig) -> list[dict]:
     rank = dist.get_rank()
     if cfg.device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = gpu_for_rank()
     else:
         device = torch.device("cpu")
     torch.manual_seed(0)

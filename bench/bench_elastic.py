@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 
+from bench.runner import apply_sharing_flag, sharing_flag
 from overlap.train.shrink import describe_layout
 
 CASES = ("restart", "shrink", "grow")
@@ -77,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="bench/results/elastic")
     p.add_argument("extra", nargs="*", help="more overlap.train flags (after --)")
+    sharing_flag(p)
     a = p.parse_args(argv)
+    apply_sharing_flag(p, vars(a))  # the jobs' ranks read it from the environment
     rounds = []
     for r in range(a.repeats):
         row = {}

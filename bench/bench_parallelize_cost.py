@@ -12,6 +12,7 @@ import statistics
 import time
 
 import overlap  # noqa: F401  (before transformers: sets TRITON_INTERPRET on CPU)
+from bench.runner import apply_sharing_flag, sharing_flag
 from overlap.dist.launch import launch
 
 
@@ -48,7 +49,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="32x2,256x4,512x8",
                     help="hidden x layers, comma-separated (default: %(default)s)")
+    sharing_flag(ap)
     args = ap.parse_args()
+    apply_sharing_flag(ap, vars(args))
     print("| hidden | layers | params | verify=False s | verify=True s | verify='model' s |")
     print("|---|---|---|---|---|---|")
     for size in args.sizes.split(","):

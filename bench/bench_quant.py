@@ -40,9 +40,11 @@ import os
 import torch
 import torch.distributed as dist
 
-from bench.runner import (Table, TraceOptions, Tracer, add_fields, check_trace_options,
-                          finish_trace_column, time_fn, trace_columns)
+from bench.runner import (Table, TraceOptions, Tracer, add_fields, apply_sharing_flag,
+                          check_trace_options, finish_trace_column, sharing_flag, time_fn,
+                          trace_columns)
 from overlap.comm import quant
+from overlap.dist.device import gpu_for_rank
 from overlap.dist.launch import launch
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -76,9 +78,7 @@ class BenchConfig(TraceOptions):
 
 def _device(kind: str) -> torch.device:
     if kind == "cuda":
-        dev = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
-        return dev
+        return gpu_for_rank()
     return torch.device("cpu")
 
 
@@ -245,7 +245,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default=defaults.device)
     p.add_argument("--out", default=defaults.out)
     add_fields(p, TraceOptions)
+    sharing_flag(p)
     a = p.parse_args(argv)
+    apply_sharing_flag(p, vars(a))
     if len(a.max_size) not in (1, len(a.world_sizes)):
         p.error("--max-size takes one size or one per world size")
     cfg = BenchConfig(world_sizes=tuple(a.world_sizes), min_size=_parse_size(a.min_size),

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from bench.runner import Table, Timing, command_line, parse_config, time_fn
+from overlap.dist.device import gpu_for_rank
 from overlap.dist.launch import launch
 
 MODES = ("none", "selective", "full")
@@ -91,8 +92,7 @@ def _bench_rank(cfg: BenchConfig) -> dict:
 
     rank = dist.get_rank()
     if cfg.device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = gpu_for_rank()
     else:
         device = torch.device("cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]

@@ -54,10 +54,12 @@ import os
 import torch
 import torch.distributed as dist
 
+from overlap.dist.device import apply_sharing, gpu_for_rank
 from overlap.tp.autochunk import MAX_RACE
 
-from bench.runner import (Table, TraceOptions, Tracer, check_trace_options, finish_trace_column,
-                          time_fn, time_interleaved, trace_columns)
+from bench.runner import (Table, TraceOptions, Tracer, apply_sharing_flag, check_trace_options,
+                          finish_trace_column, sharing_flag, time_fn, time_interleaved,
+                          trace_columns)
 
 COLUMNS = ["op", "shape", "backend", "chunks", "t_fused_ms", "t_seq_ms", "t_comm_ms", "t_gemm_ms",
            "speedup", "overlap_eff", "spread"]
@@ -290,8 +292,9 @@ def main(cfg: BenchConfig) -> None:
     check_trace_options(cfg, "bench_tp_ops", cuda=torchrun and torch.cuda.is_available())
     if torchrun:  # this process is a rank
         cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if cuda:  # before NCCL starts: the rank's GPU, its host id when ranks share one
+            apply_sharing()
+            gpu_for_rank()
         owned = not dist.is_initialized()
         if owned:
             dist.init_process_group("nccl" if cuda else "gloo")
@@ -328,7 +331,9 @@ def _parse(argv: list[str] | None = None) -> BenchConfig:
             p.add_argument(flag, default=",".join(f.default), help=f"comma list ({f.default})")
         else:
             p.add_argument(flag, type=type(f.default), default=f.default)
+    sharing_flag(p)
     ns = vars(p.parse_args(argv))
+    apply_sharing_flag(p, ns)
     for f in dataclasses.fields(BenchConfig):
         if isinstance(f.default, tuple):
             ns[f.name] = tuple(s for s in ns[f.name].split(",") if s)

@@ -39,9 +39,12 @@ import sys
 import time
 from typing import Any, Callable, Iterator
 
+from overlap.dist.device import RANKS_PER_GPU_ENV, ranks_per_gpu, sharing_note
+
 __all__ = ["Timing", "time_fn", "Table", "machine_info", "parse_config", "command_line",
            "TraceOptions", "Tracer", "TRACE_COLUMN", "check_trace_options", "trace_columns",
-           "finish_trace_column", "fill_trace_column", "add_fields"]
+           "finish_trace_column", "fill_trace_column", "add_fields", "sharing_flag",
+           "apply_sharing_flag"]
 
 TRACE_COLUMN = "trace_overlap%"
 
@@ -120,6 +123,7 @@ def machine_info() -> dict[str, Any]:
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "ranks_per_gpu": ranks_per_gpu(),
     }
     try:
         import triton
@@ -169,8 +173,10 @@ class Table:
         lines = [f"# {self.title}", ""]
         desc = ", ".join(f"{k}: {v}" for k, v in machine.items() if v is not None)
         lines += [f"Machine: {desc}.", ""]
-        lines += [f"- {n}" for n in self.notes]
-        if self.notes:
+        shared = sharing_note(machine.get("ranks_per_gpu") or 1)
+        notes = [f"**{shared}**"] * bool(shared) + self.notes
+        lines += [f"- {n}" for n in notes]
+        if notes:
             lines.append("")
         lines.append("| " + " | ".join(self.columns) + " |")
         lines.append("|" + "|".join("---" for _ in self.columns) + "|")
@@ -237,11 +243,33 @@ def add_fields(parser: argparse.ArgumentParser, cls: type,
 
 def parse_config(cls: type, description: str, argv: list[str] | None = None) -> Any:
     """A bench's CLI, generated from its config dataclass (one definition of the settings):
-    ``--field-name VALUE`` per field, tuples as ``nargs='+'``, bools as switches."""
+    ``--field-name VALUE`` per field, tuples as ``nargs='+'``, bools as switches; and
+    ``--ranks-per-gpu`` (``sharing_flag``)."""
     ap = argparse.ArgumentParser(description=description)
     add_fields(ap, cls)
+    sharing_flag(ap)
     ns = vars(ap.parse_args(argv))
+    apply_sharing_flag(ap, ns)
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in ns.items()})
+
+
+def sharing_flag(parser: argparse.ArgumentParser) -> None:
+    """``--ranks-per-gpu N``, which every bench takes: N ranks share each GPU (the launcher
+    reads it from env OVERLAP_RANKS_PER_GPU, and every table then says its timings mean
+    nothing for speed)."""
+    parser.add_argument("--ranks-per-gpu", type=int, default=None, metavar="N",
+                        help="ranks that share one GPU (default: env OVERLAP_RANKS_PER_GPU, "
+                             "else 1); for correctness runs on one GPU, not for speed")
+
+
+def apply_sharing_flag(parser: argparse.ArgumentParser, ns: dict) -> None:
+    """Take ``--ranks-per-gpu`` out of the parsed ``ns`` into this process's environment, where
+    ``overlap.dist.launch`` and torchrun's ranks find it; a bad value is a usage error."""
+    value = ns.pop("ranks_per_gpu", None)
+    try:
+        os.environ[RANKS_PER_GPU_ENV] = str(ranks_per_gpu(value))
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def command_line(module: str, cfg: Any) -> str:

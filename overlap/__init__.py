@@ -25,6 +25,15 @@ if "torch" not in _sys.modules and _gc.isenabled():
 
 __version__ = "0.1.0"
 
+# OVERLAP_STACKS_ON_SIGUSR2=1 (set by tools/gpu_check.py for its steps): SIGUSR2 prints every
+# thread's Python stack to stderr, so a checker can show where a hung process of a step (a rank,
+# a launcher, its fork server, which inherits the handler) stood before it kills it.
+if _os.environ.get("OVERLAP_STACKS_ON_SIGUSR2") == "1":
+    import faulthandler as _faulthandler
+    import signal as _signal
+
+    _faulthandler.register(_signal.SIGUSR2, all_threads=True)
+
 # Triton picks interpreter or compiler when a function is defined, its own standard library
 # included (at `import triton`). Decide before anything imports triton: without a GPU, the
 # Triton kernels run under the interpreter on CPU tensors. Asked without initialising CUDA:

@@ -21,19 +21,42 @@ from overlap.dist.device import gpu_present
 from overlap.dist.launch import LaunchError, RankOutcome, launch, orphaned_shm_segments
 
 __all__ = ["run_ranks", "run_ranks_outcomes", "requires_gpu", "LaunchError", "RankOutcome",
-           "WORLD_SIZES", "shm_leaks_since"]
+           "WORLD_SIZES", "shm_leaks_since", "gpu_world"]
 
 # GPU-only tests carry this mark. Each has a CPU twin that runs the same logic on gloo / shared
 # memory / the Triton interpreter, so nothing is untested here. Asked without initialising CUDA:
 # the launcher's fork server imports this module before it forks the ranks.
-requires_gpu = pytest.mark.skipif(not gpu_present(), reason="needs a CUDA GPU; its CPU twin runs "
-                                                            "here")
+_skip_without_gpu = pytest.mark.skipif(not gpu_present(),
+                                       reason="needs a CUDA GPU; its CPU twin runs here")
+
+
+def requires_gpu(test):
+    """A GPU-only test: marked ``gpu`` (``pytest -m gpu`` selects them: tools/gpu_check.py)
+    and skipped where torch sees no GPU."""
+    return pytest.mark.gpu(_skip_without_gpu(test))
 
 # The transport of every CPU test: gloo with NCCL's ordering rules (overlap.dist.nccl_twin), so
 # an order that would deadlock on NCCL fails here too. OVERLAP_TEST_BACKEND=gloo opts out.
 CPU_BACKEND = os.environ.get("OVERLAP_TEST_BACKEND", "nccl_twin")
 
 WORLD_SIZES = (1, 2, 4)
+
+
+def gpu_world(least: int = 2, most: int = 4) -> int:
+    """Ranks a GPU test starts: every visible GPU times OVERLAP_RANKS_PER_GPU (launch puts rank
+    r on GPU r // ranks_per_gpu), at most ``most``; skips when fewer than ``least`` fit, naming
+    the setting that would make room (one GPU runs the multi-rank tests at 2 per GPU)."""
+    import torch
+
+    from overlap.dist.device import RANKS_PER_GPU_ENV, ranks_per_gpu
+
+    gpus = torch.cuda._device_count_nvml()  # no CUDA initialised in the test process
+    gpus = gpus if gpus >= 0 else torch.cuda.device_count()
+    room = gpus * ranks_per_gpu()
+    if room < least:
+        pytest.skip(f"needs {least} ranks, {gpus} GPU(s) at {ranks_per_gpu()} per GPU give "
+                    f"{room}: set {RANKS_PER_GPU_ENV}={-(-least // max(gpus, 1))}")
+    return min(room, most)
 # Imported once by the fork server instead of by every rank of every test.
 _PRELOAD = ("pytest", "numpy", "harness", "overlap.dist.nccl_twin", "overlap.kernels.triton.tp_gemm", "overlap.tp",
             "overlap.nn", "overlap.models", "overlap.moe", "overlap.cp", "overlap.pp", "overlap.dp",

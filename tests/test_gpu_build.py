@@ -107,6 +107,7 @@ def _bare_workspace(monkeypatch, symm_mem):
     ws.group = types.SimpleNamespace(group_name="17")
     ws.group_name, ws.rank, ws.world, ws.nbytes, ws.num_signals = "[0, 1]", 0, 2, 1024, 4
     ws.device, ws._total, ws._handle = torch.device("cpu"), 2048, None
+    ws._sharing = []  # what _check_agreement finds: no two ranks on one device
     return ws
 
 
@@ -137,6 +138,23 @@ def test_fallback_to_ipc_is_visible(monkeypatch):
     ws._setup_memory()
     assert ws.memory == sc.CUDA_IPC and "not registered" in ws.memory_fallback
     assert ws._handle is None and "memory=CUDA IPC" in repr(ws)
+
+
+def test_ranks_sharing_a_gpu_take_ipc_and_say_why(monkeypatch):
+    """torch's symmetric memory takes one rank per device: ranks sharing one (ranks per GPU > 1)
+    map each other by CUDA IPC without asking it, and the workspace says why, once."""
+    mod, calls = _fake_symm_mem()
+    ws = _bare_workspace(monkeypatch, mod)
+    ws._sharing = [[0, 1]]
+    monkeypatch.setattr(sc.CudaWorkspace, "_setup_ipc", lambda self: setattr(self, "_bases", [1]))
+    monkeypatch.setattr(sc, "_warned", set())
+    with pytest.warns(RuntimeWarning, match=r"ranks \[\[0, 1\]\] share a GPU"):
+        ws._setup_memory()
+    assert calls == {"enable": [], "rendezvous": []}
+    assert ws.memory == sc.CUDA_IPC and "share a GPU" in ws.memory_fallback
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second workspace: no second warning
+        ws._setup_memory()
 
 
 # ---- 4. csrc/quant.cu: launch arguments ---------------------------------------------------

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import WORLD_SIZES, requires_gpu, run_ranks, run_ranks_outcomes
+from harness import WORLD_SIZES, gpu_world, requires_gpu, run_ranks, run_ranks_outcomes
+from overlap.dist.device import gpu_for_rank
 from overlap.symm.workspace import PeerDied, SignalTimeout, create_workspace
 
 
@@ -18,8 +19,7 @@ def _ring_exchange(num_phases, numel, device="cpu"):
     rank, world = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % world, (rank - 1) % world
     if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = gpu_for_rank()
     with create_workspace(g, 4 * numel * 2, num_signals=4, timeout=20, device=device) as ws:
         # Names are unlinked as soon as every rank has mapped them.
         assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"overlap_{os.getpid()}_")]
@@ -192,7 +192,7 @@ def test_triton_kernel_waits_and_reads_peer_across_processes():
 def test_cuda_workspace_ring_exchange_gpu():
     """The GPU path of test_peer_writes_visible_after_signal (its CPU twin): the cuda backend
     with stream-ordered signal kernels, on every visible GPU under NCCL."""
-    world = max(2, torch.cuda.device_count())
+    world = gpu_world(most=8)
     assert run_ranks(_ring_exchange, world, 20, 1000, "cuda", backend="nccl") == [0.0] * world
 
 

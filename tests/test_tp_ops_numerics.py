@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import WORLD_SIZES, requires_gpu, run_ranks
+from harness import WORLD_SIZES, gpu_world, requires_gpu, run_ranks
+from overlap.dist.device import gpu_for_rank
 
 HAVE_TRITON_TP = importlib.util.find_spec("overlap.kernels.triton.tp_gemm") is not None
 BACKENDS = ["chunked", "symmetric", "unfused"] + (["triton"] if HAVE_TRITON_TP else [])
@@ -149,8 +150,7 @@ def _run_cases(backend, mode):
 
     world, dev = dist.get_world_size(), "cpu"
     if mode == "gpu":
-        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-        dev = torch.device("cuda", torch.cuda.current_device())
+        dev = gpu_for_rank()
     fns = {"ag": _case_ag, "rs": _case_rs, "ar": _case_ar}
     results = []
     try:
@@ -190,7 +190,7 @@ def test_triton_ops_match_reference_small(world, backend):
 def test_ops_match_reference_large_gpu(backend):
     """The GPU tier: 16x larger shapes on every visible GPU under NCCL (CUDA workspaces, side
     copy stream, compiled Triton kernels). CPU twins: the two tests above."""
-    world = max(2, torch.cuda.device_count())
+    world = gpu_world(most=8)
     _check(run_ranks(_run_cases, world, backend, "gpu", backend="nccl", timeout=600))
 
 

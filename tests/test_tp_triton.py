@@ -25,7 +25,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import WORLD_SIZES, requires_gpu, run_ranks, run_ranks_outcomes
+from harness import WORLD_SIZES, gpu_world, requires_gpu, run_ranks, run_ranks_outcomes
+from overlap.dist.device import gpu_for_rank
 from overlap.symm.workspace import create_workspace
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -58,8 +59,7 @@ def _check(y, ref, dtype, what, *, partials_rounded=False):
 
 def _device(device):
     if device == "cuda":
-        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
+        return gpu_for_rank()
     return torch.device("cpu")
 
 
@@ -344,7 +344,7 @@ GPU_CASES = [((256, 512, 384), F32), ((256, 512, 384), BF16), ((100, 264, 200), 
 def test_all_gather_matmul_gpu():
     """The CUDA twin of test_all_gather_matmul_matches_all_gather_then_matmul, at tensor-core
     sizes."""
-    world = min(4, torch.cuda.device_count())
+    world = gpu_world()
     cases = [(shape, dt, True) for shape, dt in GPU_CASES] * 2
     assert run_ranks(_ag_calls, world, cases, "cuda", backend="nccl") == [len(cases)] * world
 
@@ -352,6 +352,6 @@ def test_all_gather_matmul_gpu():
 @requires_gpu
 def test_matmul_reduce_scatter_gpu():
     """The CUDA twin of test_matmul_reduce_scatter_matches_matmul_then_reduce_scatter."""
-    world = min(4, torch.cuda.device_count())
+    world = gpu_world()
     cases = GPU_CASES * 2
     assert run_ranks(_rs_calls, world, cases, "cuda", backend="nccl") == [len(cases)] * world

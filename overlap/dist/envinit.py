@@ -15,6 +15,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from overlap.dist.device import apply_sharing
+
 __all__ = ["init_from_env", "restart_attempt"]
 
 
@@ -23,9 +25,12 @@ def restart_attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def init_from_env(backend: str, *, timeout: float) -> dist.Store:
+def init_from_env(backend: str, *, timeout: float, ranks_per_gpu: int | None = None) -> dist.Store:
     """``init_process_group`` from the environment, its store keys prefixed by the attempt.
-    Returns that attempt's store (``overlap.dist.heartbeat`` keeps its keys there)."""
+    Returns that attempt's store (``overlap.dist.heartbeat`` keeps its keys there). Ranks that
+    share a GPU (``ranks_per_gpu``, default env OVERLAP_RANKS_PER_GPU) get their own NCCL
+    host id first (overlap.dist.device.apply_sharing)."""
+    apply_sharing(ranks_per_gpu)
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     # The agent hosts the store (TORCHELASTIC_USE_AGENT_STORE) or rank 0 does (plain env://).

@@ -32,6 +32,8 @@ from typing import Any, Callable, Literal, Sequence
 
 from overlap.defaults import positive_int, positive_seconds
 from overlap.dist import run_stats
+from overlap.dist.device import RANKS_PER_GPU_ENV, sharing_env
+from overlap.dist.device import ranks_per_gpu as per_gpu_setting
 
 __all__ = ["launch", "LaunchError", "RankOutcome", "leaked_shm_segments"]
 
@@ -136,6 +138,8 @@ def _rank_main(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port),
     )
+    # Ranks sharing a GPU: each its own NCCL host id (launch put the count in env).
+    os.environ.update(sharing_env(rank, int(env[RANKS_PER_GPU_ENV])))
     stack_file = open(stack_path, "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     threading.Thread(
@@ -218,6 +222,7 @@ def launch(
     num_threads: int = 1,
     raise_on_error: bool = True,
     preload: Sequence[str] = (),
+    ranks_per_gpu: int | None = None,
 ) -> list[Any] | list[RankOutcome]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks and return their results.
 
@@ -235,6 +240,7 @@ def launch(
     kwargs = kwargs or {}
     child_env = {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
     child_env.update(env or {})
+    child_env[RANKS_PER_GPU_ENV] = str(per_gpu_setting(ranks_per_gpu, what="launch: ranks_per_gpu"))
     launch_id = f"{os.getpid()}-{time.monotonic_ns()}"
     child_env["OVERLAP_LAUNCH_ID"] = launch_id
     ctx = _context(preload)

@@ -407,7 +407,9 @@ def agree_on(what: str, values: Mapping, device, *, group=None,
     n = dist.get_world_size(group)
     mine = torch.tensor([digest], dtype=torch.int64, device=device)
     every = torch.empty(n, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine, group=group)
+    # all_gather_single where torch has it (all_gather_into_tensor warns there, deprecated)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(every, mine,
+                                                                           group=group)
     if len(set(every.tolist())) == 1:
         return
     tables: list = [None] * n

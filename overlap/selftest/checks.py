@@ -19,11 +19,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+import warnings
 from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from overlap.dist.device import ranks_per_gpu
 
 __all__ = ["Measured", "CheckFailed", "RankContext", "plan", "TP_OPS", "TP_BACKENDS",
            "QUANT_OPS", "QUANT_DTYPES", "TIMEOUT_SLACK"]
@@ -238,6 +241,22 @@ def torch_symmetric_memory(ctx: RankContext, numel: int = 64) -> Measured:
     handle.barrier()
     return Measured(_rel_err(ctx.observed(got), _payload(ctx, right, 1, numel)), 0.0,
                     "max |err|")
+
+
+def shared_gpu_memory(ctx: RankContext) -> None:
+    """GPU, ranks sharing a GPU: a workspace maps its peers by CUDA IPC (torch's symmetric
+    memory takes one rank per device) and says why; signal_ring runs the ring over it."""
+    from overlap.symm.cuda import CUDA_IPC
+    from overlap.symm.workspace import create_workspace
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the fallback's own warning
+        with create_workspace(ctx.new_group(), 1024, num_signals=2, device=ctx.device,
+                              timeout=ctx.op_timeout) as ws:
+            memory, why = ws.memory, ws.memory_fallback
+    if memory != CUDA_IPC or "share a GPU" not in why:
+        raise CheckFailed(f"ranks sharing a GPU: workspace memory {memory!r} ({why!r}), "
+                          f"expected {CUDA_IPC!r} naming the shared GPU")
 
 
 # --------------------------------------------------------------------------- pipeline
@@ -514,6 +533,8 @@ def plan(device: torch.device) -> list[tuple[str, Callable[[RankContext], Measur
     checks.append(("symm.signal_ring", signal_ring))
     if device.type == "cpu":
         checks.append(("symm.signal_ring.triton", signal_ring_triton))
+    elif ranks_per_gpu() > 1:
+        checks.append(("symm.shared_gpu_memory", shared_gpu_memory))
     else:
         checks.append(("symm.torch_symmetric_memory", torch_symmetric_memory))
     checks.append(("streams.event_order", stream_order))

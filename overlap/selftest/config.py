@@ -27,6 +27,9 @@ class SelftestConfig:
                                           "node, else 2); ignored under torchrun")
     device: str = _field("auto", "where the checks run: auto (cuda with >= 2 GPUs, else the "
                                  "CPU twins), cpu or cuda", choices=DEVICES)
+    ranks_per_gpu: int | None = _field(None, "ranks that share one GPU (rank r on GPU r // N; "
+                                             "default: env OVERLAP_RANKS_PER_GPU, else 1): one "
+                                             "GPU runs the GPU checks at --ranks-per-gpu 2")
     json: str | None = _field(None, "also write the environment and every check's result to "
                                     "this JSON file")
     only: str | None = _field(None, "run only the checks whose name matches one of these "
@@ -44,6 +47,13 @@ class SelftestConfig:
                                             or self.world_size < 2):
             raise ConfigError(f"--world-size must be an integer >= 2 (the checks exchange data "
                               f"between ranks), got {self.world_size}")
+        if self.ranks_per_gpu is not None:
+            from overlap.dist.device import ranks_per_gpu
+
+            try:
+                ranks_per_gpu(self.ranks_per_gpu)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         for name in ("op_timeout", "peer_timeout", "timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got "

@@ -35,9 +35,9 @@ def check_names(cfg: SelftestConfig, device_type: str) -> list[str]:
 
 def _device(device_type: str) -> torch.device:
     if device_type == "cuda":
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(dev)
-        return dev
+        from overlap.dist.device import gpu_for_rank
+
+        return gpu_for_rank()  # cuda:(LOCAL_RANK // ranks per GPU)
     return torch.device("cpu")
 
 
@@ -62,9 +62,11 @@ def run_rank(cfg: SelftestConfig, device_type: str,
     checks = [(name, fn) for name, fn in plan(device) if cfg.selects(name)]
     # Under torchrun or srun each node parses its own flags: ranks that would run other checks
     # in the same slot refuse together, naming the difference (one all-gather of a digest).
+    from overlap.dist.device import ranks_per_gpu
     from overlap.dist.stamp import agree_on
 
     agree_on("overlap-selftest", {"checks": [n for n, _ in checks], "device": device_type,
+                                  "ranks_per_gpu": ranks_per_gpu(),
                                   "op_timeout": cfg.op_timeout,
                                   "peer_timeout": cfg.peer_timeout,
                                   "inject_failure": cfg.inject_failure},
@@ -147,7 +149,10 @@ def run_torchrun(cfg: SelftestConfig) -> tuple[list[CheckResult] | None, bool, s
     if cfg.device == "cuda" and device_type != "cuda":
         raise SystemExit("overlap-selftest: error: --device cuda, but torch sees no GPU")
     if device_type == "cuda":
-        _device(device_type)  # before NCCL initialises: cuda:LOCAL_RANK
+        from overlap.dist.device import apply_sharing
+
+        apply_sharing()  # ranks sharing a GPU: their own NCCL host ids, before NCCL starts
+        _device(device_type)  # before NCCL initialises: cuda:(LOCAL_RANK // ranks per GPU)
         backend = "nccl"
     else:
         from overlap.dist import nccl_twin

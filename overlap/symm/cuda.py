@@ -2,7 +2,8 @@
 
 Memory: one device allocation per rank, ``[header | flags | data]``, from torch's symmetric
 memory where the installed torch has it, else ``cudaMalloc`` shared by CUDA IPC handles (cupy);
-``ws.memory`` (and the repr) says which, ``ws.memory_fallback`` why not symmetric memory.
+``ws.memory`` says which, ``ws.memory_fallback`` why not symmetric memory (ranks sharing a GPU
+always take CUDA IPC: torch's symmetric memory refuses two ranks on one device).
 Signals are stream-ordered: one-thread kernels from csrc/signal.cu on the current stream. A wait
 kernel that times out or sees a peer's ``abort()`` records the error and returns; every fused op
 ends with ``poison_if_error`` on its outputs (NaN bytes), and the next op on the workspace calls
@@ -25,7 +26,7 @@ from overlap.defaults import align
 from overlap.kernels.cuda import launch_kernel
 from overlap.symm.base import PeerDied, SignalTimeout, SymmetricWorkspace
 
-__all__ = ["CudaWorkspace", "enable_symm_mem", "SYMMETRIC_MEMORY", "CUDA_IPC"]
+__all__ = ["CudaWorkspace", "enable_symm_mem", "SYMMETRIC_MEMORY", "CUDA_IPC", "shared_devices"]
 
 # int64 header words: [0] abort (0 or 1 + aborting rank), [1] barrier counter, [2] closing (1
 # once the rank has started to close and reads no peer buffer any more)
@@ -50,6 +51,24 @@ def enable_symm_mem(symm_mem, group_name: str) -> bool:
         warnings.simplefilter("ignore", FutureWarning)  # "deprecated, no need to call"
         enable(group_name)
     return True
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    key = message.split(":", 1)[-1]  # once per process and reason, not per workspace
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def shared_devices(devices: list[str]) -> list[list[int]]:
+    """The groups of ranks (by position) that name the same device, each of >= 2 ranks."""
+    by: dict[str, list[int]] = {}
+    for r, d in enumerate(devices):
+        by.setdefault(d, []).append(r)
+    return [ranks for ranks in by.values() if len(ranks) > 1]
 
 
 class CudaWorkspace(SymmetricWorkspace):
@@ -83,9 +102,11 @@ class CudaWorkspace(SymmetricWorkspace):
         dist.barrier(group=group)
 
     def _check_agreement(self) -> None:
-        mine = (self.nbytes, self.num_signals)
+        uuid = str(getattr(torch.cuda.get_device_properties(self.device), "uuid", self.device))
+        mine = (self.nbytes, self.num_signals, uuid)
         every: list = [None] * self.world
         dist.all_gather_object(every, mine, group=self.group)
+        self._sharing = shared_devices([e[2] for e in every])
         for i, key in enumerate(("nbytes", "num_signals")):
             vals = [e[i] for e in every]
             if len(set(vals)) > 1:
@@ -96,6 +117,16 @@ class CudaWorkspace(SymmetricWorkspace):
     def _setup_memory(self) -> None:
         """Torch symmetric memory if it works here, else CUDA IPC; ``memory`` says which."""
         self.memory_fallback = ""
+        if self._sharing:
+            # torch's symmetric memory takes one rank per device; CUDA IPC maps another
+            # process's allocation on the same device.
+            self.memory_fallback = (f"ranks {self._sharing} share a GPU (ranks per GPU > 1): "
+                                    "torch symmetric memory takes one rank per device")
+            _warn_once(f"{self!r}: CUDA IPC instead of torch symmetric memory: "
+                       f"{self.memory_fallback}")
+            self._setup_ipc()
+            self.memory = CUDA_IPC
+            return
         try:
             self._setup_torch_symm()
             self.memory = SYMMETRIC_MEMORY

@@ -54,7 +54,7 @@ def _run(cfg: TrainConfig) -> list[dict]:
 
         # the store keys of each torchrun attempt apart (a restart reuses the job's store)
         store = init_from_env("nccl" if torch.cuda.is_available() else "gloo",
-                              timeout=cfg.timeout)
+                              timeout=cfg.timeout, ranks_per_gpu=cfg.ranks_per_gpu or None)
         from overlap.dist.heartbeat import Heartbeat
         from overlap.train.loop import train_rank
 
@@ -295,6 +295,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(_summary(cfg, records))
     r0 = results[0]
+    shared = (r0.get("placement") or {}).get("ranks_per_gpu", 1)
+    if shared > 1:
+        from overlap.dist.device import sharing_note
+
+        print(f"note            {sharing_note(shared)}")
     if r0.get("resumed_from"):
         saved, now = r0.get("checkpoint_layout") or {}, layout_dict(cfg)
         other = {k: v for k, v in saved.items() if v != now.get(k)}

@@ -128,6 +128,10 @@ class TrainConfig:
     ranks_per_node: int = _field(0, "ranks that share a node (a local job emulates nodes: "
                                     "ranks k*N..k*N+N-1 are node k); tp must fit in one; 0: "
                                     "LOCAL_WORLD_SIZE under torchrun/srun, else one node")
+    ranks_per_gpu: int = _field(0, "ranks that share one GPU (rank r on GPU r // N, each with "
+                                   "its own NCCL host id: one GPU runs a multi-rank job, for "
+                                   "correctness; its timings mean nothing for speed); 0: env "
+                                   "OVERLAP_RANKS_PER_GPU, else 1")
     min_nodes: int = _field(0, "when a rank dies, presume its node lost and continue on the "
                                "surviving nodes while at least this many remain: the planner "
                                "picks their layout and the job resumes from the latest "
@@ -178,10 +182,17 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
-        for name in ("warmup_steps", "max_restarts", "ranks_per_node", "min_nodes"):
+        for name in ("warmup_steps", "max_restarts", "ranks_per_node", "min_nodes",
+                     "ranks_per_gpu"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v}")
+        from overlap.dist.device import ranks_per_gpu
+
+        try:  # 0: the environment's setting, which must then be a count too
+            ranks_per_gpu(self.ranks_per_gpu or None)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         _check_number("lr", self.lr, low=0.0, low_open=True)
         _check_number("adam_eps", self.adam_eps, low=0.0, low_open=True)
         _check_number("weight_decay", self.weight_decay, low=0.0)
@@ -419,9 +430,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 
 # Settings a rank may hold on its own: paths (a node's own mount of the same files), what only
-# rank 0 writes, the local launcher's options, and the test-only fault injection.
+# rank 0 writes, the local launcher's options, a node's placement on its GPUs, and the
+# test-only fault injection.
 _PER_RANK = ("data", "save", "resume", "export", "profile", "log_json", "timeout", "transport",
-             "kill_rank", "kill_at_step", "kill_node")
+             "ranks_per_gpu", "kill_rank", "kill_at_step", "kill_node")
 
 
 def shared_settings(cfg: TrainConfig) -> dict:

@@ -169,7 +169,8 @@ def run(cfg: TrainConfig) -> list[dict]:
         try:
             # train_rank lives in an importable module: ranks unpickle it by reference.
             results = launch(train_rank, cur.world_size, args=(cur,), timeout=cur.timeout,
-                             backend=cur.transport, preload=preload_for(cfg), env=env)
+                             backend=cur.transport, preload=preload_for(cfg), env=env,
+                             ranks_per_gpu=cur.ranks_per_gpu or None)
         except LaunchError as exc:
             if failures >= cfg.max_restarts:
                 raise

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from overlap.dist.device import rank_device
+from overlap.dist.device import placement, rank_device
 from overlap.models.gpt import GPT, GPTConfig, MoEMLP, gpt_loss
 from overlap.profile import nvtx
 from overlap.profile.timers import comm_wait, exposed_seconds, reset_exposed
@@ -414,6 +414,7 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             "fault_to_resumed_s": (resumed_at - fault_s) if fault_s and resumed_at else None,
             "saved": writer.saved if writer is not None else [], "stopped_to_grow": stop,
             "ep_pairs": len(job.pipe.pairs), **_cp_report(job.cp_comm),
+            "placement": placement(),
             "offload": job.offloader.stats.as_dict() if job.offloader is not None else None}
 
 
