@@ -21,7 +21,7 @@ from overlap.dist.launch import launch
 
 pytestmark = pytest.mark.no_delay_pass("placement and settings: no stream or twin op")
 
-BENCHES = ("bench_cp", "bench_dp", "bench_elastic", "bench_ep_pipeline", "bench_host",
+BENCHES = ("bench_cp", "bench_dp", "bench_elastic", "bench_ep_pipeline", "bench_host", "bench_kernels",
            "bench_moe", "bench_offload", "bench_parallelize_cost", "bench_pp", "bench_quant",
            "bench_recompute", "bench_tp_block", "bench_tp_ops")
 
