@@ -21,9 +21,9 @@ from overlap.dist.launch import launch
 
 pytestmark = pytest.mark.no_delay_pass("placement and settings: no stream or twin op")
 
-BENCHES = ("bench_cp", "bench_dp", "bench_elastic", "bench_ep_pipeline", "bench_host", "bench_kernels",
-           "bench_moe", "bench_offload", "bench_parallelize_cost", "bench_pp", "bench_quant",
-           "bench_recompute", "bench_tp_block", "bench_tp_ops")
+BENCHES = ("bench_cp", "bench_dp", "bench_elastic", "bench_ep_pipeline", "bench_host",
+           "bench_kernels", "bench_moe", "bench_offload", "bench_parallelize_cost", "bench_pp",
+           "bench_quant", "bench_recompute", "bench_tp_block", "bench_tp_ops")
 
 
 @pytest.fixture
@@ -264,3 +264,31 @@ def test_a_workspace_finds_the_ranks_that_share_a_device():
     assert shared_devices(["a", "b", "c"]) == []
     assert shared_devices(["a", "a", "b", "b"]) == [[0, 1], [2, 3]]
     assert shared_devices(["a", "b", "a"]) == [[0, 2]]
+
+
+def _same_host_id_on_one_gpu(hostid):
+    """Rank 0 and 1 present one NCCL host id (as a launcher that forgot sharing_env would)."""
+    import torch.distributed as dist
+
+    if hostid:
+        os.environ["NCCL_HOSTID"] = "one-host"
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return float(t)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_twin_refuses_two_ranks_of_one_host_on_one_gpu_as_nccl_does(clean_env, world):
+    """Sharing ranks that keep their own host ids pass; one host id on one GPU is refused on
+    every rank when the communicator is created, naming the ranks and the GPU."""
+    assert run_ranks(_same_host_id_on_one_gpu, world, False, backend="nccl_twin",
+                     env={RANKS_PER_GPU_ENV: "2"}) == [float(world)] * world
+    outs = harness.run_ranks_outcomes(_same_host_id_on_one_gpu, world, True,
+                                      backend="nccl_twin", timeout=30)
+    assert [o.status for o in outs] == ["ok"] * world  # one rank per GPU: nothing shared
+    clean_env.setenv(RANKS_PER_GPU_ENV, "2")
+    outs = harness.run_ranks_outcomes(_same_host_id_on_one_gpu, world, True,
+                                      backend="nccl_twin", timeout=30)
+    assert [o.status for o in outs] == ["error"] * world
+    assert all("group ranks [0, 1] both on GPU 0 with NCCL host id 'one-host'" in o.error
+               for o in outs), [o.error for o in outs]

@@ -240,7 +240,9 @@ def launch(
     kwargs = kwargs or {}
     child_env = {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
     child_env.update(env or {})
-    child_env[RANKS_PER_GPU_ENV] = str(per_gpu_setting(ranks_per_gpu, what="launch: ranks_per_gpu"))
+    # ranks_per_gpu, else env's entry, else this process's environment (per_gpu_setting)
+    per_gpu = ranks_per_gpu if ranks_per_gpu is not None else child_env.get(RANKS_PER_GPU_ENV)
+    child_env[RANKS_PER_GPU_ENV] = str(per_gpu_setting(per_gpu, what="launch: ranks_per_gpu"))
     launch_id = f"{os.getpid()}-{time.monotonic_ns()}"
     child_env["OVERLAP_LAUNCH_ID"] = launch_id
     ctx = _context(preload)

@@ -16,6 +16,8 @@ The narrative: docs/design/dist.md.
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from overlap.dist import host_tensors, streams
+from overlap.dist.device import RANKS_PER_GPU_ENV
 from overlap.dist.fifo import FifoWorker
 
 __all__ = ["BACKEND", "register", "NcclOrderTimeout", "CommunicatorFailed", "NcclTwinGroup",
@@ -170,7 +173,7 @@ class _Comm:
                 self._created = True
                 return
             store, me = self.group.store, self.group.rank()
-            store.set(f"{self._key}/{me}", "1")
+            store.set(f"{self._key}/{me}", _placement())
             missing = [r for r in self._members if r != me]
             deadline, pause = time.monotonic() + self.timeout, 0.0005
             # Polled, not store.wait: a blocking wait holds the process's store client, and
@@ -190,7 +193,31 @@ class _Comm:
                     "Create communicators eagerly, in one order on every rank")
                 self.fail(err)
                 raise err
+            self._refuse_shared_gpu(op)
             self._created = True
+
+    def _refuse_shared_gpu(self, op: _Op) -> None:
+        """NCCL refuses a communicator with two ranks of one host on one GPU ("Duplicate GPU
+        detected"); with ranks sharing GPUs (OVERLAP_RANKS_PER_GPU > 1) so does the twin, from
+        the GPU each rank would take and the NCCL host id it presents."""
+        if int(os.environ.get(RANKS_PER_GPU_ENV) or 1) == 1:
+            return  # one rank per GPU: LOCAL_RANK tells the GPUs apart
+        store = self.group.store
+        seen = {r: store.get(f"{self._key}/{r}").decode() for r in self._members}
+        by: dict[str, list[int]] = {}
+        for r, v in seen.items():
+            if not v.endswith("|?"):  # no LOCAL_RANK: no GPU to compare
+                by.setdefault(v.split("|", 1)[1], []).append(r)
+        dup = next((rs for rs in by.values() if len(rs) > 1), None)
+        if dup is not None:
+            host, gpu = seen[dup[0]].split("|")[1:]
+            err = CommunicatorFailed(
+                f"nccl_twin: {op.desc} (rank {self.group.rank()}): creating {self.name}: "
+                f"group ranks {dup} both on GPU {gpu} with NCCL host id {host!r}; NCCL refuses "
+                "two ranks of one host on one GPU (Duplicate GPU detected). Ranks sharing a "
+                "GPU need their own NCCL_HOSTID (overlap.dist.device.sharing_env)")
+            self.fail(err)
+            raise err
 
     def submit(self, op: _Op) -> None:
         if not self._created:
@@ -393,6 +420,14 @@ class _Comm:
 
 
 # ---------------------------------------------------------------------------------- group
+
+
+def _placement() -> str:
+    """"ranks per GPU|NCCL host id|GPU" of this rank as its GPU twin would have them."""
+    per_gpu = int(os.environ.get(RANKS_PER_GPU_ENV) or 1)
+    local = os.environ.get("LOCAL_RANK")
+    gpu = str(int(local) // per_gpu) if local is not None else "?"
+    return f"{per_gpu}|{os.environ.get('NCCL_HOSTID', socket.gethostname())}|{gpu}"
 
 
 def _shapes(tensors) -> str:
