@@ -200,6 +200,8 @@ def test_train_reaches_every_rank_and_says_its_timings_mean_nothing(clean_env):
                 "--log-json", "/dev/null"])
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "ranks share a GPU (2 per GPU" in res.stdout
+    first_row = res.stdout.index("step ")  # the note comes before the first timing
+    assert res.stdout.index("note: ranks share a GPU") < first_row
     from overlap.train import elastic
     from overlap.train.config import parse_args
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from overlap.dist.device import placement, rank_device
+from overlap.dist.device import placement, rank_device, sharing_note
 from overlap.models.gpt import GPT, GPTConfig, MoEMLP, gpt_loss
 from overlap.profile import nvtx
 from overlap.profile.timers import comm_wait, exposed_seconds, reset_exposed
@@ -374,6 +374,8 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
                 off_records.append(_train_step(cfg, off, dims, step, x, y, lr, device))
             records.append(rec)
             if printer:
+                if len(records) == 1 and sharing_note() is not None:
+                    print(f"note: {sharing_note()}", flush=True)  # before any timing
                 print(_row(rec, cfg.steps), flush=True)
             if logging:
                 log_event(cfg, "step", layout=layout, **dataclasses.asdict(rec))
