@@ -291,10 +291,11 @@ _COMPILE = textwrap.dedent("""
            "q_out_ptr": "*i8", "s_out_ptr": "*fp32"}
     flt = {"divisor": "fp32"}
     small = {"key", "num_src", "num_blocks"}
-    jobs = [(tq._quantize_kernel, dict(BLOCK=128, GROUP=32, STOCHASTIC=True, BF16_BITS=False)),
-            (tq._dequantize_kernel, dict(BLOCK=128, GROUP=32)),
+    jobs = [(tq._quantize_kernel, dict(BLOCK=128, GROUP=32, STOCHASTIC=True, BF16_BITS=False,
+                                       DENSE=True, Q_ALIGN=16)),
+            (tq._dequantize_kernel, dict(BLOCK=128, GROUP=32, DENSE=True, Q_ALIGN=16)),
             (tq._dequant_reduce_kernel, dict(BLOCK=128, GROUP=32, HAS_DIV=True, REQUANT=True,
-                                              STOCHASTIC=True))]
+                                              STOCHASTIC=True, Q_ALIGN=16))]
     out = {}
     for cc in (80, 90):
         for fn, consts in jobs:

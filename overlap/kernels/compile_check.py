@@ -16,13 +16,14 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import inspect
 import os
 import subprocess
 import sys
 import time
 
 __all__ = ["Result", "check_nvrtc", "check_triton", "triton_specs", "cupy_nvrtc_options",
-           "main"]
+           "SHARED_PER_BLOCK", "main"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -127,9 +128,10 @@ def check_nvrtc(archs: list[int], *, echo: bool = False) -> list[Result]:
 
 # ---- Triton: the registered kernels --------------------------------------------------------
 
-def triton_specs() -> tuple[list, list[str]]:
+def triton_specs(arch: int | None = None) -> tuple[list, list[str]]:
     """(every CompileSpec of the registered Triton kernels, the registered Triton kernels
-    without one), from the ``compile_specs()`` of each kernel's source module."""
+    without one), from the ``compile_specs()`` of each kernel's source module; one that takes
+    ``arch`` (launch variants that depend on the GPU, such as GEMM tiles) gets it."""
     from overlap.kernels import registry
 
     specs, names = [], set()
@@ -140,14 +142,22 @@ def triton_specs() -> tuple[list, list[str]]:
             modules.setdefault(info.source, importlib.import_module(
                 info.source[:-3].replace("/", ".")))
     for mod in modules.values():
-        specs += getattr(mod, "compile_specs", list)()
+        make = getattr(mod, "compile_specs", list)
+        takes_arch = "arch" in inspect.signature(make).parameters
+        specs += make(arch=arch) if takes_arch else make()
     have = {s.name for s in specs}
     return [s for s in specs if s.name in names], sorted(names - have)
 
 
+# Shared memory one block may use (cudaDevAttrMaxSharedMemoryPerBlockOptin): A100, H100/H200,
+# and the 99 KB of sm_86/sm_89; a compiled kernel needing more would not launch.
+SHARED_PER_BLOCK = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+
+
 def check_triton(archs: list[int], *, echo: bool = False) -> list[Result]:
-    """Compile every launch variant of every registered Triton kernel for each arch. Needs a
-    process whose Triton was imported with TRITON_INTERPRET=0 (``main`` starts one)."""
+    """Compile every launch variant of every registered Triton kernel for each arch, and check
+    its shared memory against the arch's per-block limit. Needs a process whose Triton was
+    imported with TRITON_INTERPRET=0 (``main`` starts one)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -159,23 +169,28 @@ def check_triton(archs: list[int], *, echo: bool = False) -> list[Result]:
         raise RuntimeError("check_triton: this process runs Triton's interpreter; run "
                            "`python -m overlap.kernels.compile_check --triton` instead")
     tool = f"triton {triton.__version__}"
-    specs, missing = triton_specs()
-    results = [_echo(Result(tool, "-", name, "no compile spec: add it to its module's "
-                            "compile_specs()"), echo) for name in missing]
-    for spec in specs:
-        signature = spec.signature()
-        for arch in archs:
-            target = GPUTarget("cuda", arch, 32)
-            # Torch's allocations are 16-byte aligned, so the runtime specialises pointers so.
-            aligned = make_backend(target).parse_attr("D")
+    results = []
+    for arch in archs:
+        specs, missing = triton_specs(arch)
+        results += [_echo(Result(tool, f"sm_{arch}", name, "no compile spec: add it to its "
+                                 "module's compile_specs()"), echo) for name in missing]
+        target = GPUTarget("cuda", arch, 32)
+        # Torch's allocations are 16-byte aligned, so the runtime specialises pointers so.
+        aligned = make_backend(target).parse_attr("D")
+        for spec in specs:
+            signature = spec.signature()
             attrs = {(i,): aligned for i, ty in enumerate(signature.values())
                      if ty.startswith("*")}
             label = f"{spec.name} [{spec.variant}]" if spec.variant else spec.name
             r = Result(tool, f"sm_{arch}", label)
             t0 = time.perf_counter()
             try:
-                triton.compile(ASTSource(spec.kernel, signature, constexprs=spec.constexprs(),
-                                         attrs=attrs), target=target, options=spec.options())
+                kernel = triton.compile(ASTSource(spec.kernel, signature,
+                                                  constexprs=spec.constexprs(), attrs=attrs),
+                                        target=target, options=spec.options())
+                shared, limit = kernel.metadata.shared, SHARED_PER_BLOCK.get(arch)
+                if limit is not None and shared > limit:
+                    r.error = f"needs {shared} bytes of shared memory, sm_{arch} has {limit}"
             except Exception as exc:  # noqa: BLE001 - every failure is reported, none hidden
                 r.error = _last_line(exc)
             r.seconds = time.perf_counter() - t0

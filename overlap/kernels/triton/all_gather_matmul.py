@@ -20,13 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from overlap.kernels.triton.spec import (CUDA, FUSED_GEMM_TABLES, GEMM_DTYPES, LARGEST,
-                                        CompileSpec, ints, ptr)
+from overlap.kernels.triton.spec import FUSED_GEMM_TABLES, GEMM_DTYPES, CompileSpec, ints, ptr
 from overlap.kernels.triton.tp_sync import (INTERPRET, GemmBlocks, Watchdog, align, arrive_last,
                                             begin_call, check_dtypes, check_operands,
                                             check_workspace, finish_call, gemm_blocks,
-                                            half_buffer, new_status, publish, spin_wait,
-                                            to_out_dtype, wait_budget)
+                                            gemm_tiles, half_buffer, new_status, publish,
+                                            spin_wait, to_out_dtype, wait_budget)
 
 __all__ = ["all_gather_matmul", "all_gather_matmul_workspace_bytes",
            "all_gather_matmul_num_signals", "compile_specs"]
@@ -124,23 +123,26 @@ def _gemm_meta(blocks: GemmBlocks, dtype: torch.dtype, return_gathered: bool,
                 num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
-def compile_specs() -> list[CompileSpec]:
-    """The GPU launches of both kernels: every dtype, with and without the gathered x, at the
-    largest tiles gemm_blocks picks (overlap.kernels.compile_check compiles them)."""
+def compile_specs(arch: int | None = None) -> list[CompileSpec]:
+    """The GPU launches of both kernels: every dtype, with and without the gathered x, at each
+    tile gemm_blocks may pick on ``arch`` (tp_sync.GEMM_TILES; overlap.kernels.compile_check
+    compiles them for each arch it targets)."""
     tables = FUSED_GEMM_TABLES
     specs = []
     for dtype in GEMM_DTYPES:
-        blocks = gemm_blocks(LARGEST, LARGEST, LARGEST, dtype, CUDA)
+        tiles = gemm_tiles(arch, dtype)
         specs.append(CompileSpec(_ag_publish_kernel, {
             "x_ptr": ptr(dtype), **tables,
             **ints("rank world numel buf_off phase ack_phase max_spins")},
-            _publish_meta(blocks, True), str(dtype)))
-        for gathered in (False, True):
-            specs.append(CompileSpec(_all_gather_matmul_kernel, {
-                "w_ptr": ptr(dtype), "y_ptr": ptr(dtype), "g_ptr": ptr(dtype), **tables,
-                **ints("rank world m N K stride_wk stride_wn buf_off phase max_spins")},
-                _gemm_meta(blocks, dtype, gathered, True),
-                f"{dtype}, return_gathered={gathered}"))
+            _publish_meta(tiles[0], True), str(dtype)))
+        for blocks in tiles:
+            for gathered in (False, True):
+                specs.append(CompileSpec(_all_gather_matmul_kernel, {
+                    "w_ptr": ptr(dtype), "y_ptr": ptr(dtype), "g_ptr": ptr(dtype), **tables,
+                    **ints("rank world m N K stride_wk stride_wn buf_off phase max_spins")},
+                    _gemm_meta(blocks, dtype, gathered, True),
+                    f"{dtype}, return_gathered={gathered}, {blocks.bm}x{blocks.bn}x{blocks.bk} "
+                    f"w{blocks.num_warps} s{blocks.num_stages}"))
     return specs
 
 

@@ -20,13 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from overlap.kernels.triton.spec import (CUDA, FUSED_GEMM_TABLES, GEMM_DTYPES, LARGEST,
-                                        CompileSpec, ints, ptr)
+from overlap.kernels.triton.spec import FUSED_GEMM_TABLES, GEMM_DTYPES, CompileSpec, ints, ptr
 from overlap.kernels.triton.tp_sync import (INTERPRET, GemmBlocks, Watchdog, align, arrive_last,
                                             begin_call, check_dtypes, check_operands,
                                             check_workspace, finish_call, gemm_blocks,
-                                            half_buffer, new_status, publish, spin_wait,
-                                            to_out_dtype, wait_budget)
+                                            gemm_tiles, half_buffer, new_status, publish,
+                                            spin_wait, to_out_dtype, wait_budget)
 
 __all__ = ["matmul_reduce_scatter", "matmul_reduce_scatter_workspace_bytes",
            "matmul_reduce_scatter_num_signals", "compile_specs"]
@@ -122,20 +121,23 @@ def _reduce_meta(blocks: GemmBlocks, dtype: torch.dtype, on_gpu: bool) -> dict:
                 USE_CLOCK=on_gpu, num_warps=4)
 
 
-def compile_specs() -> list[CompileSpec]:
-    """The GPU launches of both kernels for every dtype, at the largest tiles gemm_blocks
-    picks (overlap.kernels.compile_check compiles them)."""
+def compile_specs(arch: int | None = None) -> list[CompileSpec]:
+    """The GPU launches of both kernels for every dtype, the GEMM at each tile gemm_blocks may
+    pick on ``arch`` (tp_sync.GEMM_TILES; overlap.kernels.compile_check compiles them for each
+    arch it targets)."""
     tables = FUSED_GEMM_TABLES
     specs = []
     for dtype in GEMM_DTYPES:
-        blocks = gemm_blocks(LARGEST, LARGEST, LARGEST, dtype, CUDA)
-        specs.append(CompileSpec(_matmul_reduce_scatter_kernel, {
-            "x_ptr": ptr(dtype), "w_ptr": ptr(dtype), **tables,
-            **ints("rank world m N K stride_xm stride_xk stride_wk stride_wn buf_off phase "
-                   "ack_phase max_spins")}, _gemm_meta(blocks, dtype, True), str(dtype)))
+        tiles = gemm_tiles(arch, dtype)
+        for b in tiles:
+            specs.append(CompileSpec(_matmul_reduce_scatter_kernel, {
+                "x_ptr": ptr(dtype), "w_ptr": ptr(dtype), **tables,
+                **ints("rank world m N K stride_xm stride_xk stride_wk stride_wn buf_off phase "
+                       "ack_phase max_spins")}, _gemm_meta(b, dtype, True),
+                f"{dtype}, {b.bm}x{b.bn}x{b.bk} w{b.num_warps} s{b.num_stages}"))
         specs.append(CompileSpec(_reduce_kernel, {
             "y_ptr": ptr(dtype), **tables, **ints("rank world numel buf_off phase max_spins")},
-            _reduce_meta(blocks, dtype, True), str(dtype)))
+            _reduce_meta(tiles[0], dtype, True), str(dtype)))
     return specs
 
 

@@ -7,7 +7,8 @@ callers cast to bf16/fp16 with torch.
 Layout: ``rows`` rows of ``row_len`` codes, row r at ``q + r * q_stride`` with its scales at
 ``s + r * s_stride``. Row r stands for ``flat[r * flat_row : (r + 1) * flat_row]`` of a flat
 tensor of ``numel`` elements, zero-padded to ``row_len``. Each program handles GROUP
-quantization blocks as a [GROUP, BLOCK] tile.
+quantization blocks as a [GROUP, BLOCK] tile: in the dense launch (rows back to back in the flat
+tensor) a tile of one row, whose accesses Triton vectorises; else any GROUP blocks in order.
 The narrative: docs/design/kernels.md.
 """
 
@@ -89,70 +90,134 @@ def _dequant_tile(q, scale):
     return tl.where(q == -128, float("nan"), d)
 
 
-@triton.jit(do_not_specialize=["numel", "flat_row", "key", "index_base"])
-def _quantize_kernel(x_ptr, numel, flat_row, total_blocks, blocks_per_row, q_ptr, q_stride,
-                     s_ptr, s_stride, key, index_base, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-                     STOCHASTIC: tl.constexpr, BF16_BITS: tl.constexpr):
-    gb = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
-    t = tl.arange(0, BLOCK)
-    gmask = gb < total_blocks
-    r = gb // blocks_per_row
-    b = gb % blocks_per_row
-    j = (b * BLOCK)[:, None] + t[None, :]
-    e = (r * flat_row)[:, None] + j
-    valid = gmask[:, None] & (j < flat_row) & (e < numel)
+@triton.jit
+def _dense_tile(blocks_per_row, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """This program's tile of a dense launch: (row, first block, blocks [GROUP], their mask,
+    offsets [GROUP, BLOCK] from the tile's first element). One scalar division per program;
+    the offsets are i32 aranges, so Triton sees BLOCK contiguous, BLOCK-aligned elements."""
+    pid = tl.program_id(0)
+    tiles = tl.cdiv(blocks_per_row, GROUP)
+    row = (pid // tiles).to(tl.int64)
+    b0 = (pid % tiles) * GROUP
+    b = b0 + tl.arange(0, GROUP)
+    local = tl.arange(0, GROUP)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    return row, b0, b, b < blocks_per_row, local
+
+
+@triton.jit
+def _row_offset(row, stride, Q_ALIGN: tl.constexpr):
+    # The host passes a stride divisible by Q_ALIGN (0 for a single row).
+    off = row * stride
+    if Q_ALIGN > 1:
+        off = tl.multiple_of(off, Q_ALIGN)
+    return off
+
+
+@triton.jit
+def _load_x(ptrs, mask, BF16_BITS: tl.constexpr):
     if BF16_BITS:
         # bf16 arrives as int16 bits and widens by a shift, as in quant.cuh: the interpreter's
         # own bf16 -> fp32 cast gets subnormals wrong.
-        bits = tl.load(x_ptr + e, mask=valid, other=0).to(tl.uint16).to(tl.uint32) << 16
-        x = bits.to(tl.float32, bitcast=True)
+        bits = tl.load(ptrs, mask=mask, other=0).to(tl.uint16).to(tl.uint32) << 16
+        return bits.to(tl.float32, bitcast=True)
     else:
-        x = tl.load(x_ptr + e, mask=valid, other=0.0).to(tl.float32)
-    scale = _absmax_scale(x)
-    tl.store(s_ptr + r * s_stride + b, scale, mask=gmask)
-    q = _quantize_tile(x, scale, index_base + e, key, STOCHASTIC)
-    tl.store(q_ptr + (r * q_stride + b * BLOCK)[:, None] + t[None, :], q, mask=gmask[:, None])
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["numel", "flat_row", "key", "index_base"])
+def _quantize_kernel(x_ptr, numel, flat_row, total_blocks, blocks_per_row, q_ptr, q_stride,
+                     s_ptr, s_stride, key, index_base, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                     STOCHASTIC: tl.constexpr, BF16_BITS: tl.constexpr, DENSE: tl.constexpr,
+                     Q_ALIGN: tl.constexpr):
+    if DENSE:
+        # flat_row == row_len: block b of row r is x[(r * blocks_per_row + b) * BLOCK + t].
+        r, b0, b, bmask, local = _dense_tile(blocks_per_row, BLOCK, GROUP)
+        first = (r * blocks_per_row + b0) * BLOCK  # int64: the tile's first element
+        end = (r * blocks_per_row + tl.minimum(b0 + GROUP, blocks_per_row)) * BLOCK
+        if end <= numel:  # every program but the one at numel and the zero padding after it
+            x = _load_x(x_ptr + first + local, bmask[:, None], BF16_BITS)
+        else:
+            x = _load_x(x_ptr + first + local, bmask[:, None] & (first + local < numel),
+                        BF16_BITS)
+        scale = _absmax_scale(x)
+        tl.store(s_ptr + r * s_stride + b, scale, mask=bmask)
+        # The noise reads the index's low 32 bits: wrapping u32 arithmetic gives the same.
+        idx = (index_base + first).to(tl.uint32) + local.to(tl.uint32)
+        q = _quantize_tile(x, scale, idx, key, STOCHASTIC)
+        q_tile = q_ptr + _row_offset(r, q_stride, Q_ALIGN) + b0.to(tl.int64) * BLOCK
+        tl.store(q_tile + local, q, mask=bmask[:, None])
+    else:
+        gb = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
+        t = tl.arange(0, BLOCK)
+        gmask = gb < total_blocks
+        r = gb // blocks_per_row
+        b = gb % blocks_per_row
+        j = (b * BLOCK)[:, None] + t[None, :]
+        e = (r * flat_row)[:, None] + j
+        x = _load_x(x_ptr + e, gmask[:, None] & (j < flat_row) & (e < numel), BF16_BITS)
+        scale = _absmax_scale(x)
+        tl.store(s_ptr + r * s_stride + b, scale, mask=gmask)
+        q = _quantize_tile(x, scale, index_base + e, key, STOCHASTIC)
+        tl.store(q_ptr + (r * q_stride + b * BLOCK)[:, None] + t[None, :], q,
+                 mask=gmask[:, None])
 
 
 @triton.jit(do_not_specialize=["numel", "flat_row"])
 def _dequantize_kernel(q_ptr, q_stride, s_ptr, s_stride, total_blocks, blocks_per_row, out_ptr,
-                       numel, flat_row, BLOCK: tl.constexpr, GROUP: tl.constexpr):
-    gb = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
-    t = tl.arange(0, BLOCK)
-    r = gb // blocks_per_row
-    b = gb % blocks_per_row
-    j = (b * BLOCK)[:, None] + t[None, :]
-    e = (r * flat_row)[:, None] + j
-    mask = (gb < total_blocks)[:, None] & (j < flat_row) & (e < numel)
-    q = tl.load(q_ptr + (r * q_stride)[:, None] + j, mask=mask, other=0)
-    scale = tl.load(s_ptr + r * s_stride + b, mask=gb < total_blocks, other=0.0)
-    tl.store(out_ptr + e, _dequant_tile(q, scale), mask=mask)
+                       numel, flat_row, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                       DENSE: tl.constexpr, Q_ALIGN: tl.constexpr):
+    if DENSE:
+        # flat_row == blocks_per_row * BLOCK: block b of row r is out[(r * bpr + b) * BLOCK].
+        r, b0, b, bmask, local = _dense_tile(blocks_per_row, BLOCK, GROUP)
+        q_tile = q_ptr + _row_offset(r, q_stride, Q_ALIGN) + b0.to(tl.int64) * BLOCK
+        q = tl.load(q_tile + local, mask=bmask[:, None], other=0)
+        scale = tl.load(s_ptr + r * s_stride + b, mask=bmask, other=0.0)
+        d = _dequant_tile(q, scale)
+        first = (r * blocks_per_row + b0) * BLOCK
+        end = (r * blocks_per_row + tl.minimum(b0 + GROUP, blocks_per_row)) * BLOCK
+        if end <= numel:  # every program but the one at out's end and those after it
+            tl.store(out_ptr + first + local, d, mask=bmask[:, None])
+        else:
+            tl.store(out_ptr + first + local, d, mask=bmask[:, None] & (first + local < numel))
+    else:
+        gb = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
+        t = tl.arange(0, BLOCK)
+        r = gb // blocks_per_row
+        b = gb % blocks_per_row
+        j = (b * BLOCK)[:, None] + t[None, :]
+        e = (r * flat_row)[:, None] + j
+        mask = (gb < total_blocks)[:, None] & (j < flat_row) & (e < numel)
+        q = tl.load(q_ptr + (r * q_stride)[:, None] + j, mask=mask, other=0)
+        scale = tl.load(s_ptr + r * s_stride + b, mask=gb < total_blocks, other=0.0)
+        tl.store(out_ptr + e, _dequant_tile(q, scale), mask=mask)
 
 
 @triton.jit(do_not_specialize=["divisor", "key", "index_base"])
 def _dequant_reduce_kernel(q_ptr, q_stride, s_ptr, s_stride, num_src, num_blocks, divisor,
                            out_ptr, q_out_ptr, s_out_ptr, key, index_base, BLOCK: tl.constexpr,
                            GROUP: tl.constexpr, HAS_DIV: tl.constexpr, REQUANT: tl.constexpr,
-                           STOCHASTIC: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
-    t = tl.arange(0, BLOCK)
-    bmask = b < num_blocks
-    j = (b * BLOCK)[:, None] + t[None, :]
+                           STOCHASTIC: tl.constexpr, Q_ALIGN: tl.constexpr):
+    # One row of num_blocks blocks: _dense_tile's row is 0, its first block the tile's.
+    _, b0, b, bmask, local = _dense_tile(num_blocks, BLOCK, GROUP)
+    first = b0.to(tl.int64) * BLOCK
     acc = tl.zeros([GROUP, BLOCK], dtype=tl.float32)
     # Sources in rank order, one rounding per add: the order every implementation uses.
     for r in range(num_src):
-        q = tl.load(q_ptr + r * q_stride + j, mask=bmask[:, None], other=0)
-        scale = tl.load(s_ptr + r * s_stride + b, mask=bmask, other=0.0)
+        row = tl.cast(r, tl.int64)  # rows * stride may pass 2^31 bytes
+        q_tile = q_ptr + _row_offset(row, q_stride, Q_ALIGN) + first
+        q = tl.load(q_tile + local, mask=bmask[:, None], other=0)
+        scale = tl.load(s_ptr + row * s_stride + b, mask=bmask, other=0.0)
         acc = _tz(acc + _dequant_tile(q, scale))
     if HAS_DIV:
         acc = _tz(_div_rn(acc, divisor))
     if REQUANT:
         scale = _absmax_scale(acc)
         tl.store(s_out_ptr + b, scale, mask=bmask)
-        tl.store(q_out_ptr + j, _quantize_tile(acc, scale, index_base + j, key, STOCHASTIC),
+        idx = (index_base + first).to(tl.uint32) + local.to(tl.uint32)
+        tl.store(q_out_ptr + first + local, _quantize_tile(acc, scale, idx, key, STOCHASTIC),
                  mask=bmask[:, None])
     else:
-        tl.store(out_ptr + j, acc, mask=bmask[:, None])
+        tl.store(out_ptr + first + local, acc, mask=bmask[:, None])
 
 
 def _group(block: int) -> int:
@@ -165,33 +230,58 @@ def _meta(block: int, **constexprs) -> dict:
     return dict(BLOCK=block, GROUP=_group(block), **constexprs, enable_fp_fusion=False)
 
 
-def _quantize_meta(block: int, stochastic: bool, bf16: bool) -> dict:
-    return _meta(block, STOCHASTIC=stochastic, BF16_BITS=bf16)
+def _quantize_meta(block: int, stochastic: bool, bf16: bool, dense: bool = False,
+                   q_align: int = 1) -> dict:
+    return _meta(block, STOCHASTIC=stochastic, BF16_BITS=bf16, DENSE=dense, Q_ALIGN=q_align)
+
+
+_ALIGNS = (1, 8, 16)  # Q_ALIGN: the codes' row stride's divisibility, as _codes_stride picks it
+
+
+def _codes_stride(stride: int, rows: int) -> tuple[int, int]:
+    """(the codes' row stride to pass, Q_ALIGN): a single row passes 0, which every alignment
+    divides; 8 is what a stamped wire row guarantees (overlap/comm/quant/paths.py)."""
+    stride = stride if rows > 1 else 0
+    return stride, next(a for a in reversed(_ALIGNS) if stride % a == 0)
+
+
+def _dense(blocks_per_row: int, rows: int, block: int) -> bool:
+    """The dense launch walks each row in tiles of GROUP blocks; rows much shorter than a tile
+    would leave most of each program idle, so they take the general one."""
+    return rows == 1 or blocks_per_row >= _group(block)
 
 
 def compile_specs(block: int = 128) -> list[CompileSpec]:
     """The GPU launches at the default block size: each input dtype (bf16 as its int16
-    bits), rounding to nearest or stochastic, each reduce variant."""
+    bits), rounding to nearest or stochastic, each reduce variant; the general launch and the
+    dense one at each codes alignment."""
     codes = {"q_ptr": "*i8", "s_ptr": "*fp32", **ints("q_stride s_stride")}
+    layouts = [(False, 1)] + [(True, a) for a in _ALIGNS]
     specs = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         bf16 = dtype == torch.bfloat16
         for stochastic in (False, True):
-            specs.append(CompileSpec(_quantize_kernel, {
-                "x_ptr": ptr(torch.int16 if bf16 else dtype), **codes,
-                **ints("numel flat_row total_blocks blocks_per_row key index_base")},
-                _quantize_meta(block, stochastic, bf16), f"{dtype}, stochastic={stochastic}"))
-    specs.append(CompileSpec(_dequantize_kernel, {
-        **codes, "out_ptr": "*fp32", **ints("total_blocks blocks_per_row numel flat_row")},
-        _meta(block)))
+            for dense, align in layouts:
+                specs.append(CompileSpec(_quantize_kernel, {
+                    "x_ptr": ptr(torch.int16 if bf16 else dtype), **codes,
+                    **ints("numel flat_row total_blocks blocks_per_row key index_base")},
+                    _quantize_meta(block, stochastic, bf16, dense, align),
+                    f"{dtype}, stochastic={stochastic}, dense={dense}, align={align}"))
+    for dense, align in layouts:
+        specs.append(CompileSpec(_dequantize_kernel, {
+            **codes, "out_ptr": "*fp32", **ints("total_blocks blocks_per_row numel flat_row")},
+            _meta(block, DENSE=dense, Q_ALIGN=align), f"dense={dense}, align={align}"))
     for has_div in (False, True):
         for requant, stochastic in ((False, False), (True, False), (True, True)):
             both = "*i8" if requant else "*fp32"  # the pointer in use, passed for both
-            specs.append(CompileSpec(_dequant_reduce_kernel, {
-                **codes, "out_ptr": both, "q_out_ptr": both, "s_out_ptr": "*fp32",
-                "divisor": "fp32", **ints("num_src num_blocks key index_base")},
-                _meta(block, HAS_DIV=has_div, REQUANT=requant, STOCHASTIC=stochastic),
-                f"divisor={has_div}, requant={requant}, stochastic={stochastic}"))
+            for align in _ALIGNS:
+                specs.append(CompileSpec(_dequant_reduce_kernel, {
+                    **codes, "out_ptr": both, "q_out_ptr": both, "s_out_ptr": "*fp32",
+                    "divisor": "fp32", **ints("num_src num_blocks key index_base")},
+                    _meta(block, HAS_DIV=has_div, REQUANT=requant, STOCHASTIC=stochastic,
+                          Q_ALIGN=align),
+                    f"divisor={has_div}, requant={requant}, stochastic={stochastic}, "
+                    f"align={align}"))
     return specs
 
 
@@ -208,27 +298,37 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, *, block: i
     """Quantize flat ``x`` (fp32/bf16/fp16) into ``q`` [rows, row_len] int8 and ``s``
     [rows, row_len // block] fp32 (row-strided views); row r is x[r*flat_row:(r+1)*flat_row]."""
     rows, row_len = q.shape
-    total = rows * (row_len // block)
+    blocks_per_row = row_len // block
+    total = rows * blocks_per_row
     if total == 0:
         return
-    grid = (triton.cdiv(total, _group(block)),)
     bf16 = x.dtype == torch.bfloat16
+    dense = flat_row == row_len and _dense(blocks_per_row, rows, block)
+    q_stride, q_align = _codes_stride(_row_stride(q, "q"), rows)
+    per_row = triton.cdiv(blocks_per_row, _group(block))
+    grid = (rows * per_row if dense else triton.cdiv(total, _group(block)),)
     _quantize_kernel[grid](x.view(torch.int16) if bf16 else x, x.numel(), flat_row, total,
-                           row_len // block, q, _row_stride(q, "q"), s, _row_stride(s, "s"), key,
-                           index_base, **_quantize_meta(block, stochastic, bf16))
+                           blocks_per_row, q, q_stride, s, _row_stride(s, "s"), key, index_base,
+                           **_quantize_meta(block, stochastic, bf16, dense,
+                                            q_align if dense else 1))
 
 
 def dequantize_into(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, *, block: int,
                     flat_row: int) -> None:
     """Flat fp32 ``out``: row r of dequant(``q`` [rows, row_len], ``s``) lands at
     out[r*flat_row : (r+1)*flat_row] (cut at out.numel())."""
+    rows = q.shape[0]
     blocks_per_row = triton.cdiv(flat_row, block)
-    total = q.shape[0] * blocks_per_row
+    total = rows * blocks_per_row
     if total == 0 or out.numel() == 0:
         return
-    grid = (triton.cdiv(total, _group(block)),)
-    _dequantize_kernel[grid](q, _row_stride(q, "q"), s, _row_stride(s, "s"), total,
-                             blocks_per_row, out, out.numel(), flat_row, **_meta(block))
+    dense = flat_row % block == 0 and _dense(blocks_per_row, rows, block)
+    q_stride, q_align = _codes_stride(_row_stride(q, "q"), rows)
+    per_row = triton.cdiv(blocks_per_row, _group(block))
+    grid = (rows * per_row if dense else triton.cdiv(total, _group(block)),)
+    _dequantize_kernel[grid](q, q_stride, s, _row_stride(s, "s"), total, blocks_per_row, out,
+                             out.numel(), flat_row,
+                             **_meta(block, DENSE=dense, Q_ALIGN=q_align if dense else 1))
 
 
 def dequant_reduce_into(q: torch.Tensor, s: torch.Tensor, *, block: int, divisor: float,
@@ -246,8 +346,10 @@ def dequant_reduce_into(q: torch.Tensor, s: torch.Tensor, *, block: int, divisor
         raise ValueError("triton dequant_reduce_into: give either out or (q_out, s_out)")
     # The pointers a branch does not use still need a tensor; pass one that exists.
     out, q_out, s_out = (q_out, q_out, s_out) if requant else (out, out, out)
+    q_stride, q_align = _codes_stride(_row_stride(q, "q"), num_src)
     grid = (triton.cdiv(num_blocks, _group(block)),)
     _dequant_reduce_kernel[grid](
-        q, _row_stride(q, "q"), s, _row_stride(s, "s"), num_src, num_blocks, float(divisor),
+        q, q_stride, s, _row_stride(s, "s"), num_src, num_blocks, float(divisor),
         out, q_out, s_out, key, index_base,
-        **_meta(block, HAS_DIV=divisor != 1, REQUANT=requant, STOCHASTIC=stochastic))
+        **_meta(block, HAS_DIV=divisor != 1, REQUANT=requant, STOCHASTIC=stochastic,
+                Q_ALIGN=q_align))

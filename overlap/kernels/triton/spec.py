@@ -15,16 +15,14 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["CompileSpec", "ptr", "ints", "CUDA", "GEMM_DTYPES", "FUSED_GEMM_TABLES",
-           "LARGEST"]
+__all__ = ["CompileSpec", "ptr", "ints", "CUDA", "GEMM_DTYPES", "FUSED_GEMM_TABLES"]
 
 CUDA = torch.device("cuda")  # a device object only: gemm_blocks reads its type, nothing more
 GEMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # tp_sync.check_dtypes accepts
 # The fused TP GEMMs' workspace tables and status words (all_gather_matmul.py,
-# matmul_reduce_scatter.py), and a problem size at which gemm_blocks picks its largest tiles.
+# matmul_reduce_scatter.py).
 FUSED_GEMM_TABLES = {"data_table": "*i64", "flag_table": "*i64", "counter_ptr": "*i32",
                      "status_ptr": "*i64", "timeout_ns": "i64"}
-LARGEST = 1 << 14
 
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
         torch.int8: "*i8", torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64"}

@@ -28,7 +28,8 @@ from overlap.kernels.triton import INTERPRET
 
 __all__ = ["INTERPRET", "INTERP_SPINS_PER_S", "load_acquire", "load_relaxed", "store_release",
            "spin_wait", "publish", "arrive_last",
-           "to_out_dtype", "align", "half_buffer", "GemmBlocks", "gemm_blocks", "begin_call",
+           "to_out_dtype", "align", "half_buffer", "GemmBlocks", "gemm_blocks", "gemm_arch",
+           "gemm_tiles", "GEMM_TILES", "GEMM_SHARED_LIMIT", "begin_call",
            "OpState", "wait_budget", "raise_on_status", "new_status", "finish_call",
            "check_pending", "check_dtypes", "check_workspace", "Watchdog"]
 
@@ -177,14 +178,54 @@ def _pow2_clamp(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(1, n))))
 
 
-def gemm_blocks(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> GemmBlocks:
+def _tile(bm: int, bn: int, bk: int, num_warps: int, num_stages: int) -> GemmBlocks:
+    return GemmBlocks(bm=bm, bn=bn, bk=bk, copy_block=4096, num_warps=num_warps,
+                      num_stages=num_stages)
+
+
+# Per compute capability: the SMs of its flagship part and, per operand width, tiles from large
+# to small. 16-bit: Triton's matmul tutorials (03, 09-persistent) on Hopper, 128x256x64 / 8 warps
+# / 3 stages; on Ampere 128x128x32 / 4 warps / 4 stages. fp32 (IEEE, FMA) needs half the K.
+# Shared memory, (bm*bk + bk*bn) * bytes * stages, stays under the arch's per-block limit
+# (GEMM_SHARED_LIMIT; compile_check checks what Triton allocates). The default serves every
+# other GPU at the 99 KB of sm_86/sm_89.
+GEMM_TILES = {
+    90: (132, {2: (_tile(128, 256, 64, 8, 3), _tile(128, 128, 64, 8, 4), _tile(64, 128, 64, 4, 4)),
+               4: (_tile(128, 128, 32, 8, 3), _tile(64, 64, 32, 4, 3))}),
+    80: (108, {2: (_tile(128, 128, 32, 4, 4), _tile(64, 128, 32, 4, 4)),
+               4: (_tile(128, 128, 32, 8, 3), _tile(64, 64, 32, 4, 3))}),
+    None: (64, {2: (_tile(128, 128, 32, 4, 3), _tile(64, 64, 32, 4, 3)),
+                4: (_tile(128, 64, 32, 4, 2), _tile(64, 64, 32, 4, 2))}),
+}
+GEMM_SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024, None: 99 * 1024}
+
+
+def gemm_arch(device: torch.device) -> int | None:
+    """The GEMM_TILES key of a CUDA device: its compute capability as 80 / 90, None for others."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor if major * 10 + minor in GEMM_TILES else None
+
+
+def gemm_tiles(arch: int | None, dtype: torch.dtype) -> tuple[GemmBlocks, ...]:
+    """Every tile gemm_blocks may pick (before shrinking to the problem) for ``arch``."""
+    return GEMM_TILES[arch if arch in GEMM_TILES else None][1][dtype.itemsize]
+
+
+def gemm_blocks(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
+                arch: int | None = None) -> GemmBlocks:
     """Small tiles under the interpreter (its cost is per op, but the tests must cross tile and
-    mask edges); tensor-core sized tiles on a GPU, shrunk for small problems."""
+    mask edges). On a GPU (``arch``: its compute capability as 80 / 90, read from ``device``
+    when not given): the largest GEMM_TILES row whose tiles still fill every SM once, shrunk to
+    the problem's size."""
     if device.type != "cuda":
         return GemmBlocks(bm=16, bn=32, bk=32, copy_block=2048, num_warps=1, num_stages=1)
-    bk_max = 32 if dtype == torch.float32 else 64
-    return GemmBlocks(bm=_pow2_clamp(m, 16, 128), bn=_pow2_clamp(n, 16, 128),
-                      bk=_pow2_clamp(k, 16, bk_max), copy_block=4096, num_warps=8, num_stages=3)
+    if arch is None:
+        arch = gemm_arch(device)
+    sms = GEMM_TILES[arch if arch in GEMM_TILES else None][0]
+    rows = gemm_tiles(arch, dtype)
+    t = next((t for t in rows if triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn) >= sms), rows[-1])
+    return dataclasses.replace(t, bm=_pow2_clamp(m, 16, t.bm), bn=_pow2_clamp(n, 16, t.bn),
+                               bk=_pow2_clamp(k, 16, t.bk))
 
 
 def wait_budget(timeout: float) -> tuple[int, int]:
