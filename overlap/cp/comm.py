@@ -29,6 +29,7 @@ from overlap.dist.device import comm_device
 from overlap.dist.streams import work_completion
 from overlap.dist.stamp import (STAMP_WORDS, Agreement, Disagreement, Schema, float_word,
                                 shape_words)
+from overlap.errors import OverlapError
 from overlap.profile.timers import comm_wait
 
 __all__ = ["CPComm", "CPCommFailed", "SCHEMA", "Packet", "call_layer", "call_scale"]
@@ -51,7 +52,7 @@ _SLICE_S = 0.05  # a CPU wait longer than this watches the store for a peer's fa
 _made: dict[tuple[int, ...], int] = {}
 
 
-class CPCommFailed(RuntimeError):
+class CPCommFailed(OverlapError, RuntimeError):
     """A call on a CP communicator that failed earlier; the message carries the first error."""
 
 

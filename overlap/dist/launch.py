@@ -34,6 +34,7 @@ from overlap.defaults import positive_int, positive_seconds
 from overlap.dist import run_stats
 from overlap.dist.device import RANKS_PER_GPU_ENV, sharing_env
 from overlap.dist.device import ranks_per_gpu as per_gpu_setting
+from overlap.errors import OverlapError
 
 __all__ = ["launch", "LaunchError", "RankOutcome", "leaked_shm_segments"]
 
@@ -61,7 +62,7 @@ class RankOutcome:
     finished_at: float = 0.0  # wall clock (time.time()) when the rank finished or was found failed
 
 
-class LaunchError(RuntimeError):
+class LaunchError(OverlapError, RuntimeError):
     """One or more ranks failed. ``outcomes`` holds every rank's RankOutcome."""
 
     def __init__(self, message: str, outcomes: list[RankOutcome]):

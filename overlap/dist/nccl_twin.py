@@ -30,6 +30,7 @@ from torch.futures import Future
 from overlap.dist import host_tensors, streams
 from overlap.dist.device import RANKS_PER_GPU_ENV
 from overlap.dist.fifo import FifoWorker
+from overlap.errors import OverlapError
 
 __all__ = ["BACKEND", "register", "NcclOrderTimeout", "CommunicatorFailed", "NcclTwinGroup",
            "is_twin"]
@@ -37,11 +38,11 @@ __all__ = ["BACKEND", "register", "NcclOrderTimeout", "CommunicatorFailed", "Ncc
 BACKEND = "nccl_twin"
 
 
-class NcclOrderTimeout(RuntimeError):
+class NcclOrderTimeout(OverlapError, RuntimeError):
     """An op did not complete within its timeout under NCCL's ordering rules."""
 
 
-class CommunicatorFailed(RuntimeError):
+class CommunicatorFailed(OverlapError, RuntimeError):
     """An op on a communicator that failed earlier (the message carries the first error)."""
 
 
@@ -136,7 +137,7 @@ class _Op:
 _POISON = 0xFF  # NaN in every float dtype: what a receive gets from a send of the wrong size
 
 
-class SizeMismatch(RuntimeError):
+class SizeMismatch(OverlapError, RuntimeError):
     """Ranks passed different sizes to one collective or to a send and its receive."""
 
 

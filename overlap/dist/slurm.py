@@ -22,6 +22,8 @@ import re
 import zlib
 from collections.abc import MutableMapping
 
+from overlap.errors import OverlapError
+
 __all__ = ["SlurmError", "SlurmStep", "expand_hostlist", "expand_tasks_per_node",
            "is_slurm_step", "read_step", "default_port", "adopt", "adopt_or_exit"]
 
@@ -34,7 +36,7 @@ _MAX_HOSTS = 1 << 20  # a typo such as node[1-999999999] must not expand into me
 PORT_BASE, PORT_SPAN = 15000, 15000  # unprivileged, below Linux's ephemeral range (32768+)
 
 
-class SlurmError(ValueError):
+class SlurmError(OverlapError, ValueError):
     """SLURM's variables are missing, unparsable or inconsistent; the message names them."""
 
 

@@ -23,6 +23,8 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from overlap.errors import OverlapError
+
 __all__ = ["STAMP_WORDS", "MAGIC", "Agreement", "Disagreement", "Schema", "device_mismatch",
            "DTYPE_CODES", "dtype_name", "shape_words", "float_word", "sum_tail_bits",
            "sum_tail_chunks", "pack_sum_tail", "unpack_sum_tail", "agree_on"]
@@ -68,7 +70,7 @@ def _fmt_shape(words: Sequence[int]) -> str:
     return str(tuple(int(w) for w in words if w >= 0))
 
 
-class Disagreement(ValueError):
+class Disagreement(OverlapError, ValueError):
     """Ranks passed different calls to one op (found in the data the op exchanged)."""
 
     def __init__(self, message: str, *, op: str, call: int, ranks: tuple[int, int]):

@@ -29,6 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from overlap.dist import run_stats
 from overlap.dist.fifo import FifoWorker
 from overlap.dist.stream_memory import StreamMemory
+from overlap.errors import OverlapError
 from overlap.profile import syncs
 
 __all__ = ["Stream", "Event", "StreamTimeout", "StreamStillRunning", "delay_ms",
@@ -99,11 +100,11 @@ def device_empty(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Te
     return out if out.is_cuda else fill_poison(out)
 
 
-class StreamTimeout(TimeoutError):
+class StreamTimeout(OverlapError, TimeoutError):
     """A host wait for an event ran out of time (the stream's own errors keep their type)."""
 
 
-class StreamStillRunning(RuntimeError):
+class StreamStillRunning(OverlapError, RuntimeError):
     """``Stream.close(timeout)`` ran out of time with the twin's worker still inside a work
     item: memory that item may touch must not be freed (a GPU would wait for the stream)."""
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from overlap.errors import OverlapError
 from overlap.nn.embedding import VocabParallelEmbedding
 from overlap.nn.layers import (ColumnParallelLinear, RowParallelLinear, TPModule, linear_weight,
                                require_comm)
@@ -466,7 +467,7 @@ def _tie(model, ties, undo) -> None:
             setattr(holder, pname, shared)
 
 
-class _Step(Exception):
+class _Step(OverlapError):
     """What parallelize was doing when the exception it is raised from happened."""
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
+from overlap.errors import OverlapError
 from overlap.pp.schedules import Action, Payload, PipelineSchedule, message_of, stage_rank
 
 __all__ = ["ScheduleError", "check_schedule", "simulate", "SimResult", "render_table",
@@ -25,7 +26,7 @@ __all__ = ["ScheduleError", "check_schedule", "simulate", "SimResult", "render_t
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
-class ScheduleError(ValueError):
+class ScheduleError(OverlapError, ValueError):
     """A schedule breaks a rule; the message names the schedule, the rank and the action."""
 
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+from overlap.errors import OverlapError
 from overlap.profile.timers import add_exposed, axis_totals, exposed_seconds
 
 __all__ = ["Interleaver", "PartnerFailed"]
 
 
-class PartnerFailed(RuntimeError):
+class PartnerFailed(OverlapError, RuntimeError):
     """Raised inside one action of a pair when the other one failed (``run`` raises the cause)."""
 
 

@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 from overlap.dist.streams import Event, Stream, StreamStillRunning
+from overlap.errors import OverlapError
 from overlap.profile.timers import comm_wait
 
 __all__ = ["P2P", "P2PError", "HEADER_LEN", "POLL_S", "encode_header", "decode_header"]
@@ -37,7 +38,7 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 POLL_S = 0.05
 
 
-class P2PError(RuntimeError):
+class P2PError(OverlapError, RuntimeError):
     """A pipeline transfer failed or timed out."""
 
 

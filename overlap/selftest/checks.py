@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.dist.device import ranks_per_gpu
+from overlap.errors import OverlapError
 
 __all__ = ["Measured", "CheckFailed", "RankContext", "plan", "TP_OPS", "TP_BACKENDS",
            "QUANT_OPS", "QUANT_DTYPES", "TIMEOUT_SLACK"]
@@ -52,7 +53,7 @@ class Measured:
         return self.value <= self.limit  # NaN compares False: a NaN never passes
 
 
-class CheckFailed(AssertionError):
+class CheckFailed(OverlapError, AssertionError):
     """A check's own verdict (as opposed to an error raised by the code under test)."""
 
 

@@ -8,14 +8,11 @@ import dataclasses
 import fnmatch
 
 from overlap import cli
+from overlap.errors import ConfigError  # one for every command (re-exported)
 
 __all__ = ["SelftestConfig", "ConfigError", "build_parser", "parse_args"]
 
 DEVICES = ("auto", "cpu", "cuda")
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work; the message is one line naming the flag."""
 
 
 _field = cli.field

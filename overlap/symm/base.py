@@ -10,10 +10,12 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from overlap.errors import OverlapError
+
 __all__ = ["SymmetricWorkspace", "SignalTimeout", "PeerDied", "group_name"]
 
 
-class SignalTimeout(TimeoutError):
+class SignalTimeout(OverlapError, TimeoutError):
     """A signal wait ran out of time. Attributes name what was waited for."""
 
     def __init__(self, message: str, *, group: str, slot: int, expected: int, seen: int):
@@ -37,7 +39,7 @@ def recorded_error(op: str, rank: int, group: str, record) -> "SignalTimeout | P
                          "poisoned (NaN)", group=group, slot=slot, expected=-1, seen=seen)
 
 
-class PeerDied(RuntimeError):
+class PeerDied(OverlapError, RuntimeError):
     """A peer of the workspace's group exited or aborted while this rank waited on it."""
 
     def __init__(self, message: str, *, group: str, peer: int):

@@ -26,6 +26,7 @@ from overlap.defaults import TIMEOUT_S, positive_int, positive_seconds
 from overlap.dist.device import comm_device
 from overlap.dist.host import host_id
 from overlap.dist.stamp import Agreement
+from overlap.errors import OverlapError
 from overlap.symm.workspace import group_name
 from overlap.tp import stamps
 from overlap.tp.autochunk import AUTO, ChunkRace
@@ -39,7 +40,7 @@ MAX_CONTEXTS = 16
 MAX_SIGNATURES = 1024  # validated call signatures remembered (then forgotten and re-checked)
 
 
-class TPCommFailed(RuntimeError):
+class TPCommFailed(OverlapError, RuntimeError):
     """A call on a TP communicator that failed earlier; the message carries the first error."""
 
 

@@ -13,6 +13,7 @@ import os
 
 from overlap import cli
 from overlap.comm.quant.checks import COMM_DTYPES  # the one vocabulary: "fp32", "bf16", "int8"
+from overlap.errors import ConfigError  # one for every command (re-exported)
 
 __all__ = ["TrainConfig", "ConfigError", "parse_args", "shared_settings", "agree_across_ranks"]
 
@@ -25,10 +26,6 @@ LR_SCHEDULES = ("constant", "cosine")
 EP_BACKENDS = ("chunked", "symmetric")
 CP_METHODS = ("ring", "allgather", "ulysses", "auto")
 VOCAB_SIZE = 256  # byte-level tokenizer
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work; the message is one line naming the flag(s)."""
 
 
 _field = cli.field

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from overlap.dist.device import plain_gloo
 from overlap.dist.host import host_id, pid_alive
 from overlap.dist.stamp import Disagreement
+from overlap.errors import OverlapError
 
 __all__ = ["QuantCommError", "QuantTimeout", "QuantCommFailed", "GroupState", "state_for",
            "existing_state", "failing"]
@@ -33,7 +34,7 @@ __all__ = ["QuantCommError", "QuantTimeout", "QuantCommFailed", "GroupState", "s
 _PREFIX = "overlap.comm.quant"
 
 
-class QuantCommError(RuntimeError):
+class QuantCommError(OverlapError, RuntimeError):
     """A quantized collective failed. ``op``, ``group`` (name), ``rank`` (group rank),
     ``peer`` (group rank of the peer at fault, when known) and ``kind``: "died" (a peer
     exited), "timeout", "peer_failed" (a peer published an error), "transport" (the backend
