@@ -1,8 +1,11 @@
 """overlap: hide communication behind computation in tensor-, pipeline- and data-parallel training.
 
-Layers (each uses only the ones below it): transport (``overlap.dist``, ``overlap.symm``),
-kernels (``overlap.kernels``, ``csrc/``), fused ops (``overlap.tp.ops``, ``overlap.comm``), and
-layers (``overlap.tp``, ``overlap.dp``, ``overlap.pp``). See docs/cpu-twins.md for what runs on CPU.
+Layers, bottom first (each imports only its own and lower ones; tests/test_layers.py checks):
+``errors``, ``defaults``, ``versions``, ``cli``; instrumentation (``profile``'s names, nvtx,
+timers, syncs); transport (``dist``, ``symm.base``); kernels (``kernels``, ``csrc/``);
+symmetric memory (``symm``); fused ops (``tp``, ``comm``); ``pp``, ``dp``, ``memory``; ``cp``;
+``nn``; ``moe``; the mesh (``dist.dims``); ``models``; the model-aware ``nn.parallelize``;
+``profile``; ``plan``; ``train``; ``selftest``. See docs/cpu-twins.md for what runs on CPU.
 """
 
 import gc as _gc

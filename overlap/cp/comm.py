@@ -24,12 +24,11 @@ import torch.distributed as dist
 from overlap.versions import (HAVE_OPAQUE, MemberType, OpaqueBase, compile_problem,
                               register_opaque_type)
 
-from overlap.defaults import TIMEOUT_S, positive_seconds
+from overlap.dist.communicator import CommFailed, CommOptions, Communicator, options_of
 from overlap.dist.device import comm_device
 from overlap.dist.streams import work_completion
 from overlap.dist.stamp import (STAMP_WORDS, Agreement, Disagreement, Schema, float_word,
                                 shape_words)
-from overlap.errors import OverlapError
 from overlap.profile.timers import comm_wait
 
 __all__ = ["CPComm", "CPCommFailed", "SCHEMA", "Packet", "call_layer", "call_scale"]
@@ -52,32 +51,33 @@ _SLICE_S = 0.05  # a CPU wait longer than this watches the store for a peer's fa
 _made: dict[tuple[int, ...], int] = {}
 
 
-class CPCommFailed(OverlapError, RuntimeError):
+class CPCommFailed(CommFailed):
     """A call on a CP communicator that failed earlier; the message carries the first error."""
 
 
-class CPComm(OpaqueBase):
+class CPComm(Communicator, OpaqueBase):
     """The ring over ``group``: CP rank ``r`` sends to ``(r + 1) % cp`` and receives from
-    ``(r - 1) % cp``. Custom ops take it as an opaque object (no registry of communicators)."""
+    ``(r - 1) % cp``. Custom ops take it as an opaque object (no registry of communicators).
+    ``options`` (CommOptions): timeout and device; the keywords, when given, override it."""
 
-    def __init__(self, group: dist.ProcessGroup, *, timeout: float = TIMEOUT_S,
-                 device: torch.device | str | None = None, token: str = ""):
+    failed_type = CPCommFailed
+    refused_failed = ("cp {op}: this CPComm failed earlier and cannot be used again: "
+                      "{failure}{where}")
+    refused_closed = "cp {op}: this CPComm is closed{where}"
+
+    def __init__(self, group: dist.ProcessGroup, options: CommOptions | None = None, *,
+                 timeout: float | None = None, device: torch.device | str | None = None,
+                 token: str = ""):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"CPComm: group must be a torch.distributed ProcessGroup (e.g. "
                             f"dims.cp_group), got {type(group).__name__}")
-        self.group = group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.global_rank = dist.get_rank()
-        self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.world)]
-        self.where = f" (rank {self.global_rank}, cp rank {self.rank} of group " \
-                     f"{self.global_ranks})"
-        self.timeout = positive_seconds(timeout, "CPComm: timeout", where=self.where)
+        super().__init__(group)
+        opts = options_of(options, "CPComm", where=self.where, timeout=timeout, device=device)
+        self.timeout, device = opts.timeout, opts.device
         self.device = torch.device(device) if device is not None else comm_device(group)
         self.next, self.prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
         self.agree = Agreement(SCHEMA, rank=self.rank, world=self.world, device=self.device,
                                where=self.where)
-        self._failed: str | None = None
-        self.closed = False
         self._to_next = self._from_prev = None
         self.stamps_first = False
         self._coll = None  # the group's collective communicator, built on first use
@@ -125,26 +125,11 @@ class CPComm(OpaqueBase):
     def describe(self, cp_rank: int) -> str:
         return f"cp rank {cp_rank} (global rank {self.global_ranks[cp_rank]})"
 
-    # -- state
-    def check_usable(self, op: str) -> None:
-        if self._failed is not None:
-            raise CPCommFailed(f"cp {op}: this CPComm failed earlier and cannot be used again: "
-                               f"{self._failed}{self.where}")
-        if self.closed:
-            raise CPCommFailed(f"cp {op}: this CPComm is closed{self.where}")
+    # -- state (the failure rule: overlap.dist.communicator)
+    def _place(self) -> str:
+        return f"rank {self.global_rank}, cp rank {self.rank} of group {self.global_ranks}"
 
-    @contextlib.contextmanager
-    def guard(self, op: str):
-        """Any error inside a call fails the communicator (the first error is kept)."""
-        try:
-            yield
-        except BaseException as exc:
-            if self._failed is None:
-                self._failed = f"{type(exc).__name__}: {exc}"
-                self._publish(exc)
-            raise
-
-    def _publish(self, exc: BaseException) -> None:
+    def _abort_peers(self, exc: BaseException) -> None:
         """Tell the peers, through the job's store, that this rank failed on its own (a
         disagreement it found, bad input, an error of its compute): a rank waiting on a
         transfer that will never come reads it (``_raise_if_peer_failed``) instead of timing
@@ -160,10 +145,9 @@ class CPComm(OpaqueBase):
         except Exception:  # noqa: BLE001 - a store gone with the job: the peers time out
             pass
 
-    def close(self) -> None:
+    def _release(self, wait_for_peers: bool) -> None:
         """Release the channels and the collective communicator (local: each end releases
         its own)."""
-        self.closed = True
         for name in ("_to_next", "_from_prev", "_coll"):
             chan = getattr(self, name)
             setattr(self, name, None)

@@ -11,8 +11,8 @@ registry. ``resolve(...)`` validates without any process group. TP innermost, DP
 An EP group varies ep_rank (same edp_rank, p, t): the ranks that split the experts; an EDP
 group varies edp_rank (same ep_rank, p, t): the ranks holding the same experts. A dcp group
 (dp x cp, rank x) reduces a CP job's dense gradients. Groups come from a torch ``DeviceMesh``
-of shape (dp, pp, cp, tp), NCCL or gloo; EP, EDP and DCP groups are separate communicators.
-The narrative: docs/design/dist.md.
+of shape (dp, pp, cp, tp), NCCL or gloo; EP, EDP and DCP groups are separate communicators;
+``comm_options(axis)`` their communicators' CommOptions. The narrative: docs/design/dist.md.
 """
 
 from __future__ import annotations
@@ -25,12 +25,15 @@ import torch
 import torch.distributed as dist
 
 from overlap.defaults import positive_int
+from overlap.dist.communicator import CommOptions, options_of
 
 __all__ = ["ParallelDims", "AXES"]
 
 # Mesh order, outermost first. ep and edp are not mesh dims: they split dp x cp.
 AXES = ("dp", "pp", "cp", "tp")
 _ALL_AXES = ("tp", "cp", "pp", "dp", "ep", "edp", "dcp")
+# The axes with a communicator (comm_options), and each one's default backend.
+_COMM_BACKENDS = {"tp": "auto", "cp": None, "ep": "chunked"}
 
 
 def _check_degree(name: str, value: Any, *, allow_infer: bool = False) -> None:
@@ -248,16 +251,38 @@ class ParallelDims:
         dims._check_wiring()
         return dims
 
-    def tp_comm(self, *, backend: str = "auto", chunks: int | str | None = None,
-                timeout: float | None = None, check_inputs: bool = True):
-        """A TPComm on this rank's TP group with these settings (collective over the TP group:
-        every TP rank calls it with the same arguments). ``close_default_comms()`` closes it;
-        an owner that wants its own lifetime builds ``TPComm(dims.tp_group, ...)`` instead."""
+    def comm_options(self, axis: str, **settings) -> CommOptions:
+        """The CommOptions of a communicator on ``axis`` ("tp", "cp" or "ep"): the axis's
+        default backend ("auto" for TP, "chunked" for EP), with ``settings`` (CommOptions
+        fields; None keeps the default) put over them."""
+        if axis not in _COMM_BACKENDS:
+            raise ValueError(f"ParallelDims.comm_options: axis must be one of "
+                             f"{sorted(_COMM_BACKENDS)}, got {axis!r}")
+        return options_of(CommOptions(backend=_COMM_BACKENDS[axis]),
+                          f"ParallelDims.comm_options({axis!r})", **settings)
+
+    def tp_comm(self, options: CommOptions | None = None, *, backend: str | None = None,
+                chunks: int | str | None = None, timeout: float | None = None,
+                check_inputs: bool | None = None):
+        """A TPComm on this rank's TP group with these settings (``options``, default
+        ``comm_options("tp")``; the keywords override it). Collective over the TP group: every
+        TP rank calls it with the same arguments. ``close_default_comms()`` closes it; an owner
+        that wants its own lifetime builds ``TPComm(dims.tp_group, ...)`` instead."""
         self._require_built("tp_comm")
         from overlap.tp.comm import owned_comm
 
-        return owned_comm(self.tp_group, backend=backend, chunks=chunks, timeout=timeout,
+        opts = options_of(options or self.comm_options("tp"), "ParallelDims.tp_comm",
+                          backend=backend, chunks=chunks, timeout=timeout,
                           check_inputs=check_inputs)
+        return owned_comm(self.tp_group, opts)
+
+    def cp_comm(self, options: CommOptions | None = None, **kwargs):
+        """A CPComm on this rank's CP group (``options``, default ``comm_options("cp")``;
+        ``kwargs`` as CPComm's); collective over the CP group; the caller closes it."""
+        self._require_built("cp_comm")
+        from overlap.cp.comm import CPComm
+
+        return CPComm(self.cp_group, options or self.comm_options("cp"), **kwargs)
 
     def _check_wiring(self) -> None:
         # The mesh and our formula must agree, or every later collective is silently wrong.
@@ -283,12 +308,13 @@ class ParallelDims:
         self._require_built("is_last_stage")
         return self.pp_rank == self.pp - 1
 
-    def ep_comm(self, **kwargs):
-        """An EPComm on this rank's EP group (``kwargs`` as EPComm's); the caller closes it."""
+    def ep_comm(self, options: CommOptions | None = None, **kwargs):
+        """An EPComm on this rank's EP group (``options``, default ``comm_options("ep")``;
+        ``kwargs`` as EPComm's); the caller closes it."""
         self._require_built("ep_comm")
         from overlap.moe.comm import EPComm
 
-        return EPComm(self.ep_group, **kwargs)
+        return EPComm(self.ep_group, options or self.comm_options("ep"), **kwargs)
 
     def __str__(self) -> str:
         return (f"ParallelDims(world={self.world_size}: dp={self.dp} x pp={self.pp} x "

@@ -33,6 +33,7 @@ from overlap.dp import buckets as dp_comm
 from overlap.dp.buckets import (MiB, Bucket, Layout, ReducerConfig, broadcast_params,
                                  build_layout, check_same_params)
 from overlap.dp.stamps import BucketStamps, bucket_tag, tail_elements
+from overlap.dist.communicator import Communicator
 from overlap.dist.stamp import Disagreement
 from overlap.profile import names, nvtx
 from overlap.profile.timers import comm_wait
@@ -68,17 +69,23 @@ class IterationStats:
     wait_s: float = 0.0
 
 
-class GradReducer:
+class GradReducer(Communicator):
     """Data-parallel gradient reduction of ``module`` over ``dp_group``, overlapped with the
-    backward pass. Keyword options are the fields of ``ReducerConfig``.
+    backward pass. ``config`` (a ``ReducerConfig``) holds the options; its fields given as
+    keywords override it. Its failure rule is the Communicator's (a failed bucket fails the
+    reducer; ``rank`` is the DP rank, ``global_rank`` this process's).
 
     Construction is collective over ``dp_group``: it checks that every rank has the same
     parameters (count, shapes, dtypes) and, by default, broadcasts DP rank 0's values.
     """
 
-    def __init__(self, module: nn.Module, *, dp_group: dist.ProcessGroup,
-                 params: list[nn.Parameter] | None = None, divisor: int | None = None,
-                 **config) -> None:
+    failed_type = RuntimeError
+    refused_failed = "GradReducer: {place}: the reducer failed earlier and stays failed: {failure}"
+    refused_closed = "GradReducer: {place}: {op}: the reducer was closed"
+
+    def __init__(self, module: nn.Module, config: ReducerConfig | None = None, *,
+                 dp_group: dist.ProcessGroup, params: list[nn.Parameter] | None = None,
+                 divisor: int | None = None, **overrides) -> None:
         """``params``: reduce only these parameters of ``module`` (default: every parameter
         that requires grad), e.g. the expert parameters over the expert-data-parallel group
         and the rest over DP (``overlap.moe.split_expert_parameters``). ``divisor``: what
@@ -92,14 +99,19 @@ class GradReducer:
             raise ValueError(f"GradReducer: rank {rank}: dp_group is required (pass "
                              "ParallelDims.dp_group or dist.group.WORLD explicitly)")
         try:
-            self.config = ReducerConfig(**config)
+            if config is None:
+                self.config = ReducerConfig(**overrides)
+            elif not isinstance(config, ReducerConfig):
+                raise TypeError(f"GradReducer: config must be a ReducerConfig, got "
+                                f"{type(config).__name__}")
+            else:
+                self.config = dataclasses.replace(config, **overrides)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{exc} (rank {dist.get_rank()})") from None
+        super().__init__(dp_group, timeout=self.config.timeout)
         self.module = module
         self.dp_group = dp_group
-        self.dp_size = dist.get_world_size(dp_group)
-        self.dp_rank = dist.get_rank(dp_group)
-        self.rank = dist.get_rank()
+        self.dp_size, self.dp_rank = self.world, self.rank
         self._src = dist.get_global_rank(dp_group, 0)
         if params is None:
             self.params: list[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
@@ -113,22 +125,22 @@ class GradReducer:
                     bad.append(i)
                 seen.add(id(p))
             if bad:
-                raise ValueError(f"GradReducer: rank {self.rank}: params must be distinct "
+                raise ValueError(f"GradReducer: {self.place}: params must be distinct "
                                  f"parameters of the module that require grad (entries {bad} "
                                  "are not)")
         if not self.params:
-            raise ValueError(f"GradReducer: rank {self.rank}: module has no parameter that "
+            raise ValueError(f"GradReducer: {self.place}: module has no parameter that "
                              "requires grad" if params is None else
-                             f"GradReducer: rank {self.rank}: params is empty")
+                             f"GradReducer: {self.place}: params is empty")
         if divisor is not None and (isinstance(divisor, bool) or not isinstance(divisor, int)
                                     or divisor < 1):
-            raise ValueError(f"GradReducer: rank {self.rank}: divisor must be a positive int "
+            raise ValueError(f"GradReducer: {self.place}: divisor must be a positive int "
                              f"or None, got {divisor!r}")
         self.divisor = self.dp_size if divisor is None else divisor
         if any(p.layout != torch.strided for p in self.params):
-            raise TypeError(f"GradReducer: rank {self.rank}: only dense (strided) parameters "
+            raise TypeError(f"GradReducer: {self.place}: only dense (strided) parameters "
                             "are supported")
-        check_same_params(self.params, group=self.dp_group, where=f"GradReducer: rank {self.rank}",
+        check_same_params(self.params, group=self.dp_group, where=f"GradReducer: {self.place}",
                           timeout=self.config.timeout)
         if self.config.broadcast_params and self.dp_size > 1:
             broadcast_params(self.params, src=self._src, group=self.dp_group)
@@ -162,7 +174,6 @@ class GradReducer:
                                      where=f" (GradReducer on DP group "
                                            f"{dist.get_process_group_ranks(dp_group)})")
                         if self.dp_size > 1 and self.config.comm_dtype == "fp32" else None)
-        self._failed: BaseException | None = None
         self._install(self._make_layout(list(reversed(range(len(self.params))))), copy=False)
         self.stats = IterationStats()
         self.link: tuple[float, float] | None = None  # (alpha s, beta s/B) measured by "auto"
@@ -204,7 +215,7 @@ class GradReducer:
 
         Runs automatically at the end of every synchronising backward; a no-op when nothing
         happened since the last call, or inside ``no_sync()``."""
-        self._raise_if_failed()
+        self.check_usable("finish")
         if not self._sync or not (self._active or self._forward_seen):
             return
         if not self._active:  # an explicit finish() after a forward without backward hooks
@@ -288,7 +299,7 @@ class GradReducer:
         """``fn(old_layout, new_layout)`` runs after the buckets are rebuilt."""
         self._layout_listeners.append(fn)
 
-    def close(self) -> None:
+    def _release(self, wait_for_peers: bool) -> None:
         """Remove every hook this reducer installed."""
         for h in self._hooks:
             h.remove()
@@ -338,7 +349,7 @@ class GradReducer:
             b = self._layout.param_bucket[i]
             if b < self._next:
                 raise RuntimeError(
-                    f"GradReducer: rank {self.rank}: gradient of parameter {i} was accumulated "
+                    f"GradReducer: {self.place}: gradient of parameter {i} was accumulated "
                     f"again after its bucket {b} was launched (a second backward through the "
                     "same parameter before finish(); reentrant checkpointing is not supported)")
             return
@@ -376,7 +387,7 @@ class GradReducer:
             p.grad = view
 
     def _start_backward(self) -> None:
-        self._raise_if_failed()  # not a stale "accumulated again" from the failed iteration
+        self.check_usable("backward")  # not a stale "accumulated again" from the failed iteration
         engine = torch.autograd.Variable._execution_engine
         self._passes += 1
         if self._sync and (self._sync_if is None or self._sync_if()):
@@ -411,14 +422,11 @@ class GradReducer:
     def _tail(self, bucket: Bucket) -> torch.Tensor:
         return self.flat[bucket.dtype].narrow(0, bucket.offset + bucket.padded, bucket.tail)
 
-    def _raise_if_failed(self) -> None:
-        if self._failed is not None:
-            raise RuntimeError(f"GradReducer: rank {self.rank}: the reducer failed earlier and "
-                               f"stays failed: {type(self._failed).__name__}: "
-                               f"{self._failed}") from self._failed
+    def _place(self) -> str:
+        return f"rank {self.global_rank}"
 
     def _launch(self, b: int, *, in_backward: bool) -> None:
-        self._raise_if_failed()
+        self.check_usable("launch")
         bucket = self.buckets[b]
         buf = self.flat[bucket.dtype].narrow(0, bucket.offset, bucket.span)
         cfg = self.config
@@ -448,7 +456,7 @@ class GradReducer:
                     self._works[b] = dp_comm.all_reduce_async(buf, group=self.dp_group,
                                                               comm_dtype=cfg.comm_dtype, **extra)
         except BaseException as exc:
-            self._fail(exc)
+            self.fail(exc)
             _reraise(self._where(b), exc)
         self._final_at_launch = self._final
         self.stats.launch_times.append(time.perf_counter())
@@ -475,7 +483,7 @@ class GradReducer:
             if self._stamps is not None:
                 self._verify(b)
         except BaseException as exc:
-            self._fail(exc)
+            self.fail(exc)
             _reraise(what, exc)
         self._works[b] = None
 
@@ -514,14 +522,12 @@ class GradReducer:
                                 .narrow(0, bucket.offset, bucket.padded))
 
     def _where(self, b: int) -> str:
-        return f"GradReducer: rank {self.rank}: bucket {b} of {len(self.buckets)}"
+        return f"GradReducer: {self.place}: bucket {b} of {len(self.buckets)}"
 
-    def _fail(self, exc: BaseException) -> None:
+    def _abort_peers(self, exc: BaseException) -> None:
         """A failed bucket fails the reducer: later launches and finishes raise at once. The
         other buckets in flight are dropped (their collectives are abandoned, as a failed
-        communicator's)."""
-        if self._failed is None:
-            self._failed = exc
+        communicator's; the peers learn of it through those collectives' own failure)."""
         self._works = [None] * len(self._works)
         self._held.clear()
         self._active = False

@@ -71,7 +71,7 @@ class ShardedOptimizer:
             raise TypeError(f"ShardedOptimizer: reducer must be a GradReducer, got "
                             f"{type(reducer).__name__}")
         if not reducer.config.shard:
-            raise ValueError(f"ShardedOptimizer: rank {reducer.rank}: the reducer must be built "
+            raise ValueError(f"ShardedOptimizer: {reducer.place}: the reducer must be built "
                              "with shard=True (it reduce-scatters instead of all-reducing)")
         if not (isinstance(optimizer_cls, type)
                 and issubclass(optimizer_cls, torch.optim.Optimizer)):
@@ -263,7 +263,7 @@ class ShardedOptimizer:
         want = ((self.dp_size, self.dp_rank), [dataclasses.astuple(s) for s in self._segments],
                 list(self.reducer.layout.order))
         if got != want:
-            raise ValueError(f"ShardedOptimizer.load_state_dict: rank {self.reducer.rank}: the "
+            raise ValueError(f"ShardedOptimizer.load_state_dict: {self.reducer.place}: the "
                              f"state is of another layout (dp, rank, buckets) {got[0]}, "
                              f"{len(got[1])} segments; this optimizer has {want[0]}, "
                              f"{len(want[1])} segments")
@@ -295,7 +295,7 @@ class ShardedOptimizer:
     def _parse_groups(self, groups) -> tuple[list[int], list[dict]]:
         params = self.reducer.params
         index = {id(p): i for i, p in enumerate(params)}
-        where = f"ShardedOptimizer: rank {self.reducer.rank}: param_groups"
+        where = f"ShardedOptimizer: {self.reducer.place}: param_groups"
         group_of = [0] * len(params)
         options: list[dict] = [{}]
         seen: set[int] = set()
@@ -340,7 +340,7 @@ class ShardedOptimizer:
 
     def _raise_if_failed(self) -> None:
         if self._failed is not None:
-            raise RuntimeError(f"ShardedOptimizer: rank {self.reducer.rank}: a parameter "
+            raise RuntimeError(f"ShardedOptimizer: {self.reducer.place}: a parameter "
                                f"all-gather failed earlier and the optimizer stays failed: "
                                f"{type(self._failed).__name__}: {self._failed}"
                                ) from self._failed
@@ -351,7 +351,7 @@ class ShardedOptimizer:
             work = self._gathers[b]
             if work is None:
                 continue
-            what = f"ShardedOptimizer: rank {self.reducer.rank}: parameter all-gather of bucket {b}"
+            what = f"ShardedOptimizer: {self.reducer.place}: parameter all-gather of bucket {b}"
             try:
                 with comm_wait("dp.params"):
                     work.wait(self._timeout, group=self.reducer.dp_group, what=what)
@@ -425,7 +425,7 @@ class ShardedOptimizer:
             dts = sorted({str(params[i].dtype) for i in bucket.params})
             if len(dts) != 1:
                 raise ValueError(
-                    f"ShardedOptimizer: rank {self.reducer.rank}: gradient bucket "
+                    f"ShardedOptimizer: {self.reducer.place}: gradient bucket "
                     f"{bucket.index} ({bucket.dtype} gradients) holds parameters of dtypes "
                     f"{', '.join(dts)}, but a bucket's parameters are all-gathered as one "
                     "tensor: give the parameters that share a gradient buffer dtype one "

@@ -17,7 +17,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from overlap.models.tp_plans import has_head, hf_prefix, llama_attention, llama_heads_check
+from overlap.models.hf_parts import has_head, hf_prefix, llama_attention, llama_heads_check
 from overlap.moe.hf import (ExpertParallelBlock, MoEFamily, deepseek_v3_route, deepseek_v3_shared,
                             gpt_oss_experts, gpt_oss_route, mixtral_route, qwen2_moe_shared,
                             qwen_route, swiglu_experts)

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-
 from overlap.models.gpt import GPT, CausalSelfAttention
+from overlap.models.hf_parts import has_head, hf_prefix, llama_attention, llama_heads_check
+from overlap.models.moe_plans import MOE_PLANS
+from overlap.nn.apply import expert_modules
 from overlap.nn.layers import column_parallel_shared
 from overlap.nn.tp_plan import Style, TPPlan
 
@@ -85,17 +87,6 @@ def gpt_plan(*, loss_parallel: bool = False, dense_mlp: bool = True,
     )
 
 
-def hf_prefix(model: nn.Module) -> str:
-    # XForCausalLM holds its decoder at model.<base_model_prefix>; the bare XModel is the decoder.
-    base = getattr(model, "base_model_prefix", "")
-    inner = getattr(model, base, None) if base else None
-    return f"{base}." if isinstance(inner, nn.Module) and inner is not model else ""
-
-
-def has_head(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "lm_head", None), nn.Module)
-
-
 def gpt2_plan(model: nn.Module) -> TPPlan:
     """Plan for a transformers GPT-2 model (``GPT2LMHeadModel`` or ``GPT2Model``)."""
     p = hf_prefix(model)
@@ -117,36 +108,6 @@ def gpt2_plan(model: nn.Module) -> TPPlan:
 
     return TPPlan(name="hf-gpt2", layers=layers,
                   divide={f"{p}h.*.attn": ("num_heads", "split_size")}, check=check)
-
-
-def llama_attention(model: nn.Module, p: str) -> dict[str, str | Style]:
-    """The Llama-style attention of ``{p}layers.*.self_attn``: q/k/v column, o row, and the
-    per-head ``q_norm``/``k_norm`` (Qwen3, Gemma3-style: replicated, run on this rank's heads)
-    as "sum_grads" when the model has them (parallelize would find them on the probe anyway;
-    naming them keeps it so with verify=False)."""
-    layers: dict[str, str | Style] = {
-        f"{p}layers.*.self_attn.q_proj": "column",
-        f"{p}layers.*.self_attn.k_proj": "column",
-        f"{p}layers.*.self_attn.v_proj": "column",
-        f"{p}layers.*.self_attn.o_proj": "row",
-    }
-    names = {n for n, _ in model.named_modules()}
-    for norm in ("q_norm", "k_norm"):
-        if any(n.endswith(f"self_attn.{norm}") for n in names):
-            layers[f"{p}layers.*.self_attn.{norm}"] = "sum_grads"
-    return layers
-
-
-def llama_heads_check(m: nn.Module, tp: int) -> list[str]:
-    """Both head counts divisible by tp (grouped-query attention: whole kv groups per rank)."""
-    cfg, problems = m.config, []
-    for attr in ("num_attention_heads", "num_key_value_heads"):
-        value = getattr(cfg, attr, None)
-        if not isinstance(value, int) or value % tp:
-            problems.append(f"config.{attr}={value} is not divisible by tp={tp}"
-                            + (" (grouped-query attention: each rank needs whole kv "
-                               "groups)" if attr == "num_key_value_heads" else ""))
-    return problems
 
 
 def llama_plan(model: nn.Module) -> TPPlan:
@@ -261,9 +222,6 @@ def plan_for(model: nn.Module) -> TPPlan:
     experts shard over EP, see overlap.models.moe_plans).
     ValueError for anything else, naming the experts a mixture-of-experts model would leave
     without a plan."""
-    from overlap.models.moe_plans import MOE_PLANS
-    from overlap.nn.parallelize import expert_modules
-
     if isinstance(model, GPT):
         return gpt_plan()
     model_type = getattr(getattr(model, "config", None), "model_type", None)

@@ -17,7 +17,6 @@ disagreement the communicator stays failed. The narrative: docs/moe.md.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from typing import NamedTuple
@@ -25,7 +24,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from overlap.defaults import TIMEOUT_S, positive_int, positive_seconds
+from overlap.defaults import positive_int
+from overlap.dist.communicator import CommOptions, Communicator, options_of
 from overlap.dist.device import comm_device
 from overlap.moe.stamps import DISAGREE, EPStamps
 from overlap.profile.timers import comm_wait
@@ -48,8 +48,11 @@ DISPATCH = ("same", "bf16", "int8")
 _GRACE_S = 2.0  # how long a wait ended by a peer's disagreement still waits for its signal
 
 
-class EPComm:
+class EPComm(Communicator):
     """Holds the group, this rank's place in it and the timeout; no state between calls.
+    ``options`` (CommOptions): timeout, backend (default "chunked"), device; the keywords,
+    when given, override it. A call after a failure raises RuntimeError (not a CommFailed:
+    the MoE layer's callers catch that type).
 
     ``interleaver`` (set by ``overlap.pp.Pipeline(ep_comms=...)``) is told before every
     blocking wait, so another micro-batch's compute can run while this exchange is in flight
@@ -57,15 +60,21 @@ class EPComm:
     ``lanes=2``, a workspace for the forward exchanges and one for the backward ones (twice
     the userbuffer memory), so a forward and a backward can be in flight at once."""
 
-    def __init__(self, group: dist.ProcessGroup, *, chunks: int = 2, dispatch: str = "same",
-                 quant_block: int = 128, timeout: float = TIMEOUT_S,
-                 backend: str = "chunked", max_tokens: int | None = None,
-                 kernel: str = "auto", lanes: int = 1,
+    failed_type = RuntimeError
+    refused_failed = "{op}: this EPComm failed earlier and cannot be used again: {failure}{where}"
+    refused_closed = "{op}: this EPComm is closed{where}"
+
+    def __init__(self, group: dist.ProcessGroup, options: CommOptions | None = None, *,
+                 chunks: int = 2, dispatch: str = "same", quant_block: int = 128,
+                 timeout: float | None = None, backend: str | None = None,
+                 max_tokens: int | None = None, kernel: str = "auto", lanes: int = 1,
                  device: torch.device | str | None = None):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"EPComm: group must be a torch.distributed ProcessGroup, got "
                             f"{type(group).__name__}")
-        positive_seconds(timeout, "EPComm: timeout")
+        opts = options_of(options, "EPComm", timeout=timeout, backend=backend, device=device)
+        timeout, device = opts.timeout, opts.device
+        backend = "chunked" if opts.backend is None else opts.backend
         positive_int(chunks, "EPComm: chunks")
         positive_int(quant_block, "EPComm: quant_block")
         if dispatch not in DISPATCH:
@@ -93,11 +102,9 @@ class EPComm:
         # exchanges, lane 1 (with lanes=2) for the backward ones; a phase counter each.
         self._lanes: list = [None] * lanes
         self._phases = [0] * lanes
-        self._failed: str | None = None
-        self.group, self.timeout, self.chunks = group, float(timeout), int(chunks)
+        super().__init__(group, timeout=timeout)
+        self.chunks = int(chunks)
         self.dispatch, self.quant_block = dispatch, int(quant_block)
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.global_rank = dist.get_rank()
         # Where the small tensors of the settings check travel (NCCL takes device tensors only).
         self.device = torch.device(device) if device is not None else comm_device(group)
         self.interleaver = None
@@ -141,13 +148,41 @@ class EPComm:
         """The workspace lane of an exchange: the backward ones get their own with lanes=2."""
         return int(backward and self.lanes == 2)
 
-    def raise_if_failed(self, op: str) -> None:
-        if self._failed is not None:
-            raise RuntimeError(f"{op}: this EPComm failed earlier and cannot be used again: "
-                               f"{self._failed} (rank {self.global_rank})")
+    # -- the failure rule (overlap.dist.communicator): EP's text, abort and release
+    def _place(self) -> str:
+        return f"rank {self.global_rank}"
+
+    def _failure_text(self, exc: BaseException, op: str) -> str:
+        """The reason the peers' aborted waits report (the abort reason holds 80 bytes): a
+        wait's short cause, else the op and the error's type."""
+        short = getattr(exc, "short", None)
+        if short or not op:
+            return short or f"{exc}"
+        return f"{op} failed on EP rank {self.rank}: {type(exc).__name__}"
+
+    def _abort_peers(self, exc: BaseException) -> None:
+        for ws in self._lanes:
+            if ws is None:
+                continue
+            try:
+                ws.abort(self.failure)
+            except Exception:
+                pass
+            # Freed once the peers let go of this rank's buffer (bounded), off the caller's
+            # path.
+            threading.Thread(target=ws.close, kwargs={"timeout": min(5.0, self.timeout)},
+                             daemon=True, name="overlap-ep-deferred-free").start()
+
+    def _release(self, wait_for_peers: bool) -> None:
+        """Free the symmetric workspaces (every rank closes them, as every rank made them); a
+        failed communicator's are freed by ``_abort_peers``."""
+        lanes, self._lanes = self._lanes, [None] * self.lanes
+        for ws in lanes:
+            if ws is not None and self.failure is None:
+                ws.close(timeout=min(5.0, self.timeout))
 
     def workspace(self, op: str, lane: int = 0):
-        self.raise_if_failed(op)
+        self.check_usable(op)
         if self._lanes[lane] is None:
             raise RuntimeError(f"{op}: the EPComm has no workspace (closed, or no layer "
                                f"reserved one) (rank {self.global_rank})")
@@ -176,39 +211,6 @@ class EPComm:
             error.short = short
             raise error from exc
 
-    @contextlib.contextmanager
-    def guard(self, op: str):
-        """Any error inside a symmetric call fails the communicator: the peers' waits end at
-        once with the (short) reason, and every later call raises."""
-        try:
-            yield
-        except BaseException as exc:
-            self.fail(getattr(exc, "short", None) or f"{op} failed on EP rank {self.rank}: "
-                      f"{type(exc).__name__}")
-            raise
-
-    def fail(self, reason: str) -> None:
-        if self._failed is not None or self._lanes[0] is None:
-            self._failed = self._failed or reason
-            return
-        self._failed = reason
-        for ws in self._lanes:
-            try:
-                ws.abort(reason)
-            except Exception:
-                pass
-            # Freed once the peers let go of this rank's buffer (bounded), off the caller's
-            # path.
-            threading.Thread(target=ws.close, kwargs={"timeout": min(5.0, self.timeout)},
-                             daemon=True, name="overlap-ep-deferred-free").start()
-
-    def close(self) -> None:
-        """Free the symmetric workspaces (every rank closes them, as every rank made them)."""
-        lanes, self._lanes = self._lanes, [None] * self.lanes
-        for ws in lanes:
-            if ws is not None and self._failed is None:
-                ws.close(timeout=min(5.0, self.timeout))
-
     def __del__(self) -> None:
         try:
             lanes, self._lanes = self._lanes, [None] * self.lanes
@@ -226,7 +228,7 @@ class EPComm:
              in_splits: list[int] | None, *, op: str = "all_to_all") -> "_Posted":
         """Start the exchange; ``finish`` waits for it and returns the received rows. ``x``
         and the output stay referenced until then (a GPU may still be reading them)."""
-        self.raise_if_failed(op)
+        self.check_usable(op)
         rows = sum(out_splits) if out_splits is not None else x.shape[0]
         out = x.new_empty((rows, *x.shape[1:]))
         if self.world == 1:

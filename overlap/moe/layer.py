@@ -136,7 +136,7 @@ class MoE(nn.Module):
         if self._layout is not None and t > self.comm.max_tokens:
             reason = (f"{t} tokens on rank {self.ep_rank} exceed the EPComm's max_tokens="
                       f"{self.comm.max_tokens}")
-            self.comm.fail(reason)  # the peers' waits end now, with this reason
+            self.comm.fail(ValueError(reason))  # the peers' waits end now, with this reason
             raise ValueError(f"MoE: {reason} (the symmetric buffers hold that many tokens per "
                              f"rank per call; the communicator is now failed on every rank)")
         routing = self.router(x2)

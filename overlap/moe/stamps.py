@@ -82,7 +82,7 @@ class EPStamps:
         """Count the call (on every rank alike) and stamp it; raise a disagreement an earlier
         call recorded on the device. ``keep``: the stamp is written after the next call's
         (the symmetric backend's answers), so the CPU keeps a copy too."""
-        self.comm.raise_if_failed(op)
+        self.comm.check_usable(op)
         for agree in self._agree.values():
             self._guard(agree.raise_recorded, op)
         agree = self._agreement(op in _BACKWARD, torch.device(device))
@@ -121,5 +121,6 @@ class EPStamps:
         try:
             check(*args, **kw)
         except Disagreement as exc:
-            self.comm.fail(f"{exc.op}: EP ranks {exc.ranks[0]} and {exc.ranks[1]} {DISAGREE}")
+            self.comm.fail(RuntimeError(f"{exc.op}: EP ranks {exc.ranks[0]} and "
+                                        f"{exc.ranks[1]} {DISAGREE}"))
             raise

@@ -23,15 +23,16 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from overlap.defaults import TIMEOUT_S
 from overlap.dist.stamp import DTYPE_CODES, shape_words
 from overlap.tp.backends import (stamped_all_gather, stamped_all_reduce_finish,
                                  stamped_all_reduce_start, stamped_reduce_scatter)
-from overlap.tp.collectives import (TIMEOUT, all_gather_dim, all_reduce_async, reduce_scatter_dim,
+from overlap.tp.collectives import (all_gather_dim, all_reduce_async, reduce_scatter_dim,
                                     split_dim, wait)
 from overlap.tp.comm import BACKENDS, TPComm, TPCommFailed, default_comm
 from overlap.tp.ops import call_op, define_op
 
-__all__ = ["TIMEOUT", "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
+__all__ = ["copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
            "reduce_scatter_to_sp", "gather_from_sp", "all_reduce_async", "wait",
            "all_gather_dim", "reduce_scatter_dim", "split_dim", "stamp_call", "guarded"]
 
@@ -56,11 +57,12 @@ class _Group:
         self.world, self.rank = self.comm.world, self.comm.rank
         self.agree, self.backend = self.comm.agree, self.comm.backend
 
+    @property
     def where(self) -> str:
-        return self.comm.where()
+        return self.comm.where
 
-    def ensure_usable(self, op: str) -> None:
-        self.comm.ensure_usable(op)
+    def check_usable(self, op: str) -> None:
+        self.comm.check_usable(op)
 
     def fail(self, exc: BaseException) -> None:
         self.comm.fail(exc)
@@ -84,7 +86,7 @@ def stamp_call(comm, op: str, shape, dtype: torch.dtype, *, w_words=(), flags: i
 def guarded(comm, op: str, run):
     """``run()`` on a usable communicator; any error fails it (peers raise too, later calls
     raise TPCommFailed with the first error), as every fused op's does."""
-    comm.ensure_usable(op)
+    comm.check_usable(op)
     try:
         return run()
     except TPCommFailed:
@@ -136,7 +138,7 @@ def _scatter(x: torch.Tensor, dim: int, comm: TPComm, op: str) -> torch.Tensor:
         rows, rest = xm.shape[0], xm.shape[1:]
         if rows % comm.world:
             raise ValueError(f"{op}: dim {dim} of shape {tuple(x.shape)} must be divisible by "
-                             f"the group size {comm.world}{comm.where()}")
+                             f"the group size {comm.world}{comm.where}")
         stamp_call(comm, op, xm.shape, x.dtype, flags=dim)
         out = stamped_reduce_scatter(comm, xm.reshape(rows, math.prod(rest)).contiguous(), op)
         out = out.view(rows // comm.world, *rest)
@@ -265,14 +267,14 @@ def _comm(group, timeout, comm):
     return _Group(group, timeout)
 
 
-def copy_to_tp(x: torch.Tensor, *, group=None, timeout: float = TIMEOUT,
+def copy_to_tp(x: torch.Tensor, *, group=None, timeout: float = TIMEOUT_S,
                comm=None) -> torch.Tensor:
     """Identity forward; backward sums the gradient over ``group`` (or ``comm.group``)."""
     c = _comm(group, timeout, comm)
     return x if c.world == 1 else _CopyToTP.apply(x, c)
 
 
-def reduce_from_tp(x: torch.Tensor, *, group=None, timeout: float = TIMEOUT,
+def reduce_from_tp(x: torch.Tensor, *, group=None, timeout: float = TIMEOUT_S,
                    comm=None) -> torch.Tensor:
     """Forward sums ``x`` over ``group``; backward passes the (replicated) gradient through."""
     c = _comm(group, timeout, comm)
@@ -280,27 +282,27 @@ def reduce_from_tp(x: torch.Tensor, *, group=None, timeout: float = TIMEOUT,
 
 
 def scatter_to_tp(x: torch.Tensor, dim: int, *, group=None, sizes: list[int] | None = None,
-                  timeout: float = TIMEOUT, comm=None) -> torch.Tensor:
+                  timeout: float = TIMEOUT_S, comm=None) -> torch.Tensor:
     """Keep this rank's piece along ``dim``; backward all-gathers the gradient."""
     c = _comm(group, timeout, comm)
     return x if c.world == 1 else _ScatterToTP.apply(x, dim % x.dim(), c, sizes)
 
 
 def gather_from_tp(x: torch.Tensor, dim: int, *, group=None, sizes: list[int] | None = None,
-                   timeout: float = TIMEOUT, comm=None) -> torch.Tensor:
+                   timeout: float = TIMEOUT_S, comm=None) -> torch.Tensor:
     """All-gather along ``dim``; backward keeps this rank's piece of the gradient."""
     c = _comm(group, timeout, comm)
     return x if c.world == 1 else _GatherFromTP.apply(x, dim % x.dim(), c, sizes)
 
 
-def reduce_scatter_to_sp(x: torch.Tensor, dim: int, *, group=None, timeout: float = TIMEOUT,
+def reduce_scatter_to_sp(x: torch.Tensor, dim: int, *, group=None, timeout: float = TIMEOUT_S,
                          comm=None) -> torch.Tensor:
     """Sum partial activations and keep this rank's sequence shard; backward all-gathers."""
     c = _comm(group, timeout, comm)
     return x if c.world == 1 else _ReduceScatterToSP.apply(x, dim % x.dim(), c)
 
 
-def gather_from_sp(x: torch.Tensor, dim: int, *, group=None, timeout: float = TIMEOUT,
+def gather_from_sp(x: torch.Tensor, dim: int, *, group=None, timeout: float = TIMEOUT_S,
                    comm=None) -> torch.Tensor:
     """All-gather sequence shards; backward reduce-scatters the gradient."""
     c = _comm(group, timeout, comm)

@@ -5,12 +5,13 @@ Entry points: ``estimate(model, cluster, layout) -> Estimate`` and ``search(mode
 global_batch).ranked``, with ``get_model``, ``get_profile``, ``ClusterSpec`` and ``Layout``.
 
 Modules: ``models`` (shapes, parameters, FLOPs), ``hardware`` + ``profiles`` (device data and
-sources), ``layout``, ``memory``, ``compute``, ``comm``, ``bubble`` (the project's pipeline
-schedules replayed with per-stage costs), ``stages``, ``estimate``, ``search``, ``explain``,
-``report`` (text), ``config`` + ``cli`` (``overlap-plan``), ``fit`` (calibration to Narayanan
-et al. 2021), ``fit_moe`` (the MoE terms, to published Megatron-Core runs), ``calibrate`` +
-``calibrate_bench`` (this machine), ``selfpredict`` (the CPU self-prediction of ``python -m
-overlap.train``), ``cp`` (context parallelism), ``offload`` (activation offloading).
+sources), ``layout``, ``activations``, ``memory``, ``compute``, ``comm``, ``bubble`` (the
+project's pipeline schedules replayed with per-stage costs), ``stages``, ``estimate``,
+``search``, ``explain``, ``report`` (text), ``config`` + ``cli`` (``overlap-plan``), ``fit``
+(calibration to Narayanan et al. 2021), ``fit_moe`` (the MoE terms, to published Megatron-Core
+runs), ``calibrate`` + ``calibrate_bench`` (this machine), ``selfpredict`` (the CPU
+self-prediction of ``python -m overlap.train``), ``cp`` (context parallelism), ``offload``
+(activation offloading).
 The narrative (and an example): docs/design/planner.md.
 """
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from overlap.plan.activations import routed_rows
 from overlap.plan.comm import (Placement, all_to_all_time, axis_placement, collective_time,
                                edp_placement, ep_placement, ranks_placement)
 from overlap.plan.cp import cp_cost
 from overlap.plan.hardware import ClusterSpec, DeviceProfile
 from overlap.plan.layout import WIRE_BYTES, Layout
-from overlap.plan.memory import routed_rows
 from overlap.plan.models import ModelSpec
 
 __all__ = ["Gemm", "gemm_time", "flash_time", "LayerCost", "layer_cost", "fused_exposed",

@@ -2,7 +2,7 @@
 micro-batch on one GPU, the bytes to host, the copies' seconds raw and exposed, device memory.
 
 Legend: a chunk of L layers whose first n offload (k = L - n stay); layer j saves A_j bytes
-(``memory``'s count; full recomputation: its input), copied in c_j = A_j / B each way (B: the
+(``activations``' count; full recomputation: its input), copied in c_j = A_j / B each way (B: the
 GPU's host link per direction; both directions at once); f_j, b_j its forward and backward
 (ZB-H1: the I pass) seconds, E_j the end of its forward.
 d2h  one stream, copy j queued at E_j: D_j = max(D_{j-1}, E_j) + c_j, under the later layers'
@@ -20,11 +20,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from overlap.plan.activations import layer_activation_bytes
 from overlap.plan.compute import LayerContext, LayerCost
 from overlap.plan.cp import cp_stored_bytes
 from overlap.plan.hardware import ClusterSpec, DeviceProfile
 from overlap.plan.layout import Layout
-from overlap.plan.memory import layer_activation_bytes
 from overlap.plan.models import ModelSpec
 
 __all__ = ["ChunkOffload", "chunk_offload", "offload_chunks", "offloaded_blocks",

@@ -10,6 +10,8 @@ x16 at the fraction of it that published pinned-copy measurements reach, not fit
 
 from __future__ import annotations
 
+import os
+
 from overlap.plan.hardware import DeviceProfile, GemmCurve, LinkSpec
 
 __all__ = ["FITTED", "MOE_FITTED", "PROFILES", "get_profile", "build_profiles", "NCCL_LATENCY",
@@ -164,3 +166,10 @@ def get_profile(name: str) -> DeviceProfile:
     except KeyError:
         raise ValueError(f"--gpu {name!r} is unknown; expected one of {sorted(PROFILES)}") \
             from None
+
+
+def load_profile(name_or_path: str) -> DeviceProfile:
+    """A GPU name of ``overlap-plan`` or the path of a profile JSON (``--calibrate``)."""
+    if name_or_path.endswith(".json") or os.path.sep in name_or_path:
+        return DeviceProfile.load(name_or_path)
+    return get_profile(name_or_path)

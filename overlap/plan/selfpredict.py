@@ -1,23 +1,21 @@
 """Predict the step time of ``python -m overlap.train`` on this machine, and compare.
 
-``python -m overlap.plan.selfpredict --profile local.json [--measure]`` maps each
-configuration's ``TrainConfig`` to the planner's model and layout, estimates its step with the
-calibrated profile (all ranks on this machine, sharing ``host_cores`` cores), and with
-``--measure`` runs the job (one at a time) and reads the median step time it prints. The table
-it prints is the CPU self-prediction table of docs/planner.md. Nothing measured from the job feeds the
-prediction: the profile comes only from ``overlap-plan --calibrate``'s micro-benchmarks, except
-the number of free cores, which other jobs on a shared machine change by the minute and which
-is therefore measured again (the same micro-benchmark) just before and just after each run.
+``plan_inputs`` maps a job's settings (a ``TrainConfig``'s plain values; the planner does not
+import the training job) to the planner's model and layout, ``predict`` estimates its step with
+the calibrated profile (all ranks on this machine, sharing ``host_cores`` cores), ``measure``
+runs the job and reads the median step time it prints. ``python -m overlap.train.selfpredict
+--profile local.json [--measure]`` prints the CPU self-prediction table of docs/planner.md
+for ``CONFIGS``. Nothing measured from the job feeds the prediction: the profile comes only
+from ``overlap-plan --calibrate``'s micro-benchmarks, except the number of free cores, which
+other jobs on a shared machine change by the minute and which is therefore measured again (the
+same micro-benchmark) just before and just after each run.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import re
 import subprocess
 import sys
-import time
 
 from overlap.plan.estimate import Estimate, estimate
 from overlap.plan.hardware import ClusterSpec, DeviceProfile
@@ -36,13 +34,11 @@ def plan_inputs(cfg) -> tuple[ModelSpec, Layout]:
     """The planner's view of a ``TrainConfig``: overlap's GPT (untied head, learned positions,
     biases, no dropout) with the job's degrees, batch split, recomputation, offloading and
     dtype, and the runtime's overlaps on."""
-    from overlap.train.config import VOCAB_SIZE
-
     moe = dict(num_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k,
                num_shared_experts=cfg.moe_shared_experts, moe_every=cfg.moe_every,
                moe_ffn=4 * cfg.d_model) if cfg.moe_experts else {}
     model = ModelSpec(name="overlap-train", num_layers=cfg.n_layer, hidden=cfg.d_model,
-                      num_heads=cfg.n_head, vocab=VOCAB_SIZE, seq_len=cfg.seq_len,
+                      num_heads=cfg.n_head, vocab=cfg.vocab_size, seq_len=cfg.seq_len,
                       tied_embeddings=False, dropout=False, **moe)
     moe_layout = (dict(ep=cfg.ep, capacity_factor=cfg.capacity_factor or None)
                   if cfg.moe_experts else {})
@@ -60,10 +56,8 @@ def plan_inputs(cfg) -> tuple[ModelSpec, Layout]:
     return model, layout
 
 
-def predict(argv: tuple[str, ...], profile: DeviceProfile) -> Estimate:
-    from overlap.train.config import parse_args
-
-    cfg = parse_args(list(argv))
+def predict(cfg, profile: DeviceProfile) -> Estimate:
+    """The planner's step of the job ``cfg`` (a ``TrainConfig``) on this machine."""
     model, layout = plan_inputs(cfg)
     return estimate(model, ClusterSpec.local(profile, cfg.world_size), layout)
 
@@ -81,48 +75,3 @@ def measure(argv: tuple[str, ...], timeout: float = 900.0) -> float:
         raise RuntimeError(f"overlap.train {' '.join(argv)} failed (exit {proc.returncode}):\n"
                            f"{tail}")
     return float(found.group(1)) / 1e3
-
-
-def _name(conf: tuple[str, ...]) -> str:
-    return " ".join(conf) or "default (--tp 2 --pp 2 --dp 2)"
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m overlap.plan.selfpredict",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--profile", required=True, help="a profile from overlap-plan --calibrate")
-    p.add_argument("--measure", action="store_true", help="also run each job and compare")
-    args = p.parse_args(argv)
-    profile = DeviceProfile.load(args.profile)
-    print(f"profile {args.profile}: {profile.host_cores:.2f} cores when calibrated; "
-          f"{time.strftime('%Y-%m-%d %H:%M')}")
-    if not args.measure:
-        print("| configuration | predicted step | CPU-bound |")
-        print("|---|---:|---|")
-        for conf in CONFIGS:
-            est = predict(conf, profile)
-            print(f"| {_name(conf)} | {est.step_time_s * 1e3:.0f} ms | "
-                  f"{'yes' if est.cpu_bound else 'no'} |")
-        return 0
-    from overlap.plan.calibrate import measure_cores
-    from overlap.train.config import parse_args
-
-    print("| configuration | cores free (before/after) | predicted step | measured step | "
-          "error | load avg |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for conf in CONFIGS:
-        ranks = parse_args(list(conf)).world_size
-        before = measure_cores(ranks)
-        secs = measure(conf)
-        after = measure_cores(ranks)
-        # The other tenants' load changes by the minute: the one profile number that is
-        # re-measured around each run is how many cores were free.
-        est = predict(conf, profile.replace(host_cores=(before + after) / 2))
-        print(f"| {_name(conf)} | {before:.2f} / {after:.2f} | {est.step_time_s * 1e3:.0f} ms | "
-              f"{secs * 1e3:.0f} ms | {100 * (est.step_time_s / secs - 1):+.0f}% | "
-              f"{os.getloadavg()[0]:.2f} |", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -324,7 +324,7 @@ def _tail(comm, dtype: torch.dtype, op: str) -> tuple[int, int]:
     bits = sum_tail_bits(dtype)
     if not bits:
         raise TypeError(f"{op}: a reduction of dtype {dtype} cannot carry the call's stamp"
-                        f"{comm.where()}")
+                        f"{comm.where}")
     return bits, comm.world * WORDS * sum_tail_chunks(bits)
 
 

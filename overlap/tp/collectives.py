@@ -15,11 +15,10 @@ from torch.distributed.distributed_c10d import (AllgatherOptions, AllreduceOptio
 from overlap.defaults import TIMEOUT_S
 from overlap.profile.timers import comm_wait
 
-__all__ = ["TIMEOUT", "wait", "all_reduce_async", "all_reduce", "split_dim", "all_gather_dim",
+__all__ = ["wait", "all_reduce_async", "all_reduce", "split_dim", "all_gather_dim",
            "reduce_scatter_dim", "all_gather_single", "reduce_scatter_single",
            "post_all_reduce", "post_all_gather", "post_reduce_scatter", "wait_limit"]
 
-TIMEOUT = TIMEOUT_S  # overlap.defaults
 
 # torch >= 2.12 renamed the tensor collectives; older torch only has the *_tensor names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -80,7 +79,7 @@ def wait_limit(timeout: float) -> timedelta:
     return timedelta(seconds=timeout)
 
 
-def wait(work, *, op: str, group, timeout: float = TIMEOUT, axis: str = "tp") -> None:
+def wait(work, *, op: str, group, timeout: float = TIMEOUT_S, axis: str = "tp") -> None:
     """Wait for an async collective, at most ``timeout`` s; name the op and group on failure.
     ``axis`` prefixes the op's name ("tp", "ep")."""
     try:
@@ -99,7 +98,7 @@ def all_reduce_async(t: torch.Tensor, *, group):
     return post_all_reduce(t, group)
 
 
-def all_reduce(t: torch.Tensor, *, group, op: str, timeout: float = TIMEOUT) -> torch.Tensor:
+def all_reduce(t: torch.Tensor, *, group, op: str, timeout: float = TIMEOUT_S) -> torch.Tensor:
     work = all_reduce_async(t, group=group)
     if work is not None:
         wait(work, op=op, group=group, timeout=timeout)
@@ -123,7 +122,7 @@ def split_dim(x: torch.Tensor, dim: int, *, group, sizes: list[int] | None = Non
 
 
 def all_gather_dim(x: torch.Tensor, dim: int, *, group, sizes: list[int] | None = None,
-                   op: str = "all_gather", timeout: float = TIMEOUT) -> torch.Tensor:
+                   op: str = "all_gather", timeout: float = TIMEOUT_S) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``; uneven ``sizes`` are padded for the wire."""
     tp = _size(group)
     if tp == 1:
@@ -144,7 +143,7 @@ def all_gather_dim(x: torch.Tensor, dim: int, *, group, sizes: list[int] | None 
 
 
 def reduce_scatter_dim(x: torch.Tensor, dim: int, *, group, op: str = "reduce_scatter",
-                       timeout: float = TIMEOUT) -> torch.Tensor:
+                       timeout: float = TIMEOUT_S) -> torch.Tensor:
     """Sum ``x`` over the group and keep this rank's 1/tp piece along ``dim``."""
     tp = _size(group)
     if tp == 1:

@@ -22,51 +22,57 @@ import torch
 import torch.distributed as dist
 from overlap.versions import MemberType, OpaqueBase, register_opaque_type, torch_problem
 
-from overlap.defaults import TIMEOUT_S, positive_int, positive_seconds
+from overlap.defaults import positive_int
+from overlap.dist.communicator import CommFailed, CommOptions, Communicator, options_of
 from overlap.dist.device import comm_device
 from overlap.dist.host import host_id
 from overlap.dist.stamp import Agreement
-from overlap.errors import OverlapError
 from overlap.symm.workspace import group_name
 from overlap.tp import stamps
 from overlap.tp.autochunk import AUTO, ChunkRace
 
-__all__ = ["TPComm", "TPCommFailed", "BACKENDS", "DEFAULT_TIMEOUT", "MAX_CONTEXTS",
+__all__ = ["TPComm", "TPCommFailed", "BACKENDS", "MAX_CONTEXTS",
            "default_comm", "owned_comm", "close_default_comms"]
 
 BACKENDS = ("auto", "chunked", "symmetric", "triton", "unfused")
-DEFAULT_TIMEOUT = TIMEOUT_S  # overlap.defaults
 MAX_CONTEXTS = 16
 MAX_SIGNATURES = 1024  # validated call signatures remembered (then forgotten and re-checked)
 
 
-class TPCommFailed(OverlapError, RuntimeError):
+class TPCommFailed(CommFailed):
     """A call on a TP communicator that failed earlier; the message carries the first error."""
 
 
-class TPComm(OpaqueBase):
+class TPComm(Communicator, OpaqueBase):
     """A TP group's fused-op communicator (see the module docstring). Custom ops take it as an
-    opaque object (torch.compile passes the object itself; no registry of communicators)."""
+    opaque object (torch.compile passes the object itself; no registry of communicators).
+    ``options`` (CommOptions): backend (default "auto"), chunks, timeout, check_inputs, device;
+    the keywords, when given, override it."""
 
-    def __init__(self, group: dist.ProcessGroup, *, backend: str = "auto",
-                 chunks: int | str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 check_inputs: bool = True, device: torch.device | str | None = None):
+    failed_type = TPCommFailed
+
+    def __init__(self, group: dist.ProcessGroup, options: CommOptions | None = None, *,
+                 backend: str | None = None, chunks: int | str | None = None,
+                 timeout: float | None = None, check_inputs: bool | None = None,
+                 device: torch.device | str | None = None):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"TPComm: group must be a torch.distributed ProcessGroup (e.g. "
                             f"dims.tp_group), got {type(group).__name__}")
+        opts = options_of(options, "TPComm", backend=backend, chunks=chunks, timeout=timeout,
+                          check_inputs=check_inputs, device=device,
+                          where=f" (rank {dist.get_rank(group)} of group {group_name(group)})")
+        backend = "auto" if opts.backend is None else opts.backend
+        chunks, device = opts.chunks, opts.device
         too_old = torch_problem()
         if too_old:
             raise RuntimeError(f"TPComm: {too_old}; no backend runs on it (rank "
                                f"{dist.get_rank(group)})")
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        at = f" (rank {self.rank} of group {group_name(group)})"
+        Communicator.__init__(self, group, timeout=opts.timeout)
+        at = self.where
         if backend not in BACKENDS:
             raise ValueError(f"TPComm: backend must be one of {BACKENDS}, got {backend!r}{at}")
         if chunks is not None and chunks != AUTO:
             positive_int(chunks, "TPComm: chunks", extra=" or 'auto'", where=at)
-        positive_seconds(timeout, "TPComm: timeout", where=at)
         self.device = torch.device(device) if device is not None else comm_device(group)
         if chunks is None:
             # The default: race on a GPU (CUDA events time the device alone); world pieces on
@@ -74,16 +80,13 @@ class TPComm(OpaqueBase):
             # slower (the main job: 1120 vs 838 ms per step, docs/tp-ops.md).
             chunks = AUTO if self.device.type == "cuda" else self.world
         self.chunks = chunks
-        self.timeout = float(timeout)
-        self.check_inputs = bool(check_inputs)
+        self.check_inputs = bool(opts.check_inputs)
         self.requested_backend = backend
         self.backend = self._resolve(backend, at)
         # A race only where pieces are a choice: more than one rank, a backend that chunks.
         self.auto = (ChunkRace(self) if chunks == AUTO and self.world > 1
                      and self.backend in ("chunked", "symmetric") else None)
-        self.closed = False
         self.default = False  # made by default_comm (the group= form)
-        self._failed: BaseException | None = None
         self._contexts: collections.OrderedDict[tuple, object] = collections.OrderedDict()
         # Signatures (op, shapes, dtypes, devices, chunks) whose local checks passed: they are
         # a function of the signature alone, so a call repeats them only for a new one.
@@ -120,37 +123,31 @@ class TPComm(OpaqueBase):
         return auto_backend(self.device, len({e[2] for e in every}) == 1, at)
 
     def __repr__(self) -> str:
-        state = ("closed" if self.closed else f"failed: {self._failed}" if self._failed
+        state = ("closed" if self.closed else f"failed: {self.failure}" if self.failure
                  else f"{len(self._contexts)} workspaces")
         return (f"TPComm(group {group_name(self.group)}, rank {self.rank}/{self.world}, "
                 f"backend={self.backend!r}, chunks={self.chunks}, timeout={self.timeout:g}s, "
                 f"{state})")
 
-    def where(self) -> str:
-        return f" (rank {self.rank} of group {group_name(self.group)})"
+    def _place(self) -> str:
+        return f"rank {self.rank} of group {group_name(self.group)}"
 
-    # ------------------------------------------------------------------ failure state
-    @property
-    def failed(self) -> BaseException | None:
-        return self._failed
+    # ------------------------------------------------------------------ failure hooks
+    def _failure_text(self, exc: BaseException, op: str) -> str:
+        return f"{exc}"
 
-    def ensure_usable(self, op: str) -> None:
+    def _refused(self, op: str) -> TPCommFailed:
         if self.closed:
             hint = ("; build a new TPComm" if not self.default else
                     " (close_default_comms); the group= form makes a new one on its next eager "
                     "call, while a torch.compile'd function keeps the one it traced until "
                     "torch._dynamo.reset()")
-            raise TPCommFailed(f"{op}: the TP communicator was closed{self.where()}{hint}")
-        if self._failed is not None:
-            raise TPCommFailed(f"{op}: communicator failed earlier{self.where()}: "
-                               f"{self._failed}") from self._failed
+            return TPCommFailed(f"{op}: the TP communicator was closed{self.where}{hint}")
+        return TPCommFailed(f"{op}: communicator failed earlier{self.where}: {self.failure}")
 
-    def fail(self, exc: BaseException) -> None:
-        """Record the first error and abort every workspace, so peers blocked on this rank
-        raise now (with this reason) instead of at their timeout."""
-        if self._failed is not None:
-            return
-        self._failed = exc
+    def _abort_peers(self, exc: BaseException) -> None:
+        """Abort every workspace, so peers blocked on this rank raise now (with this reason)
+        instead of at their timeout."""
         for context in list(self._contexts.values()):
             context.fail(exc)
         self._contexts.clear()
@@ -232,28 +229,19 @@ class TPComm(OpaqueBase):
         return len(self._contexts)
 
     # ------------------------------------------------------------------ lifetime
-    def close(self) -> None:
+    def _release(self, wait_for_peers: bool) -> None:
         """Free every workspace and stop every copier. Collective: each rank waits (at most
         the timeout, capped at 5 s) until its peers have finished reading its buffers."""
-        if self.closed:
-            return
-        self.closed = True
         for context in list(self._contexts.values()):
-            context.close(wait_for_peers=self._failed is None)
+            context.close(wait_for_peers=wait_for_peers)
         self._contexts.clear()
         if self.header is not None:
-            self.header.close(wait_for_peers=self._failed is None)
+            self.header.close(wait_for_peers=wait_for_peers)
 
     def __deepcopy__(self, memo) -> "TPComm":
         # A handle to live transport state, not a value: a compiled graph that holds the
         # group= form's communicator as a constant is deep-copied by torch.compile's backward.
         return self
-
-    def __enter__(self) -> "TPComm":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __del__(self) -> None:
         try:
@@ -296,12 +284,10 @@ def default_comm(group, *, backend: str = "auto", op: str = "tp") -> TPComm:
     return comm
 
 
-def owned_comm(group, *, backend: str, chunks: int | str | None, timeout: float | None,
-               check_inputs: bool) -> TPComm:
+def owned_comm(group, options: CommOptions) -> TPComm:
     """A new communicator with these settings, registered with the group's default ones so
     that ``close_default_comms()`` closes it too (``ParallelDims.tp_comm``)."""
-    comm = TPComm(group, backend=backend, chunks=chunks, check_inputs=check_inputs,
-                  timeout=DEFAULT_TIMEOUT if timeout is None else timeout)
+    comm = TPComm(group, options)
     per_group = _defaults.get(group)
     if per_group is None:
         per_group = _defaults[group] = {}

@@ -21,33 +21,32 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from overlap.defaults import TIMEOUT_S
+from overlap.dist.communicator import Communicator
 from overlap.dist.streams import StreamStillRunning
 from overlap.symm.workspace import PeerDied, SignalTimeout, create_workspace, group_name
 from overlap.tp.copier import Copier
 
 __all__ = ["TPContext"]
 
-DEFAULT_TIMEOUT = 30.0
 _ids = itertools.count()
 # (workspace, copier) of contexts closed while their copy worker was still running: kept
 # mapped for the life of the process, since that worker may still touch them.
 _KEPT: list[tuple] = []
 
 
-class TPContext:
-    """Workspace, phase counter and copier of one fused op over one group. See module doc."""
+class TPContext(Communicator):
+    """Workspace, phase counter and copier of one fused op over one group. See module doc.
+    Its failure and close are the Communicator's; ``_abort_peers`` and ``_release`` are its
+    own."""
 
     def __init__(self, *, op: str, backend: str, group: dist.ProcessGroup, nbytes: int,
-                 num_signals: int, device: torch.device, timeout: float = DEFAULT_TIMEOUT):
+                 num_signals: int, device: torch.device, timeout: float = TIMEOUT_S):
+        super().__init__(group, timeout=timeout)
         self.op = op
         self.backend = backend
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
         self.device = device
-        self.timeout = timeout
         self.phase = 0
-        self.closed = False
         # slot -> value every peer must reach before our buffers may be released (AG readers).
         self.quiesce: dict[int, int] = {}
         self.scratch: dict = {}  # an op's small buffers kept between calls (defaults.kept)
@@ -80,7 +79,10 @@ class TPContext:
                              f"of group {group_name(self.group)}); make the context with "
                              f"nbytes >= {nbytes}")
 
-    def fail(self, exc: BaseException) -> None:
+    def _place(self) -> str:
+        return f"rank {self.rank} of group {group_name(self.group)}"
+
+    def _abort_peers(self, exc: BaseException) -> None:
         """The op (or its communicator) failed: wake the peers with the reason, then release
         everything once they have let go of this rank's buffers (a peer may still be reading
         it for an earlier, successful call; the wait is bounded and ends at once for dead
@@ -95,13 +97,10 @@ class TPContext:
         threading.Thread(target=self.close, kwargs={"wait_for_peers": True}, daemon=True,
                          name=f"overlap-deferred-free-{self.op}").start()
 
-    def close(self, *, wait_for_peers: bool = True) -> None:
+    def _release(self, wait_for_peers: bool) -> None:
         """Free the workspace and stop the copier. With ``wait_for_peers`` the workspace is
         freed only once every peer has closed it too (at most min(5 s, timeout)): every rank
         closes a context, as every rank created it. Error paths pass False."""
-        if self.closed:
-            return
-        self.closed = True
         self.scratch.clear()
         free = True
         try:

@@ -43,7 +43,7 @@ def _run(op: str, comm: TPComm, body, x: torch.Tensor | None = None,
     backward's plain gather/scatter), the layer's weight whose shape its stamp carries, so
     two layers' backwards run in other orders on other ranks disagree there too."""
     if comm.closed or comm.failed is not None:
-        comm.ensure_usable(op)
+        comm.check_usable(op)
     try:
         if start is not None:
             _validate(op, comm, x, w, chunks, *start)
@@ -94,7 +94,7 @@ def _name_the_op(exc: BaseException, op: str, comm: TPComm) -> None:
     kind = ("peer aborted" if "aborted" in text else
             "peer died" if isinstance(exc, PeerDied) or "exited" in text else
             "timed out" if isinstance(exc, TimeoutError) else "failed")
-    exc.args = (f"{op} ({comm.backend}){comm.where()} {kind}: {text}", *exc.args[1:])
+    exc.args = (f"{op} ({comm.backend}){comm.where} {kind}: {text}", *exc.args[1:])
 
 
 def _empty(t: torch.Tensor) -> torch.Tensor:
@@ -352,13 +352,13 @@ def _check_reshapable(op: str, comm: TPComm, x, w, seq_dim: int) -> None:
     for name, t in ((xname, x), ("w", w)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got "
-                            f"{type(t).__name__}{comm.where()}")
+                            f"{type(t).__name__}{comm.where}")
     if seq_dim not in (0, 1) or (seq_dim == 1 and x.dim() != 3):
         raise ValueError(f"{op}: seq_dim must be 0, or 1 for a batch-first 3-D [B, S, K] input, "
-                         f"got seq_dim={seq_dim!r} for shape {tuple(x.shape)}{comm.where()}")
+                         f"got seq_dim={seq_dim!r} for shape {tuple(x.shape)}{comm.where}")
     if x.dim() == 0:
         raise ValueError(f"{op}: {xname} must be 2-D [M, K] or 3-D sequence-first [S, B, K], "
-                         f"got a 0-d tensor{comm.where()}")
+                         f"got a 0-d tensor{comm.where}")
 
 
 def _settings(comm: TPComm, comm_given: bool, chunks, check_inputs: bool) -> tuple[int, bool]:

@@ -93,7 +93,7 @@ def _membership_changed(cfg: TrainConfig, world: int, rpn: int, launcher: str) -
     except ConfigError as exc:
         raise SystemExit(f"overlap-train: error: {exc}") from None
     if int(os.environ["RANK"]) == 0:
-        from overlap.train.elastic import log_event
+        from overlap.train.events import log_event
         from overlap.train.shrink import layout_dict
 
         print(f"overlap-train: {launcher} started {world} ranks instead of {cfg.world_size}: "

@@ -163,6 +163,11 @@ class TrainConfig:
         return self.tp * self.cp * self.pp * self.dp
 
     @property
+    def vocab_size(self) -> int:
+        """The byte-level tokenizer's vocabulary (what the planner's view of the job reads)."""
+        return VOCAB_SIZE
+
+    @property
     def node_size(self) -> int:
         """Ranks per node: --ranks-per-node, or the whole job as one node."""
         return self.ranks_per_node or self.world_size
@@ -390,7 +395,7 @@ class TrainConfig:
                                   f"{self.node_size} ranks (--ranks-per-node), so "
                                   "losing one always leaves fewer than --min-nodes; pass "
                                   "--ranks-per-node and a smaller --min-nodes")
-            from overlap.train.shrink import load_profile
+            from overlap.plan.profiles import load_profile
 
             try:
                 load_profile(self.plan_profile)

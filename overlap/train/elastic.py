@@ -15,7 +15,6 @@ workers (``TORCHELASTIC_RESTART_COUNT``).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -24,8 +23,9 @@ import time
 
 from overlap.dist.launch import LaunchError, RankOutcome
 from overlap.train.config import ConfigError, TrainConfig
+from overlap.train.events import log_event
 
-__all__ = ["run", "root_cause", "log_event"]
+__all__ = ["run", "root_cause"]
 
 # Imported once by the fork server, not by every rank (local launches are CPU processes):
 # torch's optimizers import torch._dynamo on their first construction, 1.5-2 s of CPU per rank
@@ -59,16 +59,6 @@ def root_cause(exc: LaunchError) -> str:
     if others:
         lines.append(f"then ranks {', '.join(others)} failed or were stopped as a consequence")
     return "\n".join(lines)
-
-
-def log_event(cfg: TrainConfig, event: str, **fields) -> None:
-    """Append one JSON line to ``--log-json`` (one write: lines of other processes interleave
-    whole)."""
-    if not cfg.log_json:
-        return
-    line = json.dumps({"event": event, "time": round(time.time(), 3), **fields})
-    with open(cfg.log_json, "a") as f:
-        f.write(line + "\n")
 
 
 def _say(msg: str) -> None:

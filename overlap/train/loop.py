@@ -32,7 +32,7 @@ from overlap.profile import nvtx
 from overlap.profile.timers import comm_wait, exposed_seconds, reset_exposed
 from overlap.train.config import VOCAB_SIZE, TrainConfig, agree_across_ranks, shared_settings
 from overlap.train.data import Batches, load_tokens
-from overlap.train.elastic import log_event
+from overlap.train.events import log_event
 from overlap.train.shrink import layout_dict
 
 __all__ = ["train_rank", "tp_comm_for", "reference_losses", "StepRecord", "model_config",

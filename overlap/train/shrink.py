@@ -39,13 +39,12 @@ class Choice:
 
 
 def load_profile(name_or_path: str):
-    """A GPU name of ``overlap-plan`` or the path of a profile JSON (``--calibrate``)."""
-    from overlap.plan.hardware import DeviceProfile
-    from overlap.plan.profiles import get_profile
+    """``overlap.plan.profiles.load_profile``: a GPU name of ``overlap-plan`` or the path of a
+    profile JSON. Imported on the call: the planner's imports are ~80 ms that a rank of a job
+    without --min-nodes never needs."""
+    from overlap.plan.profiles import load_profile as load
 
-    if name_or_path.endswith(".json") or os.path.sep in name_or_path:
-        return DeviceProfile.load(name_or_path)
-    return get_profile(name_or_path)
+    return load(name_or_path)
 
 
 def global_batch(cfg: TrainConfig) -> int:

@@ -24,12 +24,13 @@ from overlap.comm.quant import checks, paths, stamps
 from overlap.comm.quant.checks import COMM_DTYPES
 from overlap.comm.quant.feedback import ErrorFeedback
 from overlap.comm.quant.state import (GroupState, QuantCommError, QuantCommFailed, QuantTimeout,
-                                      failing, state_for)
-from overlap.comm.quant.work import DEFAULT_TIMEOUT, OpRun, QuantWork, drain, submit
+                                      state_for)
+from overlap.comm.quant.work import OpRun, QuantWork, drain, submit
+from overlap.defaults import TIMEOUT_S
 from overlap.dist.stamp import Disagreement
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "ErrorFeedback", "QuantWork", "drain",
-           "DEFAULT_BLOCK_SIZE", "DEFAULT_TIMEOUT", "COMM_DTYPES", "wire_bytes",
+           "DEFAULT_BLOCK_SIZE", "COMM_DTYPES", "wire_bytes",
            "QuantCommError", "QuantCommFailed", "QuantTimeout", "Disagreement"]
 
 # 128: relative RMS error of a 4-rank INT8 all-reduce of N(0,1) data 0.9e-2 (64: 0.8e-2,
@@ -60,7 +61,7 @@ def _launch(opname, state, group, t, body, *, async_op, check_ranks, comm_dtype,
 
     def checked_body():
         run = OpRun(state, group, opname, timeout, device)
-        if state.size > 1:
+        if state.world > 1:
             # Every call counts itself and carries its stamp in the data it exchanges (paths);
             # the layout is built once per key, a call only copies it and sets its number.
             agree = stamps.agreement(state, device)
@@ -89,7 +90,7 @@ def all_reduce(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "s
                block_size: int = DEFAULT_BLOCK_SIZE, stochastic: bool = False, seed: int = 0,
                error_feedback: ErrorFeedback | None = None, check_ranks: bool = True,
                async_op: bool = False, impl: str = "auto",
-               timeout: float = DEFAULT_TIMEOUT, tag: int = 0) -> torch.Tensor | QuantWork:
+               timeout: float = TIMEOUT_S, tag: int = 0) -> torch.Tensor | QuantWork:
     """All-reduce ``t`` (contiguous, any shape) in place: t = sum_r t_r (or the mean).
 
     ``stochastic``/``seed``: stochastic rounding for INT8, with noise keyed by (seed, rank,
@@ -115,12 +116,12 @@ def all_reduce(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str = "s
     whose ``wait()`` returns ``t``."""
     opname = "quant.all_reduce"
     state = _state(opname, group)
-    with failing(state):
+    with state.guard(opname):
         state.check_usable(opname)
         comm_dtype, op, timeout = _common(opname, state, comm_dtype, op, timeout)
         checks.validate(opname, state.rank, t, comm_dtype, op, block_size, error_feedback,
                         needs_contiguous=True, impl=impl)
-        n = state.size
+        n = state.world
         divisor = float(n) if op == "avg" else 1.0
 
         def body(run):
@@ -149,17 +150,17 @@ def reduce_scatter(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str 
                    block_size: int = DEFAULT_BLOCK_SIZE, stochastic: bool = False, seed: int = 0,
                    error_feedback: ErrorFeedback | None = None, check_ranks: bool = True,
                    async_op: bool = False, impl: str = "auto",
-                   timeout: float = DEFAULT_TIMEOUT, tag: int = 0) -> torch.Tensor | QuantWork:
+                   timeout: float = TIMEOUT_S, tag: int = 0) -> torch.Tensor | QuantWork:
     """Reduce ``t`` [n*m0, *rest] over the group and return this rank's slice [m0, *rest] of
     the sum (or mean): out_shard_r = sum_k t_k[r*m0 : (r+1)*m0]. Options as in ``all_reduce``."""
     opname = "quant.reduce_scatter"
     state = _state(opname, group)
-    with failing(state):
+    with state.guard(opname):
         state.check_usable(opname)
         comm_dtype, op, timeout = _common(opname, state, comm_dtype, op, timeout)
         checks.validate(opname, state.rank, t, comm_dtype, op, block_size, error_feedback,
                         needs_contiguous=False, impl=impl)
-        n = state.size
+        n = state.world
         if t.dim() == 0 or t.shape[0] % n:
             raise ValueError(f"{opname}: rank {state.rank}: t.shape[0] must be divisible by "
                              f"the group size {n}, got shape {tuple(t.shape)}")
@@ -191,13 +192,13 @@ def reduce_scatter(t: torch.Tensor, *, group, comm_dtype: str = "fp32", op: str 
 def all_gather(t: torch.Tensor, *, group, comm_dtype: str = "fp32",
                block_size: int = DEFAULT_BLOCK_SIZE, stochastic: bool = False, seed: int = 0,
                check_ranks: bool = True, async_op: bool = False, impl: str = "auto",
-               timeout: float = DEFAULT_TIMEOUT, tag: int = 0) -> torch.Tensor | QuantWork:
+               timeout: float = TIMEOUT_S, tag: int = 0) -> torch.Tensor | QuantWork:
     """Gather ``t`` [m0, *rest] from every rank into [n*m0, *rest] (rank r's at rows
     r*m0 : (r+1)*m0). With a lossy ``comm_dtype`` every rank's part, its own included, is the
     dequantized one, so all ranks hold the same result. Options as in ``all_reduce``."""
     opname = "quant.all_gather"
     state = _state(opname, group)
-    with failing(state):
+    with state.guard(opname):
         state.check_usable(opname)
         comm_dtype, _, timeout = _common(opname, state, comm_dtype, "sum", timeout)
         checks.validate(opname, state.rank, t, comm_dtype, "sum", block_size, None,
@@ -205,7 +206,7 @@ def all_gather(t: torch.Tensor, *, group, comm_dtype: str = "fp32",
         if t.dim() == 0:
             raise ValueError(f"{opname}: rank {state.rank}: t must have at least one dim "
                              "(gathered along dim 0)")
-        n = state.size
+        n = state.world
         out_shape = (n * t.shape[0], *t.shape[1:])
 
         def body(run):

@@ -111,7 +111,7 @@ def exchange_stamps(run, what: str = "all_gather", *, named: bool = False) -> No
     peer with data never waits for it)."""
     if run.stamps_agreed:
         return  # already exchanged and compared before the data (plain gloo)
-    n = run.state.size
+    n = run.state.world
     send = run.buffer("stamp", (1, STAMP_BYTES), torch.uint8)
     _write_stamps(run, send, 0)
     table = run.buffer("stamps", (n, STAMP_BYTES), torch.uint8)
@@ -322,9 +322,9 @@ def bf16_all_gather(x, run, n):
 # division), so the tail is exact whatever the op. The all-gather is a byte copy: stamped rows.
 
 def _tail_bits(run, dtype: torch.dtype) -> tuple[int, int]:
-    bits, tail = sum_tail(dtype, run.state.size)
+    bits, tail = sum_tail(dtype, run.state.world)
     if not bits:
-        raise TypeError(f"{run.op}: {run.state.where}: comm_dtype='fp32' cannot carry the call's "
+        raise TypeError(f"{run.op}: {run.state.place}: comm_dtype='fp32' cannot carry the call's "
                         f"stamp in a reduction of dtype {dtype}")
     return bits, tail
 
@@ -382,12 +382,12 @@ def plain_all_reduce(x, run, avg):
     bits, T = _tail_bits(run, x.dtype)
     buf = run.buffer("sum", (N + T,), x.dtype)
     buf[:N].copy_(flat)
-    tail = buf[N:].view(run.state.size, -1)
+    tail = buf[N:].view(run.state.world, -1)
     _pack_tail(run, tail, bits)
     run.all_reduce(buf, dist.ReduceOp.SUM)
     _verify_tail(run, tail, bits)
     res = buf[:N]
     if avg:
-        res.div_(run.state.size)
+        res.div_(run.state.world)
     run.agree.poison(res)
     flat.copy_(res)

@@ -66,7 +66,7 @@ def agreement(state, device: torch.device) -> Agreement:
     if agree is None or agree.device != torch.device(device):
         calls = agree.calls if agree is not None else 0
         agree = state.agree = Agreement(
-            SCHEMA, rank=state.rank, world=state.size, device=torch.device(device),
+            SCHEMA, rank=state.rank, world=state.world, device=torch.device(device),
             where=f" (group {state.name!r}, global ranks {state.global_ranks})")
         agree.calls = calls
     return agree
@@ -82,7 +82,7 @@ def exchange_on_failure(state, op: str, mine: list[int], transport: BaseExceptio
     state._store_call(lambda s: s.set(f"{key}{state.rank}", ",".join(map(str, mine))))
     theirs: dict[int, list[int]] = {}
     deadline = time.monotonic() + _EXCHANGE_S
-    waiting = [q for q in range(state.size) if q != state.rank]
+    waiting = [q for q in range(state.world) if q != state.rank]
     while waiting and time.monotonic() < deadline:
         for q in list(waiting):
             k = f"{key}{q}"

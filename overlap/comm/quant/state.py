@@ -14,22 +14,22 @@ The narrative: docs/design/quantized.md.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import weakref
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from overlap.dist.communicator import CommFailed, Communicator
 from overlap.dist.device import plain_gloo
 from overlap.dist.host import host_id, pid_alive
 from overlap.dist.stamp import Disagreement
 from overlap.errors import OverlapError
 
 __all__ = ["QuantCommError", "QuantTimeout", "QuantCommFailed", "GroupState", "state_for",
-           "existing_state", "failing"]
+           "existing_state"]
 
 _PREFIX = "overlap.comm.quant"
 
@@ -38,7 +38,7 @@ class QuantCommError(OverlapError, RuntimeError):
     """A quantized collective failed. ``op``, ``group`` (name), ``rank`` (group rank),
     ``peer`` (group rank of the peer at fault, when known) and ``kind``: "died" (a peer
     exited), "timeout", "peer_failed" (a peer published an error), "transport" (the backend
-    raised) or "failed" (the group had failed earlier)."""
+    raised) or "failed" (the group had failed earlier, or its state was closed)."""
 
     def __init__(self, message: str, *, op: str, group: str, rank: int, peer: int | None = None,
                  kind: str = "transport"):
@@ -50,7 +50,7 @@ class QuantTimeout(QuantCommError, TimeoutError):
     """A wait of a quantized collective did not complete within its ``timeout``."""
 
 
-class QuantCommFailed(QuantCommError):
+class QuantCommFailed(QuantCommError, CommFailed):
     """A call on a group whose quantized collectives failed earlier (message carries the first
     error)."""
 
@@ -69,26 +69,25 @@ def _default_store():
         return None
 
 
-class GroupState:
+class GroupState(Communicator):
     """Scratch buffers, issue order and failure of the quantized collectives on one group.
+    The failure rule is the Communicator's (``guard``, ``fail``, ``check_usable``); the
+    messages read "<op>: <place>: ..." (``place``).
 
     Concurrency: the ops of one group run one at a time (``work`` orders them), so the scratch
-    is never shared by two ops; ``lock`` guards ``tail`` and ``failed``, which the caller's
+    is never shared by two ops; ``lock`` guards ``tail`` and the scratch, which the caller's
     thread and async workers both touch."""
 
+    failed_type = QuantCommFailed
+    holds_group = False  # keyed weakly by the group (state_for): the state dies with it
+
     def __init__(self, group: Any):
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self.global_ranks = dist.get_process_group_ranks(group)
+        super().__init__(group)
         self.name = _group_name(group) or f"<unnamed, global ranks {self.global_ranks}>"
-        self.where = f"rank {self.rank} of group {self.name!r} (global ranks {self.global_ranks})"
         self.lock = threading.Lock()
         self.agree: Any = None  # the group's per-call stamps (``stamps.agreement``)
         self.tail: Any = None  # the last async op submitted, until it completes
         self.stream_: Any = None  # the group's communication stream (overlap.dist.streams)
-        # The first error as text: an exception object would keep its traceback's frames, and
-        # with them this group (the dictionary's key) and its tensors, alive for good.
-        self.failed: str | None = None
         self._scratch: dict[tuple[str, str], torch.Tensor] = {}
         self._pids: dict[int, int] = {}
         self._store = _default_store() if _group_name(group) is not None else None
@@ -99,7 +98,7 @@ class GroupState:
         # Plain gloo aborts the process that receives a message larger than it posted (an
         # error on its transport thread): every call there agrees its stamps alone first.
         self.plain_gloo = plain_gloo(group)
-        self.joined = self._store is None or self.size == 1  # see first_op()
+        self.joined = self._store is None or self.world == 1  # see first_op()
         self._arrived = False
 
     def stream(self, device: torch.device):
@@ -118,29 +117,35 @@ class GroupState:
             except Exception:  # noqa: BLE001 - interpreter teardown
                 pass
 
-    # -- failure
+    # -- failure (the rule: overlap.dist.communicator)
 
-    def check_usable(self, op: str) -> None:
-        """Raise ``QuantCommFailed`` if the group failed earlier."""
-        first = self.failed
-        if first is not None:
-            raise QuantCommFailed(f"{op}: {self.where}: communicator failed earlier: {first}",
-                                  op=op, group=self.name, rank=self.rank, kind="failed")
+    def _place(self) -> str:
+        return f"rank {self.rank} of group {self.name!r} (global ranks {self.global_ranks})"
 
-    def fail(self, error: BaseException) -> None:
-        """Record ``error`` as the group's failure (the first one wins) and tell the peers."""
-        text = f"{type(error).__name__}: {error}"
+    def _refused(self, op: str) -> QuantCommFailed:
+        said = (f"communicator failed earlier: {self.failure}" if self.failure is not None
+                else "the group's quantized state was closed")
+        return QuantCommFailed(f"{op}: {self.place}: {said}", op=op, group=self.name,
+                               rank=self.rank, kind="failed")
+
+    def _abort_peers(self, error: BaseException) -> None:
+        """Drop the scratch (an abandoned collective may still write into it; later ops must
+        never see it) and publish the failure for the peers, unless it is theirs."""
         with self.lock:
-            if self.failed is not None:
-                return
-            self.failed = text
-            # An abandoned collective may still write into these; later ops must never see them.
             self._scratch = {}
         kind = (error.kind if isinstance(error, QuantCommError) else
                 "disagreement" if isinstance(error, Disagreement) else "error")
         if kind in ("peer_failed", "failed"):
             return
+        text = self.failure
         self._store_call(lambda s: s.set(f"{self._key}/failed/{self.rank}", f"{kind}|{text}"))
+
+    def _release(self, wait_for_peers: bool) -> None:
+        with self.lock:
+            self._scratch = {}
+        stream, self.stream_ = self.stream_, None
+        if stream is not None:
+            stream.close()
 
     def peer_failures(self) -> list[tuple[int, str, str]]:
         """(group rank, kind, error) of every peer that published a failure. Kind "error" is a
@@ -149,7 +154,7 @@ class GroupState:
         "timeout" and
         "transport" mean that peer saw someone else fail: it is not the culprit."""
         found = []
-        for r in range(self.size):
+        for r in range(self.world):
             key = f"{self._key}/failed/{r}"
             if r != self.rank and self._store_call(lambda s: s.check([key])):
                 raw = self._store_call(lambda s: s.get(key))
@@ -167,7 +172,7 @@ class GroupState:
         state = f"{self._key}/first/state"
         if not self._arrived:
             self._arrived = True
-            if self._store_call(lambda s: s.add(f"{self._key}/first/count", 1)) == self.size:
+            if self._store_call(lambda s: s.add(f"{self._key}/first/count", 1)) == self.world:
                 self._store_call(lambda s: s.compare_set(state, "", "go"))
         if give_up:
             got = self._store_call(lambda s: s.compare_set(state, "", "abort"))
@@ -179,13 +184,13 @@ class GroupState:
 
     def absent_peers(self) -> list[int]:
         """Group ranks that have never called a quantized op on this group (no pid yet)."""
-        return [r for r in range(self.size) if r != self.rank and self._store_call(
+        return [r for r in range(self.world) if r != self.rank and self._store_call(
             lambda s, r=r: s.check([f"{self._key}/pid/{r}"])) is False]
 
     def dead_peers(self) -> list[tuple[int, int]]:
         """(group rank, pid) of every peer on this host whose process has exited."""
         dead = []
-        for r in range(self.size):
+        for r in range(self.world):
             if r == self.rank:
                 continue
             if r not in self._pids:
@@ -236,7 +241,7 @@ def state_for(group: Any) -> GroupState:
     """The state of ``group``, created on first use (no collective: one store write)."""
     with _states_lock:
         state = _states.get(group)
-        if state is None:
+        if state is None or state.closed:
             state = _states[group] = GroupState(group)
         return state
 
@@ -244,13 +249,3 @@ def state_for(group: Any) -> GroupState:
 def existing_state(group: Any) -> GroupState | None:
     with _states_lock:
         return _states.get(group)
-
-
-@contextlib.contextmanager
-def failing(state: GroupState) -> Iterator[None]:
-    """Any exception leaving this block fails the group (see the module docstring)."""
-    try:
-        yield
-    except BaseException as exc:
-        state.fail(exc)
-        raise

@@ -21,14 +21,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from overlap.defaults import TIMEOUT_S
 from overlap.comm.quant.state import (GroupState, QuantCommError, QuantTimeout, existing_state)
 from overlap.dist.stamp import Disagreement
 from overlap.dist.streams import work_completion
 
-__all__ = ["QuantWork", "OpRun", "submit", "drain", "DEFAULT_TIMEOUT"]
+__all__ = ["QuantWork", "OpRun", "submit", "drain"]
 
-DEFAULT_TIMEOUT = TIMEOUT_S  # overlap.defaults
 _SLICE_S = 0.05
 _EXIT_GRACE_S = 1.0  # see _raise_if_peer_failed
 _DIAGNOSE_S = 0.5  # after a transport error, how long to look for the peer that caused it
@@ -55,7 +53,7 @@ class OpRun:
         self.agree = None
         self.stamp: list[int] | None = None
         self.stamps_agreed = False  # set once this call's stamps were exchanged alone
-        self.peers = [q for q in range(state.size) if q != state.rank]
+        self.peers = [q for q in range(state.world) if q != state.rank]
 
     def buffer(self, slot: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return self.state.buffer(slot, shape, dtype, self.device)
@@ -155,13 +153,13 @@ class OpRun:
             # comparison name the disagreement; if its op cannot finish, carry the peer's.
             if done is not None and done.wait(_EXIT_GRACE_S):
                 return
-            raise Disagreement(f"{self.op}: {st.where}: {what} cannot complete: peer rank "
+            raise Disagreement(f"{self.op}: {st.place}: {what} cannot complete: peer rank "
                                f"{peer} found that the ranks' calls disagree: {msg}",
                                op=self.op, call=self.stamp[1] if self.stamp else -1,
                                ranks=(st.rank, peer))
         for peer, kind, msg in failures:
             if kind == "error":
-                raise QuantCommError(f"{self.op}: {st.where}: {what} cannot complete: peer rank "
+                raise QuantCommError(f"{self.op}: {st.place}: {what} cannot complete: peer rank "
                                      f"{peer} failed: {msg}", op=self.op, group=st.name,
                                      rank=st.rank, peer=peer, kind="peer_failed")
         reported = {peer for peer, _, _ in failures}
@@ -170,11 +168,11 @@ class OpRun:
             return
         for peer, pid in dead:
             if peer not in reported:
-                raise QuantCommError(f"{self.op}: {st.where}: {what} cannot complete: peer "
+                raise QuantCommError(f"{self.op}: {st.place}: {what} cannot complete: peer "
                                      f"rank {peer} (pid {pid}) has exited", op=self.op,
                                      group=st.name, rank=st.rank, peer=peer, kind="died")
         for peer, _, msg in failures:
-            raise QuantCommError(f"{self.op}: {st.where}: {what} cannot complete: peer rank "
+            raise QuantCommError(f"{self.op}: {st.place}: {what} cannot complete: peer rank "
                                  f"{peer} gave up waiting on the group: {msg}", op=self.op,
                                  group=st.name, rank=st.rank, kind="peer_failed")
 
@@ -184,7 +182,7 @@ class OpRun:
         who = (f"rank(s) {absent} never called a quantized op on this group" if absent else
                "no peer reported an error and none on this host exited: a peer is stalled "
                "or did not make the same call")
-        return QuantTimeout(f"{self.op}: {st.where}: {what} did not complete within "
+        return QuantTimeout(f"{self.op}: {st.place}: {what} did not complete within "
                             f"{self.timeout:g}s; {who}", op=self.op, group=st.name,
                             rank=st.rank, peer=absent[0] if len(absent) == 1 else None,
                             kind="timeout")
@@ -203,7 +201,7 @@ class OpRun:
                 break
             time.sleep(_SLICE_S)
         st = self.state
-        return QuantCommError(f"{self.op}: {st.where}: {what} failed (peer not identified): "
+        return QuantCommError(f"{self.op}: {st.place}: {what} failed (peer not identified): "
                               f"{exc}", op=self.op, group=st.name, rank=st.rank)
 
 
@@ -226,7 +224,7 @@ class QuantWork:
     def wait(self, timeout: float | None = None) -> Any:
         limit = self.timeout if timeout is None else timeout
         if not self._done.wait(limit):
-            err = QuantTimeout(f"{self.op}: {self.state.where}: wait(): not complete after "
+            err = QuantTimeout(f"{self.op}: {self.state.place}: wait(): not complete after "
                                f"{limit:g}s", op=self.op, group=self.state.name,
                                rank=self.state.rank, kind="timeout")
             self.state.fail(err)
@@ -244,7 +242,7 @@ class QuantWork:
 
 def _await_previous(op: str, state: GroupState, prev: QuantWork | None, timeout: float) -> None:
     if prev is not None and not prev._done.wait(timeout):
-        raise QuantTimeout(f"{op}: {state.where}: the earlier {prev.op} on this group did not "
+        raise QuantTimeout(f"{op}: {state.place}: the earlier {prev.op} on this group did not "
                            f"finish within {timeout:g}s", op=op, group=state.name,
                            rank=state.rank, kind="timeout")
     state.check_usable(op)  # the earlier op's failure, if any, is the group's
@@ -316,7 +314,7 @@ def drain(group: Any, timeout: float | None = None) -> None:
         return
     limit = last.timeout if timeout is None else timeout
     if not last._done.wait(limit):
-        err = QuantTimeout(f"quant.drain: {state.where}: {last.op} still running after "
+        err = QuantTimeout(f"quant.drain: {state.place}: {last.op} still running after "
                            f"{limit:g}s", op="quant.drain", group=state.name, rank=state.rank,
                            kind="timeout")
         state.fail(err)
