@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from bench.runner import (Table, Timing, TraceOptions, Tracer, check_trace_options,
                           command_line, finish_trace_column, parse_config, trace_columns)
+from overlap.dist.communicator import CommOptions
 from overlap.dist.device import rank_device
 from overlap.dist.launch import launch
 from overlap.models import GPT, GPTConfig
@@ -104,7 +105,7 @@ def _variants(cfg: BenchConfig, device, dtype):
     x_s, dy_s = x.chunk(tp, 1)[rank].contiguous(), dy.chunk(tp, 1)[rank].contiguous()
 
     def ours(backend: str, sp: bool, check: bool):
-        comm = owned_comm(group, backend=backend, chunks=None, timeout=None, check_inputs=check)
+        comm = owned_comm(group, CommOptions(backend=backend, check_inputs=check))
         model = parallelize(_model(cfg, device, dtype), comm=comm, sequence_parallel=sp)
         return ("overlap", backend, sp, check, model.blocks[0], x_s if sp else x,
                 dy_s if sp else dy)
