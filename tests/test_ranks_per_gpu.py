@@ -90,6 +90,9 @@ def _what_the_rank_sees():
     torch.cuda.set_device = picked.append
     dev = device.gpu_for_rank()
     assert picked == [dev]
+    # Every rank has joined before any returns: a rank that exits while a slow peer is still
+    # connecting its gloo mesh would fail that peer's start-up.
+    torch.distributed.barrier()
     return (os.environ[RANKS_PER_GPU_ENV], os.environ.get("NCCL_HOSTID"), dev.index,
             os.environ["LOCAL_WORLD_SIZE"])
 
