@@ -3,6 +3,7 @@ detection on this machine, and the pieces that merge and print results."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -31,6 +32,21 @@ PEER_TIMEOUT = 2.0
 def _selftest(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "overlap.selftest", *args], capture_output=True,
                           text=True, timeout=timeout)
+
+
+def _progress(stdout: str, names: list[str]) -> list[tuple[str, str]]:
+    """The progress lines, checked to come after the environment block and before the table,
+    numbered 1..N in order; returns (name, pass/FAIL) per line."""
+    lines = stdout.splitlines()
+    rows = [(i, m) for i, ln in enumerate(lines)
+            if (m := re.match(r"^\[ *(\d+)/(\d+)\] (\S+)  (pass|FAIL)  ", ln))]
+    assert [m[3] for _, m in rows] == names, stdout
+    assert [(int(m[1]), int(m[2])) for _, m in rows] == [(k, len(names))
+                                                         for k in range(1, len(names) + 1)]
+    env = lines.index("overlap-selftest: environment")
+    table = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["check", "result"])
+    assert env < rows[0][0] and rows[-1][0] < table, stdout
+    return [(m[3], m[4]) for _, m in rows]
 
 
 @pytest.mark.skipif(not NO_GPU, reason="checks the CPU twins' run")
@@ -72,6 +88,8 @@ def test_cli_runs_every_check_and_passes(tmp_path):
     rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1]
             and line.split()[0] in checks]
     assert [r[0] for r in rows] == CPU_CHECKS and all(r[1] == "pass" for r in rows)
+    # ... after a line per check as it finished, in the same order.
+    assert _progress(proc.stdout, CPU_CHECKS) == [(n, "pass") for n in CPU_CHECKS]
     # The pairs formed (1F1B, m 4, one stage: F1B0, F2B1, F3B2) and changed no number.
     assert checks["ep.pipeline_pairs"]["detail"] == "EP 2, 3 pairs per step"
     assert checks["ep.pipeline_pairs"]["measured"] == 0.0
@@ -115,12 +133,16 @@ def test_a_failing_check_makes_the_exit_code_nonzero(injected, name, metric):
     assert f"1 of {len(INJECTED) + 1} checks passed" in proc.stdout
     failed = proc.stdout.split("FAILED: ", 1)[1].splitlines()[0].split(", ")
     assert sorted(failed) == sorted(n for n, _ in INJECTED)
+    # Its progress line, as it finished, said so.
+    assert (name, "FAIL") in _progress(proc.stdout, [c["name"] for c in doc["checks"]])
 
 
-def test_only_matching_nothing_fails():
-    proc = _selftest("--only", "no.such.check", "--device", "cpu")
-    assert proc.returncode == 1
-    assert "no check selected" in proc.stdout
+def test_only_matching_nothing_is_one_line_naming_the_checks():
+    proc = _selftest("--only", "no.such.check,nor.this", "--device", "cpu", timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout  # nothing started
+    assert proc.stderr == ("overlap-selftest: error: --only 'no.such.check,nor.this' matches "
+                           f"none of the {len(CPU_CHECKS)} checks on cpu: "
+                           f"{', '.join(CPU_CHECKS)}\n")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -154,6 +176,7 @@ def test_under_torchrun_rank_0_reports(tmp_path):
     assert [c["name"] for c in doc["checks"]] == only.split(",")
     assert all(c["measured"] <= c["limit"] for c in doc["checks"])
     assert proc.stdout.count("overlap-selftest: environment") == 1  # only rank 0 prints
+    assert _progress(proc.stdout, only.split(",")) == [(n, "pass") for n in only.split(",")]
 
 
 @pytest.mark.skipif(not NO_GPU, reason="this machine has a GPU")

@@ -33,7 +33,7 @@ def main(schedule, virtual):
 
 
 if __name__ == "__main__":
-    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)):
+    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
         out = launch(main, 2, args=(schedule, virtual))
         print(schedule, out)      # per rank: |loss - reference|, max |grad - reference|
         assert all(l_err < 1e-5 and g_err < 1e-5 for l_err, g_err in out), out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import textwrap
 
 from overlap import cli
 from overlap.plan.hardware import ClusterSpec, DeviceProfile, LinkSpec
@@ -17,6 +18,7 @@ from overlap.plan.layout import (COMM_DTYPES, CP_METHODS, EP_DISPATCH, RECOMPUTE
                                  Layout, Overlap)
 from overlap.plan.models import MODELS, ModelSpec, get_model
 from overlap.plan.profiles import PROFILES, get_profile
+from overlap.pp.schedules import SCHEDULE_ALIASES
 
 __all__ = ["PlanConfig", "build_parser", "parse_args"]
 
@@ -39,7 +41,8 @@ class PlanConfig:
     micro_batch: int = _field(1, "sequences per micro-batch")
     gpus: int | None = _field(None, "number of GPUs")
     gpu: str = _field("a100-80g", "GPU profile", choices=sorted(PROFILES))
-    profile: str | None = _field(None, "a device profile JSON (from --calibrate) instead of --gpu")
+    profile: str | None = _field(None, "a device profile JSON (from --calibrate) instead of --gpu",
+                                  metavar="FILE")
     gpus_per_node: int = _field(8, "GPUs per node (NVLink domain)")
     tp: int = _field(1, "tensor-parallel degree")
     pp: int = _field(1, "pipeline-parallel degree")
@@ -59,7 +62,8 @@ class PlanConfig:
     ep_schedule_overlap: bool = _field(True, "pp > 1: hide the rest of the MoE all-to-all "
                                              "under another micro-batch's compute")
     virtual: int = _field(1, "model chunks per pipeline rank (--schedule interleaved)")
-    schedule: str = _field("1f1b", "pipeline schedule", choices=SCHEDULES)
+    schedule: str = _field("1f1b", "pipeline schedule", choices=SCHEDULES,
+                           aliases=SCHEDULE_ALIASES)
     recompute: str = _field("selective", "activation recomputation", choices=RECOMPUTE)
     sequence_parallel: bool = _field(False, "sequence-parallel TP (activations sharded over tp)")
     flash_attention: bool = _field(True, "attention never materialises the s x s scores")
@@ -72,10 +76,12 @@ class PlanConfig:
                                                "ahead: none, all, or N (the first N blocks of "
                                                "each pipeline chunk); --search: none tries all, "
                                                "all-but-one and half where a layout does not fit "
-                                               "without, all or N only that")
+                                               "without, all or N only that",
+                                  metavar="{none,all,N}")
     host_bandwidth: float | None = _field(None, "GB/s per direction between a GPU and host "
                                                 "memory, achieved (default: the profile's PCIe "
-                                                "link; e.g. 450 for GH200's NVLink-C2C)")
+                                                "link; e.g. 450 for GH200's NVLink-C2C)",
+                                           metavar="GB/S")
     search_offload: bool = _field(True, "--search: try offloading where a layout does not fit "
                                         "without (--no-search-offload: never)")
     memory_fraction: float = _field(0.9, "share of GPU memory a layout may use (the rest: "
@@ -88,7 +94,8 @@ class PlanConfig:
     explain: bool = _field(False, "show the formulas with the numbers substituted")
     calibrate: bool = _field(False, "measure this machine and write a profile to --output")
     ranks: int = _field(8, "--calibrate: local ranks of the jobs to predict")
-    output: str = _field("overlap-plan-profile.json", "--calibrate: where to write the profile")
+    output: str = _field("overlap-plan-profile.json", "--calibrate: where to write the profile",
+                         metavar="FILE")
 
     # ------------------------------------------------------------------ builders
     def model_spec(self) -> ModelSpec:
@@ -172,15 +179,69 @@ class PlanConfig:
 
 
 _PROG = "overlap-plan"
-_DESCRIPTION = ("Predict memory, pipeline bubble, communication and step time of a 3D "
-                "layout (--search: find the best one), or --calibrate this machine.")
+_DESCRIPTION = ("Predict memory, pipeline bubble, communication and step time of a layout "
+                "(tp x cp x pp x dp, with ep for MoE models; --search: find the best one), or "
+                "--calibrate this machine.")
+_GROUPS = (
+    ("what to print", ("search", "top", "explain", "json")),
+    ("model", ("model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq")),
+    ("cluster", ("gpus", "gpu", "profile", "gpus_per_node", "host_bandwidth",
+                 "memory_fraction")),
+    ("layout", ("global_batch", "micro_batch", "tp", "pp", "schedule", "virtual")),
+    ("communication", ("sequence_parallel", "comm_dtype", "overlap", "zero")),
+    ("MoE (mixture of experts)", ("ep", "capacity_factor", "moe_imbalance", "ep_dispatch",
+                                  "ep_chunks", "ep_overlap", "ep_schedule_overlap")),
+    ("CP (context parallelism)", ("cp", "cp_method")),
+    ("memory", ("recompute", "flash_attention", "offload_activations", "search_offload")),
+    ("calibration", ("calibrate", "ranks", "output")),
+)
+# Each planner setting whose default differs from overlap-train's -> that job's flag and default:
+# the planner models a production-size GPU job, overlap-train's defaults suit its small CPU demo.
+# Spelled here because the plan layer sits below train; tests/test_cli_output.py holds them to
+# TrainConfig's.
+TRAIN_DEFAULTS = {"sequence_parallel": ("sequence_parallel", True),
+                  "recompute": ("recompute", "none"), "comm_dtype": ("comm_dtype", "fp32"),
+                  "gpu": ("plan_profile", "h100-sxm"), "cp_method": ("cp_method", "ring"),
+                  "virtual": ("virtual_stages", 2)}
+EXAMPLES = """\
+examples:
+  overlap-plan --model gpt3-175b --gpus 512 --gpu a100-80g --tp 8 --pp 8 \\
+      --global-batch 1536 --micro-batch 1 --json
+  overlap-plan --model llama3-70b --gpus 1024 --gpu h100-sxm --global-batch 512 --search
+  overlap-plan --model mixtral-8x7b --gpus 64 --gpu h100-sxm --global-batch 1024 --search
+  overlap-plan --model llama3-8b --seq 131072 --gpus 16 --gpu h100-sxm --global-batch 16 \\
+      --search                                 # picks cp > 1: cp 1 does not fit
+  overlap-plan --model gpt3-175b --gpus 512 --tp 8 --pp 8 --global-batch 1536 \\
+      --schedule zb-h1 --explain               # the formulas with the numbers
+  overlap-plan --calibrate --output local.json  # then: --profile local.json --gpus 8 ...
+schedule names: gpipe, 1f1b, interleaved, zb-h1; interleaved_1f1b and zb_h1 (the library's) too,
+in any case.
+"""
+
+
+def _train_notes() -> dict[str, str]:
+    def shown(v: object) -> str:
+        return ("on" if v else "off") if isinstance(v, bool) else str(v)
+
+    return {mine: f"overlap-train's --{flag.replace('_', '-')} defaults to {shown(default)}"
+            for mine, (flag, default) in TRAIN_DEFAULTS.items()}
+
+
+def _layout() -> dict:
+    notes = _train_notes()
+    flags = ", ".join("--" + k.replace("_", "-") for k in notes)
+    epilog = EXAMPLES + textwrap.fill(f"defaults unlike overlap-train's (the planner models a "
+                                      f"production-size job, not its CPU demo): {flags}; each "
+                                      "flag's line says how.", 78,
+                                      break_on_hyphens=False) + "\n"
+    return {"groups": _GROUPS, "epilog": epilog, "notes": notes}
 
 
 def build_parser() -> "argparse.ArgumentParser":
-    return cli.build_parser(PlanConfig, prog=_PROG, description=_DESCRIPTION)
+    return cli.build_parser(PlanConfig, prog=_PROG, description=_DESCRIPTION, **_layout())
 
 
 def parse_args(argv: list[str] | None = None) -> PlanConfig:
     """Parse and validate; a bad value exits with status 2 and a one-line message."""
     return cli.parse(PlanConfig, argv, prog=_PROG, description=_DESCRIPTION,
-                     errors=(ValueError,))
+                     errors=(ValueError,), **_layout())

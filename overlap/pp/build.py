@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from overlap.pp.check import check_schedule
 from overlap.pp.programs import check_all
-from overlap.pp.schedules import SCHEDULES, PipelineSchedule, lower
+from overlap.pp.schedules import SCHEDULE_NAMES, SCHEDULES, PipelineSchedule, lower, schedule_key
 from overlap.defaults import positive_int
 
 __all__ = ["build_schedule"]
@@ -14,10 +14,14 @@ __all__ = ["build_schedule"]
 
 def build_schedule(name: str, *, pp_size: int, num_microbatches: int,
                    num_virtual: int = 1) -> PipelineSchedule:
-    """Build, lower and validate a schedule; raises ValueError naming the bad argument."""
-    if name not in SCHEDULES:
+    """Build, lower and validate a schedule; raises ValueError naming the bad argument.
+    ``name``: ``gpipe``, ``1f1b``, ``interleaved`` or ``zb-h1``, or a key of ``SCHEDULES``, in
+    any case; the result's ``name`` is the key."""
+    key = schedule_key(name)
+    if key is None:
         raise ValueError(f"pp build_schedule: unknown schedule {name!r}; expected one of "
-                         f"{sorted(SCHEDULES)}")
+                         f"{list(SCHEDULE_NAMES)} (or {sorted(SCHEDULES)}), in any case")
+    name = key
     for arg, val in (("pp_size", pp_size), ("num_microbatches", num_microbatches),
                      ("num_virtual", num_virtual)):
         positive_int(val, f"pp build_schedule({name}): {arg}")

@@ -21,7 +21,8 @@ import dataclasses
 import enum
 from typing import Callable, NamedTuple
 
-__all__ = ["Action", "Kind", "Message", "Payload", "PipelineSchedule", "SCHEDULES", "lower",
+__all__ = ["Action", "Kind", "Message", "Payload", "PipelineSchedule", "SCHEDULES",
+           "SCHEDULE_NAMES", "SCHEDULE_ALIASES", "schedule_key", "lower",
            "stage_rank", "messages", "message_of", "msg_src_dst",
            "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "COMPUTE_KINDS", "COMM_KINDS"]
 
@@ -208,6 +209,22 @@ def zb_h1(pp_size: int, num_microbatches: int, num_virtual: int = 1) -> list[lis
 SCHEDULES: dict[str, Callable[..., list[list[Action]]]] = {
     "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b, "zb_h1": zb_h1,
 }
+
+# Each schedule's one spelling for people (overlap-train/-plan --schedule, the planner's tables,
+# checkpoint metadata) -> its key above. Either is accepted wherever a schedule is named, in
+# any case, with "-" or "_".
+SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b",
+                  "zb-h1": "zb_h1"}
+SCHEDULE_ALIASES = {key: name for name, key in SCHEDULE_NAMES.items() if key != name}
+
+
+def schedule_key(name: str) -> str | None:
+    """The SCHEDULES key of ``name`` in any accepted spelling, or None if it names none."""
+    if not isinstance(name, str):
+        return None
+    folded = name.strip().lower().replace("_", "-")
+    return next((key for spelled, key in SCHEDULE_NAMES.items()
+                 if folded in (spelled, key.replace("_", "-"))), None)
 
 
 # --------------------------------------------------------------------------- lowering

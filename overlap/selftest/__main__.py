@@ -1,8 +1,9 @@
 """``overlap-selftest`` / ``python -m overlap.selftest``: the first command on a new machine.
 
-Prints what the machine has (devices, versions, peer access, NVLink, symmetric memory), runs
-every check on the available devices, prints a table (check, result, time, measured, error),
-writes it all as JSON with ``--json PATH`` and exits 0 iff every check passed.
+Prints what the machine has (devices, versions, peer access, NVLink, symmetric memory) first,
+runs every check on the available devices with a line as each finishes, then prints a table
+(check, result, time, measured, error), writes it all as JSON with ``--json PATH`` and exits 0
+iff every check passed.
 
 Without torchrun it starts its own local ranks: one per GPU with NCCL when there are at least
 two GPUs (``--ranks-per-gpu N``: N per GPU, so one GPU runs them too), else 2 CPU ranks
@@ -46,19 +47,30 @@ def _placement(cfg: SelftestConfig, num_gpus: int, per_gpu: int) -> tuple[str, i
     return device, cfg.world_size or 2, note
 
 
+def _announce(env, *, device: str, world: int, mode: str) -> None:
+    """The environment block and the run's line, before any check runs (flushed: the ranks'
+    progress lines follow on the same stream)."""
+    from overlap.dist.device import ranks_per_gpu
+    from overlap.selftest.report import format_environment
+
+    per_gpu = ranks_per_gpu()
+    transport = "nccl" if device == "cuda" else "nccl_twin"
+    print("overlap-selftest: environment")
+    print(format_environment(env.rows()))
+    print(f"\nchecks on {world} {device} ranks ({mode}, {transport}"
+          + (f", {per_gpu} per GPU" if per_gpu > 1 else "") + "):", flush=True)
+
+
 def _report(cfg: SelftestConfig, env, results, *, device: str, world: int, mode: str,
             seconds: float, note: str) -> bool:
-    from overlap.selftest.report import format_environment, format_table, write_json
+    from overlap.selftest.report import format_table, write_json
 
     passed = bool(results) and all(r.passed for r in results)
     from overlap.dist.device import ranks_per_gpu, sharing_note
 
     transport = "nccl" if device == "cuda" else "nccl_twin"
     per_gpu = ranks_per_gpu()
-    print("overlap-selftest: environment")
-    print(format_environment(env.rows()))
-    print(f"\nchecks on {world} {device} ranks ({mode}, {transport}"
-          + (f", {per_gpu} per GPU" if per_gpu > 1 else "") + "):")
+    print()
     print(format_table(results))
     for line in (note, sharing_note(per_gpu)):
         if line:
@@ -67,8 +79,6 @@ def _report(cfg: SelftestConfig, env, results, *, device: str, world: int, mode:
     summary = f"{len(results) - len(failed)} of {len(results)} checks passed in {seconds:.1f} s"
     if failed:
         summary += f"; FAILED: {', '.join(failed)}"
-    if not results:
-        summary = "no check selected (--only matched nothing): FAIL"
     print(f"\n{summary}")
     if cfg.json:
         write_json(cfg.json, environment=env.as_dict(),
@@ -85,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from overlap.dist.device import RANKS_PER_GPU_ENV, ranks_per_gpu
     from overlap.dist.slurm import adopt_or_exit
     from overlap.selftest.env import detect
-    from overlap.selftest.runner import check_names, run_local, run_torchrun, under_torchrun
+    from overlap.selftest.runner import no_match_error, run_local, run_torchrun, under_torchrun
 
     t0 = time.monotonic()
     try:  # the flag, else the environment's; the ranks read it from their environment
@@ -96,16 +106,26 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[RANKS_PER_GPU_ENV] = str(per_gpu)
     srun = adopt_or_exit("overlap-selftest", tp=None) is not None  # sets torchrun's variables
     if under_torchrun():
-        results, passed, device, world = run_torchrun(cfg)
+        mode, env = "srun" if srun else "torchrun", None
+
+        def announce(device: str, world: int) -> None:  # rank 0, once its device is set
+            nonlocal env
+            env = detect()
+            _announce(env, device=device, world=world, mode=mode)
+
+        results, passed, device, world = run_torchrun(cfg, announce)
         if results is not None:  # rank 0 reports
-            _report(cfg, detect(), results, device=device, world=world,
-                    mode="srun" if srun else "torchrun",
+            _report(cfg, env, results, device=device, world=world, mode=mode,
                     seconds=time.monotonic() - t0, note="")
         return 0 if passed else 1
     env = detect()
     device, world, note = _placement(cfg, env.num_gpus, per_gpu)
-    # No check selected: report it without starting any process.
-    results = run_local(cfg, device, world) if check_names(cfg, device) else []
+    error = no_match_error(cfg, device)
+    if error:  # a bad flag: nothing starts
+        print(error, file=sys.stderr)
+        return 2
+    _announce(env, device=device, world=world, mode="local processes")
+    results = run_local(cfg, device, world)
     passed = _report(cfg, env, results, device=device, world=world, mode="local processes",
                      seconds=time.monotonic() - t0, note=note)
     return 0 if passed else 1

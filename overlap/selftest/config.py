@@ -28,15 +28,20 @@ class SelftestConfig:
                                              "default: env OVERLAP_RANKS_PER_GPU, else 1): one "
                                              "GPU runs the GPU checks at --ranks-per-gpu 2")
     json: str | None = _field(None, "also write the environment and every check's result to "
-                                    "this JSON file")
+                                    "this JSON file", metavar="FILE")
     only: str | None = _field(None, "run only the checks whose name matches one of these "
-                                    "comma-separated globs, e.g. 'tp.*,pp.*'")
-    op_timeout: float = _field(60.0, "seconds any op or wait inside a check may take")
+                                    "comma-separated globs, e.g. 'tp.*,pp.*'",
+                                metavar="GLOBS")
+    op_timeout: float = _field(60.0, "seconds any op or wait inside a check may take",
+                               metavar="SECONDS")
     peer_timeout: float = _field(2.0, "timeout of the missing-peer check: the op must raise "
-                                      "within it (plus 10 s of slack for a loaded machine)")
-    timeout: float = _field(600.0, "seconds before a hung local run is killed")
+                                      "within it (plus 10 s of slack for a loaded machine)",
+                                 metavar="SECONDS")
+    timeout: float = _field(600.0, "seconds before a hung local run is killed",
+                            metavar="SECONDS")
     inject_failure: str | None = _field(None, "tests only: corrupt the named checks' results "
-                                              "(comma-separated names)", hidden=True)
+                                              "(comma-separated names)", hidden=True,
+                                        metavar="NAMES")
 
     def validate(self) -> None:
         """Raise ConfigError (one line) for settings that cannot work."""
@@ -77,11 +82,24 @@ _DESCRIPTION = ("Detect this machine's devices, versions and GPU interconnect, t
                 "local processes (one per GPU, or 2 CPU ranks on nccl_twin).")
 
 
+_GROUPS = (("where the checks run", ("device", "world_size", "ranks_per_gpu")),
+           ("what to run and report", ("only", "json")),
+           ("timeouts", ("op_timeout", "peer_timeout", "timeout")))
+EXAMPLES = """\
+examples:
+  overlap-selftest                             # every check; 2 CPU ranks without GPUs
+  overlap-selftest --only 'tp.*,pp.*' --json selftest.json
+  overlap-selftest --device cuda --ranks-per-gpu 2    # one GPU: two ranks on it
+  torchrun --nproc-per-node 8 -m overlap.selftest     # one rank per GPU
+"""
+
+
 def build_parser() -> "argparse.ArgumentParser":
-    return cli.build_parser(SelftestConfig, prog=_PROG, description=_DESCRIPTION)
+    return cli.build_parser(SelftestConfig, prog=_PROG, description=_DESCRIPTION,
+                            groups=_GROUPS, epilog=EXAMPLES)
 
 
 def parse_args(argv: list[str] | None = None) -> SelftestConfig:
     """Parse and validate; a bad value exits with status 2 and a one-line message."""
     return cli.parse(SelftestConfig, argv, prog=_PROG, description=_DESCRIPTION,
-                     errors=(ConfigError,))
+                     errors=(ConfigError,), groups=_GROUPS, epilog=EXAMPLES)

@@ -1,12 +1,14 @@
-"""One result per check, merged over the ranks, printed as a table and written as JSON."""
+"""One result per check, merged over the ranks: a progress line as each finishes, then a table
+and JSON."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+import sys
+from typing import Any, TextIO
 
-__all__ = ["RankResult", "CheckResult", "merge", "format_table", "format_environment",
+__all__ = ["RankResult", "CheckResult", "merge", "Progress", "format_table", "format_environment",
            "write_json", "JSON_FIELDS"]
 
 JSON_FIELDS = ("name", "passed", "seconds", "metric", "measured", "limit", "error", "detail")
@@ -85,6 +87,37 @@ def _measured(r: CheckResult) -> str:
 def _one_line(text: str, width: int) -> str:
     line = " ".join(text.split())
     return line if len(line) <= width else line[: width - 3] + "..."
+
+
+class Progress:
+    """One line per finished check, ``[ k/N] name  pass  12 ms``: in a log (not a TTY) each on
+    its own line; on a terminal one line rewritten in place, where a failure's line stays."""
+
+    def __init__(self, total: int, stream: TextIO | None = None) -> None:
+        self.total, self.done = total, 0
+        self.stream = stream if stream is not None else sys.stdout
+        self.tty = getattr(self.stream, "isatty", lambda: False)()
+        self._open = False  # a terminal line waiting to be overwritten
+
+    def __call__(self, r: CheckResult) -> None:
+        self.done += 1
+        width = len(str(self.total))
+        line = (f"[{self.done:>{width}}/{self.total}] {r.name}  "
+                f"{'pass' if r.passed else 'FAIL'}  {_time(r.seconds)}")
+        if not r.passed:
+            line += f"  {_one_line(r.error, 80)}"
+        if self.tty:
+            self.stream.write(f"\r\x1b[K{line}" + ("" if r.passed else "\n"))
+            self._open = r.passed
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._open:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self._open = False
 
 
 def format_table(results: list[CheckResult], *, error_width: int = 100) -> str:

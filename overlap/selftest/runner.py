@@ -14,15 +14,17 @@ import os
 import sys
 import time
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from overlap.selftest.checks import CheckFailed, RankContext, plan
 from overlap.selftest.config import SelftestConfig
-from overlap.selftest.report import CheckResult, RankResult, merge
+from overlap.selftest.report import CheckResult, Progress, RankResult, merge
 
-__all__ = ["run_rank", "run_local", "run_torchrun", "under_torchrun", "check_names"]
+__all__ = ["run_rank", "run_local", "run_torchrun", "under_torchrun", "check_names",
+           "no_match_error"]
 
 
 def under_torchrun() -> bool:
@@ -31,6 +33,15 @@ def under_torchrun() -> bool:
 
 def check_names(cfg: SelftestConfig, device_type: str) -> list[str]:
     return [name for name, _ in plan(torch.device(device_type)) if cfg.selects(name)]
+
+
+def no_match_error(cfg: SelftestConfig, device_type: str) -> str | None:
+    """The one-line error when ``--only`` selects none of this device's checks, naming them."""
+    if check_names(cfg, device_type):
+        return None
+    names = [name for name, _ in plan(torch.device(device_type))]
+    return (f"overlap-selftest: error: --only {cfg.only!r} matches none of the {len(names)} "
+            f"checks on {device_type}: {', '.join(names)}")
 
 
 def _device(device_type: str) -> torch.device:
@@ -60,6 +71,17 @@ def run_rank(cfg: SelftestConfig, device_type: str,
 
     results: list[RankResult] = []
     checks = [(name, fn) for name, fn in plan(device) if cfg.selects(name)]
+    progress = Progress(len(checks)) if rank == 0 else None
+
+    def meet_and_report() -> None:
+        """Meet; then rank 0 prints the check every rank has just finished, merged."""
+        meet()
+        if results:
+            rows: list | None = [None] * world if rank == 0 else None
+            dist.gather_object(dataclasses.asdict(results[-1]), rows, dst=0, group=control)
+            if progress is not None:
+                progress(merge([results[-1].name], [[r] for r in rows], [None] * world)[0])
+
     # Under torchrun or srun each node parses its own flags: ranks that would run other checks
     # in the same slot refuse together, naming the difference (one all-gather of a digest).
     from overlap.dist.device import ranks_per_gpu
@@ -73,7 +95,7 @@ def run_rank(cfg: SelftestConfig, device_type: str,
              torch.device("cpu"), group=control)
     for i, (name, fn) in enumerate(checks):
         try:
-            meet()
+            meet_and_report()
         except Exception as exc:  # noqa: BLE001 - a rank stuck in an earlier check
             why = f"not run: the ranks lost step before it ({_describe(exc)})"
             results += [RankResult(name=n, passed=False, seconds=0.0, error=why)
@@ -100,9 +122,11 @@ def run_rank(cfg: SelftestConfig, device_type: str,
             msg = str(exc) if isinstance(exc, CheckFailed) else _describe(exc)
             results.append(RankResult(name=name, passed=False, seconds=seconds, error=msg))
     try:
-        meet()  # leave together: a rank tearing down its groups early stalls a slower peer
+        meet_and_report()  # leave together: a rank tearing down its groups early stalls a peer
     except Exception:  # noqa: BLE001 - the results are in; a straggler was reported above
         pass
+    if progress is not None:
+        progress.close()
     return [dataclasses.asdict(r) for r in results]
 
 
@@ -142,12 +166,18 @@ def run_local(cfg: SelftestConfig, device_type: str, world: int) -> list[CheckRe
     return merge(check_names(cfg, device_type), per_rank, errors) + teardown
 
 
-def run_torchrun(cfg: SelftestConfig) -> tuple[list[CheckResult] | None, bool, str, int]:
-    """Run this process's rank. Returns (the merged results on rank 0, else None; whether
-    every check passed, on every rank; the device type; the world size)."""
+def run_torchrun(cfg: SelftestConfig, announce: Callable[[str, int], None] | None = None
+                 ) -> tuple[list[CheckResult] | None, bool, str, int]:
+    """Run this process's rank; rank 0 calls ``announce(device type, world size)`` before the
+    checks start. Returns (the merged results on rank 0, else None; whether every check
+    passed, on every rank; the device type; the world size)."""
     device_type = "cpu" if cfg.device == "cpu" or not torch.cuda.is_available() else "cuda"
     if cfg.device == "cuda" and device_type != "cuda":
         raise SystemExit("overlap-selftest: error: --device cuda, but torch sees no GPU")
+    error = no_match_error(cfg, device_type)
+    if error:  # every rank, before any process group forms
+        print(error, file=sys.stderr)
+        sys.exit(2)
     if device_type == "cuda":
         from overlap.dist.device import apply_sharing
 
@@ -165,6 +195,8 @@ def run_torchrun(cfg: SelftestConfig) -> tuple[list[CheckResult] | None, bool, s
     try:
         world = dist.get_world_size()
         control = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.op_timeout))
+        if announce is not None and dist.get_rank() == 0:
+            announce(device_type, world)
         if world < 2:
             mine, error = None, "torchrun started 1 process; the checks need >= 2"
         else:

@@ -14,10 +14,11 @@ import os
 from overlap import cli
 from overlap.comm.quant.checks import COMM_DTYPES  # the one vocabulary: "fp32", "bf16", "int8"
 from overlap.errors import ConfigError  # one for every command (re-exported)
+from overlap.pp.schedules import SCHEDULE_ALIASES, SCHEDULE_NAMES
 
 __all__ = ["TrainConfig", "ConfigError", "parse_args", "shared_settings", "agree_across_ranks"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = tuple(SCHEDULE_NAMES)  # gpipe 1f1b interleaved zb-h1; --schedule also takes aliases
 TP_BACKENDS = ("auto", "chunked", "symmetric", "triton", "unfused")
 TRANSPORTS = ("nccl_twin", "gloo")
 RECOMPUTE = ("none", "selective", "full")
@@ -43,7 +44,8 @@ class TrainConfig:
                                     "shape on the first step)", choices=CP_METHODS)
     pp: int = _field(2, "pipeline-parallel degree (stages)")
     dp: int = _field(2, "data-parallel degree")
-    schedule: str = _field("1f1b", "pipeline schedule", choices=SCHEDULES)
+    schedule: str = _field("1f1b", "pipeline schedule", choices=SCHEDULES,
+                           aliases=SCHEDULE_ALIASES)
     virtual_stages: int = _field(2, "model chunks per pipeline rank (interleaved schedule only)")
     micro_batches: int = _field(4, "micro-batches per step and data-parallel rank")
     micro_batch_size: int = _field(4, "sequences per micro-batch")
@@ -74,7 +76,8 @@ class TrainConfig:
                                                "reload it one block ahead of its backward: "
                                                "none, all, or N (the first N blocks of each "
                                                "pipeline chunk; the later ones, whose backward "
-                                               "comes first, stay on the device)")
+                                               "comes first, stay on the device)",
+                                  metavar="{none,all,N}")
     dtype: str = _field("fp32", "parameter and activation dtype; bf16 keeps fp32 gradient "
                                 "buffers and fp32 master weights", choices=DTYPES)
     seed: int = _field(0, "seed for the model init and the data order")
@@ -98,12 +101,13 @@ class TrainConfig:
                                              "schedule says it pays; with --ep-backend "
                                              "symmetric: twice the userbuffers)")
     bucket_mb: float = _field(0.25, "gradient bucket size in MiB (small: the demo model is "
-                                    "small, and several buckets show the overlap)")
+                                    "small, and several buckets show the overlap)",
+                              metavar="MIB")
     sharded_optimizer: bool = _field(True, "ZeRO-style sharded optimizer over the dp axis")
     check: bool = _field(False, "also train the same model on one process and compare losses")
     check_tolerance: float = _field(2e-3, "max |loss difference| per step allowed by --check")
     profile: str | None = _field(None, "write torch.profiler traces, a PNG timeline and overlap "
-                                       "metrics to this directory")
+                                       "metrics to this directory", metavar="DIR")
     compare_no_overlap: bool = _field(False, "also train the same model with every overlap off "
                                              "(unfused TP ops, DP reduction after the backward, "
                                              "no parameter-gather prefetch), steps interleaved, "
@@ -111,17 +115,21 @@ class TrainConfig:
     compare_ep_overlap: bool = _field(False, "also train the same model with "
                                              "--no-ep-pipeline-overlap, steps interleaved, and "
                                              "compare the exposed EP all-to-all time")
-    data: str | None = _field(None, "text file to train on (default: the bundled corpus)")
+    data: str | None = _field(None, "text file to train on (default: the bundled corpus)",
+                               metavar="FILE")
     save: str | None = _field(None, "write distributed checkpoints (torch.distributed."
-                                    "checkpoint) to DIR/step_<N>, asynchronously")
+                                    "checkpoint) to DIR/step_<N>, asynchronously",
+                                metavar="DIR")
     save_every: int = _field(10, "with --save: checkpoint every N steps (and after the last)")
     resume: str | None = _field(None, "continue from the latest complete checkpoint under DIR "
                                       "(or from DIR itself, a step_<N> directory); any "
-                                      "tp/pp/dp layout")
+                                      "tp/pp/dp layout", metavar="DIR")
     export: str | None = _field(None, "with --resume: write the checkpoint's unsharded model "
-                                      "as one torch.save file (FILE) and exit; no training")
+                                      "as one torch.save file (FILE) and exit; no training",
+                                  metavar="FILE")
     max_restarts: int = _field(0, "restart every rank from the latest complete checkpoint "
-                                  "(of --save) up to K times after a rank dies or times out")
+                                  "(of --save) up to K times after a rank dies or times out",
+                               metavar="K")
     ranks_per_node: int = _field(0, "ranks that share a node (a local job emulates nodes: "
                                     "ranks k*N..k*N+N-1 are node k); tp must fit in one; 0: "
                                     "LOCAL_WORLD_SIZE under torchrun/srun, else one node")
@@ -139,15 +147,16 @@ class TrainConfig:
                                     "resumes on every node)")
     plan_profile: str = _field("h100-sxm", "device the shrink planner ranks layouts for: a GPU "
                                            "name of overlap-plan or a profile JSON written by "
-                                           "overlap-plan --calibrate")
+                                           "overlap-plan --calibrate", metavar="GPU|FILE")
     log_json: str | None = _field(None, "append one JSON line per step, fault, layout change "
-                                        "and resume to FILE")
+                                        "and resume to FILE", metavar="FILE")
     heartbeat_timeout: float = _field(15.0, "under torchrun or srun: when a watched peer's "
                                             "heartbeat stops for this many seconds (its node is "
                                             "lost), every rank exits so that the launcher "
                                             "restarts the job, instead of waiting --timeout in "
-                                            "a collective; 0: off")
-    timeout: float = _field(600.0, "seconds before a hung local job is killed")
+                                            "a collective; 0: off", metavar="SECONDS")
+    timeout: float = _field(600.0, "seconds before a hung local job is killed",
+                            metavar="SECONDS")
     transport: str = _field("nccl_twin", "local CPU processes only: nccl_twin is gloo with "
                                          "NCCL's ordering rules (an order that would hang on "
                                          "GPUs hangs here too, and is reported); gloo is looser",
@@ -421,14 +430,55 @@ _DESCRIPTION = ("Train a small GPT with tensor x context x pipeline x data (x ex
                 "tp*cp*pp*dp local CPU processes itself.")
 
 
+_GROUPS = (
+    ("layout (tp x pp x dp; --cp and --ep below)",
+     ("tp", "pp", "dp", "schedule", "virtual_stages", "micro_batches")),
+    ("model", ("n_layer", "d_model", "n_head", "dropout", "dtype", "seed")),
+    ("data", ("data", "seq_len", "micro_batch_size")),
+    ("optimizer", ("steps", "lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "adam_eps",
+                   "weight_decay", "clip_grad", "sharded_optimizer")),
+    ("communication", ("sequence_parallel", "tp_backend", "comm_dtype", "bucket_mb")),
+    ("MoE (mixture of experts)", ("ep", "moe_experts", "moe_top_k", "moe_shared_experts",
+                                  "moe_every", "capacity_factor", "moe_aux_coef", "ep_backend",
+                                  "ep_pipeline_overlap")),
+    ("CP (context parallelism)", ("cp", "cp_method")),
+    ("memory", ("recompute", "offload_activations")),
+    ("checkpoints and faults", ("save", "save_every", "resume", "export", "max_restarts",
+                                "min_nodes", "grow_back", "plan_profile", "heartbeat_timeout")),
+    ("checks and profiling", ("check", "check_tolerance", "compare_no_overlap",
+                              "compare_ep_overlap", "profile", "log_json")),
+    ("launch", ("ranks_per_node", "ranks_per_gpu", "transport", "timeout")),
+)
+# Each command line parses and validates (tests/test_cli_output.py; --resume needs a checkpoint).
+EXAMPLES = """\
+examples:
+  overlap-train                                # tp 2 x pp 2 x dp 2: 8 local ranks, 30 steps
+  overlap-train --check                        # also train on one process, compare losses
+  overlap-train --schedule zb-h1 --dtype bf16
+  overlap-train --schedule interleaved --virtual-stages 2 --recompute selective
+  overlap-train --ep 2 --moe-experts 8 --schedule interleaved   # MoE, EP pairs in the schedule
+  overlap-train --cp 2 --dp 1 --cp-method ulysses               # context parallelism
+  overlap-train --steps 6 --profile runs/prof  # traces, a PNG timeline, overlap metrics
+  overlap-train --save runs/ck --max-restarts 1                 # restart from a checkpoint
+  overlap-train --resume runs/ck --steps 40                     # continue, any layout
+  torchrun --nproc-per-node 8 -m overlap.train --tp 2 --pp 2 --dp 2   # on 8 GPUs (NCCL)
+schedule names: gpipe, 1f1b, interleaved, zb-h1; interleaved_1f1b and zb_h1 (the library's) too,
+in any case.
+"""
+
+
+def _layout() -> dict:
+    return {"groups": _GROUPS, "epilog": EXAMPLES}
+
+
 def build_parser() -> "argparse.ArgumentParser":
-    return cli.build_parser(TrainConfig, prog=_PROG, description=_DESCRIPTION)
+    return cli.build_parser(TrainConfig, prog=_PROG, description=_DESCRIPTION, **_layout())
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Parse and validate; a bad value exits with status 2 and a one-line message."""
     return cli.parse(TrainConfig, argv, prog=_PROG, description=_DESCRIPTION,
-                     errors=(ConfigError,))
+                     errors=(ConfigError,), **_layout())
 
 
 # Settings a rank may hold on its own: paths (a node's own mount of the same files), what only
