@@ -88,11 +88,14 @@ def test_kineto_reader_on_a_real_cpu_trace(tmp_path):
     assert m.hidden_s == pytest.approx(dur(hidden), rel=1e-9)
     assert m.exposed_s == pytest.approx(dur(wait), rel=1e-9)
     assert m.comm_s == pytest.approx(dur(hidden) + dur(wait), rel=1e-9)
-    assert m.fused_s == 0 and dur(hidden) >= 0.02 and dur(wait) >= 0.02
-    # Both the training thread's wait and the copy it waited for are listed, longest first.
+    # fused: the training thread's piece of the fused op (the GEMM; the wait is comm_wait:)
+    assert m.fused_s == pytest.approx(dur(gemm), rel=1e-9)
+    assert dur(hidden) >= 0.02 and dur(wait) >= 0.02
+    # The exposed time is charged once, to the training thread's wait, not also to the copy
+    # it waited for (which ran inside it), so the list sums to the total.
     top = report.top_exposed
-    assert [(t.range, t.count) for t in top] == [("comm_wait:tp.chunked", 1), (EXPOSED, 1)]
-    assert [t.exposed_s for t in top] == pytest.approx([dur(wait), dur(exposed)], rel=1e-9)
+    assert [(t.range, t.count, t.kind) for t in top] == [("comm_wait:tp.chunked", 1, "tp")]
+    assert [t.exposed_s for t in top] == pytest.approx([dur(wait)], rel=1e-9)
 
 
 @pytest.mark.parametrize("variant", ["textid", "3.28.1"])
@@ -122,12 +125,12 @@ def test_cli_json(tmp_path, capsys):
     assert report["format"] == "nsys-sqlite" and report["schema_version"] == "3.28.1"
     (rank,) = report["ranks"]
     assert set(rank) == {"rank", "source", "format", "mode", "main_track", "steps", "total",
-                         "top_exposed", "by_group"}
+                         "top_exposed", "by_kind"}
     assert set(rank["steps"][0]) == {"step", "step_s", "compute_s", "comm_s", "hidden_s",
                                      "exposed_s", "fused_s", "overlap_pct", "exposed_pct"}
     s0, s1 = rank["steps"]
     assert (s0["step"], s1["step"]) == (0, 1)
-    assert s0["exposed_s"] == pytest.approx(150 * US) and s1["fused_s"] == pytest.approx(400 * US)
+    assert s0["exposed_s"] == pytest.approx(150 * US) and s1["fused_s"] == pytest.approx(600 * US)
     assert s1["compute_s"] == pytest.approx(450 * US) and s0["overlap_pct"] == pytest.approx(
         100 * 400 / 550)
     assert [t["exposed_s"] for t in rank["top_exposed"]] == pytest.approx([150 * US, 100 * US])
@@ -139,9 +142,11 @@ def test_cli_table(tmp_path, capsys):
     path = write_chrome(worked_example(), tmp_path / "trace_rank0.json")
     assert analyze.main([str(path)]) == 0
     out = capsys.readouterr().out
-    assert "   0     1      1.000      0.450      0.550      0.400      0.150      0.400" in out
+    assert "   0     1      1.000      0.450      0.550      0.400      0.150      0.600" in out
     assert "all_gather_matmul.chunked.comm[1] [ncclDevKernel_AllGather_RING_LL]" in out
-    assert "overlap 72.7%, exposed 15.0% of the step" in out
+    assert out.splitlines()[1] == ("exposed communication: 15.0% of the step (0.150 of 1.000 "
+                                   "ms per step, mean over ranks)")
+    assert "   0     15.0      0.300      2.000     72.7      1.150" in out  # the rank's total
 
 
 def test_cli_compare_and_png(tmp_path, capsys):

@@ -141,8 +141,9 @@ def test_communication_by_kind_reports_how_much_of_each_hid():
               _ev("offload.h2d.comm", 60, 20, tid=3), _ev("pp.stage0.comm[send]", 90, 20,
                                                            tid=4)]
     r = _report(events)
-    got = {g: (round(v["comm_s"] / US, 9), round(v["hidden_s"] / US, 9))
-           for g, v in r.by_group.items()}
-    # offload: 20-50 and 60-80 (the wait 70-80 inside it) = 50, hidden 30 + 10 = 40
-    assert got == {"offload": (50, 40), "pp": (20, 10)}
-    assert r.as_dict()["by_group"]["offload"]["hidden_s"] == pytest.approx(40 * US)
+    got = {g: (round(v["comm_s"] / US, 9), round(v["hidden_s"] / US, 9),
+               round(v["exposed_s"] / US, 9)) for g, v in r.by_kind.items()}
+    # offload: 20-50 and 60-80 (the wait 70-80 inside it) = 50, hidden 30 + 10 = 40, exposed
+    # the wait 70-80; pp: exposed 100-110, after the compute
+    assert got == {"pp": (20, 10, 10), "offload": (50, 40, 10)}
+    assert r.as_dict()["by_kind"]["offload"]["hidden_s"] == pytest.approx(40 * US)

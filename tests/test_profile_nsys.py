@@ -20,16 +20,20 @@ pytestmark = pytest.mark.no_delay_pass("no stream or twin op")
 US = 1e-6
 # The worked example (overlap.profile.synthetic.worked_example), by hand, in us:
 # step 0: compute C = GEMM 200-600 = 400; comm M = NCCL 150-700 = 550; hidden = 400;
-#         exposed = 150-200 + 600-700 = 150; step = 1000 (the host range; device ends at 700).
+#         exposed = 150-200 + 600-700 = 150; step = 1000 (the host range; device ends at 700);
+#         fused = the rows launched from the all_gather_matmul.chunked pieces = 150-700 = 550.
 # step 1: C = fused 1100-1500 + DtoD on the compute stream 1650-1700 = 450;
 #         M = fused 1100-1500 + comm-stream DtoD 1400-1450 + wait 1500-1600 + PtoP 1600-1650
-#           = 1100-1650 = 550; hidden = 400; exposed = 150 (wait + PtoP); fused = 400.
+#           = 1100-1650 = 550; hidden = 400; exposed = 150 (wait + PtoP); fused = the rows
+#         launched inside all_gather_matmul.triton.fused[0] (all but the HtoD) = 1100-1700 = 600.
 STEP0 = dict(step=0, step_s=1000, compute_s=400, comm_s=550, hidden_s=400, exposed_s=150,
-             fused_s=0)
+             fused_s=550)
 STEP1 = dict(step=1, step_s=1000, compute_s=450, comm_s=550, hidden_s=400, exposed_s=150,
-             fused_s=400)
-# Without a MEMCPY table (the minimal variant) the copies are absent: C = 400, M = 1100-1600.
-STEP1_NO_COPIES = dict(STEP1, compute_s=400, comm_s=500, exposed_s=100)
+             fused_s=600)
+# The minimal variant has no MEMCPY table (no copies: C = 400, M = 1100-1600) and no RUNTIME
+# table, so no row knows the range that launched it: fused is the fused kernel alone.
+STEP0_MINIMAL = dict(STEP0, fused_s=0)
+STEP1_NO_COPIES = dict(STEP1, compute_s=400, comm_s=500, exposed_s=100, fused_s=400)
 
 
 def _check(step, want):
@@ -45,14 +49,14 @@ def test_exact_metrics_from_every_schema_variant(tmp_path, variant):
                                            variant=variant))
     report = analyze_rank(trace)
     assert report.mode == "device" and [s.step for s in report.steps] == [0, 1]
-    _check(report.steps[0], STEP0)
+    _check(report.steps[0], STEP0_MINIMAL if variant == "minimal" else STEP0)
     _check(report.steps[1], STEP1_NO_COPIES if variant == "minimal" else STEP1)
     assert report.steps[0].overlap_pct == pytest.approx(100 * 400 / 550)
     assert report.steps[1].exposed_pct == pytest.approx(
         (10.0 if variant == "minimal" else 15.0))
     _check(report.total, dict(step_s=2000, compute_s=800 if variant == "minimal" else 850,
                               hidden_s=800, exposed_s=250 if variant == "minimal" else 300,
-                              fused_s=400))
+                              fused_s=400 if variant == "minimal" else 1150))
 
 
 @pytest.mark.parametrize("variant", ["textid", "3.28.1"])
@@ -107,7 +111,7 @@ def test_each_process_is_a_rank_numbered_by_device(tmp_path):
 
 def test_events_from_nsys_sqlite_feeds_overlap_metrics(tmp_path):
     events = events_from_nsys_sqlite(write_nsys(worked_example(), tmp_path / "r.sqlite"))
-    m = overlap_metrics(events)  # one window over both steps: the sums of the two steps
+    m = overlap_metrics(events)  # the sums of the two step windows
     assert m.step_s == pytest.approx(2000 * US) and m.compute_s == pytest.approx(850 * US)
     assert m.comm_s == pytest.approx(1100 * US)
     assert m.exposed_comm_s == pytest.approx(300 * US)

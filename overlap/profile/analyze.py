@@ -4,10 +4,12 @@ export (``nsys export --type sqlite``; a ``.nsys-rep`` is exported when ``nsys``
 
     overlap-analyze runs/prof                      # overlap.train --profile's trace_rank<r>.json
     overlap-analyze report.sqlite --json           # one JSON object on stdout
-    overlap-analyze report.nsys-rep --png t.png    # lanes per stream: compute, NCCL, copy, waits
+    overlap-analyze report.nsys-rep --plot t.png   # lanes per rank: compute, comm, exposed, ...
     overlap-analyze --compare runs/off runs/on     # two traces side by side
 
-Definitions: ``overlap/profile/metrics.py``; how rows are classified: the naming scheme in
+The output leads with the exposed communication (% of the step, per rank) and a table per
+kind (tp, pp, dp, ep, cp, offload), details after. Definitions: ``overlap/profile/metrics.py``
+(``exposed``, the one definition every report uses); how rows are classified: the naming scheme in
 ``overlap/profile/names.py`` and the kernel registry in ``overlap/kernels/registry.py``.
 Bad input exits with status 2 and one line on stderr.
 """
@@ -22,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from overlap import cli
 from overlap.profile import metrics
 from overlap.profile.kineto import rank_from_name, read_kineto
 from overlap.profile.nsys import export_report, read_nsys_sqlite
@@ -141,41 +144,70 @@ def _pct(v: float | None) -> str:
 _COLS = ("step_s", "compute_s", "comm_s", "hidden_s", "exposed_s", "fused_s")
 
 
+def _kind_rows(by_kind: dict[str, dict[str, float]], step_s: float) -> list[str]:
+    rows = []
+    for k, v in by_kind.items():
+        hidden = 100.0 * v["hidden_s"] / v["comm_s"] if v["comm_s"] > 0 else None
+        exposed = 100.0 * v["exposed_s"] / step_s if step_s > 0 else None
+        rows.append(f"{k:<8} {_ms(v['exposed_s']):>10} {_pct(exposed):>8} "
+                    f"{_ms(v['comm_s']):>10} {_ms(v['hidden_s']):>10} {_pct(hidden):>8}")
+    return rows
+
+
+def _kinds_over_ranks(ranks: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for r in ranks:
+        for k, v in r["by_kind"].items():
+            cur = out.setdefault(k, dict.fromkeys(metrics.KIND_FIELDS, 0.0))
+            for f in metrics.KIND_FIELDS:
+                cur[f] += v[f]
+    return out
+
+
 def format_table(report: dict[str, Any]) -> str:
-    ranks = report["ranks"]
+    """The headline (exposed % of the step, per rank), the per-kind table, then the details."""
+    ranks, s = report["ranks"], report["summary"]
     modes = sorted({r["mode"] for r in ranks})
     lines = [f"{PROG}: {report['source']} ({report['format']}, {len(ranks)} rank(s), "
-             f"{'/'.join(modes)} mode; times in ms)",
-             f"{'rank':>4} {'step':>5} {'step':>10} {'compute':>10} {'comm':>10} {'hidden':>10} "
-             f"{'exposed':>10} {'fused':>10} {'overlap%':>8} {'exposed%':>8}"]
+             f"{'/'.join(modes)} mode; times in ms)"]
+    if s:
+        lines.append(f"exposed communication: {_pct(s['exposed_pct'])}% of the step "
+                     f"({_ms(s['exposed_s'])} of {_ms(s['step_s'])} ms per step, mean over "
+                     "ranks)")
+    lines.append(f"{'rank':>4} {'exposed%':>8} {'exposed':>10} {'step':>10} {'hidden%':>8} "
+                 f"{'fused':>10}")
     for r in ranks:
-        for s in r["steps"] + [r["total"]]:
-            label = "all" if s is r["total"] else ("-" if s["step"] is None else s["step"])
+        t = r["total"]
+        lines.append(f"{r['rank']:>4} {_pct(t['exposed_pct']):>8} {_ms(t['exposed_s']):>10} "
+                     f"{_ms(t['step_s']):>10} {_pct(t['overlap_pct']):>8} {_ms(t['fused_s']):>10}")
+    step_all = sum(r["total"]["step_s"] for r in ranks)
+    lines += ["", "by kind, all ranks (exposed% of the step; hidden% of the kind's communication)",
+              f"{'kind':<8} {'exposed':>10} {'exposed%':>8} {'comm':>10} {'hidden':>10} "
+              f"{'hidden%':>8}"]
+    lines += _kind_rows(_kinds_over_ranks(ranks), step_all)
+    lines += ["", "details: per rank and step",
+              f"{'rank':>4} {'step':>5} {'step':>10} {'compute':>10} {'comm':>10} {'hidden':>10} "
+              f"{'exposed':>10} {'fused':>10} {'overlap%':>8} {'exposed%':>8}"]
+    for r in ranks:
+        for st in r["steps"] + [r["total"]]:
+            label = "all" if st is r["total"] else ("-" if st["step"] is None else st["step"])
             lines.append(f"{r['rank']:>4} {label:>5} " + " ".join(
-                f"{_ms(s[c]):>10}" for c in _COLS)
-                + f" {_pct(s['overlap_pct']):>8} {_pct(s['exposed_pct']):>8}")
-    lines.append("")
-    lines.append("top exposed communication (ms over all steps; count = occurrences)")
-    lines.append(f"{'rank':>4} {'exposed':>10} {'count':>6}  range [kernel]")
+                f"{_ms(st[c]):>10}" for c in _COLS)
+                + f" {_pct(st['overlap_pct']):>8} {_pct(st['exposed_pct']):>8}")
+    lines += ["", "details: top exposed communication (each exposed instant charged to one range;"
+              " count = occurrences)", f"{'rank':>4} {'exposed':>10} {'count':>6} {'kind':<8} "
+              "range [kernel]"]
     for r in ranks:
         for t in r["top_exposed"]:
             what = t["range"] + (f" [{t['kernel']}]" if t["kernel"] else "")
-            lines.append(f"{r['rank']:>4} {_ms(t['exposed_s']):>10} {t['count']:>6}  {what}")
-    lines.append("")
-    lines.append("communication by kind (ms over all steps; hidden = under compute)")
-    lines.append(f"{'rank':>4} {'kind':<22} {'comm':>10} {'hidden':>10} {'hidden%':>8}")
+            lines.append(f"{r['rank']:>4} {_ms(t['exposed_s']):>10} {t['count']:>6} "
+                         f"{t['kind']:<8} {what}")
+    lines += ["", "details: by kind per rank",
+              f"{'rank':>4} {'kind':<8} {'exposed':>10} {'exposed%':>8} {'comm':>10} "
+              f"{'hidden':>10} {'hidden%':>8}"]
     for r in ranks:
-        for g, v in r.get("by_group", {}).items():
-            pct = 100.0 * v["hidden_s"] / v["comm_s"] if v["comm_s"] > 0 else None
-            lines.append(f"{r['rank']:>4} {g:<22} {_ms(v['comm_s']):>10} "
-                         f"{_ms(v['hidden_s']):>10} {_pct(pct):>8}")
-    s = report["summary"]
-    if s:
-        lines.append("")
-        lines.append(f"per step, mean over ranks: step {_ms(s['step_s'])} ms, comm "
-                     f"{_ms(s['comm_s'])} ms, hidden {_ms(s['hidden_s'])} ms, exposed "
-                     f"{_ms(s['exposed_s'])} ms, overlap {_pct(s['overlap_pct'])}%, exposed "
-                     f"{_pct(s['exposed_pct'])}% of the step")
+        lines += [f"{r['rank']:>4} {row}" for row in _kind_rows(r["by_kind"],
+                                                              r["total"]["step_s"])]
     return "\n".join(lines)
 
 
@@ -211,17 +243,18 @@ def _public(report: dict[str, Any]) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     d = AnalyzeConfig()
-    p = argparse.ArgumentParser(prog=PROG, description="Overlap metrics per rank and step from "
-                                "a torch.profiler trace, a directory of per-rank traces, or an "
-                                "nsys export.")
+    p = cli.ArgumentParser(prog=PROG, description="Overlap metrics per rank and step from "
+                           "a torch.profiler trace, a directory of per-rank traces, or an "
+                           "nsys export.")
     p.add_argument("path", nargs="?", default=d.path,
                    help="trace file (.json[.gz], .sqlite, .nsys-rep) or directory of them")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), default=d.compare,
                    help="analyze two traces and show them side by side")
     p.add_argument("--json", action="store_true", default=d.json,
                    help="print one JSON object instead of the table")
-    p.add_argument("--png", metavar="FILE", default=d.png,
-                   help="draw a timeline: per rank, lanes for compute, NCCL, copy, waits")
+    p.add_argument("--plot", "--png", dest="png", metavar="FILE", default=d.png,
+                   help="draw a timeline (PNG): per rank, lanes for compute, NCCL, copy, waits "
+                        "and the exposed communication")
     p.add_argument("--top", type=int, default=d.top,
                    help="exposed communication ranges listed per rank")
     p.add_argument("--progress", choices=("auto", "on", "off"), default=d.progress,

@@ -96,9 +96,7 @@ def spans_from_events(events: list[dict]) -> list[sp.Span]:
             out.append(span)
         elif cat not in _SKIP_CATS:
             out.append(sp.host_span(ts, end, name, f"thread {e.get('tid')}"))
-    sp.resolve_copies(out)
-    sp.label_device_spans(out)
-    return out
+    return sp.finish(out)
 
 
 def read_kineto(path: str | Path, *, default_rank: int = 0,

@@ -1,34 +1,36 @@
-"""Overlap metrics of one rank, per step, from its classified spans (``spans.RankTrace``).
+"""Exposed communication, defined once (``exposed``; docs/design/profiling.md), for every report.
 
-Definitions, all unions of intervals (nested or concurrent rows never count twice):
-    mode        "device" if the trace has kernel or copy rows (CUDA), else "host" (the CPU twin)
-    C compute   device: compute kernels and copies; host: the training thread's compute ranges
-                minus its comm ranges; both plus fused comm+GEMM rows minus their waits
+From one rank's classified spans (``spans.RankTrace``), per step window, all unions of
+intervals, so nested or concurrent rows never count twice:
+    C compute   device mode (a CUDA trace): compute kernels and copies; host mode (the CPU
+                twin): the training thread's compute ranges minus its comm ranges; both plus
+                fused comm+GEMM rows minus their waits
     M comm      every communication row or range on any thread or stream, plus fused rows
-    hidden = |M ∩ C|    exposed = |M| - hidden    fused = |fused rows|
-    overlap % = hidden / |M|    exposed % = exposed / step time
-
-Steps: each ``step:<n>`` range of the training thread is a window (no step ranges: one window);
-a device row counts in the step whose range launched it, else the step in which it starts.
-
-The narrative: docs/design/profiling.md.
+    exposed = |M - C| (communication while the training thread or its stream computes
+    nothing); hidden = |M & C|; overlap % = hidden / |M|; exposed % = exposed / step time;
+    fused = time in fused TP ops (names.is_fused_op); per kind (names.AXES, else "other"):
+    comm, hidden, and the exposed time, each exposed instant charged once (to the training
+    thread's outermost comm range open then, else the earliest-started row): the kinds and
+    the top-exposed list sum to the total. Steps: each ``step:<n>`` range of the training
+    thread (none: the whole trace); a device row counts in the step whose range launched it.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import heapq
 from typing import Any
 
 from overlap.profile import names
 from overlap.profile import spans as sp
 from overlap.profile.spans import Span
 
-__all__ = ["StepMetrics", "ExposedRange", "RankReport", "analyze_rank", "main_track",
-           "window_metrics", "lane_of", "summary", "exposed_intervals", "comm_group",
-           "group_metrics"]
+__all__ = ["StepMetrics", "ExposedRange", "RankReport", "exposed", "analyze_rank", "main_track",
+           "lane_of", "summary", "exposed_intervals", "KIND_FIELDS"]
 
 _US = 1e-6
+KIND_FIELDS = ("comm_s", "hidden_s", "exposed_s")
 
 
 @dataclasses.dataclass(slots=True)
@@ -61,6 +63,7 @@ class ExposedRange:
     kernel: str | None
     exposed_s: float
     count: int
+    kind: str = names.OTHER
 
 
 @dataclasses.dataclass(slots=True)
@@ -73,16 +76,17 @@ class RankReport:
     steps: list[StepMetrics]
     total: StepMetrics
     top_exposed: list[ExposedRange]
-    # communication by its name's first part (tp op, pp, dp, moe, cp, offload, ...): seconds
-    # over all steps of {"comm_s", "hidden_s"}
-    by_group: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    # per kind (names.AXES, then "other"), seconds over all steps of KIND_FIELDS
+    by_kind: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    # where communication was exposed (the trace's time unit), for the timeline
+    exposed_intervals: list[tuple[float, float]] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "source": self.source, "format": self.fmt, "mode": self.mode,
                 "main_track": self.main_track, "steps": [s.as_dict() for s in self.steps],
                 "total": self.total.as_dict(),
                 "top_exposed": [dataclasses.asdict(t) for t in self.top_exposed],
-                "by_group": self.by_group}
+                "by_kind": self.by_kind}
 
 
 def main_track(spans: list[Span]) -> str | None:
@@ -119,7 +123,7 @@ def lane_of(s: Span, main: str | None, device_mode: bool) -> str | None:
 
 
 def _sets(spans: list[Span], main: str | None, device_mode: bool):
-    """(compute C, communication M, fused rows) as merged interval lists."""
+    """(compute C, communication rows of M, fused comm+GEMM rows) of one window."""
     if device_mode:
         compute = [s for s in spans if s.device and s.kind == names.COMPUTE]
         comm = [s for s in spans if s.device and s.kind == names.COMM]
@@ -141,62 +145,76 @@ def _sets(spans: list[Span], main: str | None, device_mode: bool):
     c = sp.subtract(sp.merge((s.start, s.end) for s in compute),
                     sp.merge((s.start, s.end) for s in host_comm))
     c = sp.merge(c + sp.subtract(fused_iv, fused_waits))
-    m = sp.merge([(s.start, s.end) for s in comm] + fused_iv)
-    return c, m, fused_iv
+    return c, comm + fused, fused
 
 
-def window_metrics(step: int | None, spans: list[Span], lo: float, hi: float,
-                   main: str | None, device_mode: bool) -> tuple[StepMetrics, list]:
-    """Metrics of one window; ``spans`` already selected and clipped to it. Also returns the
-    exposed time of each communication row, for the top-exposed list."""
-    c, m, fused = _sets(spans, main, device_mode)
-    comm = sp.length(m)
-    hidden = sp.length(sp.intersect(m, c))
-    exposed = max(comm - hidden, 0.0)
-    parts = []
-    for s in _outermost(s for s in spans if s.kind in (names.COMM, names.FUSED)
-                        and s.device == device_mode):
-        e = (s.end - s.start) - sp.covered(s.start, s.end, c)
-        if e > 0:
-            parts.append((s, e))
-    return StepMetrics(step, (hi - lo) * _US, sp.length(c) * _US, comm * _US, hidden * _US,
-                       exposed * _US, sp.length(fused) * _US), parts
-
-
-def comm_group(name: str) -> str:
-    """The first part of a communication range's name: ``offload.d2h.comm`` and
-    ``comm_wait:offload.reload`` are "offload"; third-party rows are "other"."""
-    for prefix in (names.COMM_WAIT_PREFIX, names.COMM_PREFIX):
-        if name.startswith(prefix):
-            return name[len(prefix):].split(".")[0].split(":")[0] or "other"
-    piece = names.parse(name)
-    return piece.path.split(".")[0] if piece is not None else "other"
-
-
-def group_metrics(spans: list[Span], main: str | None, device_mode: bool
-                  ) -> dict[str, tuple[float, float]]:
-    """Per ``comm_group``: (communication, hidden under compute) in the trace's time unit."""
-    c, _m, _f = _sets(spans, main, device_mode)
-    by: dict[str, list[tuple[float, float]]] = {}
+def _fused_time(spans: list[Span], fused: list[Span], main: str | None, device_mode: bool):
+    """Time in fused TP ops: fused rows, plus (device) the rows launched from a fused op's
+    piece or (host) the training thread's fused-op pieces."""
+    iv = [(s.start, s.end) for s in fused]
     for s in spans:
-        if s.kind == names.COMM and s.device == device_mode:
-            by.setdefault(comm_group(s.label or s.name), []).append((s.start, s.end))
-    out = {}
-    for g, iv in by.items():
-        m = sp.merge(iv)
-        out[g] = (sp.length(m), sp.length(sp.intersect(m, c)))
+        if device_mode and s.device and s.kind is not None and names.is_fused_op(s.label or ""):
+            iv.append((s.start, s.end))
+        elif not device_mode and not s.device and s.track == main and names.is_fused_op(s.name):
+            iv.append((s.start, s.end))
+    return sp.length(sp.merge(iv))
+
+
+def _charge(exposed_iv: list[tuple[float, float]], rows: list[Span], main: str | None):
+    """Charge each exposed instant to one row: the training thread's outermost comm range open
+    then, else the earliest-started (then longest) row; returns {row index: time}."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i].start)
+    key = lambda i: (rows[i].track != main, rows[i].start, -rows[i].end,  # noqa: E731
+                     rows[i].track, rows[i].name)
+    cuts = sorted({t for r in rows for t in (r.start, r.end)}
+                  | {t for iv in exposed_iv for t in iv})
+    heap: list = []
+    nxt, out = 0, {}
+    for lo, hi in zip(cuts, cuts[1:]):
+        while nxt < len(order) and rows[order[nxt]].start <= lo:
+            heapq.heappush(heap, (key(order[nxt]), order[nxt]))
+            nxt += 1
+        while heap and rows[heap[0][1]].end <= lo:
+            heapq.heappop(heap)
+        if heap:
+            e = sp.covered(lo, hi, exposed_iv)
+            if e > 0:
+                i = heap[0][1]
+                out[i] = out.get(i, 0.0) + e
     return out
 
 
-def _outermost(spans) -> list[Span]:
-    """Drop host ranges nested in another on the same thread (the outer one names the op)."""
-    out, last_end = [], {}
-    for s in sorted(spans, key=lambda s: (s.track, s.start, -s.end)):
-        if not s.device and s.end <= last_end.get(s.track, float("-inf")):
-            continue
-        last_end[s.track] = max(s.end, last_end.get(s.track, float("-inf")))
-        out.append(s)
-    return out
+@dataclasses.dataclass(slots=True)
+class _Window:
+    metrics: StepMetrics
+    by_kind: dict[str, dict[str, float]]
+    charged: list[tuple[Span, float]]  # (row, exposed time charged to it), trace time unit
+    exposed_iv: list[tuple[float, float]]
+
+
+def exposed(step: int | None, spans: list[Span], lo: float, hi: float, main: str | None,
+            device_mode: bool) -> _Window:
+    """The exposed communication of one window [lo, hi) (``spans`` selected and clipped to
+    it): the definition in this module's docstring, computed here and nowhere else."""
+    c, rows, fused = _sets(spans, main, device_mode)
+    m = sp.merge((s.start, s.end) for s in rows)
+    exposed_iv = sp.subtract(m, c)
+    comm, exp = sp.length(m), sp.length(exposed_iv)
+    charged = _charge(exposed_iv, rows, main)
+    by_kind: dict[str, dict[str, float]] = {}
+    per_kind: dict[str, list[tuple[float, float]]] = {}
+    for s in rows:
+        per_kind.setdefault(s.axis or names.OTHER, []).append((s.start, s.end))
+    for k, iv in per_kind.items():
+        mk = sp.merge(iv)
+        by_kind[k] = {"comm_s": sp.length(mk) * _US,
+                      "hidden_s": sp.length(sp.intersect(mk, c)) * _US, "exposed_s": 0.0}
+    for i, e in charged.items():
+        by_kind[rows[i].axis or names.OTHER]["exposed_s"] += e * _US
+    metrics = StepMetrics(step, (hi - lo) * _US, sp.length(c) * _US, comm * _US,
+                          (comm - exp) * _US, exp * _US,
+                          _fused_time(spans, fused, main, device_mode) * _US)
+    return _Window(metrics, by_kind, [(rows[i], e) for i, e in charged.items()], exposed_iv)
 
 
 def _clip(s: Span, lo: float, hi: float) -> Span | None:
@@ -239,30 +257,36 @@ def _windows(spans: list[Span], main: str | None):
         yield names.step_number(st.name), st.start, hi, clipped + mine
 
 
+def _kind_order(kinds) -> list[str]:
+    return [k for k in names.AXES if k in kinds] + sorted(k for k in kinds if k not in names.AXES)
+
+
 def analyze_rank(trace: sp.RankTrace, *, top: int = 5) -> RankReport:
+    """Every window of one rank through ``exposed``, summed: what every report prints."""
     main = main_track(trace.spans)
     device_mode = any(s.device and s.kind is not None for s in trace.spans)
-    steps, exposed, groups = [], {}, {}
+    steps, tops, kinds, intervals = [], {}, {}, []
     for step, lo, hi, spans in _windows(trace.spans, main):
-        metrics, parts = window_metrics(step, spans, lo, hi, main, device_mode)
-        steps.append(metrics)
-        for g, (comm, hidden) in group_metrics(spans, main, device_mode).items():
-            cur = groups.setdefault(g, {"comm_s": 0.0, "hidden_s": 0.0})
-            cur["comm_s"] += comm * _US
-            cur["hidden_s"] += hidden * _US
-        for s, e in parts:
+        w = exposed(step, spans, lo, hi, main, device_mode)
+        steps.append(w.metrics)
+        intervals += w.exposed_iv
+        for k, v in w.by_kind.items():
+            cur = kinds.setdefault(k, dict.fromkeys(KIND_FIELDS, 0.0))
+            for f in KIND_FIELDS:
+                cur[f] += v[f]
+        for s, e in w.charged:
             key = (s.label or s.name, s.name if s.label else None) if s.device else (s.name, None)
-            cur = exposed.setdefault(key, [0.0, 0])
+            cur = tops.setdefault(key, [0.0, 0, s.axis or names.OTHER])
             cur[0] += e
             cur[1] += 1
     total = StepMetrics(None, *(sum(getattr(m, f) for m in steps) for f in
                                 ("step_s", "compute_s", "comm_s", "hidden_s", "exposed_s",
                                  "fused_s")))
-    ranked = sorted(exposed.items(), key=lambda kv: (-kv[1][0], kv[0][0]))[:top]
+    ranked = sorted(tops.items(), key=lambda kv: (-kv[1][0], kv[0][0]))[:top]
     return RankReport(trace.rank, trace.source, trace.fmt, "device" if device_mode else "host",
                       main, steps, total,
-                      [ExposedRange(k[0], k[1], v[0] * _US, v[1]) for k, v in ranked],
-                      dict(sorted(groups.items())))
+                      [ExposedRange(k[0], k[1], v[0] * _US, v[1], v[2]) for k, v in ranked],
+                      {k: kinds[k] for k in _kind_order(kinds)}, sp.merge(intervals))
 
 
 def summary(reports: list[RankReport]) -> dict[str, float | None]:
@@ -281,9 +305,5 @@ def summary(reports: list[RankReport]) -> dict[str, float | None]:
 
 
 def exposed_intervals(trace: sp.RankTrace) -> list[tuple[float, float]]:
-    """Where communication ran with no compute under it, over the whole trace (the timeline's
-    "exposed comm" lane; per-step numbers come from analyze_rank)."""
-    main = main_track(trace.spans)
-    device_mode = any(s.device and s.kind is not None for s in trace.spans)
-    c, m, _ = _sets(trace.spans, main, device_mode)
-    return sp.subtract(m, c)
+    """Where communication was exposed, over the step windows (the timeline's lane)."""
+    return analyze_rank(trace, top=0).exposed_intervals

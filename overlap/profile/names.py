@@ -24,7 +24,8 @@ from overlap.kernels import registry
 
 __all__ = ["COMM", "COMPUTE", "FUSED", "STEP", "Kind", "Piece", "parse", "classify_range",
            "classify_kernel", "classify_memcpy", "is_project_range", "step_number", "step",
-           "comm_wait", "comm", "compute", "chunk", "pp_action", "dp_bucket", "quant"]
+           "comm_wait", "comm", "compute", "chunk", "pp_action", "dp_bucket", "quant",
+           "AXES", "OTHER", "TP_OPS", "axis_of", "is_fused_op"]
 
 COMM, COMPUTE, FUSED, STEP = "comm", "compute", "fused", "step"
 
@@ -34,6 +35,14 @@ ROLES = {"comm": COMM, "gemm": COMPUTE, "compute": COMPUTE, "fused": FUSED, "F":
          "B": COMPUTE, "I": COMPUTE, "W": COMPUTE, "quantize": COMPUTE, "dequantize": COMPUTE}
 PP_ACTIONS = ("F", "B", "I", "W")
 _THIRD_PARTY_COMM = ("gloo:", "nccl:", "c10d::", "record_param_comms")
+
+# The kinds communication is reported by; a name's first part maps to one (moe is EP).
+AXES = ("tp", "pp", "dp", "ep", "cp", "offload")
+OTHER = "other"
+_AXIS_OF_HEAD = {**{a: a for a in AXES}, "moe": "ep"}
+# The fused comm+GEMM TP ops: their pieces are ``<op>[_backward].<backend>.<role>[..]``.
+TP_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+_HEAD = re.compile(r"[A-Za-z0-9_]+")
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _PIECE = re.compile(rf"^(?P<path>{_IDENT}(?:\.{_IDENT})*)\.(?P<role>{'|'.join(ROLES)})"
@@ -92,6 +101,44 @@ def classify_range(name: str) -> Kind | None:
         return None
     wait = piece.suffix == "wait"
     return Kind(COMM, wait=True) if wait else Kind(ROLES[piece.role])
+
+
+def _tp_op(head: str) -> bool:
+    return head.removesuffix("_backward") in TP_OPS
+
+
+def is_fused_op(name: str) -> bool:
+    """True for a piece of a fused TP op (``all_gather_matmul.chunked.gemm[0]``); the unfused
+    backend's collectives are not fused."""
+    piece = parse(name)
+    if piece is None:
+        return False
+    head, _, backend = piece.path.partition(".")
+    return _tp_op(head) and backend.split(".")[0] != "unfused"
+
+
+def axis_of(name: str) -> str | None:
+    """The axis a communication range names (one of AXES), or None when the name does not say
+    (``gloo:*``, ``comm_wait:symm.wait``, ``pp.stage0.F[1]``): the reader then takes the axis of
+    the range it is nested in. ``comm_wait:<axis>.<what>`` and ``comm:<axis>...`` name it by
+    their first part; pieces by their path's first part when the piece is communication, and
+    any piece of a TP op (tp) or of the MoE exchange (ep) names its op's axis."""
+    for prefix in (COMM_WAIT_PREFIX, COMM_PREFIX):
+        if name.startswith(prefix):
+            m = _HEAD.match(name, len(prefix))
+            head = m.group(0) if m else ""
+            return "tp" if _tp_op(head) else _AXIS_OF_HEAD.get(head)
+    piece = parse(name)
+    if piece is None:
+        return None
+    head = piece.path.split(".")[0]
+    if _tp_op(head):
+        return "tp"
+    if head == "moe":
+        return "ep"
+    if ROLES[piece.role] == COMM or piece.suffix == "wait":
+        return _AXIS_OF_HEAD.get(head)
+    return None
 
 
 def is_nccl_kernel(name: str) -> bool:

@@ -185,8 +185,7 @@ def _read(db: _Db, source: str, progress: Progress | None) -> list[sp.RankTrace]
     out = []
     for rank, pid in enumerate(order):
         spans = by_pid[pid]
-        sp.resolve_copies(spans)
-        sp.label_device_spans(spans)
+        sp.finish(spans)
         out.append(sp.RankTrace(rank=rank, spans=spans, source=source, fmt="nsys-sqlite",
                                 schema_version=db.version))
     return out

@@ -5,7 +5,8 @@
 - ``plot_lanes``: what ``overlap-analyze --png`` draws: per rank one lane per kind of stream,
   compute (fused comm+GEMM rows in their own colour), NCCL and other comm kernels (gloo or the
   collective's thread on CPU), the copy engine (the copy thread on CPU), signal waits (and
-  blocked host waits), and the exposed communication the metrics count.
+  blocked host waits), and the exposed communication ``metrics.exposed`` counts, each rank
+  labelled with its exposed % of the step (the analyzer's headline).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from overlap.profile import spans as sp
-from overlap.profile.metrics import exposed_intervals, lane_of, main_track
+from overlap.profile.metrics import analyze_rank, lane_of
 from overlap.profile.trace import classify
 
 __all__ = ["plot_timeline", "plot_lanes"]
@@ -71,8 +72,10 @@ def plot_lanes(traces: list[tuple[str, sp.RankTrace]], path: str | Path, *,
     fig, ax = plt.subplots(figsize=(13, 0.32 * n_lanes * len(traces) + 1.4))
     ticks, labels = [], []
     for block, (label, trace) in enumerate(traces):
-        main = main_track(trace.spans)
-        device_mode = any(s.device and s.kind is not None for s in trace.spans)
+        report = analyze_rank(trace, top=0)
+        main, device_mode = report.main_track, report.mode == "device"
+        pct = report.total.exposed_pct
+        exposed_name = f"exposed comm, {'-' if pct is None else f'{pct:.1f}'}% of the step"
         t0 = min((s.start for s in trace.spans), default=0.0)
         lanes: dict[str, list[tuple[float, float]]] = {k: [] for k, _, _ in _LANES}
         fused: list[tuple[float, float]] = []
@@ -82,7 +85,7 @@ def plot_lanes(traces: list[tuple[str, sp.RankTrace]], path: str | Path, *,
                 fused.append((s.start, s.end))
             elif lane is not None:
                 lanes[lane].append((s.start, s.end))
-        lanes["exposed"] = exposed_intervals(trace)
+        lanes["exposed"] = report.exposed_intervals
         base = (len(traces) - 1 - block) * (n_lanes + 1)
         for i, (key, name, color) in enumerate(_LANES):
             y = base + n_lanes - 1 - i
@@ -92,7 +95,7 @@ def plot_lanes(traces: list[tuple[str, sp.RankTrace]], path: str | Path, *,
                 ax.broken_barh([((s - t0) / 1e3, (e - s) / 1e3) for s, e in sp.merge(fused)],
                                (y + 0.1, 0.8), facecolors=_FUSED)
             ticks.append(y + 0.5)
-            labels.append(f"{label}  {name}")
+            labels.append(f"{label}  {exposed_name if key == 'exposed' else name}")
     ax.set_yticks(ticks, labels, fontsize=7)
     ax.set_xlabel("time (ms)")
     ax.set_title(title)

@@ -5,10 +5,10 @@ sqlite``) produce ``RankTrace`` objects, so the metrics (``metrics.py``) are com
 piece of code for both, and a test can check that the same timeline read from either file gives
 the same numbers. Times are microseconds (the Chrome trace unit), as floats.
 
-Also here: interval arithmetic on sorted, disjoint ``[start, end)`` lists, and the two steps that
+Also here: interval arithmetic on sorted, disjoint ``[start, end)`` lists, and the steps that
 need the whole trace: deciding which device-to-device copies run on a communication stream
-(``resolve_copies``) and naming device rows after the range that launched them
-(``label_device_spans``).
+(``resolve_copies``), naming device rows after the range that launched them
+(``label_device_spans``) and giving each row its axis (``resolve_axes``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Iterable
 from overlap.profile import names
 
 __all__ = ["Span", "RankTrace", "merge", "length", "intersect", "subtract", "resolve_copies",
-           "label_device_spans"]
+           "label_device_spans", "resolve_axes", "finish"]
 
 Interval = tuple[float, float]
 
@@ -31,7 +31,8 @@ class Span:
     ``track`` is "thread <tid>" for host ranges and "stream <id>" for device rows; ``launch``
     is the host time and track of the call that launched a device row, when the trace links
     them (CUDA correlation ids); ``label`` is the project range that was open at that launch;
-    ``copy`` is the copy kind ("PtoP", "DtoD", ...) of a memcpy row."""
+    ``copy`` is the copy kind ("PtoP", "DtoD", ...) of a memcpy row; ``axis`` is the axis
+    (names.AXES) its own name or the range it is nested in names, else None."""
     start: float
     end: float
     name: str
@@ -44,6 +45,7 @@ class Span:
     label: str | None = None
     copy: str | None = None
     peer: bool = False
+    axis: str | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -171,3 +173,31 @@ def label_device_spans(spans: list[Span]) -> None:
         stack[:] = [r for r in stack if r.end >= when]
         if stack:
             q.label = max(stack, key=lambda r: (r.start, -r.end)).name
+
+
+def resolve_axes(spans: list[Span]) -> None:
+    """Set each row's ``axis``: a host range's own name's (names.axis_of), else that of the
+    innermost range around it on its thread that names one, so a ``gloo:recv`` inside
+    ``comm_wait:pp.p2p`` is pp; a device row's, from the range that launched it, else its
+    own name."""
+    by_track: dict[str, list[Span]] = {}
+    for s in spans:
+        if s.device:
+            s.axis = names.axis_of(s.label or "") or names.axis_of(s.name)
+        else:
+            by_track.setdefault(s.track, []).append(s)
+    for rows in by_track.values():
+        stack: list[Span] = []
+        for s in sorted(rows, key=lambda s: (s.start, -s.end)):
+            while stack and stack[-1].end <= s.start:
+                stack.pop()
+            s.axis = names.axis_of(s.name) or (stack[-1].axis if stack else None)
+            stack.append(s)
+
+
+def finish(spans: list[Span]) -> list[Span]:
+    """The whole-trace passes every reader runs once its rows are read."""
+    resolve_copies(spans)
+    label_device_spans(spans)
+    resolve_axes(spans)
+    return spans

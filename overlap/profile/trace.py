@@ -1,17 +1,15 @@
-"""Overlap metrics of one trace as a whole: how much communication ran, and how much of it the
-rank's compute hid (``overlap-analyze``, ``overlap/profile/analyze.py``, reports them per step).
+"""Overlap metrics of one trace as a whole (``overlap-train --profile``'s table and its
+``overlap_metrics.json``): the sums over the step windows of ``metrics.analyze_rank``, the one
+definition ``overlap-analyze`` reports per step, so both print the same numbers.
 
 Input: a Chrome-trace JSON (``torch.profiler.profile.export_chrome_trace``), or the same event
-list built from ``nsys export --type sqlite`` (``events_from_nsys_sqlite``); events are
-classified by ``overlap/profile/names.py`` and ``overlap/kernels/registry.py``. Over the span
-of the ``step:*`` ranges (or the whole trace):
+list built from ``nsys export --type sqlite`` (``events_from_nsys_sqlite``).
 
-    compute_s       training thread's compute minus its comm ranges (CUDA: compute kernels)
-    comm_s          the union of all communication intervals on any thread or stream
-    exposed_comm_s  communication not covered by compute; hidden_comm_s = comm_s - exposed_comm_s
+    step_s          the step windows' total (the whole trace without step ranges)
+    comm_s, compute_s, exposed_comm_s, hidden_comm_s = comm_s - exposed_comm_s   (metrics.py)
     exposed_fraction = exposed_comm_s / step_s, hidden_fraction = hidden_comm_s / comm_s
+    by_kind         per kind (tp, pp, dp, ep, cp, offload, other): comm_s, hidden_s, exposed_s
 
-``exposed_comm_s <= comm_s`` holds by construction, and both fractions lie in [0, 1].
 The narrative: docs/design/profiling.md.
 """
 
@@ -26,10 +24,11 @@ from overlap.kernels import registry
 from overlap.profile import names
 from overlap.profile import spans as sp
 from overlap.profile.kineto import spans_from_events
-from overlap.profile.metrics import main_track, window_metrics
+from overlap.profile.metrics import analyze_rank
+from overlap.profile.spans import RankTrace
 
-__all__ = ["OverlapMetrics", "load_events", "classify", "overlap_metrics", "union_length",
-           "events_from_nsys_sqlite"]
+__all__ = ["OverlapMetrics", "load_events", "classify", "overlap_metrics", "exposed_percent",
+           "union_length", "events_from_nsys_sqlite"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -42,6 +41,8 @@ class OverlapMetrics:
     exposed_fraction: float
     hidden_fraction: float
     main_tid: Any
+    fused_s: float = 0.0
+    by_kind: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -79,29 +80,21 @@ def union_length(intervals: Iterable[tuple[float, float]]) -> float:
 
 def overlap_metrics(events: list[dict]) -> OverlapMetrics:
     """Metrics for one rank's events (timestamps in microseconds, as in Chrome traces)."""
-    spans = spans_from_events(events)
-    main = main_track(spans)
+    report = analyze_rank(RankTrace(0, spans_from_events(events), "events", "kineto"), top=0)
     tids = {f"thread {e.get('tid')}": e.get("tid") for e in events}
-    steps = [s for s in spans if s.kind == names.STEP and s.track == main]
-    pool = steps or spans
-    lo = min((s.start for s in pool), default=0.0)
-    hi = max((s.end for s in pool), default=0.0)
-    clipped = [c for c in (_clip(s, lo, hi) for s in spans) if c is not None]
-    device_mode = any(s.device and s.kind is not None for s in spans)
-    m, _ = window_metrics(None, clipped, lo, hi, main, device_mode)
-    step, exposed = m.step_s, min(m.exposed_s, m.comm_s)
+    t = report.total
     return OverlapMetrics(
-        step_s=step, compute_s=m.compute_s, comm_s=m.comm_s, exposed_comm_s=exposed,
-        hidden_comm_s=m.comm_s - exposed,
-        exposed_fraction=min(exposed / step, 1.0) if step else 0.0,
-        hidden_fraction=(m.comm_s - exposed) / m.comm_s if m.comm_s else 0.0,
-        main_tid=tids.get(main))
+        step_s=t.step_s, compute_s=t.compute_s, comm_s=t.comm_s, exposed_comm_s=t.exposed_s,
+        hidden_comm_s=t.hidden_s, exposed_fraction=t.exposed_s / t.step_s if t.step_s else 0.0,
+        hidden_fraction=t.hidden_s / t.comm_s if t.comm_s else 0.0,
+        main_tid=tids.get(report.main_track), fused_s=t.fused_s, by_kind=report.by_kind)
 
 
-def _clip(s: sp.Span, lo: float, hi: float) -> sp.Span | None:
-    if s.end <= lo or s.start >= hi:
-        return None
-    return dataclasses.replace(s, start=max(s.start, lo), end=min(s.end, hi))
+def exposed_percent(ranks: list[OverlapMetrics]) -> float | None:
+    """The headline over ranks, as ``overlap-analyze`` prints it: 100 * total exposed / total
+    step time (every rank's step windows), None without steps."""
+    step = sum(m.step_s for m in ranks)
+    return 100.0 * sum(m.exposed_comm_s for m in ranks) / step if step > 0 else None
 
 
 def events_from_nsys_sqlite(path: str | Path) -> list[dict]:
