@@ -147,7 +147,7 @@ def test_the_graph_holds_module_level_function_local_and_package_imports():
     # Known edges of each kind, so a parser that missed one kind could not pass the rest.
     edges = {m: {t for t, _ in ts} for m, ts in GRAPH.items()}
     assert "overlap.models.tp_plans" in edges["overlap.nn.parallelize"]  # inside a function
-    assert "overlap.profile.nvtx" in edges["overlap.train.loop"]  # from overlap.profile import
+    assert "overlap.profile.nvtx" in edges["overlap.train.job"]  # from overlap.profile import
     assert "overlap.dist.dims" in edges["overlap.dist.__init__"]
     assert "overlap._C" in edges["overlap.tp.stamps"]
     assert len(MODULES) > 150 and sum(map(len, GRAPH.values())) > 1000

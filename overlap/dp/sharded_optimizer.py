@@ -83,7 +83,6 @@ class ShardedOptimizer:
         self._group_of, self._group_options = self._parse_groups(param_groups)
         self._gathers: list = []
         self._steps = 0  # step() calls: part of every gather's stamp
-        self._failed: BaseException | None = None
         self._stamps = (GatherStamps(rank=self.dp_rank, world=self.dp_size,
                                      device=reducer.flat_device,
                                      where=f" (ShardedOptimizer on DP group "
@@ -283,8 +282,8 @@ class ShardedOptimizer:
         return sum(m.numel() * m.element_size() for m in self.masters)
 
     def close(self) -> None:
-        """Wait for the gathers (unless one failed) and remove the forward pre-hooks."""
-        if self._failed is None:
+        """Wait for the gathers (unless the reducer failed) and remove the forward pre-hooks."""
+        if self.reducer.failed is None and not self.reducer.closed:
             self.wait_params()
         for h in self._hooks:
             h.remove()
@@ -339,11 +338,9 @@ class ShardedOptimizer:
         return hook
 
     def _raise_if_failed(self) -> None:
-        if self._failed is not None:
-            raise RuntimeError(f"ShardedOptimizer: {self.reducer.place}: a parameter "
-                               f"all-gather failed earlier and the optimizer stays failed: "
-                               f"{type(self._failed).__name__}: {self._failed}"
-                               ) from self._failed
+        # The optimizer's gathers run on the reducer's DP group: one failure state, the
+        # reducer's (a failed gather fails it; a failed reduction refuses the step).
+        self.reducer.check_usable("ShardedOptimizer")
 
     def _wait(self, buckets) -> None:
         self._raise_if_failed()
@@ -359,8 +356,9 @@ class ShardedOptimizer:
                 if got is not None:
                     self._unpack(b, got)
             except BaseException as exc:
-                # A failed gather fails the optimizer: the other gathers are abandoned.
-                self._failed = exc
+                # A failed gather fails the reducer, and so the optimizer: the other gathers
+                # are abandoned.
+                self.reducer.fail(exc, what)
                 self._gathers = [None] * len(self._gathers)
                 self._received.clear()
                 _reraise(what, exc)

@@ -14,7 +14,23 @@ import os
 import statistics
 import sys
 
-from overlap.train.config import TrainConfig, parse_args
+import torch
+import torch.distributed as dist
+
+from overlap.dist.device import sharing_note
+from overlap.dist.envinit import init_from_env
+from overlap.dist.heartbeat import Heartbeat
+from overlap.dist.launch import LaunchError
+from overlap.dist.slurm import adopt_or_exit
+from overlap.profile.plot import plot_timeline
+from overlap.profile.progress import Progress
+from overlap.profile.trace import OverlapMetrics, exposed_percent, load_events, overlap_metrics
+from overlap.train import elastic
+from overlap.train.config import ConfigError, TrainConfig, parse_args
+from overlap.train.elastic import root_cause
+from overlap.train.events import log_event
+from overlap.train.loop import PROFILED_STEPS, reference_model, train_rank
+from overlap.train.shrink import choose_layout, describe_layout, layout_dict, layout_name
 
 __all__ = ["main", "BF16_CHECK_REL", "MOE_CHECK_REL"]
 
@@ -39,25 +55,15 @@ def _under_torchrun() -> bool:
 
 def _run(cfg: TrainConfig) -> list[dict]:
     """Every rank's result (under torchrun only this rank's, and only rank 0 reports)."""
-    from overlap.dist.slurm import adopt_or_exit
-
     launcher = "srun" if adopt_or_exit("overlap-train", tp=cfg.tp) else "torchrun"  # sets RANK...
     if _under_torchrun():
-        import torch
-        import torch.distributed as dist
-
         world = int(os.environ["WORLD_SIZE"])
         rpn = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if world != cfg.world_size:
             cfg = _membership_changed(cfg, world, rpn, launcher)
-        from overlap.dist.envinit import init_from_env
-
         # the store keys of each torchrun attempt apart (a restart reuses the job's store)
         store = init_from_env("nccl" if torch.cuda.is_available() else "gloo",
                               timeout=cfg.timeout, ranks_per_gpu=cfg.ranks_per_gpu or None)
-        from overlap.dist.heartbeat import Heartbeat
-        from overlap.train.loop import train_rank
-
         beat = (Heartbeat(store, int(os.environ["RANK"]), world, rpn,
                           timeout=cfg.heartbeat_timeout, label="overlap-train",
                           fault_file=os.path.join(cfg.save, "fault_time") if cfg.save else None)
@@ -69,8 +75,6 @@ def _run(cfg: TrainConfig) -> list[dict]:
             dist.destroy_process_group()
         result["final_cfg"] = cfg
         return [result] if int(os.environ["RANK"]) == 0 else []
-    from overlap.train import elastic
-
     return elastic.run(cfg)
 
 
@@ -85,17 +89,11 @@ def _membership_changed(cfg: TrainConfig, world: int, rpn: int, launcher: str) -
     if world // rpn < cfg.min_nodes:
         raise SystemExit(f"overlap-train: error: {launcher} started {world // rpn} node(s) of "
                          f"{rpn} ranks, fewer than --min-nodes {cfg.min_nodes}")
-    from overlap.train.config import ConfigError
-    from overlap.train.shrink import choose_layout, layout_name
-
     try:
         choice = choose_layout(cfg, world, ranks_per_node=rpn)
     except ConfigError as exc:
         raise SystemExit(f"overlap-train: error: {exc}") from None
     if int(os.environ["RANK"]) == 0:
-        from overlap.train.events import log_event
-        from overlap.train.shrink import layout_dict
-
         print(f"overlap-train: {launcher} started {world} ranks instead of {cfg.world_size}: "
               f"continuing on {layout_name(choice.cfg)} (planner's choice of {choice.ranked})"
               + "".join(f"; {c}" for c in choice.changes), file=sys.stderr, flush=True)
@@ -107,8 +105,7 @@ def _membership_changed(cfg: TrainConfig, world: int, rpn: int, launcher: str) -
 
 def _events_report(events: list[dict]) -> str:
     """One line per fault or layout change of the job."""
-    from overlap.train.shrink import describe_layout as name
-
+    name = describe_layout
     lines = []
     for e in events:
         resumed = (f"resumed at step {e['resumed_step']}" if "resumed_step" in e
@@ -122,7 +119,9 @@ def _events_report(events: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _summary(cfg: TrainConfig, records: list[dict]) -> str:
+def _summary(cfg: TrainConfig, records: list[dict], exposed_pct: float | None = None) -> str:
+    """The run in a few lines. ``exposed_pct``: the exposed communication of the traces
+    (``--profile``), the number the profile table and ``overlap-analyze`` print."""
     steady = records[1:] or records  # step 0 pays for warm-up (shape exchange, bucket rebuild)
     med = statistics.median
     lines = ["", "summary", "-------",
@@ -150,14 +149,15 @@ def _summary(cfg: TrainConfig, records: list[dict]) -> str:
              f"loss            {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}",
              f"step time       {1e3 * med(r['step_s'] for r in steady):.1f} ms (median, step >= 2)",
              f"tokens/s        {med(r['tokens_per_s'] for r in steady):.0f} (median)",
-             f"exposed comm    {100 * med(r['exposed_fraction'] for r in steady):.1f}% of the step "
-             "(median; time ranks spent blocked on communication)"]
+             f"comm wait       {100 * med(r['exposed_fraction'] for r in steady):.1f}% of the step "
+             "(median over steps >= 2, mean over ranks: host time blocked in communication)"]
+    if exposed_pct is not None:
+        lines.append(f"exposed comm    {exposed_pct:.1f}% of the step (the traces of the last "
+                     f"{PROFILED_STEPS} steps, all ranks: what overlap-analyze prints)")
     return "\n".join(lines)
 
 
 def _check(cfg: TrainConfig, records: list[dict]) -> bool:
-    from overlap.train.loop import reference_model
-
     if cfg.dropout > 0:
         # Dropout masks of a TP-sharded run are drawn per TP rank: they cannot equal the one
         # process's, so the losses agree only statistically.
@@ -180,12 +180,18 @@ def _check(cfg: TrainConfig, records: list[dict]) -> bool:
     else:
         tol_of = lambda ref: cfg.check_tolerance  # noqa: E731
         what = "the same model trained on one process (same seed, data and optimizer)"
-    _, ref_all = reference_model(cfg, dropout=cfg.dropout)
+    print(f"\ncheck: training the one-process reference ({cfg.steps} steps, "
+          f"{cfg.dp * cfg.micro_batches} micro-batches each)", flush=True)
+    bar = Progress("check: one-process reference", stream=sys.stdout)
+    try:
+        _, ref_all = reference_model(cfg, dropout=cfg.dropout, on_step=bar)
+    finally:
+        bar.close()
     ref = ref_all[records[0]["step"]:]
     diffs = [abs(r["loss"] - x) for r, x in zip(records, ref)]
     worst = max(diffs)
-    print(f"\ncheck: {what}")
-    print(f"{'step':>5} {'3D loss':>10} {'1-proc loss':>12} {'|diff|':>10}")
+    print(f"check: the job ({layout_name(cfg)}) against {what}")
+    print(f"{'step':>5} {'job loss':>10} {'1-proc loss':>12} {'|diff|':>10}")
     for r, x, d in zip(records, ref, diffs):
         print(f"{r['step'] + 1:>5} {r['loss']:>10.5f} {x:>12.5f} {d:>10.2e}")
     ok = all(d <= tol_of(x) for d, x in zip(diffs, ref))
@@ -195,32 +201,42 @@ def _check(cfg: TrainConfig, records: list[dict]) -> bool:
     return ok
 
 
-def _profile_report(cfg: TrainConfig, results: list[dict]) -> None:
-    from overlap.profile.plot import plot_timeline
-    from overlap.train.loop import PROFILED_STEPS
-    from overlap.profile.trace import load_events, overlap_metrics
-
+def _read_profile(cfg: TrainConfig, results: list[dict]) -> tuple[list, list[OverlapMetrics]]:
+    """Every rank's trace events and its ``overlap_metrics``: the one exposed-communication
+    definition (overlap.profile.metrics), as ``overlap-analyze`` computes it."""
     traces = [r["trace"] for r in results if r.get("trace")]
+    mb = sum(os.path.getsize(t) for t in traces) / 2**20
+    print(f"profile: reading {len(traces)} traces ({mb:.0f} MB)", flush=True)
     events = [load_events(t) for t in traces]
-    metrics = [overlap_metrics(e).as_dict() for e in events]
-    for rank, m in enumerate(metrics):
+    return events, [overlap_metrics(e) for e in events]
+
+
+def _profile_report(cfg: TrainConfig, events: list, metrics: list[OverlapMetrics]) -> None:
+    rows = [m.as_dict() for m in metrics]
+    for rank, m in enumerate(rows):
         m["rank"] = rank
         m["main_tid"] = str(m["main_tid"])
     png = os.path.join(cfg.profile, "timeline.png")
     plot_timeline(events, png, title=f"overlap-train tp={cfg.tp} "
-                                           f"{f'cp={cfg.cp} ' if cfg.cp > 1 else ''}"
-                                           f"pp={cfg.pp} dp={cfg.dp}")
+                                     f"{f'cp={cfg.cp} ' if cfg.cp > 1 else ''}"
+                                     f"pp={cfg.pp} dp={cfg.dp}")
     out = os.path.join(cfg.profile, "overlap_metrics.json")
     with open(out, "w") as f:
-        json.dump({"ranks": metrics}, f, indent=1)
-    print(f"\nprofile: {len(traces)} traces of the last {PROFILED_STEPS} steps (at most), "
+        json.dump({"ranks": rows, "exposed_percent": exposed_percent(metrics)}, f, indent=1)
+    print(f"\nprofile: {len(rows)} traces of the last {PROFILED_STEPS} steps (at most), "
           f"{png}, {out}")
-    print(f"{'rank':>4} {'span ms':>8} {'comm ms':>8} {'exposed ms':>10} {'exposed %':>9} "
+    print(f"{'rank':>4} {'step ms':>8} {'comm ms':>8} {'exposed ms':>10} {'exposed %':>9} "
           f"{'hidden %':>9}")
-    for m in metrics:
+    for m in rows:
         print(f"{m['rank']:>4} {1e3 * m['step_s']:>8.1f} {1e3 * m['comm_s']:>8.1f} "
               f"{1e3 * m['exposed_comm_s']:>10.1f} {100 * m['exposed_fraction']:>9.1f} "
               f"{100 * m['hidden_fraction']:>9.1f}")
+    step = sum(m["step_s"] for m in rows)
+    comm = sum(m["comm_s"] for m in rows)
+    exposed = sum(m["exposed_comm_s"] for m in rows)
+    print(f"{'all':>4} {1e3 * step:>8.1f} {1e3 * comm:>8.1f} {1e3 * exposed:>10.1f} "
+          f"{exposed_percent(metrics) or 0.0:>9.1f} "
+          f"{100 * (comm - exposed) / comm if comm else 0.0:>9.1f}")
 
 
 def _comparison(on: list[dict], off: list[dict]) -> str:
@@ -234,10 +250,10 @@ def _comparison(on: list[dict], off: list[dict]) -> str:
                      med(r["tokens_per_s"] for r in steady)))
     loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(on, off))
     lines = ["", "overlap on vs off (same model, data and seed; steps interleaved)",
-             f"{'':20s} {'step ms':>9s} {'exposed comm':>13s} {'tokens/s':>9s}"]
+             f"{'':20s} {'step ms':>9s} {'comm wait':>13s} {'tokens/s':>9s}"]
     lines += [f"{n:20s} {ms:9.1f} {ex:12.1f}% {tok:9.0f}" for n, ms, ex, tok in rows]
     lines.append(f"speed-up           {rows[1][1] / rows[0][1]:.2f}x step time with overlap "
-                 f"(off / on), exposed comm {rows[1][2]:.1f}% -> {rows[0][2]:.1f}%")
+                 f"(off / on), comm wait {rows[1][2]:.1f}% -> {rows[0][2]:.1f}%")
     lines.append(f"max |loss difference| between the two runs: {loss_diff:.2e} (same math, "
                  "other summation order)")
     return "\n".join(lines)
@@ -266,6 +282,7 @@ def _ep_comparison(on: list[dict], off: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     if cfg.export:
+        # torch.distributed.checkpoint is 0.4 s of import, paid only by the export
         from overlap.train.checkpoint import export_model, latest_checkpoint
 
         path = latest_checkpoint(cfg.resume)
@@ -273,32 +290,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"overlap-train: wrote the unsharded model of {path} ({len(keys)} tensors) to "
               f"{cfg.export}")
         return 0
-    from overlap.dist.launch import LaunchError
-
     try:
         results = _run(cfg)
     except LaunchError as exc:
-        from overlap.train.elastic import root_cause
-
         print(f"overlap-train: error: the job failed; root cause:\n{root_cause(exc)}",
               file=sys.stderr)
         return 1
     if not results:  # a non-zero torchrun rank
         return 0
-    from overlap.train.shrink import layout_dict
-
     cfg = results[0].get("final_cfg", cfg)  # after a shrink: the layout the job ended on
     records = results[0]["records"]
     if not records:
         print(f"overlap-train: nothing to do: the checkpoint is at step "
               f"{results[0]['start_step']} of --steps {cfg.steps}")
         return 0
-    print(_summary(cfg, records))
+    profiled = _read_profile(cfg, results) if cfg.profile else None
+    print(_summary(cfg, records, exposed_percent(profiled[1]) if profiled else None))
     r0 = results[0]
     shared = (r0.get("placement") or {}).get("ranks_per_gpu", 1)
     if shared > 1:
-        from overlap.dist.device import sharing_note
-
         print(f"note            {sharing_note(shared)}")
     if r0.get("resumed_from"):
         saved, now = r0.get("checkpoint_layout") or {}, layout_dict(cfg)
@@ -333,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_comparison(records, r0["records_no_overlap"]))
     if cfg.compare_ep_overlap:
         print(_ep_comparison(records, r0["records_no_overlap"]))
-    if cfg.profile:
-        _profile_report(cfg, results)
+    if profiled:
+        _profile_report(cfg, *profiled)
     if cfg.check and not _check(cfg, records):
         return 1
     return 0

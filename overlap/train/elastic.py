@@ -21,9 +21,12 @@ import sys
 import threading
 import time
 
-from overlap.dist.launch import LaunchError, RankOutcome
+from overlap.dist.launch import LaunchError, RankOutcome, launch
 from overlap.train.config import ConfigError, TrainConfig
 from overlap.train.events import log_event
+from overlap.train.loop import train_rank
+from overlap.train.shrink import (choose_layout, layout_dict, layout_name, mark_node_down,
+                                  nodes_down)
 
 __all__ = ["run", "root_cause"]
 
@@ -78,8 +81,6 @@ class _GrowWatch:
         self._thread.start()
 
     def _watch(self) -> None:
-        from overlap.train.shrink import nodes_down
-
         while not self._stop.wait(0.2):
             if nodes_down(self.cfg.save) < self.down:
                 self.requested_at = time.time()
@@ -97,8 +98,6 @@ class _GrowWatch:
 def _mark_lost_nodes(cur: TrainConfig, exc: LaunchError, attempt: int) -> None:
     """With --min-nodes, the node of every rank that died (exited without a result: SIGKILL,
     a crash, the OOM killer) is presumed lost until its marker is removed."""
-    from overlap.train.shrink import mark_node_down
-
     for node in sorted({o.rank // cur.node_size for o in exc.outcomes if o.status == "died"}):
         mark_node_down(cur.save, f"a{attempt}_n{node}")
 
@@ -107,8 +106,6 @@ def _next_layout(full: TrainConfig) -> tuple[TrainConfig, int, str]:
     """The configuration of the next attempt after a fault: the full layout when every node
     is up, a planner-chosen one on the survivors when --min-nodes allows, else SystemExit.
     Returns (config, nodes down, why)."""
-    from overlap.train.shrink import choose_layout, nodes_down
-
     rpn = full.node_size
     nodes = full.world_size // rpn
     down = nodes_down(full.save)
@@ -135,10 +132,7 @@ def run(cfg: TrainConfig) -> list[dict]:
     """Every rank's result of the last (successful) attempt; raises LaunchError once the
     restarts are used up. ``results[0]["events"]`` lists the faults and layout changes, and
     ``results[0]["final_cfg"]`` is the configuration the job finished on."""
-    from overlap.dist.launch import launch
-    from overlap.train.checkpoint import latest_checkpoint
-    from overlap.train.loop import train_rank
-    from overlap.train.shrink import layout_dict, layout_name
+    from overlap.train.checkpoint import latest_checkpoint  # 0.4 s: not at import
 
     full, cur = cfg, cfg
     if cfg.save:  # what an earlier job under this directory left: its faults are not ours
@@ -156,6 +150,9 @@ def run(cfg: TrainConfig) -> list[dict]:
         if cur is not full and full.grow_back:
             grow = _GrowWatch(full, down, os.path.join(full.save, ".grow_request"))
             env["OVERLAP_GROW_REQUEST"] = grow.path
+        if launches == 0:
+            print(f"overlap-train: starting {cur.world_size} local ranks, {layout_name(cur)}, "
+                  f"on {cur.transport}", flush=True)
         try:
             # train_rank lives in an importable module: ranks unpickle it by reference.
             results = launch(train_rank, cur.world_size, args=(cur,), timeout=cur.timeout,
