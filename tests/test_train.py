@@ -16,13 +16,19 @@ TINY = ["--steps", "3", "--n-layer", "2", "--d-model", "32", "--n-head", "2", "-
 _run = run_train
 
 
-def test_check_and_profile_on_8_processes(tmp_path):
-    prof = tmp_path / "prof"
+@pytest.fixture(scope="module")
+def checked_and_profiled(tmp_path_factory):
+    prof = tmp_path_factory.mktemp("train") / "prof"
     res = _run([*TINY, "--check", "--profile", str(prof)])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return prof, res
+
+
+def test_check_and_profile_on_8_processes(checked_and_profiled):
+    prof, res = checked_and_profiled
     out = res.stdout
     # One progress row per step, from rank 0, with the measured exposed fraction.
-    rows = re.findall(r"step +(\d)/3 .* loss +([\d.]+) .* exposed comm +([\d.]+)%", out)
+    rows = re.findall(r"step +(\d)/3 .* loss +([\d.]+) .* comm wait +([\d.]+)%", out)
     assert [int(r[0]) for r in rows] == [1, 2, 3]
     assert all(0.0 <= float(r[2]) <= 100.0 for r in rows)
     # --check: every step's loss equals the one-process run within the stated tolerance.
@@ -41,6 +47,42 @@ def test_check_and_profile_on_8_processes(tmp_path):
         assert 0 <= m["exposed_comm_s"] <= m["comm_s"] + 1e-9
         assert abs(m["exposed_comm_s"] + m["hidden_comm_s"] - m["comm_s"]) < 1e-9
         assert 0 <= m["exposed_fraction"] <= 1 and 0 <= m["hidden_fraction"] <= 1
+        # every communication range is charged to a named axis: the twin's workers name
+        # their ops after their group (tp, pp, dp), so "other" is never the largest kind
+        kinds = m["by_kind"]
+        named = max(v["comm_s"] for k, v in kinds.items() if k != "other")
+        assert kinds.get("other", {"comm_s": 0.0})["comm_s"] < named, kinds
+        assert {"tp", "pp", "dp"} <= set(kinds), kinds
+    # One exposed-communication number: the summary's is the profile table's "all" row and
+    # the JSON's (and overlap-analyze's, tests/test_exposed_metric.py), recomputed here from
+    # the per-rank sums.
+    want = 100 * sum(m["exposed_comm_s"] for m in metrics) / sum(m["step_s"] for m in metrics)
+    summary = float(re.search(r"^exposed comm +([\d.]+)% of the step", out, re.M)[1])
+    table = float(re.search(r"^ +all +[\d.]+ +[\d.]+ +[\d.]+ +([\d.]+)", out, re.M)[1])
+    assert summary == table == round(want, 1), (summary, table, want)
+    doc = json.loads((prof / "overlap_metrics.json").read_text())
+    assert doc["exposed_percent"] == pytest.approx(want, rel=1e-12)
+
+
+def test_progress_lines_come_in_order(checked_and_profiled):
+    """Every long phase says what it is doing before it does it: the start, the build, the
+    steps, the trace writing and reading, the summary, the reference of --check."""
+    out, err = checked_and_profiled[1].stdout, checked_and_profiled[1].stderr
+    marks = ["overlap-train: starting 8 local ranks, tp2 x pp2 x dp2",
+             "overlap-train: 8 ranks up, job built in",
+             "step    1/3 ", "step    3/3 ",
+             "profile: writing each rank's trace of the last 3 steps",
+             "profile: reading 8 traces", "\nsummary\n", "\nexposed comm ",
+             "check: training the one-process reference (3 steps, 4 micro-batches each)",
+             "check: one-process reference: 100%",
+             "check: the job (tp2 x pp2 x dp2 (8 ranks, 2 micro-batches of 2)) against",
+             " step   job loss  1-proc loss", "PASS"]
+    at = [out.find(m) for m in marks]
+    assert all(i >= 0 for i in at), [m for m, i in zip(marks, at) if i < 0]
+    assert at == sorted(at), [m for m, _ in sorted(zip(marks, at), key=lambda p: p[1])]
+    # no third-party log lines (torch's profiler prints "USDT:... profiler_start" at every
+    # start and stop) anywhere in the output
+    assert "USDT:" not in out + err and "SyncActivityProfilerHandler" not in err
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved", "zb-h1"])

@@ -331,6 +331,7 @@ class CPComm(Communicator, OpaqueBase):
             if nccl_twin.is_twin(self.group):
                 self._coll = nccl_twin.NcclTwinGroup(store, self.rank, self.world, t, prefix,
                                                      self.global_ranks)
+                nccl_twin.label(self._coll, "cp")
             elif self.device.type == "cuda":
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = t

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.defaults import positive_int
+from overlap.dist import nccl_twin
 from overlap.dist.communicator import CommOptions, options_of
 
 __all__ = ["ParallelDims", "AXES"]
@@ -241,6 +242,11 @@ class ParallelDims:
         # dense gradients of a CP job reduce over dp x cp (without CP: the dp group itself)
         dims.dcp_group = (dims.dp_group if dims.cp == 1 else dist.new_subgroups_by_enumeration(
             dims.all_groups("dcp"), group_desc="dcp")[0])
+        # traced ops of the twin: gradient reductions over dcp and edp are data parallel's
+        for axis, group in (("tp", dims.tp_group), ("cp", dims.cp_group), ("ep", dims.ep_group),
+                            ("pp", dims.pp_group), ("dp", dims.dp_group),
+                            ("dp", dims.dcp_group), ("dp", dims.edp_group)):
+            nccl_twin.label(group, axis)
         coords = dims.coords(rank)
         dims.tp_rank, dims.cp_rank = coords["tp"], coords["cp"]
         dims.pp_rank, dims.dp_rank, dims.ep_rank = coords["pp"], coords["dp"], coords["ep"]

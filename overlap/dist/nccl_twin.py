@@ -16,7 +16,9 @@ The narrative: docs/design/dist.md.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import socket
 import threading
 import time
@@ -31,11 +33,13 @@ from overlap.dist import host_tensors, streams
 from overlap.dist.device import RANKS_PER_GPU_ENV
 from overlap.dist.fifo import FifoWorker
 from overlap.errors import OverlapError
+from overlap.profile import names
 
 __all__ = ["BACKEND", "register", "NcclOrderTimeout", "CommunicatorFailed", "NcclTwinGroup",
            "is_twin"]
 
 BACKEND = "nccl_twin"
+_OP_NAME = re.compile(r"[a-z_]+")  # an op's name: the head of its description
 
 
 class NcclOrderTimeout(OverlapError, RuntimeError):
@@ -48,6 +52,15 @@ class CommunicatorFailed(OverlapError, RuntimeError):
 
 def is_twin(group) -> bool:
     return isinstance(group, NcclTwinGroup)
+
+
+def label(group, axis: str) -> None:
+    """Name ``group``'s operations after ``axis`` (one of overlap.profile.names.AXES) in a
+    trace: each runs on the twin's worker thread inside a ``comm:<axis>.<op>`` range, so the
+    trace readers charge it to its axis (NCCL's device kernels need no label: their launch
+    ranges carry it). No effect on a group that is not a twin."""
+    if is_twin(group):
+        group.axis = axis
 
 
 # ---------------------------------------------------------------------------------- work
@@ -277,14 +290,12 @@ class _Comm:
         self._current = op
         self._delay()
         deadline = time.monotonic() + self.timeout
+        axis = self.group.axis
+        rng = (torch.profiler.record_function(names.comm(f"{axis}.{_OP_NAME.match(op.desc)[0]}"))
+               if axis else contextlib.nullcontext())
         try:
-            if op.run is not None:
-                op.state = "waiting for every rank of the group to join"
-                if op.sizes is not None:
-                    self._agree_sizes(op, deadline)
-                self._wait(op.run(), deadline, op)
-            else:
-                self._run_batch(op, deadline)
+            with rng:
+                self._run(op, deadline)
             op.finish()
         except BaseException as exc:  # noqa: BLE001 - the error belongs to the op
             err = exc if isinstance(exc, (NcclOrderTimeout, SizeMismatch)) else RuntimeError(
@@ -293,6 +304,15 @@ class _Comm:
             self.fail(err)
             op.finish(err)
         self._current = None  # an idle communicator holds no op (nor what its closure holds)
+
+    def _run(self, op: _Op, deadline: float) -> None:
+        if op.run is not None:
+            op.state = "waiting for every rank of the group to join"
+            if op.sizes is not None:
+                self._agree_sizes(op, deadline)
+            self._wait(op.run(), deadline, op)
+        else:
+            self._run_batch(op, deadline)
 
     def _wait(self, work, deadline: float, op: _Op, why: str | None = None) -> None:
         left = deadline - time.monotonic()
@@ -443,6 +463,8 @@ def _shapes(tensors) -> str:
 
 class NcclTwinGroup(dist.ProcessGroup):
     """A process group on gloo with NCCL's ordering (see the module docstring)."""
+
+    axis: str | None = None  # the trace name of its ops (``label``)
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta, name: str,
                  global_ranks: list[int] | None):

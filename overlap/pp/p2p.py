@@ -153,6 +153,7 @@ class _Channel:
         if nccl_twin.is_twin(pp_group):
             self.backend = nccl_twin.NcclTwinGroup(store, me, 2, timeout, store_prefix,
                                                    global_ranks)
+            nccl_twin.label(self.backend, "pp")
         elif device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
