@@ -120,6 +120,17 @@ def test_every_schedule_spelling_means_the_same(canonical):
         assert plan_args(PLAN + ["--schedule", name]).schedule == canonical, name
         got = build_schedule(name, pp_size=2, num_microbatches=4, num_virtual=virtual)
         assert got == want and got.name == LIBRARY_KEY[canonical], name
+        # a config built in code holds the same value as the CLI's, so the job, checkpoints
+        # and the planner read one spelling
+        assert TrainConfig(schedule=name).schedule == canonical, name
+
+
+def test_a_config_built_in_code_with_no_schedule_is_refused_by_name():
+    from overlap.train.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--schedule must be one of gpipe, 1f1b, interleaved, "
+                                          r"zb-h1 \(or interleaved_1f1b, zb_h1\), got 'zb-h2'"):
+        TrainConfig(schedule="zb-h2").validate()
 
 
 def test_build_schedule_names_every_spelling_when_unknown():

@@ -14,7 +14,7 @@ import os
 from overlap import cli
 from overlap.comm.quant.checks import COMM_DTYPES  # the one vocabulary: "fp32", "bf16", "int8"
 from overlap.errors import ConfigError  # one for every command (re-exported)
-from overlap.pp.schedules import SCHEDULE_ALIASES, SCHEDULE_NAMES
+from overlap.pp.schedules import SCHEDULE_ALIASES, SCHEDULE_NAMES, schedule_key
 
 __all__ = ["TrainConfig", "ConfigError", "parse_args", "shared_settings", "agree_across_ranks"]
 
@@ -185,9 +185,19 @@ class TrainConfig:
     def num_stages(self) -> int:
         return self.pp * (self.virtual_stages if self.schedule == "interleaved" else 1)
 
+    def __post_init__(self) -> None:
+        # Any accepted spelling (the library's names, any case) is held as --schedule's, so
+        # code built as TrainConfig(schedule="zb_h1") reads the same value as the CLI's.
+        key = schedule_key(self.schedule)
+        if key is not None:
+            self.schedule = next(n for n, k in SCHEDULE_NAMES.items() if k == key)
+
     def validate(self) -> None:
         """Raise ConfigError (one line) for settings that cannot work. Reads only the file
         system (the data file, checkpoint directories): nothing starts."""
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"--schedule must be one of {', '.join(SCHEDULES)} (or "
+                              f"{', '.join(SCHEDULE_ALIASES)}), got {self.schedule!r}")
         for name in ("tp", "cp", "pp", "dp", "virtual_stages", "micro_batches", "micro_batch_size",
                      "seq_len", "n_layer", "d_model", "n_head", "steps", "save_every"):
             v = getattr(self, name)

@@ -48,11 +48,7 @@ from overlap.train.recompute import apply_recompute
 from overlap.train.rng import RNGTracker, install_dropout
 
 __all__ = ["Job", "Resumed", "StepRecord", "model_config", "tp_comm_for", "lr_at",
-           "param_groups", "attempt_number", "fault_time", "cp_share", "SCHEDULE_NAMES"]
-
-# --schedule's names -> the library's (overlap.pp.build_schedule)
-SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b",
-                  "zb-h1": "zb_h1"}
+           "param_groups", "attempt_number", "fault_time", "cp_share"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -238,7 +234,7 @@ class Job:
             apply_recompute(model, cfg.recompute, tracker=tracker)
         num_virtual = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
         stages = pipeline_stages(model, pp_group=dims.pp_group, num_virtual=num_virtual)
-        schedule = build_schedule(SCHEDULE_NAMES[cfg.schedule], pp_size=cfg.pp,
+        schedule = build_schedule(cfg.schedule, pp_size=cfg.pp,
                                   num_microbatches=cfg.micro_batches, num_virtual=num_virtual)
 
         def loss_fn(logits_shard_v: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
