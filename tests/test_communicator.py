@@ -128,7 +128,7 @@ def test_a_failure_stays_the_first_one(kind, world):
     expected = {"tp": ((7.0, "chunked"), "TPCommFailed"), "cp": ((9.0, None), "CPCommFailed"),
                 "ep": ((6.0, "chunked"), "RuntimeError"),
                 "quant": ((TIMEOUT_S, None), "QuantCommFailed"),
-                "dp": ((8.0, "sum"), "RuntimeError")}[kind]
+                "dp": ((8.0, "sum"), "ReducerFailed")}[kind]
     for rank, (settings, failure, seen, closed) in enumerate(run_ranks(_fail_once, world,
                                                                        kind)):
         assert settings == expected[0], (rank, settings)

@@ -33,12 +33,17 @@ from overlap.dp import buckets as dp_comm
 from overlap.dp.buckets import (MiB, Bucket, Layout, ReducerConfig, broadcast_params,
                                  build_layout, check_same_params)
 from overlap.dp.stamps import BucketStamps, bucket_tag, tail_elements
-from overlap.dist.communicator import Communicator
+from overlap.dist.communicator import CommFailed, Communicator
 from overlap.dist.stamp import Disagreement
 from overlap.profile import names, nvtx
 from overlap.profile.timers import comm_wait
 
-__all__ = ["GradReducer", "ReducerConfig", "IterationStats"]  # ReducerConfig: re-exported
+__all__ = ["GradReducer", "ReducerConfig", "IterationStats", "ReducerFailed"]  # ReducerConfig: re-exported
+
+
+class ReducerFailed(CommFailed):
+    """A call on a GradReducer (or its ShardedOptimizer) that failed earlier or was closed; a
+    ``CommFailed``, so an ``OverlapError`` and a ``RuntimeError``."""
 
 def _reraise(what: str, exc: BaseException) -> NoReturn:
     """Raise ``exc`` again with ``what`` (the reducer, rank and bucket) in front of its message,
@@ -79,7 +84,7 @@ class GradReducer(Communicator):
     parameters (count, shapes, dtypes) and, by default, broadcasts DP rank 0's values.
     """
 
-    failed_type = RuntimeError
+    failed_type = ReducerFailed
     refused_failed = "GradReducer: {place}: the reducer failed earlier and stays failed: {failure}"
     refused_closed = "GradReducer: {place}: {op}: the reducer was closed"
 
