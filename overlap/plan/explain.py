@@ -77,6 +77,7 @@ def explain(e: Estimate) -> str:
             f"peak {dev.peak_flops / 1e12:.0f} TFLOP/s; GEMM efficiency "
             f"e_max * prod(d/(d + d_half)) with e_max={dev.gemm.e_max:.3f}, "
             f"d_half={dev.gemm.d_half:.3g}"]
+    out += _sources(dev, "peak_flops", "gemm", "gemm.overhead_s", "attention")
     for name, g in gm.items():
         eff = dev.gemm.efficiency(g.m, g.n, g.k)
         out.append(f"  {name:6} (M,N,K)=({_g(g.m)},{_g(g.n)},{_g(g.k)})"
@@ -104,6 +105,7 @@ def explain(e: Estimate) -> str:
                 if lay.overlap.tp else "  not overlapped: all exposed",
                 f"  per step: {e.comm_s['tp'] * 1e3:.1f} ms raw, {e.exposed_s['tp'] * 1e3:.1f} "
                 f"ms exposed"]
+        out += _sources(dev, *_link_keys(dev, "tp"))
     if pp > 1:
         msg = act / t if t > 1 else act
         cross = t * cp * pp > c.gpus_per_node
@@ -113,6 +115,7 @@ def explain(e: Estimate) -> str:
                 f"{2 * e.num_microbatches * lay.num_virtual} per stage per step; exposed "
                 f"{e.exposed_s['pp'] * 1e3:.1f} ms"
                 + (" (each hidden under the compute before it)" if lay.overlap.pp else "")]
+        out += _sources(dev, *_link_keys(dev, "inter" if cross else "intra"))
     if dp * cp > 1:
         wire = WIRE_BYTES[lay.comm_dtype]
         kind = "reduce_scatter + all_gather" if lay.zero >= 1 else "all_reduce"
@@ -121,6 +124,8 @@ def explain(e: Estimate) -> str:
                 f"{e.comm_s['dp'] * 1e3:.1f} ms; exposed {e.exposed_s['dp'] * 1e3:.1f} ms"
                 + (" (buckets under the last backward and the pipeline drain)"
                    if lay.overlap.dp else " (after the flush)")]
+        out += _sources(dev, *_link_keys(dev, "inter" if dp * cp * t * pp > c.gpus_per_node
+                                         else "intra"))
     if cp > 1:
         out += _explain_cp(e)
     if e.offload:
@@ -141,7 +146,21 @@ def explain(e: Estimate) -> str:
             f"{e.model_tflops_per_gpu:.1f} TFLOP/s",
             f"MFU = {e.model_tflops_per_gpu:.1f} / {dev.peak_flops / 1e12:.0f} = "
             f"{100 * e.mfu:.1f}%;  HFU (with recomputation) = {100 * e.hfu:.1f}%"]
+    out += _sources(dev, "hbm_bandwidth", "mem_efficiency", "optimizer_s")
     return "\n".join(out)
+
+
+def _link_keys(dev, link: str) -> tuple[str, ...]:
+    if link == "tp" and dev.tp_link is not None:
+        return ("tp_link.bandwidth", "tp_link.efficiency", "tp_base_latency_s")
+    link = "intra" if link == "tp" else link
+    return (f"{link}.bandwidth", f"{link}.efficiency", f"{link}.latency_s", "base_latency_s")
+
+
+def _sources(dev, *keys: str) -> list[str]:
+    """Where each term's number comes from (the profile's ``sources``: a datasheet, a table
+    the planner was calibrated on, a measurement), one line per term that has one."""
+    return [f"    source of {k}: {dev.sources[k]}" for k in keys if k in dev.sources]
 
 
 def _explain_cp(e: Estimate) -> list[str]:
