@@ -94,13 +94,15 @@ def test_all_to_all_bytes_per_layer():
 def test_all_to_all_time_by_link_class():
     v = 64e6
     inside = all_to_all_time(v, Placement(size=8, per_node=8, nodes=1), H100)
-    assert inside == pytest.approx(8.4e-6 + 3.4e-6 + 7 / 8 * v / (450e9 * H100.a2a_efficiency))
+    nvlink = 450e9 * H100.intra.efficiency * H100.a2a_efficiency
+    assert inside == pytest.approx(8.4e-6 + 3.4e-6 + 7 / 8 * v / nvlink)
     across = all_to_all_time(v, Placement(size=16, per_node=8, nodes=2), H100)
-    assert across == pytest.approx(8.4e-6 + 9.6e-6 + 8 / 16 * v / (50e9 * H100.a2a_efficiency))
+    ib = 50e9 * H100.inter.efficiency * H100.a2a_efficiency
+    assert across == pytest.approx(8.4e-6 + 9.6e-6 + 8 / 16 * v / ib)
     # DeepEP-style dispatch: a top-8 token crosses to each remote node once, 2 nodes.
     dedup = all_to_all_time(v, Placement(size=16, per_node=8, nodes=2), H100, node_dedup_k=8)
     share = 2 * (1 - 0.5 ** 8) / 8
-    assert dedup == pytest.approx(8.4e-6 + 9.6e-6 + share * 8 / 16 * v / 50e9)
+    assert dedup == pytest.approx(8.4e-6 + 9.6e-6 + share * 8 / 16 * v / ib)
 
 
 @pytest.mark.parametrize("tp, pp, ep, link", [

@@ -17,7 +17,7 @@ from overlap.plan.compute import LayerContext
 from overlap.plan.estimate import GIB, estimate
 from overlap.plan.memory import layer_activation_bytes, memory_per_rank
 from overlap.plan.offload import chunk_offload, layer_offload_bytes, node_host_bytes
-from overlap.plan.profiles import PCIE_GEN5_X16
+from overlap.plan.profiles import PCIE_GEN4_X16, PCIE_GEN5_X16
 from overlap.plan.search import Constraints
 from overlap.pp import build_schedule
 
@@ -68,16 +68,16 @@ def _layer_times(model, cluster, layout):
     return dense.fwd, dense.dgrad + dense.recompute + dense.wgrad
 
 
-@pytest.mark.parametrize("bandwidth", [PCIE_GEN5_X16 * 0.8, 10e9])
+@pytest.mark.parametrize("bandwidth", [PCIE_GEN4_X16 * 0.8, 10e9])
 def test_exposed_seconds_against_the_layer_times(bandwidth):
     # One pipeline stage of 32 blocks, 8 micro-batches, every copy slower than a block's
     # forward, so the copies queue: the last of n ends at f + n c, against 32 f of forward.
     model = llama8b()
-    cluster = ClusterSpec(device=host(bandwidth) if bandwidth == 10e9 else H100, num_gpus=8)
+    cluster = ClusterSpec(device=host(bandwidth), num_gpus=8)
     assert layer_offload_bytes(model, tp8()) == A_SEL
     f, b = _layer_times(model, cluster, tp8())
     c = A_SEL / bandwidth
-    assert f < c  # ~42 ms of forward, 45 ms (PCIe Gen5) or 228 ms (10 GB/s) of copy
+    assert f < c  # ~60 ms of forward, 91 ms (PCIe Gen4) or 228 ms (10 GB/s) of copy
     none = estimate(model, cluster, tp8())
     for mode, n in (("all", 32), ("31", 31)):
         e = estimate(model, cluster, tp8(offload=mode))
@@ -90,7 +90,7 @@ def test_exposed_seconds_against_the_layer_times(bandwidth):
         assert e.offload_bytes_per_step == 8 * n * A_SEL
     if bandwidth < 20e9:
         assert exp_f > 0 and c > b
-    else:  # PCIe Gen5: the reloads hide under the backward, only "all"'s first one shows
+    else:  # PCIe Gen4: the reloads hide under the backward, only "all"'s first one shows
         assert c < b
         assert estimate(model, cluster, tp8(offload="31")).step_time_s == none.step_time_s
 

@@ -64,7 +64,13 @@ def flash_time(device: DeviceProfile, g: Gemm, elem_bytes: float = 2.0) -> float
     s x s operand (the largest of the three), which stays on chip."""
     if g.flops <= 0:
         return 0.0
-    compute = 0.5 * g.flops / (device.peak_flops * device.gemm.efficiency(g.m, g.n, g.k))
+    if device.attention is not None:  # measured on the kernel, by sequence length (the key
+        # length: the largest of the three dimensions of every attention-core GEMM)
+        seq = max(g.m, g.n, g.k)
+        eff = device.attention.e_max * seq / (seq + device.attention.d_half)
+    else:
+        eff = device.gemm.efficiency(g.m, g.n, g.k)
+    compute = 0.5 * g.flops / (device.peak_flops * eff)
     small = sorted((g.m * g.k, g.k * g.n, g.m * g.n))[:2]
     memory = elem_bytes * sum(small) * g.batch / (device.hbm_bandwidth * device.mem_efficiency)
     return device.gemm.overhead_s + max(compute, memory)

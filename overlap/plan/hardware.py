@@ -71,7 +71,11 @@ class DeviceProfile:
     the same shape (both fitted on MoE runs). ``host_link`` (None: unknown, no offloading) is
     the GPU's link to host memory, per direction (PCIe or NVLink-C2C), which activation
     offloading copies over; ``host_bytes_per_gpu`` (None: unknown) a GPU's share of its node's
-    host memory. ``sources`` maps a field name to where its number comes from."""
+    host memory. ``attention`` (None: the GEMM curve) is a flash-attention kernel's efficiency
+    by sequence length, ``e_max * s / (s + d_half)``, on the FLOPs it executes.
+    ``zero3_layer_s``: what ZeRO-3 (FSDP) adds per layer and forward of a micro-batch beyond
+    its transfers (each layer's gather and reduce-scatter synchronise with the compute; twice
+    that in the backward). ``sources`` maps a field name to where its number comes from."""
 
     name: str
     peak_flops: float
@@ -98,6 +102,8 @@ class DeviceProfile:
     grouped_gemm_efficiency: float = 1.0
     host_link: LinkSpec | None = None
     host_bytes_per_gpu: float | None = None
+    attention: GemmCurve | None = None
+    zero3_layer_s: float = 0.0
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -107,6 +113,8 @@ class DeviceProfile:
     def from_dict(cls, d: dict[str, Any]) -> "DeviceProfile":
         d = dict(d)
         d["gemm"] = GemmCurve(**d["gemm"])
+        if d.get("attention") is not None:
+            d["attention"] = GemmCurve(**d["attention"])
         d["intra"] = LinkSpec(**d["intra"])
         d["inter"] = LinkSpec(**d["inter"])
         for k in ("tp_link", "host_link"):

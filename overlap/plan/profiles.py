@@ -1,11 +1,11 @@
 """Shipped device profiles, each number with its source.
 
-Vendor numbers are peaks from the datasheets. The efficiencies (``FITTED``) are the only free
-parameters of the planner: fitted once, by ``python -m overlap.plan.fit``, to the ten runs of
-Narayanan et al. 2021 Table 1 (A100-80GB, DGX A100 nodes, HDR InfiniBand) and to nothing else.
-Hopper profiles reuse them: no Hopper run was used to fit anything, so Hopper predictions are
-extrapolations and say so in their sources. The host links (activation offloading) are PCIe
-x16 at the fraction of it that published pinned-copy measurements reach, not fitted.
+Vendor numbers are peaks from the datasheets. The A100 efficiencies (``FITTED``) are fitted by
+``python -m overlap.plan.fit`` to the ten runs of Narayanan et al. 2021 Table 1 and to nothing
+else; the Hopper terms (``HOPPER_FITTED``) by ``python -m overlap.plan.fit_hopper`` to public
+H100 kernel measurements and published runs (docs/planner.md, "Hopper"). The host links
+(activation offloading) are PCIe x16 at the fraction of it that published pinned-copy
+measurements reach, not fitted. ``tests/test_plan_pinning.py`` holds every table's predictions.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 
 from overlap.plan.hardware import DeviceProfile, GemmCurve, LinkSpec
 
-__all__ = ["FITTED", "MOE_FITTED", "PROFILES", "get_profile", "build_profiles", "NCCL_LATENCY",
+__all__ = ["FITTED", "HOPPER_FITTED", "MOE_FITTED", "PROFILES", "get_profile", "build_profiles", "NCCL_LATENCY",
            "PCIE_GEN4_X16", "PCIE_GEN5_X16", "PCIE_EFFICIENCY"]
 
 # Written by `python -m overlap.plan.fit` (see its docstring for the objective).
@@ -25,10 +25,24 @@ FITTED = {
     "ib_efficiency": 1.0,
 }
 
+# Written by `python -m overlap.plan.fit_hopper` from public Hopper measurements (None: the
+# Hopper profiles reuse the A100 fit). Each term from its own kernel rows; step_gemm_factor
+# (the share of a kernel's GEMM rate a training step keeps) and zero3_layer_s fitted on the
+# "fit" runs.
+HOPPER_FITTED: dict[str, float] | None = {
+    "gemm_e_max": 0.8237, "gemm_d_half": 0.0, "gemm_overhead_s": 8.76e-06,
+    "attn_e_max": 0.604, "attn_s_half": 233.8,
+    "nvlink_efficiency": 0.7889, "ib_efficiency": 0.96,
+    "step_gemm_factor": 0.6971, "zero3_layer_s": 0.0016344,
+}
+_HOPPER_KERNEL_SRC = "fitted to the public H100 measurements in overlap/plan/data/hopper_kernels.csv"
+_HOPPER_RUN_SRC = ("the factor fitted to the fit runs of overlap/plan/data/hopper_runs.csv "
+                   "(python -m overlap.plan.fit_hopper)")
+
 # Written by `python -m overlap.plan.fit_moe`: the MoE all-to-all's achieved fraction of link
 # bandwidth (ends on its bound) and the expert grouped GEMMs' throughput relative to a dense
 # GEMM, fitted to published Megatron-Core MoE runs (overlap/plan/data/moe_runs.csv).
-MOE_FITTED = {"a2a_efficiency": 1.0, "grouped_gemm_efficiency": 0.3972}
+MOE_FITTED = {"a2a_efficiency": 1.0, "grouped_gemm_efficiency": 0.4823}
 _A2A_SRC = ("fitted to published Megatron-Core Qwen3-235B-A22B BF16 runs on H100 "
             "(python -m overlap.plan.fit_moe; overlap/plan/data/moe_runs.csv)")
 
@@ -94,18 +108,20 @@ def _a100(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: str,
 
 
 def _hopper(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: str,
-            product: str, fit: dict[str, float], host_src: str) -> DeviceProfile:
+            product: str, fit: dict[str, float], host_src: str,
+            hopper: dict[str, float] | None) -> DeviceProfile:
+    terms = _hopper_terms(fit, hopper)
     return DeviceProfile(
         name=name, peak_flops=989e12, hbm_bytes=hbm_bytes, hbm_bandwidth=hbm_bw,
-        mem_efficiency=0.88, gemm=_gemm(fit),
+        mem_efficiency=0.88, gemm=terms["gemm"], attention=terms["attention"],
         intra=LinkSpec(bandwidth=450e9, latency_s=NCCL_LATENCY["nvlink_step"],
-                       efficiency=fit["nvlink_efficiency"]),
+                       efficiency=terms["nvlink_efficiency"]),
         inter=LinkSpec(bandwidth=50e9, latency_s=NCCL_LATENCY["net_step"],
-                       efficiency=fit["ib_efficiency"]),
+                       efficiency=terms["ib_efficiency"]),
         base_latency_s=NCCL_LATENCY["base"], a2a_efficiency=MOE_FITTED["a2a_efficiency"],
         grouped_gemm_efficiency=MOE_FITTED["grouped_gemm_efficiency"],
         host_link=LinkSpec(bandwidth=PCIE_GEN5_X16, latency_s=0.0, efficiency=PCIE_EFFICIENCY),
-        host_bytes_per_gpu=2e12 / 8,
+        host_bytes_per_gpu=2e12 / 8, zero3_layer_s=terms["zero3_layer_s"],
         sources={
             "host_link.bandwidth": f"{product} on a PCIe Gen5 x16 link to the host ({product} "
                                    "datasheet: PCIe Gen5 128 GB/s, i.e. 64 per direction; "
@@ -118,20 +134,52 @@ def _hopper(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: st
             "hbm_bytes": hbm_src,
             "hbm_bandwidth": bw_src,
             "mem_efficiency": _MEM_EFF_SRC + "; assumed the same on Hopper",
-            "gemm": _FIT_SRC + " on A100; not validated on Hopper (extrapolation)",
+            **terms["sources"],
             "intra.bandwidth": f"NVIDIA {product} datasheet: fourth-generation NVLink 900 GB/s "
                                "bidirectional per GPU = 450 GB/s per direction",
             "inter.bandwidth": "DGX H100/H200: 8 x ConnectX-7 400 Gb/s NDR InfiniBand, one per "
                                "GPU = 50 GB/s per GPU per direction (DGX H100 user guide)",
             "intra.latency_s": _NCCL_SRC, "inter.latency_s": _NCCL_SRC,
             "base_latency_s": _NCCL_SRC,
-            "intra.efficiency": _FIT_SRC + " on A100 NVLink; assumed on Hopper",
-            "inter.efficiency": _FIT_SRC + " on HDR; assumed on NDR",
         })
 
 
-def build_profiles(fit: dict[str, float] | None = None) -> dict[str, DeviceProfile]:
-    """The shipped profiles with efficiencies ``fit`` (default: the fitted ``FITTED``)."""
+def _hopper_terms(fit: dict[str, float], hopper: dict[str, float] | None) -> dict:
+    """The Hopper GEMM and attention curves and link efficiencies with their sources: the
+    Hopper fit (``HOPPER_FITTED``, or ``hopper``) where there is one, else the A100 fit."""
+    hopper = HOPPER_FITTED if hopper is None else hopper
+    if not hopper:
+        return {"gemm": _gemm(fit), "attention": None, "zero3_layer_s": 0.0,
+                "nvlink_efficiency": fit["nvlink_efficiency"],
+                "ib_efficiency": fit["ib_efficiency"],
+                "sources": {"gemm": _FIT_SRC + " on A100; not validated on Hopper",
+                            "intra.efficiency": _FIT_SRC + " on A100 NVLink; assumed on Hopper",
+                            "inter.efficiency": _FIT_SRC + " on HDR; assumed on NDR"}}
+    factor = hopper.get("step_gemm_factor", 1.0)
+    return {
+        "zero3_layer_s": hopper.get("zero3_layer_s", 0.0),
+        "gemm": GemmCurve(e_max=hopper["gemm_e_max"] * factor, d_half=hopper["gemm_d_half"],
+                          overhead_s=hopper.get("gemm_overhead_s", 0.0)),
+        "attention": GemmCurve(e_max=hopper["attn_e_max"], d_half=hopper["attn_s_half"]),
+        "nvlink_efficiency": hopper["nvlink_efficiency"],
+        "ib_efficiency": hopper["ib_efficiency"],
+        "sources": {
+            "gemm": f"{_HOPPER_KERNEL_SRC} GEMM rows (e_max {hopper['gemm_e_max']}, d_half "
+                    f"{hopper['gemm_d_half']}) x step_gemm_factor {factor}, {_HOPPER_RUN_SRC}",
+            "gemm.overhead_s": f"{_HOPPER_KERNEL_SRC} launch rows",
+            "attention": f"{_HOPPER_KERNEL_SRC} attention rows (FlashAttention-3: the shape in "
+                         "s from its sequence sweep, the level from its causal forward and "
+                         "backward at 8192)",
+            "intra.efficiency": f"{_HOPPER_KERNEL_SRC} NVLink collective rows (bus bandwidth "
+                                "at the largest messages / 450 GB/s)",
+            "inter.efficiency": f"{_HOPPER_KERNEL_SRC} InfiniBand collective rows (bus "
+                                "bandwidth at the largest messages / 50 GB/s)"}}
+
+
+def build_profiles(fit: dict[str, float] | None = None,
+                   hopper: dict[str, float] | None = None) -> dict[str, DeviceProfile]:
+    """The shipped profiles with efficiencies ``fit`` (default: the A100 fit ``FITTED``) and
+    Hopper terms ``hopper`` (default: ``HOPPER_FITTED``)."""
     fit = dict(FITTED if fit is None else fit)
     return {
         "a100-40g": _a100(
@@ -148,12 +196,12 @@ def build_profiles(fit: dict[str, float] | None = None) -> dict[str, DeviceProfi
             "h100-sxm", 81559 * 2**20, 3.35e12,
             "H100 80GB HBM3 total memory reported by nvidia-smi: 81,559 MiB (79.6 GiB)",
             "NVIDIA H100 datasheet: 3.35 TB/s HBM3 (SXM)", "H100 SXM", fit,
-            "DGX H100 datasheet: 2 TB of system memory for 8 GPUs = 250 GB per GPU"),
+            "DGX H100 datasheet: 2 TB of system memory for 8 GPUs = 250 GB per GPU", hopper),
         "h200": _hopper(
             "h200", 143771 * 2**20, 4.8e12,
             "H200 total memory reported by nvidia-smi: 143,771 MiB (140.4 GiB; datasheet "
             "141 GB)", "NVIDIA H200 datasheet: 4.8 TB/s HBM3e", "H200 SXM", fit,
-            "DGX H200 datasheet: 2 TB of system memory for 8 GPUs = 250 GB per GPU"),
+            "DGX H200 datasheet: 2 TB of system memory for 8 GPUs = 250 GB per GPU", hopper),
     }
 
 

@@ -246,8 +246,8 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: ClusterSpec, layer: L
             e_f = max(0.0, ag - f) if hide else ag
             e_bw = max(0.0, ag + rs - (i + w)) if hide else ag + rs
             z_comm, z_exp = 2 * ag + rs, e_f + e_bw
-            f += e_f
-            i += e_bw
+            f += e_f + n * dev.zero3_layer_s
+            i += e_bw + 2.0 * n * dev.zero3_layer_s
             coll_ops += 3
         # Host cost per compute action beyond the layers (executor, embedding, head, loss).
         action = dev.host_tp_action_s if t > 1 else dev.host_action_s

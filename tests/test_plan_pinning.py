@@ -1,0 +1,90 @@
+"""Every calibration table the planner ships holds its predictions: each row's prediction equals
+the pinned one (overlap/plan/data/pinned.json), and each table's mean and max error stay within
+what docs/planner.md states. A change to one term (a GEMM curve, a link efficiency, the
+attention model) that moves another table's predictions fails here; a change meant to move
+them re-pins with ``python -m overlap.plan.accuracy --pin`` and shows the moved rows in review.
+
+The planner is plain float arithmetic in Python (no BLAS, no threads), so the pinned numbers
+are reproducible to the last bits on any IEEE machine; 1e-9 relative leaves room for a libm
+that rounds exp/log differently in the last place."""
+
+import pytest
+
+from overlap.plan import accuracy
+
+pytestmark = pytest.mark.no_delay_pass("planner arithmetic: no stream or twin op")
+
+PINNED = accuracy.pinned()
+
+
+@pytest.mark.parametrize("table", sorted(accuracy.TABLES))
+def test_every_prediction_equals_the_pinned_one(table):
+    rows = accuracy.table_rows(table)
+    pinned = PINNED["predictions"][table]
+    assert sorted(r.key for r in rows) == sorted(pinned), "rows added or removed: re-pin"
+    moved = [f"{r.key}: {pinned[r.key]:.6g} -> {r.predicted:.6g}" for r in rows
+             if r.predicted != pytest.approx(pinned[r.key], rel=1e-9)]
+    assert not moved, f"{table}: predictions moved (re-pin if meant):\n" + "\n".join(moved)
+
+
+@pytest.mark.parametrize("table", sorted(accuracy.TABLES))
+def test_every_table_stays_within_its_stated_error(table):
+    stated = PINNED["stated"][table]
+    got = accuracy.summary(accuracy.table_rows(table))
+    assert set(got) == set(stated), (got, stated)
+    for role, s in got.items():
+        assert s["rows"] == stated[role]["rows"]
+        assert s["mean"] <= stated[role]["mean"] and s["max"] <= stated[role]["max"], \
+            (table, role, s, stated[role])
+
+
+def test_a_moved_term_is_caught(monkeypatch):
+    """The test above can fail: a 2% change to the Hopper GEMM peak moves rows of two tables."""
+    from overlap.plan import profiles
+
+    real = profiles.build_profiles
+
+    def slower(fit=None, hopper=None):
+        out = real(fit, hopper)
+        for name in ("h100-sxm", "h200"):
+            out[name] = out[name].replace(peak_flops=out[name].peak_flops * 0.98)
+        return out
+
+    monkeypatch.setattr(profiles, "build_profiles", slower)
+    for module in ("fit", "fit_moe", "fit_hopper"):
+        mod = getattr(__import__("overlap.plan", fromlist=[module]), module)
+        if hasattr(mod, "build_profiles"):
+            monkeypatch.setattr(mod, "build_profiles", slower)
+    moved = {t for t in accuracy.TABLES for r in accuracy.table_rows(t)
+             if r.predicted != pytest.approx(PINNED["predictions"][t][r.key], rel=1e-9)}
+    assert {"h100-moe-qwen3", "hopper-dense"} <= moved and "a100-narayanan2021" not in moved
+
+
+def test_explain_names_the_source_of_each_term():
+    """--explain prints, under the terms it uses, where each number comes from: Hopper's from
+    its own kernel table and runs, A100's from Narayanan et al., links from NCCL's model."""
+    from overlap.plan.cli import main as plan_main
+    import contextlib
+    import io
+
+    def explained(gpu: str) -> str:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert plan_main(["--model", "gpt3-175b", "--gpus", "1024", "--gpu", gpu, "--tp", "8",
+                              "--pp", "8", "--global-batch", "1536", "--explain"]) == 0
+        return out.getvalue()
+
+    hopper, a100 = explained("h100-sxm"), explained("a100-80g")
+    src = lambda text, key: [ln.split(": ", 1)[1] for ln in text.splitlines()  # noqa: E731
+                             if ln.strip().startswith(f"source of {key}:")]
+    assert "hopper_kernels.csv GEMM rows" in src(hopper, "gemm")[0]
+    assert "step_gemm_factor 0.6971" in src(hopper, "gemm")[0]
+    assert "FlashAttention-3" in src(hopper, "attention")[0]
+    assert "NVLink collective rows" in src(hopper, "intra.efficiency")[0]
+    assert "Narayanan et al. 2021 Table 1" in src(a100, "gemm")[0] and not src(a100, "attention")
+    assert all("tuning.cc" in x for x in src(hopper, "base_latency_s"))
+    # each source line sits under the computation that uses it: GEMMs, then TP, then P2P
+    lines = hopper.splitlines()
+    at = lambda prefix: next(i for i, ln in enumerate(lines) if ln.strip().startswith(prefix))  # noqa: E731
+    assert at("peak 989 TFLOP/s") < at("source of gemm:") < at("qkv") < at("TP ") \
+        < at("source of intra.bandwidth:") < at("PP P2P")
