@@ -1,5 +1,5 @@
-"""overlap.plan: predict memory, pipeline bubble, communication and step time of a 3D layout,
-and search for the best one (``overlap-plan``).
+"""overlap.plan: predict memory, pipeline bubble, communication and step time of a layout
+(tp x cp x pp x dp, ep for MoE), and search for the best one (``overlap-plan``).
 
 Entry points: ``estimate(model, cluster, layout) -> Estimate`` and ``search(model, cluster,
 global_batch).ranked``, with ``get_model``, ``get_profile``, ``ClusterSpec`` and ``Layout``.

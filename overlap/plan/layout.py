@@ -1,4 +1,5 @@
-"""A 3D layout: how a model is cut over a cluster, and what the runtime overlaps.
+"""A layout (tp x cp x pp x dp, ep for MoE): how a model is cut over a cluster, and what the
+runtime overlaps.
 
 ``Layout.check(model, cluster)`` raises a ValueError naming the flag for every choice that
 cannot work (tp not dividing the heads, gpus not divisible by tp*pp*cp, a batch that does not

@@ -1,1 +1,2 @@
-"""The one-command 3D-parallel training demo: ``python -m overlap.train`` (see __main__)."""
+"""The one-command main job (tp x cp x pp x dp, ep for MoE): ``python -m overlap.train``
+(see __main__)."""

@@ -1,4 +1,5 @@
-"""``python -m overlap.train`` / ``overlap-train``: 3D-parallel GPT training with every overlap on.
+"""``python -m overlap.train`` / ``overlap-train``: GPT training over tp x cp x pp x dp (x ep)
+with every overlap on.
 
 Without torchrun it starts tp*pp*dp local processes itself (CPU; gloo with NCCL's ordering
 rules by default, see ``overlap.dist.nccl_twin``). Under torchrun (RANK/WORLD_SIZE set) or

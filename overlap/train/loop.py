@@ -228,7 +228,7 @@ def reference_model(cfg: TrainConfig, *, steps: int | None = None, dropout: floa
     the per-step losses.
 
     Each step averages the per-micro-batch mean losses of all dp x micro_batches micro-batches
-    (what the 3D job's pipeline and DP averaging compute) and takes one AdamW step."""
+    (what the parallel job's pipeline and DP averaging compute) and takes one AdamW step."""
     torch.manual_seed(cfg.seed)
     model = GPT(model_config(cfg, dropout=dropout, reference=True))
     for mlp in moe_mlps(model):
