@@ -1,15 +1,6 @@
 """``overlap-plan`` / ``python -m overlap.plan``: estimate a layout, search for one, explain the
-arithmetic, or calibrate this machine. A thin layer over :class:`overlap.plan.config.PlanConfig`.
-
-    overlap-plan --model gpt3-175b --gpus 512 --gpu a100-80g --tp 8 --pp 8 \\
-        --global-batch 1536 --micro-batch 1 --json
-    overlap-plan --model llama3-70b --gpus 1024 --gpu h100-sxm --global-batch 512 --search
-    overlap-plan --model mixtral-8x7b --gpus 64 --gpu h100-sxm --global-batch 1024 --search
-    overlap-plan --model llama3-8b --seq 131072 --gpus 16 --gpu h100-sxm --global-batch 16 \\
-        --search                                     # picks cp > 1: cp 1 does not fit
-    overlap-plan --model llama3-8b --seq 131072 --gpus 16 --gpu h100-sxm --global-batch 16 \\
-        --tp 8 --sequence-parallel --offload-activations 31   # activations to host memory
-    overlap-plan --calibrate --output local.json      # then: --profile local.json --gpus 8 ...
+arithmetic, or calibrate this machine. A thin layer over :class:`overlap.plan.config.PlanConfig`,
+whose ``--help`` ends with examples (``overlap.plan.config.EXAMPLES``).
 """
 
 from __future__ import annotations

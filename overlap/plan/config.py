@@ -211,6 +211,8 @@ examples:
   overlap-plan --model mixtral-8x7b --gpus 64 --gpu h100-sxm --global-batch 1024 --search
   overlap-plan --model llama3-8b --seq 131072 --gpus 16 --gpu h100-sxm --global-batch 16 \\
       --search                                 # picks cp > 1: cp 1 does not fit
+  overlap-plan --model llama3-8b --seq 131072 --gpus 16 --gpu h100-sxm --global-batch 16 \\
+      --tp 8 --sequence-parallel --offload-activations 31   # activations to host memory
   overlap-plan --model gpt3-175b --gpus 512 --tp 8 --pp 8 --global-batch 1536 \\
       --schedule zb-h1 --explain               # the formulas with the numbers
   overlap-plan --calibrate --output local.json  # then: --profile local.json --gpus 8 ...

@@ -24,7 +24,8 @@ from overlap.plan.layout import Layout, Overlap
 from overlap.plan.models import ModelSpec
 from overlap.plan.profiles import FITTED, build_profiles
 
-__all__ = ["Row", "load_table", "row_setup", "predict", "errors", "fit", "paper_flops"]
+__all__ = ["Row", "load_table", "row_setup", "predict", "errors", "fit", "paper_flops",
+           "role_lines", "fit_main"]
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "narayanan2021_table1.csv")
 KEYS = ("gemm_e_max", "gemm_d_half", "nvlink_efficiency", "ib_efficiency")
@@ -183,15 +184,33 @@ def report(fitted: dict[str, float] | None = None) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m overlap.plan.fit", description=__doc__.split(
-        "\n")[0])
+def role_lines(errs: list[tuple[str, float]]) -> list[str]:
+    """Per role ("fit": used by a fit, "check": kept out), the mean and max |error| of
+    ``errs`` ((role, relative error) per row)."""
+    lines = []
+    for role in ("fit", "check"):
+        es = [abs(e) for r, e in errs if r == role]
+        if es:
+            lines.append(f"\n{role}: mean |error| {100 * sum(es) / len(es):.1f}%, max "
+                         f"{100 * max(es):.1f}% ({len(es)} rows)")
+    return lines
+
+
+def fit_main(module: str, doc: str, shipped: dict[str, float], fit_fn, report_fn,
+             argv: list[str] | None) -> int:
+    """``python -m overlap.plan.<module> [--report]``: fit (or take ``shipped``) and report."""
+    p = argparse.ArgumentParser(prog=f"python -m overlap.plan.{module}",
+                                description=doc.split("\n")[0])
     p.add_argument("--report", action="store_true", help="only report the shipped parameters")
     args = p.parse_args(argv)
-    fitted = dict(FITTED) if args.report else fit()
-    print("fitted parameters:", {k: fitted[k] for k in KEYS})
-    print(report(fitted))
+    fitted = dict(shipped) if args.report else fit_fn()
+    print("fitted parameters:", fitted)
+    print(report_fn(fitted))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return fit_main("fit", __doc__, {k: FITTED[k] for k in KEYS}, fit, report, argv)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,12 @@ fit and reported. The narrative: docs/planner.md ("Hopper").
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
 
 from overlap.plan.estimate import estimate
-from overlap.plan.fit import _nelder_mead, csv_records
+from overlap.plan.fit import _nelder_mead, csv_records, fit_main, role_lines
 from overlap.plan.hardware import ClusterSpec
 from overlap.plan.layout import Layout, Overlap
 from overlap.plan.models import ModelSpec
@@ -245,23 +244,12 @@ def report(fitted: dict[str, float] | None = None) -> str:
         pub = pred / (1.0 + e)
         lines.append(f"| {run.name} | {run.gpus} | {run.tp} | {run.pp} | {run.cp} | {run.role} "
                      f"| {pub:.0f} | {pred:.0f} | {100 * e:+.1f}% |")
-    for role in ("fit", "check"):
-        es = [abs(e) for r, _, e in errs if r.role == role]
-        if es:
-            lines.append(f"\n{role}: mean |error| {100 * sum(es) / len(es):.1f}%, max "
-                         f"{100 * max(es):.1f}% ({len(es)} runs)")
+    lines += role_lines([(r.role, e) for r, _, e in errs])
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m overlap.plan.fit_hopper",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--report", action="store_true", help="only report the shipped terms")
-    args = p.parse_args(argv)
-    fitted = dict(HOPPER_FITTED) if args.report else fit()
-    print("Hopper terms:", fitted)
-    print(report(fitted))
-    return 0
+    return fit_main("fit_hopper", __doc__, HOPPER_FITTED or {}, fit, report, argv)
 
 
 if __name__ == "__main__":

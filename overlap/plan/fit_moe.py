@@ -12,14 +12,13 @@ The narrative (what each row is assumed to run): docs/design/planner.md.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
 
 from overlap.plan.comm import Placement
 from overlap.plan.estimate import estimate
-from overlap.plan.fit import _nelder_mead, csv_records
+from overlap.plan.fit import _nelder_mead, csv_records, fit_main, role_lines
 from overlap.plan.hardware import ClusterSpec
 from overlap.plan.layout import Layout, Overlap
 from overlap.plan.models import get_model
@@ -114,23 +113,12 @@ def report(fitted: dict[str, float] | None = None) -> str:
     for row, pred, e in errs:
         lines.append(f"| {row.name} | {row.tp} | {row.ep} | {row.pp} | {row.dp} | {row.role} | "
                      f"{row.step_s:.1f} s | {pred:.1f} s | {100 * e:+.1f}% |")
-    for role in ("fit", "check"):
-        es = [abs(e) for r, _, e in errs if r.role == role]
-        if es:
-            lines.append(f"\n{role}: mean |error| {100 * sum(es) / len(es):.1f}%, max "
-                         f"{100 * max(es):.1f}%")
+    lines += role_lines([(r.role, e) for r, _, e in errs])
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m overlap.plan.fit_moe",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--report", action="store_true", help="only report the shipped parameter")
-    args = p.parse_args(argv)
-    fitted = dict(MOE_FITTED) if args.report else fit()
-    print("fitted parameters:", fitted)
-    print(report(fitted))
-    return 0
+    return fit_main("fit_moe", __doc__, MOE_FITTED, fit, report, argv)
 
 
 if __name__ == "__main__":
