@@ -57,15 +57,11 @@ class _Group:
         self.world, self.rank = self.comm.world, self.comm.rank
         self.agree, self.backend = self.comm.agree, self.comm.backend
 
-    @property
-    def where(self) -> str:
-        return self.comm.where
-
-    def check_usable(self, op: str) -> None:
-        self.comm.check_usable(op)
-
-    def fail(self, exc: BaseException) -> None:
-        self.comm.fail(exc)
+    def __getattr__(self, name: str):
+        # where, check_usable, fail, guard, ...: the communicator's own (one failure rule)
+        if name == "comm":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self.comm, name)
 
     def settle(self) -> None:
         pass  # backend "unfused": no header block, nothing left open

@@ -153,7 +153,7 @@ class TPComm(Communicator, OpaqueBase):
         self._contexts.clear()
         if self.header is not None:
             try:
-                self.header.fail(f"{exc}")
+                self.header.abort(f"{exc}")
             except Exception:
                 pass
 

@@ -152,7 +152,7 @@ class HeaderBlock:
         if self._gpu or self.ws.pending():  # on a GPU the record is not visible to the host
             self.ws.poison_if_error(out)
 
-    def fail(self, reason: str) -> None:
+    def abort(self, reason: str) -> None:
         """Wake peers waiting on this rank's stamp (they raise with ``reason``), then free the
         block on a thread of its own once they have let go of it: a peer may still be reading
         this call's stamp, and a freed block is poisoned (as freed GPU memory is reused)."""
