@@ -47,11 +47,13 @@ def test_check_and_profile_on_8_processes(checked_and_profiled):
         assert 0 <= m["exposed_comm_s"] <= m["comm_s"] + 1e-9
         assert abs(m["exposed_comm_s"] + m["hidden_comm_s"] - m["comm_s"]) < 1e-9
         assert 0 <= m["exposed_fraction"] <= 1 and 0 <= m["hidden_fraction"] <= 1
-        # every communication range is charged to a named axis: the twin's workers name
-        # their ops after their group (tp, pp, dp), so "other" is never the largest kind
+        # exposed time is charged to named axes: the twin's workers name their ops after their
+        # group (tp, pp, dp), so "other" never has the most exposed time. (Its raw comm can be
+        # large on this tiny model: ops torch hands to the twin's plain gloo backend, on gloo's
+        # own threads, are named by no range; they run hidden or under a named wait.)
         kinds = m["by_kind"]
-        named = max(v["comm_s"] for k, v in kinds.items() if k != "other")
-        assert kinds.get("other", {"comm_s": 0.0})["comm_s"] < named, kinds
+        named = max(v["exposed_s"] for k, v in kinds.items() if k != "other")
+        assert kinds.get("other", {"exposed_s": 0.0})["exposed_s"] < named, kinds
         assert {"tp", "pp", "dp"} <= set(kinds), kinds
     # One exposed-communication number: the summary's is the profile table's "all" row and
     # the JSON's (and overlap-analyze's, tests/test_exposed_metric.py), recomputed here from
