@@ -35,6 +35,13 @@ def requires_gpu(test):
     and skipped where torch sees no GPU."""
     return pytest.mark.gpu(_skip_without_gpu(test))
 
+def without_gpus(**extra: str) -> dict[str, str]:
+    """The environment of a subprocess that sees no GPU (``CUDA_VISIBLE_DEVICES`` empty: torch
+    and NVML find none), so a test of the CPU-only paths and errors runs on a GPU machine too
+    instead of being skipped there."""
+    return dict(os.environ, CUDA_VISIBLE_DEVICES="", **extra)
+
+
 # The transport of every CPU test: gloo with NCCL's ordering rules (overlap.dist.nccl_twin), so
 # an order that would deadlock on NCCL fails here too. OVERLAP_TEST_BACKEND=gloo opts out.
 CPU_BACKEND = os.environ.get("OVERLAP_TEST_BACKEND", "nccl_twin")

@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
+from harness import without_gpus
 from overlap.selftest.checks import TIMEOUT_SLACK
-from overlap.selftest.env import detect, nvlink_from_topo
+from overlap.selftest.env import nvlink_from_topo
 from overlap.selftest.report import JSON_FIELDS, merge
 
 pytestmark = pytest.mark.no_delay_pass("end to end; component files run its async paths delayed")
@@ -25,13 +26,13 @@ CPU_CHECKS = TP + QUANT + ["symm.signal_ring", "symm.signal_ring.triton", "strea
                            "ep.moe.dropless", "ep.moe.symmetric", "ep.int8_dispatch",
                            "ep.pipeline_pairs", "cp.attention.ring", "cp.attention.allgather",
                            "cp.attention.ulysses", "timeout.missing_peer.all_gather_matmul"]
-NO_GPU = not torch.cuda.is_available()
 PEER_TIMEOUT = 2.0
 
 
 def _selftest(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """The selftest on the CPU twins, on any machine (its GPUs hidden)."""
     return subprocess.run([sys.executable, "-m", "overlap.selftest", *args], capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=without_gpus())
 
 
 def _progress(stdout: str, names: list[str]) -> list[tuple[str, str]]:
@@ -49,7 +50,6 @@ def _progress(stdout: str, names: list[str]) -> list[tuple[str, str]]:
     return [(m[3], m[4]) for _, m in rows]
 
 
-@pytest.mark.skipif(not NO_GPU, reason="checks the CPU twins' run")
 def test_cli_runs_every_check_and_passes(tmp_path):
     path = tmp_path / "selftest.json"
     proc = _selftest("--json", str(path))
@@ -155,21 +155,19 @@ def test_bad_flags_exit_2_before_any_process_starts(args, message):
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
-@pytest.mark.skipif(not NO_GPU, reason="this machine has a GPU")
 def test_cuda_without_gpus_is_a_clear_error():
     proc = _selftest("--device", "cuda", timeout=60)
     assert proc.returncode == 2
     assert "this machine has 0 GPU(s)" in proc.stderr
 
 
-@pytest.mark.skipif(not NO_GPU, reason="checks the CPU twins' run")
 def test_under_torchrun_rank_0_reports(tmp_path):
     path = tmp_path / "selftest.json"
     only = "tp.all_gather_matmul.symmetric,quant.all_reduce.int8.sync,pp.1f1b_step"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                            "2", "-m", "overlap.selftest", "--only", only, "--json", str(path)],
                           capture_output=True, text=True, timeout=240,
-                          env=dict(os.environ, TMPDIR=str(tmp_path)))  # torchrun's log dir
+                          env=without_gpus(TMPDIR=str(tmp_path)))  # torchrun's log dir
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(path.read_text())
     assert (doc["mode"], doc["world_size"], doc["passed"]) == ("torchrun", 2, True)
@@ -179,22 +177,28 @@ def test_under_torchrun_rank_0_reports(tmp_path):
     assert _progress(proc.stdout, only.split(",")) == [(n, "pass") for n in only.split(",")]
 
 
-@pytest.mark.skipif(not NO_GPU, reason="this machine has a GPU")
 def test_detection_without_gpus_reports_na():
+    """detect() in a process that sees no GPU (on a GPU machine too: its GPUs hidden)."""
     import triton
 
-    env = detect()
-    assert env.num_gpus == 0 and env.devices == ["cpu"]
+    code = ("import json; from overlap.selftest.env import detect; e = detect(); "
+            "print(json.dumps({'env': e.as_dict(), 'rows': dict(e.rows())}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=without_gpus())
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    env, rows = out["env"], out["rows"]
+    assert env["num_gpus"] == 0 and env["devices"] == ["cpu"]
     for field in ("nccl", "cuda_driver", "peer_access", "p2p_atomics", "nvlink",
                   "torch_symmetric_memory"):
-        assert getattr(env, field) == "n/a", field
-    assert env.torch == torch.__version__ and env.triton == triton.__version__
-    assert env.torch_cuda_runtime == (torch.version.cuda or "n/a")
-    assert env.triton_mode == "interpreter, TRITON_INTERPRET=1"
-    assert env.overlap_c_extension == "built"
-    assert env.cpu_cores == os.cpu_count()
-    assert dict(env.rows())["NCCL"] == "n/a"
-    assert json.loads(json.dumps(env.as_dict()))["nvlink"] == "n/a"
+        assert env[field] == "n/a", field
+    assert env["torch"] == torch.__version__ and env["triton"] == triton.__version__
+    assert env["torch_cuda_runtime"] == (torch.version.cuda or "n/a")
+    assert env["triton_mode"] == "interpreter, TRITON_INTERPRET=1"
+    assert env["overlap_c_extension"] == "built"
+    assert env["cpu_cores"] == os.cpu_count()
+    assert rows["NCCL"] == "n/a"
+    assert env["nvlink"] == "n/a"
 
 
 TOPO_NVLINK = """\
