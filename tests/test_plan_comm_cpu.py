@@ -134,5 +134,24 @@ def test_layout_errors_name_flags():
         Layout(cp=3, tp=1, global_batch=64).check(m, ClusterSpec(device=A100, num_gpus=3))
     with pytest.raises(ValueError, match="fewer than --pp 8"):
         Layout(pp=8, global_batch=8).check(m, c)
-    with pytest.raises(ValueError, match="--schedule interleaved needs --layers 8"):
-        Layout(pp=2, schedule="interleaved", virtual=3, global_batch=64).check(m, c)
+
+
+def test_interleaved_with_uneven_chunks():
+    """Layers that do not split into pp x virtual equal chunks (Llama 3 405B: 126 layers, pp 16)
+    are spread as evenly as possible, the earlier chunks one layer more (the last holds the
+    head); the work is the same as 1F1B's, only redistributed, and the bubble shrinks."""
+    c = ClusterSpec(device=A100, num_gpus=16)
+    m = ModelSpec(num_layers=10, hidden=1024, num_heads=16, vocab=4096, seq_len=1024)
+    inter = Layout(pp=2, tp=2, schedule="interleaved", virtual=3, global_batch=32,
+                   sequence_parallel=True)
+    assert inter.chunk_layers(m) == [2, 2, 2, 2, 1, 1]
+    one = dataclasses.replace(inter, schedule="1f1b", virtual=1)
+    a, b = estimate(m, c, inter), estimate(m, c, one)
+    assert len(a.stage_costs) == 6 and len(b.stage_costs) == 2
+    total = sum(s.fwd_flops for s in b.stage_costs)
+    assert sum(s.fwd_flops for s in a.stage_costs) == pytest.approx(total, rel=1e-12)
+    # Chunks 1-3 hold two layers and chunk 4 one, none the embedding or the head: the
+    # difference is one layer's forward FLOPs.
+    per_layer = (a.stage_costs[1].fwd_flops - a.stage_costs[4].fwd_flops)
+    assert per_layer == pytest.approx(a.stage_costs[4].fwd_flops, rel=1e-12)
+    assert a.bubble_fraction < b.bubble_fraction

@@ -1,9 +1,10 @@
 """The planner's error on every calibration table it ships, and the predictions pinned to them.
 
-``python -m overlap.plan.accuracy`` prints, per table, each row's published and predicted
-number, the error, and the mean and max error of the rows a fit used and of the rows kept out
-of every fit. ``--pin`` rewrites ``data/pinned.json`` (each row's prediction, each table's
-stated errors) after a change meant to move predictions; its diff shows which ones moved.
+``python -m overlap.plan.accuracy`` (or ``python -m overlap.plan.calibrate``) prints, per
+table, each row's published and predicted number, the error, and the mean and max error of the
+rows a fit used and of the rows kept out of every fit. ``--pin`` rewrites ``data/pinned.json``
+(each row's prediction, each table's stated errors) after a change meant to move predictions;
+its diff shows which ones moved.
 ``tests/test_plan_pinning.py`` holds every prediction to that file, so a change to one term
 that moves another table's predictions fails in CI instead of passing unseen.
 The narrative: docs/planner.md ("Accuracy, and what holds it").
@@ -113,8 +114,8 @@ def report(name: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m overlap.plan.accuracy",
+def main(argv: list[str] | None = None, prog: str = "python -m overlap.plan.accuracy") -> int:
+    p = argparse.ArgumentParser(prog=prog,
                                 description=__doc__.split("\n")[0])
     p.add_argument("--table", choices=sorted(TABLES), help="one table (default: every one)")
     p.add_argument("--pin", action="store_true",

@@ -9,6 +9,7 @@ TP ops), ``host_*layer_s``, ``host_*action_s``, ``host_*step_s``, ``comm_cpu_s``
 ``p2p_cpu_s`` (host costs with ``ranks`` ranks busy at once), ``host_cores`` (the cores the
 ranks actually get; the profile records what was free when it was measured).
 The narrative (what each benchmark measures, and the fits): docs/design/planner.md.
+``python -m overlap.plan.calibrate`` prints the error on the published runs instead (accuracy).
 """
 
 from __future__ import annotations
@@ -217,3 +218,14 @@ def summary(p: DeviceProfile) -> dict[str, Any]:
             "host_step_ms": [p.host_step_s * ms, p.host_tp_step_s * ms],
             "comm_cpu_us": p.comm_cpu_s * 1e6, "p2p_cpu_us": p.p2p_cpu_s * 1e6,
             "host_cores": p.host_cores}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The planner's error on every published calibration table (:mod:`overlap.plan.accuracy`);
+    measuring this machine is ``overlap-plan --calibrate``."""
+    from overlap.plan import accuracy  # its fits import the estimator, which this module need not
+    return accuracy.main(argv, prog="python -m overlap.plan.calibrate")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -63,14 +63,19 @@ def row_setup(row: MoERow, fitted: dict[str, float] | None = None):
     """(model, cluster, layout, EP group placement) of one run. Fixed, not fitted: Megatron's all-to-all does not
     overlap the expert GEMMs (``Overlap.ep`` off), the in-schedule overlap is on only where the
     row says "1f1b overlap", DP and P2P overlap on, TP collectives unfused, dropless routing
-    with a balanced load (imbalance 1), ZeRO-1. 94 layers do not split into pp x vpp equal
-    chunks, so the runs are replayed as 1F1B over pp stages (a larger bubble than theirs)."""
+    with a balanced load (imbalance 1), ZeRO-1. The interleaved schedule with the row's virtual
+    stages, the 94 layers spread over the pp x vpp chunks as evenly as possible; where there
+    are fewer layers than chunks (pp 32 x vpp 3: Megatron counts the embedding and the loss as
+    chunks' layers), 1F1B over pp stages (a larger bubble than theirs)."""
     device = build_profiles()["h100-sxm"].replace(**(fitted or MOE_FITTED))
     model = get_model("qwen3-235b-a22b")
+    interleave = row.vpp > 1 and row.pp * row.vpp <= model.num_layers
     cluster = ClusterSpec(device=device, num_gpus=row.gpus, gpus_per_node=8)
     layout = Layout(tp=row.tp, pp=row.pp, ep=row.ep // row.tp, global_batch=2048,
                     micro_batch=1,
-                    schedule="1f1b", recompute=row.recompute, sequence_parallel=row.tp > 1,
+                    schedule="interleaved" if interleave else "1f1b",
+                    virtual=row.vpp if interleave else 1,
+                    recompute=row.recompute, sequence_parallel=row.tp > 1,
                     zero=1, ep_node_dedup=row.dispatcher == "deepep",
                     overlap=Overlap(tp=False, ep=False, ep_schedule=row.a2a_1f1b_overlap))
     # Megatron folds EP over TP x DP (expert TP 1) with ranks ordered tp, cp, ep, dp, pp: the

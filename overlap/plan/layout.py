@@ -204,9 +204,6 @@ class Layout:
         if model.num_layers < self.num_chunks:
             raise ValueError(f"--layers {model.num_layers} is less than --pp {self.pp} x "
                              f"--virtual {self.num_virtual} stages: every stage needs a layer")
-        if self.schedule == "interleaved" and model.num_layers % self.num_chunks:
-            raise ValueError(f"--schedule interleaved needs --layers {model.num_layers} to be a "
-                             f"multiple of --pp x --virtual = {self.num_chunks}")
         dp = self.dp(cluster)
         if self.ep > 1 and not model.is_moe:
             raise ValueError(f"--ep {self.ep} needs a mixture-of-experts model; "

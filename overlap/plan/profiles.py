@@ -42,7 +42,7 @@ _HOPPER_RUN_SRC = ("the factor fitted to the fit runs of overlap/plan/data/hoppe
 # Written by `python -m overlap.plan.fit_moe`: the MoE all-to-all's achieved fraction of link
 # bandwidth (ends on its bound) and the expert grouped GEMMs' throughput relative to a dense
 # GEMM, fitted to published Megatron-Core MoE runs (overlap/plan/data/moe_runs.csv).
-MOE_FITTED = {"a2a_efficiency": 1.0, "grouped_gemm_efficiency": 0.4823}
+MOE_FITTED = {"a2a_efficiency": 1.0, "grouped_gemm_efficiency": 0.4612}
 _A2A_SRC = ("fitted to published Megatron-Core Qwen3-235B-A22B BF16 runs on H100 "
             "(python -m overlap.plan.fit_moe; overlap/plan/data/moe_runs.csv)")
 
