@@ -204,3 +204,16 @@ def test_moe_calibration_held_out_run():
     assert check and all(abs(e) < 0.10 for e in check)
     assert all(abs(e) < 0.25 for e in fit)
     print({r.name: round(100 * e, 1) for r, _, e in errs})
+
+
+def test_one_imbalance_reproduces_dropless_against_forced_balance():
+    """The source's long-context runs give dropless and forced-balance TFLOP/s of one layout at
+    four sequence lengths; one ``moe_imbalance`` reproduces all four ratios (the MoE share of
+    the step, and with it the penalty, shrinks as attention grows), a balanced load none."""
+    from overlap.plan.fit_moe import DROPLESS_IMBALANCE, balance_ratios
+    rows = balance_ratios(DROPLESS_IMBALANCE)
+    assert [s for s, _, _ in rows] == [16384, 32768, 65536, 131072]
+    assert [round(p, 3) for _, p, _ in rows] == [1.245, 1.209, 1.15, 1.09]
+    for seq, published, predicted in rows:
+        assert predicted == pytest.approx(published, rel=0.015), seq
+    assert all(abs(p / pub - 1) > 0.08 for _, pub, p in balance_ratios(1.0))

@@ -55,7 +55,8 @@ class PlanConfig:
     ep: int = _field(1, "expert-parallel degree (MoE models; carved out of dp x cp; --search: "
                         "1 tries every valid ep, N > 1 only N)")
     capacity_factor: float | None = _field(None, "MoE capacity factor (default: dropless)")
-    moe_imbalance: float = _field(1.0, "dropless MoE: the busiest EP rank's rows over the mean")
+    moe_imbalance: float = _field(1.0, "dropless MoE: the busiest EP rank's rows over the mean "
+                                  "(1.47 reproduces Megatron-Core's dropless Qwen3-235B runs)")
     ep_dispatch: str = _field("bf16", "MoE forward dispatch wire dtype", choices=EP_DISPATCH)
     ep_chunks: int = _field(2, "pieces of the chunked MoE exchange")
     ep_overlap: bool = _field(True, "hide the MoE all-to-all under the expert GEMMs (chunked)")

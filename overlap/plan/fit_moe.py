@@ -24,10 +24,15 @@ from overlap.plan.layout import Layout, Overlap
 from overlap.plan.models import get_model
 from overlap.plan.profiles import MOE_FITTED, build_profiles
 
-__all__ = ["MoERow", "load_runs", "row_setup", "errors", "fit", "report"]
+__all__ = ["MoERow", "load_runs", "row_setup", "errors", "fit", "report", "balance_ratios",
+           "DROPLESS_IMBALANCE"]
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "moe_runs.csv")
+BALANCE = os.path.join(os.path.dirname(__file__), "data", "moe_balance.csv")
 KEYS = ("a2a_efficiency", "grouped_gemm_efficiency")
+# The one moe_imbalance that reproduces the dropless / forced-balance ratios of the long-context
+# runs (balance_ratios; each within 1.5%): Qwen3-235B-A22B's own router over EP 8.
+DROPLESS_IMBALANCE = 1.47
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -93,6 +98,28 @@ def errors(fitted: dict[str, float] | None = None,
         model, cluster, layout, group = row_setup(row, fitted)
         pred = estimate(model, cluster, layout, ep_group=group).step_time_s
         out.append((row, pred, pred / row.step_s - 1.0))
+    return out
+
+
+def balance_ratios(imbalance: float, path: str = BALANCE) -> list[tuple[int, float, float]]:
+    """(sequence length, published, predicted) dropless over forced-balance step time of the
+    long-context runs (``data/moe_balance.csv``): the same layout estimated with
+    ``moe_imbalance=imbalance`` and with 1 (a balanced load)."""
+    device = build_profiles()["h100-sxm"].replace(**MOE_FITTED)
+    out = []
+    for r in csv_records(path):
+        tp, cp, seq = int(r["tp"]), int(r["cp"]), int(r["seq_len"])
+        model = dataclasses.replace(get_model("qwen3-235b-a22b"), seq_len=seq)
+        cluster = ClusterSpec(device=device, num_gpus=8 * int(r["nodes"]), gpus_per_node=8)
+        # EP 8 folded over TP x DP (row_setup says how): the planner's ep is 8 / tp.
+        layout = Layout(tp=tp, pp=8, cp=cp, cp_method="ring", ep=8 // tp,
+                        global_batch=int(r["global_batch"]), schedule="interleaved", virtual=4,
+                        recompute="selective", sequence_parallel=True, zero=1,
+                        ep_node_dedup=True, overlap=Overlap(tp=False, ep=False))
+        group = Placement(size=8, per_node=8, nodes=1)
+        t = [estimate(model, cluster, dataclasses.replace(layout, moe_imbalance=i),
+                      ep_group=group).step_time_s for i in (imbalance, 1.0)]
+        out.append((seq, float(r["tflops_forced"]) / float(r["tflops_dropless"]), t[0] / t[1]))
     return out
 
 
