@@ -49,6 +49,11 @@ def _moe() -> list[TableRow]:
             for r, pred, _ in fit_moe.errors()]
 
 
+def _balance() -> list[TableRow]:
+    return [TableRow(f"seq {seq}", pub, pred, "dropless / forced-balance step time", "fit")
+            for seq, pub, pred in fit_moe.balance_ratios(fit_moe.DROPLESS_IMBALANCE)]
+
+
 def _hopper() -> list[TableRow]:
     return [TableRow(r.name, r.tflops_per_gpu, pred, "TFLOP/s per GPU", r.role)
             for r, pred, _ in fit_hopper.errors()]
@@ -60,6 +65,9 @@ TABLES: dict[str, tuple[str, Callable[[], list[TableRow]]]] = {
                            "(data/narayanan2021_table1.csv)", _a100),
     "h100-moe-qwen3": ("MoE Qwen3-235B-A22B, H100, Megatron-Core model zoo "
                        "(data/moe_runs.csv)", _moe),
+    "h100-moe-balance": (f"MoE routing, Qwen3-235B-A22B dropless against forced balance, H100, "
+                         f"--moe-imbalance {fit_moe.DROPLESS_IMBALANCE} (data/moe_balance.csv)",
+                         _balance),
     "hopper-dense": ("dense transformers, H100/H200, published runs (data/hopper_runs.csv)",
                      _hopper),
 }
