@@ -31,6 +31,11 @@ __all__ = ["Run", "Kernel", "load_runs", "load_kernels", "fit_kernel_terms", "ro
 HERE = os.path.join(os.path.dirname(__file__), "data")
 RUNS, KERNELS = os.path.join(HERE, "hopper_runs.csv"), os.path.join(HERE, "hopper_kernels.csv")
 PEAK = 989e12  # H100/H200 SXM dense BF16 (profiles.py cites the datasheet)
+# A run's ``attention`` kernel -> the fitted term holding its level (fraction of peak on the
+# causal half of the attention FLOPs). "triton-2023": llm-foundry's ``attn_impl: triton`` (the
+# MPT yamls and the benchmark sweep's default), a Triton flash kernel of 2023 that no kernel
+# row of the data measures on Hopper, so its level is fitted on the runs.
+ATTENTION_KERNELS = {"triton-2023": "attn_triton_e_max"}
 NVLINK, IB = 450e9, 50e9  # per GPU per direction (profiles.py)
 
 
@@ -64,6 +69,7 @@ class Run:
     recompute: str
     sequence_parallel: bool
     zero: int
+    attention: str      # the attention kernel, where the profile's (FlashAttention-3) is not it
     tflops_per_gpu: float | None
     tokens_per_s_per_gpu: float | None
     step_s: float | None
@@ -96,6 +102,7 @@ def load_runs(path: str = RUNS) -> list[Run]:
             global_batch=int(r["global_batch"]), recompute=r["recompute"] or "none",
             sequence_parallel=r["sequence_parallel"].strip().lower() in ("1", "true", "yes")
             if r["sequence_parallel"] else int(r["tp"]) > 1, zero=int(r["zero"]),
+            attention=r.get("attention", ""),
             tflops_per_gpu=_f(r["tflops_per_gpu"]),
             tokens_per_s_per_gpu=_f(r["tokens_per_s_per_gpu"]), step_s=_f(r["step_s"]),
             role=r["role"]))
@@ -191,6 +198,10 @@ def row_setup(run: Run, fitted: dict[str, float] | None = None):
     parameter gathers, P2P)."""
     device = build_profiles(hopper=fitted)["h200" if run.gpu.lower().startswith("h200")
                                            else "h100-sxm"]
+    if run.attention:  # the run's own kernel: its level is a fitted term, its shape in s is
+        # FlashAttention-3's (the one sweep the data has)
+        level = (fitted if fitted is not None else HOPPER_FITTED)[ATTENTION_KERNELS[run.attention]]
+        device = device.replace(attention=dataclasses.replace(device.attention, e_max=level))
     gated = run.gated_mlp
     model = ModelSpec(name=run.name, num_layers=run.layers, hidden=run.hidden,
                       num_heads=run.heads, num_kv_heads=run.kv_heads, ffn=run.ffn,
@@ -221,19 +232,25 @@ def errors(fitted: dict[str, float] | None = None,
 
 
 def fit(runs: list[Run] | None = None, kernels: list[Kernel] | None = None) -> dict[str, float]:
-    """Every Hopper term: the kernel terms, then ``step_gemm_factor`` on the ``fit`` runs."""
+    """Every Hopper term: the kernel terms, then on the ``fit`` runs ``step_gemm_factor``,
+    ``zero3_layer_s`` and the level of each run-side attention kernel (``ATTENTION_KERNELS``):
+    the long-sequence runs, where attention is most of the step, pin the latter."""
     terms = fit_kernel_terms(kernels)
     rows = [r for r in (runs if runs is not None else load_runs()) if r.role == "fit"]
+    kinds = sorted({ATTENTION_KERNELS[r.attention] for r in rows if r.attention})
 
     def trial(x: list[float]) -> dict[str, float]:
-        return {**terms, "step_gemm_factor": _sig(x[0]), "zero3_layer_s": math.exp(x[1])}
+        return {**terms, "step_gemm_factor": _sig(x[0]), "zero3_layer_s": math.exp(x[1]),
+                **{k: _sig(v) for k, v in zip(kinds, x[2:])}}
 
     def loss(x: list[float]) -> float:
         return sum(math.log(1.0 + e) ** 2 for _, _, e in errors(trial(x), rows))
 
-    x = _nelder_mead(loss, [1.0, math.log(1e-4)], iters=300, tol=1e-12)
-    return {**terms, "step_gemm_factor": round(_sig(x[0]), 4),
-            "zero3_layer_s": round(math.exp(x[1]), 7)}
+    x = _nelder_mead(loss, [1.0, math.log(1e-3)] + [-1.0] * len(kinds), iters=600, tol=1e-12)
+    fitted = trial(x)
+    return {**terms, "step_gemm_factor": round(fitted["step_gemm_factor"], 4),
+            "zero3_layer_s": round(fitted["zero3_layer_s"], 7),
+            **{k: round(fitted[k], 4) for k in kinds}}
 
 
 def report(fitted: dict[str, float] | None = None) -> str:

@@ -27,13 +27,16 @@ FITTED = {
 
 # Written by `python -m overlap.plan.fit_hopper` from public Hopper measurements (None: the
 # Hopper profiles reuse the A100 fit). Each term from its own kernel rows; step_gemm_factor
-# (the share of a kernel's GEMM rate a training step keeps) and zero3_layer_s fitted on the
-# "fit" runs.
+# (the share of a kernel's GEMM rate a training step keeps), zero3_layer_s and the level of
+# the runs' own attention kernel fitted on the "fit" runs.
 HOPPER_FITTED: dict[str, float] | None = {
     "gemm_e_max": 0.8237, "gemm_d_half": 0.0, "gemm_overhead_s": 8.76e-06,
     "attn_e_max": 0.604, "attn_s_half": 233.8,
     "nvlink_efficiency": 0.7889, "ib_efficiency": 0.96,
-    "step_gemm_factor": 0.6971, "zero3_layer_s": 0.0016344,
+    "step_gemm_factor": 0.7376, "zero3_layer_s": 0.0011227,
+    # the level of the attention kernel the LLM Foundry runs used (fit_hopper.ATTENTION_KERNELS);
+    # only their replay uses it, the profiles keep FlashAttention-3's
+    "attn_triton_e_max": 0.171,
 }
 _HOPPER_KERNEL_SRC = "fitted to the public H100 measurements in overlap/plan/data/hopper_kernels.csv"
 _HOPPER_RUN_SRC = ("the factor fitted to the fit runs of overlap/plan/data/hopper_runs.csv "
@@ -42,7 +45,7 @@ _HOPPER_RUN_SRC = ("the factor fitted to the fit runs of overlap/plan/data/hoppe
 # Written by `python -m overlap.plan.fit_moe`: the MoE all-to-all's achieved fraction of link
 # bandwidth (ends on its bound) and the expert grouped GEMMs' throughput relative to a dense
 # GEMM, fitted to published Megatron-Core MoE runs (overlap/plan/data/moe_runs.csv).
-MOE_FITTED = {"a2a_efficiency": 1.0, "grouped_gemm_efficiency": 0.4612}
+MOE_FITTED = {"a2a_efficiency": 1.0, "grouped_gemm_efficiency": 0.4376}
 _A2A_SRC = ("fitted to published Megatron-Core Qwen3-235B-A22B BF16 runs on H100 "
             "(python -m overlap.plan.fit_moe; overlap/plan/data/moe_runs.csv)")
 
