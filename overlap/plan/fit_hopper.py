@@ -6,10 +6,11 @@ attention kernel TFLOP/s by shape, collective bus bandwidth) and ``data/hopper_r
 (published dense training runs with their layout). In order, each term from its own data:
 the GEMM curve (``e_max``, ``d_half``) from the GEMM rows, the flash-attention curve by
 sequence length from the attention rows, the NVLink and InfiniBand efficiencies from the
-collectives' bus bandwidth at large messages; then the one term no kernel measures, the
-fraction of peak a layer's GEMMs keep inside a training step (``step_gemm_factor``: launch
-gaps, clocks under load), fitted on the ``fit`` runs. The ``check`` runs are kept out of every
-fit and reported. The narrative: docs/planner.md ("Hopper").
+collectives' bus bandwidth at large messages; then, on the ``fit`` runs, what no kernel row
+measures: the fraction of peak a layer's GEMMs keep inside a training step
+(``step_gemm_factor``), ZeRO-3's per-layer cost (``zero3_layer_s``) and the level of an
+attention kernel a run used that the kernel rows do not hold (``ATTENTION_KERNELS``). The
+``check`` runs are kept out of every fit and reported. The narrative: docs/planner.md ("Hopper").
 """
 
 from __future__ import annotations
