@@ -190,6 +190,39 @@ def test_ring_disagreement_reaches_the_far_ranks_fast(backend):
         assert took < 2.0, (rank, took, msg)
 
 
+def _post_after_peer_failed():
+    """Rank 1 fails on its own (a Disagreement it found, published to the store) and lets go;
+    rank 0's next post then breaks at once, as plain gloo's does when the peer's end is gone
+    (stood in for by a transfer that raises). The post raises the peer's cause."""
+    import overlap.cp as cp
+    from overlap.dist.stamp import Disagreement
+
+    comm = cp.CPComm(dist.group.WORLD, timeout=20)
+    if dist.get_rank() == 1:
+        comm.fail(Disagreement("ring_attention: call 2: ranks disagree on scale: 0.5 (rank 1) "
+                               "!= 0.25 (rank 0)", op="ring_attention", call=2, ranks=(1, 0)),
+                  "ring_attention")
+    dist.barrier()
+    if dist.get_rank() == 1:
+        return None, None
+
+    def broken(t, send):
+        raise RuntimeError("Connection closed by peer")
+
+    comm._from_prev.transfer = broken
+    return _outcome(lambda: comm.post(torch.zeros(4), send=False, op="ring_attention",
+                                      what="a kv block (hop 1 of 1)"))
+
+
+def test_a_post_broken_by_a_failed_peer_raises_the_peers_cause():
+    # Found as a CI flake: under stream delays rank 3's post met rank 2's released end and
+    # raised the broken connection, not the Disagreement rank 2 had published.
+    (kind, msg), _ = run_ranks(_post_after_peer_failed, 2, timeout=60)
+    assert kind == "Disagreement", (kind, msg)
+    assert "cp ring_attention: a kv block (hop 1 of 1) cannot complete: cp rank 1" in msg, msg
+    assert "ranks disagree on scale" in msg and "0.5" in msg, msg
+
+
 # ---------------------------------------------------------------- TP (unfused)
 
 def _excess(got, a, b, rows=slice(None)):

@@ -197,7 +197,15 @@ class CPComm(Communicator, OpaqueBase):
         try:
             return chan.transfer(t, send)
         except Exception as exc:  # noqa: BLE001 - reported with the op, the peer and the rank
+            self._raise_peer_cause(op, what)
             raise self._error(exc, op, what, send, "failed when posted") from exc
+
+    def _raise_peer_cause(self, op: str, what: str) -> None:
+        """A post that failed at once (plain gloo: the peer already released its end) after
+        the peer failed on its own: the peer published why before it let go (``fail`` before
+        ``close``), so raise that instead of the broken connection (CPU)."""
+        if self._store is not None and self.device.type != "cuda":
+            self._raise_if_peer_failed(op, what)
 
     def post_stamp(self, *, send: bool, op: str):
         t = self.agree.send if send else self.agree.recv[self.prev]
@@ -359,6 +367,7 @@ class CPComm(Communicator, OpaqueBase):
             opts.reduceOp = dist.ReduceOp.SUM if kind == "all_reduce_sum" else dist.ReduceOp.MAX
             return pg.allreduce([out], opts)
         except Exception as exc:  # noqa: BLE001 - reported with the op, the group and the rank
+            self._raise_peer_cause(op, what)
             raise self._group_error(exc, op, what, "failed when posted") from exc
 
     def wait_collective(self, work, *, op: str, what: str) -> None:
