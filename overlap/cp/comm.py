@@ -200,11 +200,16 @@ class CPComm(Communicator, OpaqueBase):
             self._raise_peer_cause(op, what)
             raise self._error(exc, op, what, send, "failed when posted") from exc
 
+    @property
+    def _watches_store(self) -> bool:
+        """CPU with a job store: failures and waits are also read from the store."""
+        return self._store is not None and self.device.type != "cuda"
+
     def _raise_peer_cause(self, op: str, what: str) -> None:
-        """A post that failed at once (plain gloo: the peer already released its end) after
-        the peer failed on its own: the peer published why before it let go (``fail`` before
-        ``close``), so raise that instead of the broken connection (CPU)."""
-        if self._store is not None and self.device.type != "cuda":
+        """A transfer that broke (at its post on plain gloo, when the peer already released
+        its end, or in its wait) after the peer failed on its own: the peer published why
+        before it let go (``fail`` before ``close``), so raise that instead (CPU)."""
+        if self._watches_store:
             self._raise_if_peer_failed(op, what)
 
     def post_stamp(self, *, send: bool, op: str):
@@ -226,19 +231,19 @@ class CPComm(Communicator, OpaqueBase):
         t0 = time.monotonic()
         try:
             with comm_wait(f"cp.{op}"):
-                if self._store is None or self.device.type == "cuda":
-                    work.wait(timedelta(seconds=self.timeout))
-                else:
+                if self._watches_store:
                     self._watched_wait(work, op, what, t0)
+                else:
+                    work.wait(timedelta(seconds=self.timeout))
         except Disagreement:
             raise
         except Exception as exc:  # gloo raises RuntimeError, NCCL DistBackendError
             if getattr(exc, "not_own", False):
                 raise
-            if self._store is not None and self.device.type != "cuda":
-                if _sizes_differ(exc):  # the twin raised on every rank: no stamp crossed
-                    self._compare_in_store(op, what)
-                self._raise_if_peer_failed(op, what)  # a peer's own failure broke it
+            # The twin raised on every rank for other sizes: no stamp crossed.
+            if self._watches_store and _sizes_differ(exc):
+                self._compare_in_store(op, what)
+            self._raise_peer_cause(op, what)  # a peer's own failure broke it
             raise error(exc, time.monotonic() - t0) from exc
 
     def _compare_in_store(self, op: str, what: str) -> None:

@@ -197,11 +197,12 @@ def row_setup(run: Run, fitted: dict[str, float] | None = None):
     row says otherwise, flash attention, bf16 gradients reduced, and every overlap such
     runtimes have on in their published configurations (TP comm+GEMM, DP buckets and
     parameter gathers, P2P)."""
-    device = build_profiles(hopper=fitted)["h200" if run.gpu.lower().startswith("h200")
-                                           else "h100-sxm"]
+    terms = HOPPER_FITTED if fitted is None else fitted
+    device = build_profiles(hopper=terms)["h200" if run.gpu.lower().startswith("h200")
+                                          else "h100-sxm"]
     if run.attention:  # the run's own kernel: its level is a fitted term, its shape in s is
         # FlashAttention-3's (the one sweep the data has)
-        level = (fitted if fitted is not None else HOPPER_FITTED)[ATTENTION_KERNELS[run.attention]]
+        level = terms[ATTENTION_KERNELS[run.attention]]
         device = device.replace(attention=dataclasses.replace(device.attention, e_max=level))
     gated = run.gated_mlp
     model = ModelSpec(name=run.name, num_layers=run.layers, hidden=run.hidden,

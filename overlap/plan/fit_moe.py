@@ -86,8 +86,12 @@ def row_setup(row: MoERow, fitted: dict[str, float] | None = None):
     # Megatron folds EP over TP x DP (expert TP 1) with ranks ordered tp, cp, ep, dp, pp: the
     # EP group is row.ep consecutive ranks. This runtime's EP lies inside dp and replicates
     # experts over TP, which moves the same rows per GPU through a group of ep / tp.
-    group = Placement(size=row.ep, per_node=min(row.ep, 8), nodes=math.ceil(row.ep / 8))
-    return model, cluster, layout, group
+    return model, cluster, layout, _ep_group(row.ep)
+
+
+def _ep_group(ep: int) -> Placement:
+    """Megatron's EP group: ``ep`` consecutive ranks on nodes of 8 GPUs."""
+    return Placement(size=ep, per_node=min(ep, 8), nodes=math.ceil(ep / 8))
 
 
 def errors(fitted: dict[str, float] | None = None,
@@ -116,9 +120,8 @@ def balance_ratios(imbalance: float, path: str = BALANCE) -> list[tuple[int, flo
                         global_batch=int(r["global_batch"]), schedule="interleaved", virtual=4,
                         recompute="selective", sequence_parallel=True, zero=1,
                         ep_node_dedup=True, overlap=Overlap(tp=False, ep=False))
-        group = Placement(size=8, per_node=8, nodes=1)
         t = [estimate(model, cluster, dataclasses.replace(layout, moe_imbalance=i),
-                      ep_group=group).step_time_s for i in (imbalance, 1.0)]
+                      ep_group=_ep_group(8)).step_time_s for i in (imbalance, 1.0)]
         out.append((seq, float(r["tflops_forced"]) / float(r["tflops_dropless"]), t[0] / t[1]))
     return out
 

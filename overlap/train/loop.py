@@ -77,8 +77,9 @@ def train_rank(cfg: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
                           micro_batch_size=cfg.micro_batch_size,
                           micro_batches=cfg.micro_batches, dp=cfg.dp, seed=cfg.seed)
         if printer:
-            if sharing_note() is not None:
-                print(f"note: {sharing_note()}", flush=True)  # before any timing
+            note = sharing_note()
+            if note is not None:
+                print(f"note: {note}", flush=True)  # before any timing
             n = sum(p.numel() for p in job.model.parameters())
             print(f"overlap-train: {dist.get_world_size()} ranks up, job built in "
                   f"{time.monotonic() - t0:.1f} s ({n / 1e6:.2f} M parameters on rank 0); "
