@@ -64,8 +64,8 @@ def _hopper() -> list[TableRow]:
 TABLES: dict[str, tuple[str, Callable[[], list[TableRow]]]] = {
     "a100-narayanan2021": ("dense GPT, A100-80GB, Narayanan et al. 2021 Table 1 "
                            "(data/narayanan2021_table1.csv)", _a100),
-    "h100-moe-qwen3": ("MoE Qwen3-235B-A22B, H100, Megatron-Core model zoo "
-                       "(data/moe_runs.csv)", _moe),
+    "h100-moe-qwen3": ("MoE Qwen3-235B-A22B, H100, Megatron-Core model zoo, 4k to 128k tokens "
+                       "(data/moe_runs.csv, moe_balance.csv)", _moe),
     "h100-moe-balance": (f"MoE routing, Qwen3-235B-A22B dropless against forced balance, H100, "
                          f"--moe-imbalance {fit_moe.DROPLESS_IMBALANCE} (data/moe_balance.csv)",
                          _balance),

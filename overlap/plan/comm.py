@@ -7,11 +7,11 @@ Bandwidth: NVLink inside a node; a group that spans nodes gets ``min(NVLink, k *
 Ring (NCCL's model): all-reduce moves ``2(n-1)/n`` of the buffer over the bus bandwidth in
 ``2(n-1)`` steps, all-gather and reduce-scatter ``(n-1)/n`` in ``n-1`` steps; latency = base +
 one hop latency per step. Tree (all-reduce across nodes only): latency
-``base + 2((k-1)*a_nvlink + log2(nodes)*a_net)`` and algorithm bandwidth ``0.5 * 0.9 *`` bus
-bandwidth. The faster one is used. All-to-all (MoE dispatch/combine) of ``V`` bytes per rank
-over n ranks, k per node: ``(k-1)/n * V`` over NVLink and ``(n-k)/n * V`` over the rank's own
-NIC at the same time, both at ``device.a2a_efficiency``; latency = base + one hop.
-The narrative: docs/design/planner.md.
+``base + 2((k-1)*a_nvlink + log2(nodes)*a_net)``, algorithm bandwidth ``0.5 * 0.9 *`` bus
+bandwidth; the faster one is used. All-to-all (MoE dispatch/combine), ``V`` bytes per rank over
+n ranks, k per node: ``(k-1)/n * V`` over NVLink and ``(n-k)/n * V`` over the rank's own NIC at
+once, at the caller's efficiency (MoE: ``device.a2a_efficiency``, or ``dedup_a2a_efficiency``
+for a once-per-node dispatch); latency = base + one hop. The narrative: docs/design/planner.md.
 """
 
 from __future__ import annotations
@@ -73,17 +73,19 @@ def edp_placement(cluster: ClusterSpec, *, tp: int, cp: int, pp: int, dp: int,
 
 
 def all_to_all_time(nbytes: float, place: Placement, device: DeviceProfile, *,
-                    node_dedup_k: int = 0) -> float:
+                    node_dedup_k: int = 0, efficiency: float = 1.0) -> float:
     """One all-to-all in which every rank sends ``nbytes`` in total (its own share included).
 
     ``node_dedup_k`` > 0: the rows are a top-k dispatch that crosses the network once per
     destination node (DeepEP's internode kernels), so of the ``k (N-1)/N`` remote copies a token
-    makes only ``(N-1)(1 - (1 - 1/N)^k)`` travel, N the nodes (uniform routing)."""
+    makes only ``(N-1)(1 - (1 - 1/N)^k)`` travel, N the nodes (uniform routing). Both links run
+    at ``efficiency`` times their own: 1 for a plain exchange (Ulysses'), the MoE dispatcher's
+    for the MoE's (``layer_cost``)."""
     n = place.size
     if n <= 1 or nbytes <= 0:
         return 0.0
     k = min(place.per_node, n)
-    eff = device.a2a_efficiency
+    eff = efficiency
     net = (n - k) / n * nbytes
     if node_dedup_k and place.nodes > 1:
         nn, tk = place.nodes, node_dedup_k

@@ -273,7 +273,9 @@ def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_pl
     if moe and ep_place is not None and ep_place.size > 1:
         # Dispatch + combine forward; output and input gradients backward.
         disp, comb = ep_volume(model, layout)
-        kw = {"node_dedup_k": model.moe_top_k if layout.ep_node_dedup else 0}
+        kw = {"node_dedup_k": model.moe_top_k if layout.ep_node_dedup else 0,
+              "efficiency": device.dedup_a2a_efficiency if layout.ep_node_dedup
+              else device.a2a_efficiency}
         ep_f = all_to_all_time(disp, ep_place, device, **kw) + \
             all_to_all_time(comb, ep_place, device, **kw)
         ep_b = 2.0 * all_to_all_time(comb, ep_place, device, **kw)

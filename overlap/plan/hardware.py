@@ -66,9 +66,10 @@ class DeviceProfile:
     embedding, head and loss), ``host_step_s`` what a step adds; ``comm_cpu_s`` /
     ``p2p_cpu_s`` the CPU a rank spends per data-parallel collective step and per side of a P2P
     transfer; ``host_cores`` the cores the ranks of a node share. ``a2a_efficiency``: the
-    achieved fraction of both links' bandwidth in the MoE all-to-all, and
-    ``grouped_gemm_efficiency`` the expert grouped GEMMs' throughput relative to a dense GEMM of
-    the same shape (both fitted on MoE runs). ``host_link`` (None: unknown, no offloading) is
+    achieved fraction of both links' bandwidth in the MoE all-to-all on collectives (NCCL's, as
+    a dispatcher calls them), ``dedup_a2a_efficiency`` the same for a dispatcher that sends a
+    token once per node (DeepEP's kernels), and ``grouped_gemm_efficiency`` the expert grouped
+    GEMMs' throughput relative to a dense GEMM of the same shape. ``host_link`` (None: unknown, no offloading) is
     the GPU's link to host memory, per direction (PCIe or NVLink-C2C), which activation
     offloading copies over; ``host_bytes_per_gpu`` (None: unknown) a GPU's share of its node's
     host memory. ``attention`` (None: the GEMM curve) is a flash-attention kernel's efficiency
@@ -99,6 +100,7 @@ class DeviceProfile:
     p2p_cpu_s: float = 0.0
     host_cores: float | None = None
     a2a_efficiency: float = 1.0
+    dedup_a2a_efficiency: float = 1.0
     grouped_gemm_efficiency: float = 1.0
     host_link: LinkSpec | None = None
     host_bytes_per_gpu: float | None = None

@@ -14,7 +14,8 @@ import os
 
 from overlap.plan.hardware import DeviceProfile, GemmCurve, LinkSpec
 
-__all__ = ["FITTED", "HOPPER_FITTED", "MOE_FITTED", "PROFILES", "get_profile", "build_profiles", "NCCL_LATENCY",
+__all__ = ["FITTED", "HOPPER_FITTED", "MOE_FITTED", "DEEPEP_EFFICIENCY", "PROFILES", "get_profile",
+           "build_profiles", "NCCL_LATENCY",
            "PCIE_GEN4_X16", "PCIE_GEN5_X16", "PCIE_EFFICIENCY"]
 
 # Written by `python -m overlap.plan.fit` (see its docstring for the objective).
@@ -43,11 +44,17 @@ _HOPPER_RUN_SRC = ("the factor fitted to the fit runs of overlap/plan/data/hoppe
                    "(python -m overlap.plan.fit_hopper)")
 
 # Written by `python -m overlap.plan.fit_moe`: the MoE all-to-all's achieved fraction of link
-# bandwidth (ends on its bound) and the expert grouped GEMMs' throughput relative to a dense
-# GEMM, fitted to published Megatron-Core MoE runs (overlap/plan/data/moe_runs.csv).
-MOE_FITTED = {"a2a_efficiency": 1.0, "grouped_gemm_efficiency": 0.4376}
+# bandwidth on NCCL collectives (Megatron's "alltoall" dispatcher: its permutations and host
+# syncs included) and the expert grouped GEMMs' throughput relative to a dense GEMM, fitted to
+# published Megatron-Core MoE runs (overlap/plan/data/moe_runs.csv, moe_balance.csv).
+MOE_FITTED = {"a2a_efficiency": 0.2725, "grouped_gemm_efficiency": 0.4976}
 _A2A_SRC = ("fitted to published Megatron-Core Qwen3-235B-A22B BF16 runs on H100 "
-            "(python -m overlap.plan.fit_moe; overlap/plan/data/moe_runs.csv)")
+            "(python -m overlap.plan.fit_moe; overlap/plan/data/moe_runs.csv, moe_balance.csv)")
+# A once-per-node dispatcher (DeepEP) is not fitted: its own kernel table puts it at the links.
+DEEPEP_EFFICIENCY = 1.0
+_DEEPEP_SRC = ("DeepEP's normal-kernel table (github.com/deepseek-ai/DeepEP, docs/legacy.md; "
+               "H800, CX7 400 Gb/s): 153-158 GB/s of about 160 over NVLink, 43-58 GB/s "
+               "(logical) per 50 GB/s NIC; taken as the links' rate (1.0)")
 
 # NCCL's own latency model (src/graph/tuning.cc, ncclTopoTuneModel; Simple protocol, ring):
 # 8.4 us per collective, plus per algorithm step 3.4 us over NVLink and 9.6 us over the network.
@@ -84,6 +91,7 @@ def _a100(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: str,
         inter=LinkSpec(bandwidth=25e9, latency_s=NCCL_LATENCY["net_step"],
                        efficiency=fit["ib_efficiency"]),
         base_latency_s=NCCL_LATENCY["base"], a2a_efficiency=MOE_FITTED["a2a_efficiency"],
+        dedup_a2a_efficiency=DEEPEP_EFFICIENCY,
         grouped_gemm_efficiency=MOE_FITTED["grouped_gemm_efficiency"],
         host_link=LinkSpec(bandwidth=PCIE_GEN4_X16, latency_s=0.0, efficiency=PCIE_EFFICIENCY),
         host_bytes_per_gpu=host_node / 8,
@@ -94,6 +102,7 @@ def _a100(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: str,
             "host_link.efficiency": _PCIE_EFF_SRC,
             "host_bytes_per_gpu": host_src,
             "a2a_efficiency": _A2A_SRC + "; assumed on A100",
+            "dedup_a2a_efficiency": _DEEPEP_SRC + "; assumed on A100",
             "grouped_gemm_efficiency": _A2A_SRC + "; assumed on A100",
             "peak_flops": "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16/FP16 Tensor Core",
             "hbm_bytes": hbm_src,
@@ -122,6 +131,7 @@ def _hopper(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: st
         inter=LinkSpec(bandwidth=50e9, latency_s=NCCL_LATENCY["net_step"],
                        efficiency=terms["ib_efficiency"]),
         base_latency_s=NCCL_LATENCY["base"], a2a_efficiency=MOE_FITTED["a2a_efficiency"],
+        dedup_a2a_efficiency=DEEPEP_EFFICIENCY,
         grouped_gemm_efficiency=MOE_FITTED["grouped_gemm_efficiency"],
         host_link=LinkSpec(bandwidth=PCIE_GEN5_X16, latency_s=0.0, efficiency=PCIE_EFFICIENCY),
         host_bytes_per_gpu=2e12 / 8, zero3_layer_s=terms["zero3_layer_s"],
@@ -132,6 +142,7 @@ def _hopper(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: st
             "host_link.efficiency": _PCIE_EFF_SRC,
             "host_bytes_per_gpu": host_src,
             "a2a_efficiency": _A2A_SRC, "grouped_gemm_efficiency": _A2A_SRC,
+            "dedup_a2a_efficiency": _DEEPEP_SRC,
             "peak_flops": f"NVIDIA {product} datasheet: 1,979 TFLOP/s BF16 Tensor Core with "
                           "sparsity, i.e. 989 TFLOP/s dense",
             "hbm_bytes": hbm_src,
