@@ -271,3 +271,34 @@ def test_the_moe_exchange_terms_move_no_dense_prediction():
     lay = Layout(tp=2, ep=8, sequence_parallel=True, global_batch=256)
     m = [estimate(moe, ClusterSpec(device=d, num_gpus=64), lay).comm_s["ep"] for d in (H100, other)]
     assert m[1] == pytest.approx(m[0] * H100.a2a_efficiency / 0.1, rel=0.02)
+
+
+def test_deepep_slows_the_compute_it_hides_under():
+    """DeepEP's kernels hold 20 of the 132 SMs (Megatron-Core's default): an exchange hidden by
+    the in-schedule overlap costs the compute under it 20/112 of the hidden time; an exposed
+    one costs nothing more, and the NCCL path holds no SMs in the model."""
+    from overlap.plan.compute import layer_cost
+    from overlap.plan.comm import axis_placement
+
+    model = get_model("qwen3-235b-a22b")
+    assert H100.dedup_a2a_sm_share == pytest.approx(20 / 132)
+    group = Placement(size=32, per_node=8, nodes=4)
+    place = axis_placement(ClusterSpec(device=H100, num_gpus=256), "tp", tp=2, cp=1, pp=8,
+                           dp=16)
+    kw = dict(tp_place=place, cp_place=place, flash=True, moe=True, ep_place=group,
+              num_microbatches=128)
+
+    def cost(device, overlap, dedup=True):
+        lay = Layout(tp=2, pp=8, ep=16, sequence_parallel=True, global_batch=2048,
+                     ep_node_dedup=dedup, overlap=Overlap(tp=False, ep=False,
+                                                          ep_schedule=overlap))
+        return layer_cost(model, lay, device, **kw)
+
+    none = H100.replace(dedup_a2a_sm_share=0.0)
+    hidden = cost(none, True)
+    slowed = cost(H100, True)
+    h = hidden.ep_comm - hidden.ep_exposed
+    assert h > 0.5 * hidden.ep_comm
+    assert slowed.fwd + slowed.dgrad - hidden.fwd - hidden.dgrad == pytest.approx(h * 20 / 112)
+    assert cost(H100, False).dgrad == pytest.approx(cost(none, False).dgrad)
+    assert cost(H100, True, dedup=False).dgrad == pytest.approx(cost(none, True, dedup=False).dgrad)

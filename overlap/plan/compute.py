@@ -58,16 +58,19 @@ def gemm_time(device: DeviceProfile, g: Gemm, elem_bytes: float = 2.0) -> float:
     return device.gemm.overhead_s + max(compute, memory)
 
 
-def flash_time(device: DeviceProfile, g: Gemm, elem_bytes: float = 2.0) -> float:
+def flash_time(device: DeviceProfile, g: Gemm, elem_bytes: float = 2.0,
+               backward: bool = False) -> float:
     """An attention-core GEMM inside a causal flash kernel: half its FLOPs (the blocks above the
     diagonal are skipped; zig-zag CP keeps every rank at half) and no HBM traffic for its
-    s x s operand (the largest of the three), which stays on chip."""
+    s x s operand (the largest of the three), which stays on chip. ``backward``: a GEMM of the
+    backward kernel (the scores it recomputes too), at ``device.attention_bwd`` of the level."""
     if g.flops <= 0:
         return 0.0
     if device.attention is not None:  # measured on the kernel, by sequence length (the key
         # length: the largest of the three dimensions of every attention-core GEMM)
         seq = max(g.m, g.n, g.k)
         eff = device.attention.e_max * seq / (seq + device.attention.d_half)
+        eff *= device.attention_bwd if backward else 1.0
     else:
         eff = device.gemm.efficiency(g.m, g.n, g.k)
     compute = 0.5 * g.flops / (device.peak_flops * eff)
@@ -221,11 +224,13 @@ def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_pl
         for k in ("expert_fc1", "expert_fc2"):
             for d in (g, g_dgrad, g_wgrad):
                 d[k] /= device.grouped_gemm_efficiency
+    rescore = 0.0  # the scores a flash backward recomputes
     if flash:
         for k in ("scores", "av"):
             g[k] = flash_time(device, gm[k], e)
-            g_dgrad[k] = flash_time(device, gm[k].dgrad(), e)
-            g_wgrad[k] = flash_time(device, gm[k].wgrad(), e)
+            g_dgrad[k] = flash_time(device, gm[k].dgrad(), e, backward=True)
+            g_wgrad[k] = flash_time(device, gm[k].wgrad(), e, backward=True)
+        rescore = flash_time(device, gm["scores"], e, backward=True)
     mem_bw = device.hbm_bandwidth * device.mem_efficiency
     ew_bytes, attn_bytes = _elementwise(model, layout, flash, moe)
     host_f, host_b = device.host_tp_layer_s if layout.tp > 1 else device.host_layer_s
@@ -265,7 +270,7 @@ def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_pl
     # Context parallelism: the attention core's KV exchange, partly under its blocks. Flash
     # attention's backward recomputes the scores, so that counts as backward block work.
     attn_b = g_dgrad["scores"] + g_dgrad["av"] + g_wgrad["scores"] + g_wgrad["av"] + \
-        (g["scores"] if flash else 0.0)
+        (rescore if flash else 0.0)
     cpc = cp_cost(model, layout, device, cp_place, cp_method, attn_core, attn_b)
     fwd += cpc.exposed_f
     dgrad += cpc.exposed_b
@@ -284,8 +289,12 @@ def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_pl
         hide_b = sum(g_dgrad[k] + g_wgrad[k] for k in experts)
         ep_ef, ep_eb = moe_exposed(ep_f, ep_b, hide_f, hide_b, fwd, dgrad + wgrad, layout,
                                    num_microbatches)
-        fwd += ep_ef
-        dgrad += ep_eb
+        # An exchange that runs its own kernels on SMs (DeepEP's) slows what it hides under:
+        # that work keeps 1 - share of the SMs while the exchange runs.
+        share = device.dedup_a2a_sm_share if layout.ep_node_dedup else 0.0
+        slow = share / (1.0 - share)
+        fwd += ep_ef + slow * (ep_f - ep_ef)
+        dgrad += ep_eb + slow * (ep_b - ep_eb)
     ep_comm, ep_exp = ep_f + ep_b, ep_ef + ep_eb
     cp_comm, cp_exp = cpc.comm_f + cpc.comm_b, cpc.exposed_f + cpc.exposed_b
     cp_sent, cp_sides = cpc.bytes_f + cpc.bytes_b, cpc.p2p_sides
@@ -297,7 +306,7 @@ def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_pl
         cp_sides += 2 * (layout.cp - 1) if cpc.method == "ring" else 0
     elif flash:
         # Flash attention's backward recomputes the scores (QK^T) itself, whatever the mode.
-        recompute, rec_comm, rec_exp, n_rec = g["scores"], 0.0, 0.0, 0
+        recompute, rec_comm, rec_exp, n_rec = rescore, 0.0, 0.0, 0
     elif layout.recompute == "selective":
         recompute, rec_comm, rec_exp, n_rec = attn_core, 0.0, 0.0, 0
     else:

@@ -124,6 +124,7 @@ class Kernel:
     latency_us: float | None
     causal: bool
     source: str
+    direction: str = ""  # attention: "fwd" or "bwd"
 
 
 def load_kernels(path: str = KERNELS) -> list[Kernel]:
@@ -132,7 +133,7 @@ def load_kernels(path: str = KERNELS) -> list[Kernel]:
                    seq_len=_f(r["seq_len"]), bytes=_f(r["bytes"]), link=r["link"],
                    tflops=_f(r["tflops"]), busbw_GBps=_f(r["busbw_GBps"]),
                    latency_us=_f(r["latency_us"]), causal=r["causal"] == "1",
-                   source=r["source"])
+                   source=r["source"], direction=r["direction"])
             for r in csv_records(path) if r["role"] == "fit"]
 
 
@@ -154,12 +155,13 @@ def fit_gemm(rows: list[Kernel]) -> tuple[float, float, float]:
     return _sig(x[0]), math.exp(x[1]), math.exp(x[2])
 
 
-def fit_attention(rows: list[Kernel]) -> tuple[float, float]:
-    """(e_max, s_half) of a flash kernel's efficiency ``e_max s / (s + s_half)``: the shape in
-    s from the one sequence sweep (non-causal forward rows), the level from the causal rows
-    (forward and backward, the kernel of a causal training step), at their sequence length."""
+def fit_attention(rows: list[Kernel]) -> tuple[float, float, float]:
+    """(e_max, s_half, backward) of a flash kernel's efficiency ``e_max s / (s + s_half)``: the
+    shape in s from the one sequence sweep (non-causal forward rows), the level from the causal
+    forward rows at their sequence length, and the causal backward's level over the forward's
+    at the same length (``backward``; a training step's kernels are causal)."""
     sweep = [(r.seq_len, r.tflops) for r in rows if not r.causal]
-    causal = [(r.seq_len, r.tflops * 1e12 / PEAK) for r in rows if r.causal]
+    causal = [(r.seq_len, r.tflops * 1e12 / PEAK, r.direction) for r in rows if r.causal]
 
     def loss(x: list[float]) -> float:  # the sweep's level is free: only its shape is used
         level, half = math.exp(x[0]), math.exp(x[1])
@@ -167,8 +169,9 @@ def fit_attention(rows: list[Kernel]) -> tuple[float, float]:
 
     half = math.exp(_nelder_mead(loss, [math.log(700.0), math.log(256.0)], iters=400,
                                  tol=1e-14)[1])
-    e_max = sum(e / (s / (s + half)) for s, e in causal) / len(causal)
-    return e_max, half
+    level = {d: [e / (s / (s + half)) for s, e, dd in causal if dd == d] for d in ("fwd", "bwd")}
+    e_max = sum(level["fwd"]) / len(level["fwd"])
+    return e_max, half, sum(level["bwd"]) / len(level["bwd"]) / e_max
 
 
 # The NCCL maintainer's stated typical peak across nodes: 24 GB/s bus bandwidth per 200 Gb/s
@@ -181,12 +184,12 @@ def fit_kernel_terms(kernels: list[Kernel] | None = None) -> dict[str, float]:
     """The terms each measured by its own kernel rows (module docstring)."""
     kernels = kernels if kernels is not None else load_kernels()
     e_max, d_half, overhead = fit_gemm([r for r in kernels if r.kind == "gemm"])
-    a_max, s_half = fit_attention([r for r in kernels if r.kind == "attention"])
+    a_max, s_half, a_bwd = fit_attention([r for r in kernels if r.kind == "attention"])
     ring = [r.busbw_GBps for r in kernels if r.kind in ("reducescatter", "allgather")
             and r.link.startswith("nvlink")]
     return {"gemm_e_max": round(e_max, 4), "gemm_d_half": round(d_half, 2),
             "gemm_overhead_s": round(overhead, 8), "attn_e_max": round(a_max, 4),
-            "attn_s_half": round(s_half, 1),
+            "attn_s_half": round(s_half, 1), "attn_bwd": round(a_bwd, 4),
             "nvlink_efficiency": round(min(1.0, sum(ring) / len(ring) * 1e9 / NVLINK), 4),
             "ib_efficiency": IB_EFFICIENCY}
 

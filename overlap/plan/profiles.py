@@ -32,12 +32,12 @@ FITTED = {
 # the runs' own attention kernel fitted on the "fit" runs.
 HOPPER_FITTED: dict[str, float] | None = {
     "gemm_e_max": 0.8237, "gemm_d_half": 0.0, "gemm_overhead_s": 8.76e-06,
-    "attn_e_max": 0.604, "attn_s_half": 233.8,
+    "attn_e_max": 0.6552, "attn_s_half": 233.8, "attn_bwd": 0.8438,
     "nvlink_efficiency": 0.7889, "ib_efficiency": 0.96,
-    "step_gemm_factor": 0.7376, "zero3_layer_s": 0.0011227,
+    "step_gemm_factor": 0.7332, "zero3_layer_s": 0.0010625,
     # the level of the attention kernel the LLM Foundry runs used (fit_hopper.ATTENTION_KERNELS);
     # only their replay uses it, the profiles keep FlashAttention-3's
-    "attn_triton_e_max": 0.171,
+    "attn_triton_e_max": 0.19,
 }
 _HOPPER_KERNEL_SRC = "fitted to the public H100 measurements in overlap/plan/data/hopper_kernels.csv"
 _HOPPER_RUN_SRC = ("the factor fitted to the fit runs of overlap/plan/data/hopper_runs.csv "
@@ -47,7 +47,7 @@ _HOPPER_RUN_SRC = ("the factor fitted to the fit runs of overlap/plan/data/hoppe
 # bandwidth on NCCL collectives (Megatron's "alltoall" dispatcher: its permutations and host
 # syncs included) and the expert grouped GEMMs' throughput relative to a dense GEMM, fitted to
 # published Megatron-Core MoE runs (overlap/plan/data/moe_runs.csv, moe_balance.csv).
-MOE_FITTED = {"a2a_efficiency": 0.2725, "grouped_gemm_efficiency": 0.4976}
+MOE_FITTED = {"a2a_efficiency": 0.2675, "grouped_gemm_efficiency": 0.5117}
 _A2A_SRC = ("fitted to published Megatron-Core Qwen3-235B-A22B BF16 runs on H100 "
             "(python -m overlap.plan.fit_moe; overlap/plan/data/moe_runs.csv, moe_balance.csv)")
 # A once-per-node dispatcher (DeepEP) is not fitted: its own kernel table puts it at the links.
@@ -55,6 +55,9 @@ DEEPEP_EFFICIENCY = 1.0
 _DEEPEP_SRC = ("DeepEP's normal-kernel table (github.com/deepseek-ai/DeepEP, docs/legacy.md; "
                "H800, CX7 400 Gb/s): 153-158 GB/s of about 160 over NVLink, 43-58 GB/s "
                "(logical) per 50 GB/s NIC; taken as the links' rate (1.0)")
+# The SMs DeepEP's kernels hold: Megatron-Core's default (TransformerConfig.moe_deepep_num_sms).
+DEEPEP_SMS = 20
+_DEEPEP_SM_SRC = "Megatron-Core's default moe_deepep_num_sms = 20, over the GPU's SMs"
 
 # NCCL's own latency model (src/graph/tuning.cc, ncclTopoTuneModel; Simple protocol, ring):
 # 8.4 us per collective, plus per algorithm step 3.4 us over NVLink and 9.6 us over the network.
@@ -91,7 +94,7 @@ def _a100(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: str,
         inter=LinkSpec(bandwidth=25e9, latency_s=NCCL_LATENCY["net_step"],
                        efficiency=fit["ib_efficiency"]),
         base_latency_s=NCCL_LATENCY["base"], a2a_efficiency=MOE_FITTED["a2a_efficiency"],
-        dedup_a2a_efficiency=DEEPEP_EFFICIENCY,
+        dedup_a2a_efficiency=DEEPEP_EFFICIENCY, dedup_a2a_sm_share=DEEPEP_SMS / 108,
         grouped_gemm_efficiency=MOE_FITTED["grouped_gemm_efficiency"],
         host_link=LinkSpec(bandwidth=PCIE_GEN4_X16, latency_s=0.0, efficiency=PCIE_EFFICIENCY),
         host_bytes_per_gpu=host_node / 8,
@@ -103,6 +106,7 @@ def _a100(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: str,
             "host_bytes_per_gpu": host_src,
             "a2a_efficiency": _A2A_SRC + "; assumed on A100",
             "dedup_a2a_efficiency": _DEEPEP_SRC + "; assumed on A100",
+            "dedup_a2a_sm_share": _DEEPEP_SM_SRC + " (108 on A100)",
             "grouped_gemm_efficiency": _A2A_SRC + "; assumed on A100",
             "peak_flops": "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16/FP16 Tensor Core",
             "hbm_bytes": hbm_src,
@@ -126,12 +130,13 @@ def _hopper(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: st
     return DeviceProfile(
         name=name, peak_flops=989e12, hbm_bytes=hbm_bytes, hbm_bandwidth=hbm_bw,
         mem_efficiency=0.88, gemm=terms["gemm"], attention=terms["attention"],
+        attention_bwd=terms["attention_bwd"],
         intra=LinkSpec(bandwidth=450e9, latency_s=NCCL_LATENCY["nvlink_step"],
                        efficiency=terms["nvlink_efficiency"]),
         inter=LinkSpec(bandwidth=50e9, latency_s=NCCL_LATENCY["net_step"],
                        efficiency=terms["ib_efficiency"]),
         base_latency_s=NCCL_LATENCY["base"], a2a_efficiency=MOE_FITTED["a2a_efficiency"],
-        dedup_a2a_efficiency=DEEPEP_EFFICIENCY,
+        dedup_a2a_efficiency=DEEPEP_EFFICIENCY, dedup_a2a_sm_share=DEEPEP_SMS / 132,
         grouped_gemm_efficiency=MOE_FITTED["grouped_gemm_efficiency"],
         host_link=LinkSpec(bandwidth=PCIE_GEN5_X16, latency_s=0.0, efficiency=PCIE_EFFICIENCY),
         host_bytes_per_gpu=2e12 / 8, zero3_layer_s=terms["zero3_layer_s"],
@@ -143,6 +148,7 @@ def _hopper(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: st
             "host_bytes_per_gpu": host_src,
             "a2a_efficiency": _A2A_SRC, "grouped_gemm_efficiency": _A2A_SRC,
             "dedup_a2a_efficiency": _DEEPEP_SRC,
+            "dedup_a2a_sm_share": _DEEPEP_SM_SRC + f" (132 on {product})",
             "peak_flops": f"NVIDIA {product} datasheet: 1,979 TFLOP/s BF16 Tensor Core with "
                           "sparsity, i.e. 989 TFLOP/s dense",
             "hbm_bytes": hbm_src,
@@ -163,7 +169,7 @@ def _hopper_terms(fit: dict[str, float], hopper: dict[str, float] | None) -> dic
     Hopper fit (``HOPPER_FITTED``, or ``hopper``) where there is one, else the A100 fit."""
     hopper = HOPPER_FITTED if hopper is None else hopper
     if not hopper:
-        return {"gemm": _gemm(fit), "attention": None, "zero3_layer_s": 0.0,
+        return {"gemm": _gemm(fit), "attention": None, "attention_bwd": 1.0, "zero3_layer_s": 0.0,
                 "nvlink_efficiency": fit["nvlink_efficiency"],
                 "ib_efficiency": fit["ib_efficiency"],
                 "sources": {"gemm": _FIT_SRC + " on A100; not validated on Hopper",
@@ -175,6 +181,7 @@ def _hopper_terms(fit: dict[str, float], hopper: dict[str, float] | None) -> dic
         "gemm": GemmCurve(e_max=hopper["gemm_e_max"] * factor, d_half=hopper["gemm_d_half"],
                           overhead_s=hopper.get("gemm_overhead_s", 0.0)),
         "attention": GemmCurve(e_max=hopper["attn_e_max"], d_half=hopper["attn_s_half"]),
+        "attention_bwd": hopper.get("attn_bwd", 1.0),
         "nvlink_efficiency": hopper["nvlink_efficiency"],
         "ib_efficiency": hopper["ib_efficiency"],
         "sources": {
@@ -182,8 +189,9 @@ def _hopper_terms(fit: dict[str, float], hopper: dict[str, float] | None) -> dic
                     f"{hopper['gemm_d_half']}) x step_gemm_factor {factor}, {_HOPPER_RUN_SRC}",
             "gemm.overhead_s": f"{_HOPPER_KERNEL_SRC} launch rows",
             "attention": f"{_HOPPER_KERNEL_SRC} attention rows (FlashAttention-3: the shape in "
-                         "s from its sequence sweep, the level from its causal forward and "
-                         "backward at 8192)",
+                         "s from its sequence sweep, the level from its causal forward at 8192)",
+            "attention_bwd": f"{_HOPPER_KERNEL_SRC} attention rows (FlashAttention-3's causal "
+                             "backward over its forward at 8192)",
             "intra.efficiency": f"{_HOPPER_KERNEL_SRC} NVLink collective rows (bus bandwidth "
                                 "at the largest messages / 450 GB/s)",
             "inter.efficiency": f"{_HOPPER_KERNEL_SRC} InfiniBand collective rows (bus "
