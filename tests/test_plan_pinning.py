@@ -89,6 +89,22 @@ def test_explain_names_the_source_of_each_term():
     at = lambda prefix: next(i for i, ln in enumerate(lines) if ln.strip().startswith(prefix))  # noqa: E731
     assert at("peak 989 TFLOP/s") < at("source of gemm:") < at("qkv") < at("TP ") \
         < at("source of intra.bandwidth:") < at("PP P2P")
+    assert "causal backward over its forward" in src(hopper, "attention_bwd")[0]
+    # a MoE layout: the exchange's efficiency under the EP line, each dispatcher its own source
+    from overlap.plan import ClusterSpec, Layout, get_model
+    from overlap.plan.estimate import estimate
+    from overlap.plan.explain import explain
+    from overlap.plan.profiles import build_profiles
+
+    cluster = ClusterSpec(device=build_profiles()["h100-sxm"], num_gpus=256)
+    for dedup, key, where in ((False, "a2a_efficiency", "moe_runs.csv"),
+                              (True, "dedup_a2a_efficiency", "DeepEP")):
+        lay = Layout(tp=2, pp=8, ep=16, sequence_parallel=True, global_batch=2048,
+                     ep_node_dedup=dedup)
+        moe = explain(estimate(get_model("qwen3-235b-a22b"), cluster, lay))
+        assert where in src(moe, key)[0] and src(moe, "grouped_gemm_efficiency")
+        assert moe.index("EP all-to-all") < moe.index(f"source of {key}:")
+        assert bool(src(moe, "dedup_a2a_sm_share")) == dedup
 
 
 def test_hopper_dense_within_five_percent_on_fit_and_held_out_rows():

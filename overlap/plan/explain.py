@@ -77,7 +77,7 @@ def explain(e: Estimate) -> str:
             f"peak {dev.peak_flops / 1e12:.0f} TFLOP/s; GEMM efficiency "
             f"e_max * prod(d/(d + d_half)) with e_max={dev.gemm.e_max:.3f}, "
             f"d_half={dev.gemm.d_half:.3g}"]
-    out += _sources(dev, "peak_flops", "gemm", "gemm.overhead_s", "attention")
+    out += _sources(dev, "peak_flops", "gemm", "gemm.overhead_s", "attention", "attention_bwd")
     for name, g in gm.items():
         eff = dev.gemm.efficiency(g.m, g.n, g.k)
         out.append(f"  {name:6} (M,N,K)=({_g(g.m)},{_g(g.n)},{_g(g.k)})"
@@ -126,6 +126,16 @@ def explain(e: Estimate) -> str:
                    if lay.overlap.dp else " (after the flush)")]
         out += _sources(dev, *_link_keys(dev, "inter" if dp * cp * t * pp > c.gpus_per_node
                                          else "intra"))
+    if m.is_moe and e.comm_s.get("ep", 0.0) > 0:
+        dedup = lay.ep_node_dedup
+        eff = dev.dedup_a2a_efficiency if dedup else dev.a2a_efficiency
+        out += [f"EP all-to-all ({'once per node, DeepEP-style' if dedup else 'NCCL'}, "
+                f"{e.ep_link}): dispatch + combine forward, their gradients backward, at "
+                f"{eff:.3g} of the links: {e.comm_s['ep'] * 1e3:.1f} ms raw, "
+                f"{e.exposed_s['ep'] * 1e3:.1f} ms exposed per step; expert GEMMs at "
+                f"{dev.grouped_gemm_efficiency:.3g} of a dense GEMM"]
+        out += _sources(dev, "dedup_a2a_efficiency" if dedup else "a2a_efficiency",
+                        *(["dedup_a2a_sm_share"] if dedup else []), "grouped_gemm_efficiency")
     if cp > 1:
         out += _explain_cp(e)
     if e.offload:
