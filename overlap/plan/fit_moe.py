@@ -110,10 +110,11 @@ def row_setup(row: MoERow, fitted: dict[str, float] | None = None):
     """(model, cluster, layout, EP group placement) of one run. Fixed, not fitted: Megatron's
     all-to-all does not overlap the expert GEMMs (``Overlap.ep`` off), the in-schedule overlap
     is on only where the row says "1f1b overlap", DP and P2P overlap on, TP collectives
-    unfused, the row's router load (``moe_imbalance``; 1 for the model zoo's table), ZeRO-1. The interleaved schedule with the row's virtual
-    stages, the 94 layers spread over the pp x vpp chunks as evenly as possible; where there
-    are fewer layers than chunks (pp 32 x vpp 3: Megatron counts the embedding and the loss as
-    chunks' layers), 1F1B over pp stages (a larger bubble than theirs)."""
+    unfused, the row's router load (``moe_imbalance``; 1 for the model zoo's 4k table), ZeRO-1.
+    The interleaved schedule with the row's virtual stages, the 94 layers spread over the
+    pp x vpp chunks as evenly as possible; where there are fewer layers than chunks (pp 32 x
+    vpp 3: Megatron counts the embedding and the loss as chunks' layers), 1F1B over pp stages
+    (a larger bubble than theirs)."""
     device = build_profiles()["h100-sxm"].replace(**(fitted or MOE_FITTED))
     model = dataclasses.replace(get_model("qwen3-235b-a22b"), seq_len=row.seq_len)
     interleave = row.vpp > 1 and row.pp * row.vpp <= model.num_layers
