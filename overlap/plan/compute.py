@@ -28,7 +28,8 @@ from overlap.plan.layout import WIRE_BYTES, Layout
 from overlap.plan.models import ModelSpec
 
 __all__ = ["Gemm", "gemm_time", "flash_time", "LayerCost", "layer_cost", "fused_exposed",
-           "moe_exposed", "ep_volume", "LayerContext", "dp_group_placement"]
+           "moe_exposed", "ep_volume", "ep_exchange_efficiency", "LayerContext",
+           "dp_group_placement"]
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -163,6 +164,12 @@ def ep_volume(model: ModelSpec, layout: Layout) -> tuple[float, float]:
     return rows * model.hidden * disp, rows * model.hidden * layout.dtype_bytes
 
 
+def ep_exchange_efficiency(device: DeviceProfile, layout: Layout) -> float:
+    """The links' share a MoE exchange runs at: DeepEP's once-per-node kernels
+    (``layout.ep_node_dedup``) or the NCCL collectives (``all_to_all_time``'s ``efficiency``)."""
+    return device.dedup_a2a_efficiency if layout.ep_node_dedup else device.a2a_efficiency
+
+
 def moe_exposed(comm_f: float, comm_b: float, hide_f: float, hide_b: float, work_f: float,
                 work_b: float, layout: Layout, num_microbatches: int) -> tuple[float, float]:
     """(forward, backward) exposed all-to-all seconds of one MoE layer and micro-batch.
@@ -269,8 +276,7 @@ def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_pl
     n_ops = len(fwd_pairs) + len(bwd_pairs)
     # Context parallelism: the attention core's KV exchange, partly under its blocks. Flash
     # attention's backward recomputes the scores, so that counts as backward block work.
-    attn_b = g_dgrad["scores"] + g_dgrad["av"] + g_wgrad["scores"] + g_wgrad["av"] + \
-        (rescore if flash else 0.0)
+    attn_b = g_dgrad["scores"] + g_dgrad["av"] + g_wgrad["scores"] + g_wgrad["av"] + rescore
     cpc = cp_cost(model, layout, device, cp_place, cp_method, attn_core, attn_b)
     fwd += cpc.exposed_f
     dgrad += cpc.exposed_b
@@ -279,8 +285,7 @@ def layer_cost(model: ModelSpec, layout: Layout, device: DeviceProfile, *, tp_pl
         # Dispatch + combine forward; output and input gradients backward.
         disp, comb = ep_volume(model, layout)
         kw = {"node_dedup_k": model.moe_top_k if layout.ep_node_dedup else 0,
-              "efficiency": device.dedup_a2a_efficiency if layout.ep_node_dedup
-              else device.a2a_efficiency}
+              "efficiency": ep_exchange_efficiency(device, layout)}
         ep_f = all_to_all_time(disp, ep_place, device, **kw) + \
             all_to_all_time(comb, ep_place, device, **kw)
         ep_b = 2.0 * all_to_all_time(comb, ep_place, device, **kw)

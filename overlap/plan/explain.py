@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from overlap.plan.bubble import live_pairs, peak_live
 from overlap.plan.comm import axis_placement, bus_bandwidth, collective_time, p2p_time
-from overlap.plan.compute import LayerContext, _gemms, gemm_time
+from overlap.plan.compute import LayerContext, _gemms, ep_exchange_efficiency, gemm_time
 from overlap.plan.cp import cp_blocks, cp_bytes, ulysses_repeat
 from overlap.plan.estimate import GIB, Estimate
 from overlap.plan.layout import WIRE_BYTES
@@ -127,8 +127,7 @@ def explain(e: Estimate) -> str:
         out += _sources(dev, *_link_keys(dev, "inter" if dp * cp * t * pp > c.gpus_per_node
                                          else "intra"))
     if m.is_moe and e.comm_s.get("ep", 0.0) > 0:
-        dedup = lay.ep_node_dedup
-        eff = dev.dedup_a2a_efficiency if dedup else dev.a2a_efficiency
+        dedup, eff = lay.ep_node_dedup, ep_exchange_efficiency(dev, lay)
         out += [f"EP all-to-all ({'once per node, DeepEP-style' if dedup else 'NCCL'}, "
                 f"{e.ep_link}): dispatch + combine forward, their gradients backward, at "
                 f"{eff:.3g} of the links: {e.comm_s['ep'] * 1e3:.1f} ms raw, "

@@ -94,12 +94,12 @@ def load_long_runs(path: str = BALANCE, imbalance: float | None = None) -> list[
     out = []
     for r in csv_records(path):
         seq, tp, cp, gbs = int(r["seq_len"]), int(r["tp"]), int(r["cp"]), int(r["global_batch"])
-        gpus = 8 * int(r["nodes"])
+        gpus, pp = 8 * int(r["nodes"]), 8
         flops = megatron_step_flops(model, seq, gbs)
         for routing, role, imb in (("dropless", "fit", imbalance), ("forced", "check", 1.0)):
             tf = float(r[f"tflops_{routing}"])
             out.append(MoERow(name=f"qwen3-long-{seq // 1024}k-{routing}", dispatcher="deepep",
-                              gpus=gpus, tp=tp, ep=8, pp=8, vpp=4, dp=gpus // (tp * cp * 8),
+                              gpus=gpus, tp=tp, ep=8, pp=pp, vpp=4, dp=gpus // (tp * cp * pp),
                               recompute="selective", a2a_1f1b_overlap=False,
                               step_s=flops / (gpus * tf * 1e12), tflops_per_gpu=tf, role=role,
                               seq_len=seq, cp=cp, global_batch=gbs, moe_imbalance=imb))

@@ -70,12 +70,12 @@ class DeviceProfile:
     a dispatcher calls them), ``dedup_a2a_efficiency`` the same for a dispatcher that sends a
     token once per node (DeepEP's kernels), ``dedup_a2a_sm_share`` the share of the SMs those
     kernels hold while they run under compute, and ``grouped_gemm_efficiency`` the expert
-    grouped GEMMs' throughput relative to a dense GEMM of the same shape. ``host_link`` (None: unknown, no offloading) is
-    the GPU's link to host memory, per direction (PCIe or NVLink-C2C), which activation
-    offloading copies over; ``host_bytes_per_gpu`` (None: unknown) a GPU's share of its node's
-    host memory. ``attention`` (None: the GEMM curve) is a flash-attention kernel's efficiency
-    by sequence length, ``e_max * s / (s + d_half)``, on the FLOPs it executes (the forward's;
-    ``attention_bwd`` times that for its backward).
+    grouped GEMMs' throughput relative to a dense GEMM of the same shape. ``host_link`` (None:
+    unknown, no offloading) is the GPU's link to host memory, per direction (PCIe or
+    NVLink-C2C), which activation offloading copies over; ``host_bytes_per_gpu`` (None:
+    unknown) a GPU's share of its node's host memory. ``attention`` (None: the GEMM curve) is
+    a flash-attention kernel's efficiency by sequence length, ``e_max * s / (s + d_half)``, on
+    the FLOPs it executes (the forward's; ``attention_bwd`` times that for its backward).
     ``zero3_layer_s``: what ZeRO-3 (FSDP) adds per layer and forward of a micro-batch beyond
     its transfers (each layer's gather and reduce-scatter synchronise with the compute; twice
     that in the backward). ``sources`` maps a field name to where its number comes from."""

@@ -84,8 +84,20 @@ def _gemm(fit: dict[str, float]) -> GemmCurve:
     return GemmCurve(e_max=fit["gemm_e_max"], d_half=fit["gemm_d_half"])
 
 
+def _moe_terms(*, sms: int, gpu: str, assumed: str = "") -> tuple[dict, dict[str, str]]:
+    """The MoE exchange and expert-GEMM fields of a profile, and their sources: fitted on H100
+    runs (``assumed`` says where they are carried over), DeepEP's from its kernels and SMs."""
+    return ({"a2a_efficiency": MOE_FITTED["a2a_efficiency"],
+             "grouped_gemm_efficiency": MOE_FITTED["grouped_gemm_efficiency"],
+             "dedup_a2a_efficiency": DEEPEP_EFFICIENCY, "dedup_a2a_sm_share": DEEPEP_SMS / sms},
+            {"a2a_efficiency": _A2A_SRC + assumed, "grouped_gemm_efficiency": _A2A_SRC + assumed,
+             "dedup_a2a_efficiency": _DEEPEP_SRC + assumed,
+             "dedup_a2a_sm_share": f"{_DEEPEP_SM_SRC} ({sms} on {gpu})"})
+
+
 def _a100(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: str,
           fit: dict[str, float], host_node: float, host_src: str) -> DeviceProfile:
+    moe, moe_src = _moe_terms(sms=108, gpu="A100", assumed="; assumed on A100")
     return DeviceProfile(
         name=name, peak_flops=312e12, hbm_bytes=hbm_bytes, hbm_bandwidth=hbm_bw,
         mem_efficiency=0.88, gemm=_gemm(fit),
@@ -93,9 +105,7 @@ def _a100(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: str,
                        efficiency=fit["nvlink_efficiency"]),
         inter=LinkSpec(bandwidth=25e9, latency_s=NCCL_LATENCY["net_step"],
                        efficiency=fit["ib_efficiency"]),
-        base_latency_s=NCCL_LATENCY["base"], a2a_efficiency=MOE_FITTED["a2a_efficiency"],
-        dedup_a2a_efficiency=DEEPEP_EFFICIENCY, dedup_a2a_sm_share=DEEPEP_SMS / 108,
-        grouped_gemm_efficiency=MOE_FITTED["grouped_gemm_efficiency"],
+        base_latency_s=NCCL_LATENCY["base"], **moe,
         host_link=LinkSpec(bandwidth=PCIE_GEN4_X16, latency_s=0.0, efficiency=PCIE_EFFICIENCY),
         host_bytes_per_gpu=host_node / 8,
         sources={
@@ -104,10 +114,7 @@ def _a100(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: str,
                                    "31.5 GB/s after 128b/130b encoding)",
             "host_link.efficiency": _PCIE_EFF_SRC,
             "host_bytes_per_gpu": host_src,
-            "a2a_efficiency": _A2A_SRC + "; assumed on A100",
-            "dedup_a2a_efficiency": _DEEPEP_SRC + "; assumed on A100",
-            "dedup_a2a_sm_share": _DEEPEP_SM_SRC + " (108 on A100)",
-            "grouped_gemm_efficiency": _A2A_SRC + "; assumed on A100",
+            **moe_src,
             "peak_flops": "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16/FP16 Tensor Core",
             "hbm_bytes": hbm_src,
             "hbm_bandwidth": bw_src,
@@ -127,6 +134,7 @@ def _hopper(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: st
             product: str, fit: dict[str, float], host_src: str,
             hopper: dict[str, float] | None) -> DeviceProfile:
     terms = _hopper_terms(fit, hopper)
+    moe, moe_src = _moe_terms(sms=132, gpu=product)
     return DeviceProfile(
         name=name, peak_flops=989e12, hbm_bytes=hbm_bytes, hbm_bandwidth=hbm_bw,
         mem_efficiency=0.88, gemm=terms["gemm"], attention=terms["attention"],
@@ -135,9 +143,7 @@ def _hopper(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: st
                        efficiency=terms["nvlink_efficiency"]),
         inter=LinkSpec(bandwidth=50e9, latency_s=NCCL_LATENCY["net_step"],
                        efficiency=terms["ib_efficiency"]),
-        base_latency_s=NCCL_LATENCY["base"], a2a_efficiency=MOE_FITTED["a2a_efficiency"],
-        dedup_a2a_efficiency=DEEPEP_EFFICIENCY, dedup_a2a_sm_share=DEEPEP_SMS / 132,
-        grouped_gemm_efficiency=MOE_FITTED["grouped_gemm_efficiency"],
+        base_latency_s=NCCL_LATENCY["base"], **moe,
         host_link=LinkSpec(bandwidth=PCIE_GEN5_X16, latency_s=0.0, efficiency=PCIE_EFFICIENCY),
         host_bytes_per_gpu=2e12 / 8, zero3_layer_s=terms["zero3_layer_s"],
         sources={
@@ -146,9 +152,7 @@ def _hopper(name: str, hbm_bytes: float, hbm_bw: float, hbm_src: str, bw_src: st
                                    "63.0 GB/s after 128b/130b encoding)",
             "host_link.efficiency": _PCIE_EFF_SRC,
             "host_bytes_per_gpu": host_src,
-            "a2a_efficiency": _A2A_SRC, "grouped_gemm_efficiency": _A2A_SRC,
-            "dedup_a2a_efficiency": _DEEPEP_SRC,
-            "dedup_a2a_sm_share": _DEEPEP_SM_SRC + f" (132 on {product})",
+            **moe_src,
             "peak_flops": f"NVIDIA {product} datasheet: 1,979 TFLOP/s BF16 Tensor Core with "
                           "sparsity, i.e. 989 TFLOP/s dense",
             "hbm_bytes": hbm_src,
@@ -169,7 +173,8 @@ def _hopper_terms(fit: dict[str, float], hopper: dict[str, float] | None) -> dic
     Hopper fit (``HOPPER_FITTED``, or ``hopper``) where there is one, else the A100 fit."""
     hopper = HOPPER_FITTED if hopper is None else hopper
     if not hopper:
-        return {"gemm": _gemm(fit), "attention": None, "attention_bwd": 1.0, "zero3_layer_s": 0.0,
+        return {"gemm": _gemm(fit), "attention": None, "attention_bwd": 1.0,
+                "zero3_layer_s": 0.0,
                 "nvlink_efficiency": fit["nvlink_efficiency"],
                 "ib_efficiency": fit["ib_efficiency"],
                 "sources": {"gemm": _FIT_SRC + " on A100; not validated on Hopper",
